@@ -1,0 +1,1 @@
+"""raysparse.kernels"""

@@ -1,0 +1,110 @@
+"""The attention seam: the one interface the model calls for prefill and for decode.
+
+The model projects Q/K/V, applies RoPE, writes the new K/V into the cache and then hands the layer
+index, the new queries and the batch metadata to an ``AttentionBackend``. Everything a sparse method
+needs (the cached K/V, its per-layer metadata, the sequences' lengths) is reachable from there, so
+methods plug in without touching the model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from raysparse.kv_cache import BatchMeta, KVCache
+
+
+@dataclass
+class DensityMeter:
+    """Counts attended and causal (query, key) pairs per layer, so every method reports real density."""
+
+    num_layers: int
+    attended: list[float] = field(default_factory=list)
+    causal: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.attended = [0.0] * self.num_layers
+        self.causal = [0.0] * self.num_layers
+
+    def add(self, layer: int, attended: float, causal: float) -> None:
+        self.attended[layer] += attended
+        self.causal[layer] += causal
+
+    def per_layer(self) -> list[float]:
+        return [a / c if c else 1.0 for a, c in zip(self.attended, self.causal, strict=True)]
+
+    def overall(self) -> float:
+        c = sum(self.causal)
+        return sum(self.attended) / c if c else 1.0
+
+
+def causal_pairs(q_len: int, ctx_len: int) -> int:
+    """Number of causal (query, key) pairs for q_len new queries ending at ctx_len."""
+    start = ctx_len - q_len
+    return q_len * start + q_len * (q_len + 1) // 2
+
+
+class AttentionBackend(ABC):
+    """One layer's attention for a packed batch. Outputs are [T, num_heads, head_dim]."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_layers: int) -> None:
+        self.meter = DensityMeter(num_layers)
+
+    @abstractmethod
+    def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        """q: [T, num_heads, head_dim] for the new tokens; their K/V are already in ``cache``."""
+
+    @abstractmethod
+    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        """q: [num_seqs, num_heads, head_dim], one new token per sequence."""
+
+    def release(self, seq_id: int) -> None:
+        """Drops any per-sequence state the backend keeps outside the cache."""
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of q [n_q, h, d] over k, v [h_kv, n_k, d]; queries are the last n_q positions.
+
+    GQA is native: SDPA's ``enable_gqa`` broadcasts KV heads instead of materialising repeats.
+    """
+    n_q, n_k = q.shape[0], k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, n_q, d]
+    kh, vh = k.unsqueeze(0), v.unsqueeze(0)
+    if n_q == 1:
+        mask, causal = None, False
+    elif n_q == n_k:
+        mask, causal = None, True
+    else:
+        rows = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+        mask, causal = rows >= torch.arange(n_k, device=q.device)[None, :], False
+    out = F.scaled_dot_product_attention(
+        qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+class DenseAttention(AttentionBackend):
+    """Exact causal attention (SDPA) over each sequence's cached K/V."""
+
+    name = "dense"
+
+    def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for i in range(batch.num_seqs):
+            k, v = cache.gather(layer, batch, i)
+            lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
+            out[lo:hi] = dense_attention(q[lo:hi], k, v)
+            pairs = causal_pairs(batch.q_lens[i], batch.ctx_lens[i])
+            self.meter.add(layer, pairs, pairs)
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        return self.prefill(layer, q, cache, batch)

