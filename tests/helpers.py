@@ -1,0 +1,63 @@
+"""Small helpers shared by tests: run our model the way the generator does, without sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from raysparse.attention import DenseAttention
+from raysparse.kv_cache import KVCache
+from raysparse.model import LlamaForCausalLM
+
+
+def fresh_cache(model: LlamaForCausalLM, tokens: int = 2048, page_size: int = 16) -> KVCache:
+    pages = -(-tokens // page_size)
+    return KVCache(model.cfg, num_pages=pages, page_size=page_size, dtype=model.lm_head.weight.dtype,
+                   num_kv_heads=model.num_kv_heads)
+
+
+def full_logits(model: LlamaForCausalLM, ids: list[int], backend=None) -> torch.Tensor:
+    """Logits of every position of one sequence from one prefill."""
+    cache = fresh_cache(model, len(ids) + 8)
+    cache.allocate(0, len(ids))
+    batch = cache.prepare([0], [len(ids)], True)
+    backend = backend or DenseAttention(model.cfg.num_layers)
+    return model(torch.tensor(ids), batch, cache, backend, all_logits=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list[int]], out_path: str) -> None:
+    """One gloo rank: shard the model, run a packed ragged prefill, rank 0 saves every token's logits."""
+    import torch.distributed as dist
+
+    from raysparse.loader import model_from_state
+    from raysparse.tensor_parallel import apply_tensor_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = apply_tensor_parallel(model_from_state(hf_config, state), rank, world)
+        cache = fresh_cache(model, 2048)
+        for i, seq in enumerate(ids):
+            cache.allocate(i, len(seq))
+        batch = cache.prepare(list(range(len(ids))), [len(s) for s in ids], True)
+        flat = torch.tensor([t for s in ids for t in s])
+        logits = model(flat, batch, cache, DenseAttention(model.cfg.num_layers), all_logits=True)
+        if rank == 0:
+            torch.save({"logits": logits, "kv_heads": model.num_kv_heads}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp(world: int, hf_config, state, ids: list[list[int]], tmp_path) -> dict:
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / f"tp{world}.pt")
+    mp.spawn(tp_worker, args=(world, free_port(), hf_config, state, ids, out), nprocs=world, join=True)
+    return torch.load(out)
