@@ -66,7 +66,7 @@ class AttentionBackend(ABC):
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         """q: [num_seqs, num_heads, head_dim], one new token per sequence."""
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int) -> None:  # noqa: B027 - an optional hook, not abstract
         """Drops any per-sequence state the backend keeps outside the cache."""
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,52 @@ def resolve_source(path: str | os.PathLike[str] | None) -> ModelSource:
         f"{str(p)!r} holds neither config.json nor exactly one .gguf file ({len(ggufs)} found)")
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("RAYSPARSE_CACHE", Path.home() / ".cache" / "raysparse"))
+
+
+def materialize(src: ModelSource) -> ModelSource:
+    """A GGUF source converted once into a plain HF directory (fp32 safetensors, config, tokenizer).
+
+    Parsing and dequantizing GGUF through transformers costs ~30 s on a small CPU every time; the
+    converted copy loads in about a second. The copy is keyed by the file's name, size and mtime and
+    is written to a temporary directory first, so a crash never leaves a half-written model behind.
+    """
+    if src.gguf_file is None:
+        return src
+    f = src.directory / src.gguf_file
+    st = f.stat()
+    target = cache_root() / "models" / f"{f.stem}-{st.st_size}-{int(st.st_mtime)}"
+    if (target / "config.json").is_file():
+        return ModelSource(target, None)
+    from transformers import AutoModelForCausalLM
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, local_files_only=True,
+                                                     **src.hf_kwargs())
+        # save_pretrained refuses models loaded from GGUF, so write the dequantized tensors ourselves.
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in model.state_dict().items()
+                 if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):  # the tensors are plain fp32 now
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        load_tokenizer(src).save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ModelSource(target, None)
+
+
 def load_hf_config(src: ModelSource) -> Any:
     from transformers import AutoConfig
 
@@ -112,7 +160,8 @@ def model_from_state(hf_config: Any, state: dict[str, torch.Tensor], dtype: torc
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (model.cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the Llama layout: missing={missing[:5]} unexpected={unexpected[:5]}")
+        raise ValueError(
+            f"checkpoint does not match the Llama layout: missing={missing[:5]} unexpected={unexpected[:5]}")
     if model.cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary buffer was built on the meta device with the parameters; rebuild it for real.

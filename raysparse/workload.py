@@ -33,7 +33,7 @@ SYSTEM = "You are a helpful assistant. Answer questions about the text with the 
 
 
 def default_text_dir() -> Path | None:
-    """``../shared/data/text/`` beside the working directory or the repository root, if it holds .txt files."""
+    """``../shared/data/text/`` beside the working directory or the repository root, if it has .txt files."""
     repo_root = Path(__file__).resolve().parent.parent  # raysparse/ sits at the repository root
     for base in (Path.cwd(), repo_root):
         candidate = base / TEXT_DIR
@@ -60,9 +60,10 @@ def synthetic_haystack(num_sentences: int = 4000, seed: int = 0) -> str:
     verbs = ["walked slowly towards", "spoke warmly of", "had long admired", "quietly avoided",
              "wrote a letter about", "could not forget", "laughed at", "was surprised by", "often thought of",
              "returned from"]
-    objects = ["the little church by the river", "the ball at the assembly rooms", "the orchard behind the house",
+    objects = ["the little church by the river", "the ball at the assembly rooms", "the orchard",
                "a rainy afternoon in the village", "the new curtains in the parlour", "the market town",
-               "an unexpected visit from London", "the garden party", "the long winter evenings", "the library"]
+               "an unexpected visit from London", "the garden party", "the long winter evenings",
+               "the library"]
     tails = ["", " before dinner", " with some reluctance", " in great spirits", " for the third time",
              " without telling anyone", " as the bells rang", " while the others played cards"]
     paragraphs: list[str] = []
@@ -143,15 +144,23 @@ def _prompt(tokenizer: Any, haystack: str) -> list[int]:
 
 def _with_needle(units: list[tuple[str, bool]], counts: list[int], needle: str,
                  depth: float) -> tuple[str, float]:
-    """The haystack with the needle as its own paragraph at the sentence boundary nearest ``depth``."""
-    total, run, at = sum(counts), 0, len(units)
-    for i, n in enumerate(counts):
-        if run + n / 2 > depth * total:  # nearer to the boundary before this sentence than after it
-            at = i
-            break
-        run += n
+    """The haystack with the needle as its own paragraph near ``depth``; (text, the depth it landed at).
+
+    A paragraph break within 3% of the target is preferred to a sentence break, so the needle does not
+    split a speech from its "said Mrs. Bennet".
+    """
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + n)
+    total, target = offsets[-1], depth * offsets[-1]
+    breaks = range(len(units) + 1)  # a break before unit i; 0 and len(units) are the two ends
+    at = min(breaks, key=lambda i: abs(offsets[i] - target))
+    paragraph = [i for i in breaks if i in (0, len(units)) or units[i - 1][1]]
+    near = min(paragraph, key=lambda i: abs(offsets[i] - target))
+    if abs(offsets[near] - target) <= 0.03 * total:
+        at = near
     parts = (_join(units[:at]), needle, _join(units[at:]))
-    return "\n\n".join(p for p in parts if p), run / max(1, total)
+    return "\n\n".join(p for p in parts if p), offsets[at] / max(1, total)
 
 
 def build_retrieval_task(tokenizer: Any, text: str, source: str, context_tokens: int = 4096,
@@ -180,38 +189,43 @@ def build_retrieval_task(tokenizer: Any, text: str, source: str, context_tokens:
         raise ValueError(f"context_tokens={context_tokens} leaves no room for a haystack")
 
     # A window of sentences from a seeded offset (wrapping round a short text), starting after the next
-    # paragraph break so the haystack does not open mid-sentence or mid-scene. English prose runs about
-    # four characters a token, so six characters a token over-fills the window safely.
+    # paragraph break so the haystack does not open mid-scene. English prose runs about four characters a
+    # token, so six characters a token over-fills the window safely. ``lead`` sentences before the start
+    # can fill the gap left when the next sentence at the end is too long to fit.
     start = rng.randrange(len(units))
     for k in range(30):
         if units[(start + k) % len(units)][1]:
             start += k + 1
             break
-    window: list[tuple[str, bool]] = []
+    lead = 40
+    window = [units[(start - lead + i) % len(units)] for i in range(lead)]
     chars = 0
     while chars < 6 * budget:
-        window.append(units[(start + len(window)) % len(units)])
+        window.append(units[(start + len(window) - lead) % len(units)])
         chars += len(window[-1][0]) + 1
     # Per-sentence counts plus one for the joining space or break a little over-estimate the joined text,
-    # so filling by them undershoots; each round measures the real prompt and adds (or drops) sentences.
+    # so each round measures the real prompt and then adds (or drops) what the counts say fits.
     encoded = tokenizer([u[0] for u in window], add_special_tokens=False)["input_ids"]
     counts = [len(ids) + 1 for ids in encoded]
-    n, best = 0, None
-    for _ in range(20):  # converges in two or three rounds; the bound only guards against a loop
-        haystack, placed = _with_needle(window[:n], counts[:n], needle, depth)
+    lo = hi = lead
+    best: tuple[list[int], float] | None = None
+    for _ in range(20):  # converges in a few rounds; the bound only guards against a loop
+        haystack, placed = _with_needle(window[lo:hi], counts[lo:hi], needle, depth)
         ids = _prompt(tokenizer, haystack)
         slack = context_tokens - len(ids)
         if slack >= 0 and (best is None or len(ids) > len(best[0])):
             best = (ids, placed)
-        if slack < 0 and n > 1:  # over: drop whole sentences from the end until the excess is covered
-            while slack < 0 and n > 1:
-                n -= 1
-                slack += counts[n]
-        elif n < len(window) and counts[n] <= slack:  # under: add what surely fits
-            while n < len(window) and counts[n] <= slack:
-                slack -= counts[n]
-                n += 1
-        else:
+        if slack < 0:  # over: drop whole sentences from the end until the excess is covered
+            while slack < 0 and hi - lo > 1:
+                hi -= 1
+                slack += counts[hi]
+            continue
+        grew = False
+        while hi < len(window) and counts[hi] <= slack:
+            slack, hi, grew = slack - counts[hi], hi + 1, True
+        while lo > 0 and counts[lo - 1] <= slack:  # the end is blocked by a long sentence: extend the start
+            slack, lo, grew = slack - counts[lo - 1], lo - 1, True
+        if not grew:
             break
     if best is None:
         raise ValueError(f"could not fit a haystack into context_tokens={context_tokens}")

@@ -61,3 +61,27 @@ def run_tp(world: int, hf_config, state, ids: list[list[int]], tmp_path) -> dict
     out = str(tmp_path / f"tp{world}.pt")
     mp.spawn(tp_worker, args=(world, free_port(), hf_config, state, ids, out), nprocs=world, join=True)
     return torch.load(out)
+
+
+def tiny_hf_config(num_kv_heads: int = 3, group: int = 2, layers: int = 3, rope_parameters: dict | None = None):
+    from transformers import LlamaConfig
+
+    heads = num_kv_heads * group
+    return LlamaConfig(
+        vocab_size=97, hidden_size=heads * 16, intermediate_size=80, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=num_kv_heads, head_dim=16,
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+    )
+
+
+def random_state(hf_config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A transformers LlamaForCausalLM with seeded random weights: our oracle and our weights source."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial norms too, so their handling is tested
+            p.add_(torch.randn_like(p) * 0.02)
+    return model

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fresh_cache, full_logits
+from helpers import fresh_cache, full_logits, random_state, tiny_hf_config
 
 from raysparse.attention import DenseAttention
 from raysparse.generate import GenerationRequest, Generator
 from raysparse.loader import model_from_state
 from raysparse.sampling import SamplingParams
-
-from conftest import random_state, tiny_hf_config
 
 
 def test_smollm_logits_match_transformers_on_real_text(smollm, real_text):

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import full_logits, run_tp
+from helpers import full_logits, random_state, run_tp, tiny_hf_config
 
 from raysparse.loader import model_from_state
 from raysparse.tensor_parallel import apply_tensor_parallel, kv_head_range, shard_range
-
-from conftest import random_state, tiny_hf_config
 
 
 def test_head_ranges_cover_every_kv_head_once():

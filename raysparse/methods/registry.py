@@ -1,0 +1,51 @@
+"""The one registry of attention methods: every command's ``--method`` resolves here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from raysparse.attention import AttentionBackend, DenseAttention
+from raysparse.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    description: str
+    factory: Callable[..., AttentionBackend]  # (model config, **method params) -> backend
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"attention method {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def method_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_method(name: str) -> MethodSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown attention method {name!r}; choose one of: {', '.join(method_names())}") from None
+
+
+def create_backend(name: str, cfg: ModelConfig, **params: Any) -> AttentionBackend:
+    return get_method(name).factory(cfg, **params)
+
+
+def _dense(cfg: ModelConfig, **params: Any) -> AttentionBackend:
+    if params:
+        raise ValueError(f"method 'dense' takes no parameters, got {sorted(params)}")
+    return DenseAttention(cfg.num_layers)
+
+
+register(MethodSpec("dense", "exact causal attention (SDPA)", _dense))

@@ -1,0 +1,66 @@
+"""The command line: bad input gives one clear line and a non-zero exit; the main job answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "COLUMNS": "200"}
+
+
+def raysparse(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "raysparse.cli", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0] and "error" in lines[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["run", "--text", "/nonexistent/haystack.txt"], "no such file"),
+    (["--model", "/nonexistent/model.gguf"], "no such file"),
+    (["run", "--method", "nosuchmethod"], "unknown attention method 'nosuchmethod'"),
+    (["run", "--context-tokens", "abc"], "positive integer"),
+    (["run", "--context-tokens", "-5"], "positive integer"),
+    (["run", "--depth", "1.5"], "[0, 1]"),
+    (["run", "--no-such-flag"], "unrecognized arguments"),
+])
+def test_bad_input_exits_with_one_clear_line(args, needle):
+    assert_one_line_error(raysparse(*args, timeout=60), needle)
+
+
+def test_help_lists_the_flags():
+    out = raysparse("run", "--help", timeout=60)
+    assert out.returncode == 0
+    for flag in ("--method", "--text", "--context-tokens", "--model"):
+        assert flag in out.stdout
+
+
+def test_empty_text_file_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert_one_line_error(raysparse("run", "--text", str(empty), "--context-tokens", "512"), "empty")
+
+
+def test_context_longer_than_the_model_is_a_clear_error():
+    assert_one_line_error(raysparse("run", "--context-tokens", "9000"), "exceeds the model's 8192 positions")
+
+
+def test_main_job_answers_the_default_retrieval_question():
+    proc = raysparse("run", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["correct"], result
+    assert 3800 <= result["prompt_tokens"] <= 4400
+    assert result["method"] == "dense" and result["density"] == 1.0
+    assert result["ttft_s"] > 0 and result["decode_tokens_per_s"] > 0
