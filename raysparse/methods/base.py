@@ -1,0 +1,155 @@
+"""The method interface: a frozen config plus a backend that selects, then attends over the selection.
+
+A method subclasses ``SparseMethod`` and implements ``select_prefill`` and/or ``select_decode`` for one
+sequence of one layer; this class runs the dense layers, gathers each sequence's K/V from the cache,
+attends over the selection with the reference path (the Triton kernels replace it on GPUs), and meters
+the density really used. Per-sequence, per-layer state lives in ``SeqContext.state``, which is the KV
+cache's metadata slot for that layer and sequence, so it is freed with the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raysparse.attention import AttentionBackend, causal_pairs, dense_attention
+from raysparse.config import ModelConfig
+from raysparse.kv_cache import BatchMeta, KVCache
+from raysparse.methods.registry import MethodSpec
+from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs
+from raysparse.methods.sparse_attention import block_sparse_attention, sparse_decode_attention
+
+
+# Parameters every command may pass; a method without them ignores them (dense has no density).
+SHARED_PARAMS = frozenset({"density", "dense_layers"})
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Fields every method shares. ``density`` is the budget as a fraction of causal pairs."""
+
+    density: float = 0.2
+    dense_layers: tuple[int, ...] = (0, 1)
+    block_size: int = 64
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if any(layer < 0 for layer in self.dense_layers):
+            raise ValueError(f"dense_layers must be non-negative layer indices, got {self.dense_layers}")
+
+
+@dataclass
+class SeqContext:
+    """What a method sees of one sequence at one layer."""
+
+    layer: int
+    seq_id: int
+    q_start: int  # absolute position of the first new query
+    n: int  # keys in the cache, new ones included
+    state: dict[str, Any]  # this layer's metadata slot for the sequence (kept across steps)
+    seq_state: dict[str, Any] = field(default_factory=dict)  # shared by all layers of the sequence
+
+
+class SparseMethod(AttentionBackend):
+    name = "sparse"
+    config_cls: type[MethodConfig] = MethodConfig
+
+    def __init__(self, model_cfg: ModelConfig, config: MethodConfig | None = None) -> None:
+        super().__init__(model_cfg.num_layers)
+        self.model_cfg = model_cfg
+        self.config = config if config is not None else self.config_cls()
+        self._seq_state: dict[int, dict[str, Any]] = {}
+        # Set by the fidelity harness: called as tracer(ctx, q, k, v, selection, out) after each sparse
+        # attention, so metrics see exactly what the method attended.
+        self.tracer: Callable[..., None] | None = None
+
+    # ---- to implement ------------------------------------------------------------------------
+    def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
+        raise NotImplementedError(f"{self.name} has no prefill selection")
+
+    def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
+        raise NotImplementedError(f"{self.name} has no decode selection")
+
+    # ---- overridable per-sequence attention ----------------------------------------------------
+    def is_dense_layer(self, layer: int) -> bool:
+        return layer in self.config.dense_layers
+
+    def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Returns the output [n_q, h, d] and the attended causal pairs summed over KV heads."""
+        sel = self.select_prefill(ctx, q, k, v)
+        out, _ = block_sparse_attention(q, k, v, sel)
+        if self.tracer is not None:
+            self.tracer(ctx, q, k, v, sel, out)
+        return out, float(block_pairs(sel.indices, sel.block_size, ctx.q_start, ctx.n).sum())
+
+    def decode_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """q: [h, d]. Returns the output [h, d] and the attended keys summed over KV heads."""
+        sel = self.select_decode(ctx, q, k, v)
+        out, _ = sparse_decode_attention(q, k, v, sel)
+        if self.tracer is not None:
+            self.tracer(ctx, q, k, v, sel, out)
+        return out, float(sel.to_tokens(ctx.n).counts.sum())
+
+    def dense_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Hook for dense layers (Sketch&Walk records sketches there); plain SDPA by default."""
+        return dense_attention(q, k, v)
+
+    # ---- the AttentionBackend seam -------------------------------------------------------------
+    def _run(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, decode: bool) -> torch.Tensor:
+        out = torch.empty_like(q)
+        h_kv = cache.num_kv_heads
+        for i, sid in enumerate(batch.seq_ids):
+            lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
+            n = batch.ctx_lens[i]
+            k, v = cache.gather(layer, batch, i)
+            ctx = SeqContext(layer, sid, n - (hi - lo), n, cache.metadata[layer].setdefault(sid, {}),
+                             self._seq_state.setdefault(sid, {}))
+            causal = causal_pairs(hi - lo, n) * h_kv
+            if self.is_dense_layer(layer):
+                out[lo:hi] = self.dense_seq(ctx, q[lo:hi], k, v)
+                attended = float(causal)
+            elif decode:
+                o, attended = self.decode_seq(ctx, q[lo], k, v)
+                out[lo] = o
+            else:
+                out[lo:hi], attended = self.prefill_seq(ctx, q[lo:hi], k, v)
+            self.meter.add(layer, attended, causal)
+        return out
+
+    def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        return self._run(layer, q, cache, batch, decode=False)
+
+    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        return self._run(layer, q, cache, batch, decode=True)
+
+    def release(self, seq_id: int) -> None:
+        self._seq_state.pop(seq_id, None)
+
+
+def row_budget(density: float, causal_units: torch.Tensor) -> torch.Tensor:
+    """Units (blocks or tokens) each query row may attend for a density budget: round(density * causal
+    units of that row), at least 1. Rows keep the same fraction, so the overall density is the budget."""
+    return (density * causal_units.float()).round().clamp(min=1).long()
+
+
+def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
+    """A registry entry for ``cls``. Shared flags such as ``--density`` reach only methods whose config
+    has that field; any other unknown parameter is an error."""
+    fields = {f for f in cls.config_cls.__dataclass_fields__}
+
+    def factory(model_cfg: ModelConfig, **params: Any) -> AttentionBackend:
+        shared = {k: v for k, v in params.items() if k in SHARED_PARAMS and k not in fields}
+        unknown = set(params) - fields - set(shared)
+        if unknown:
+            raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
+        return cls(model_cfg, cls.config_cls(**{k: v for k, v in params.items() if k in fields}))
+
+    return MethodSpec(cls.name, description, factory)
