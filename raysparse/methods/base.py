@@ -22,7 +22,6 @@ from raysparse.methods.registry import MethodSpec
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs
 from raysparse.methods.sparse_attention import block_sparse_attention, sparse_decode_attention
 
-
 # Parameters every command may pass; a method without them ignores them (dense has no density).
 SHARED_PARAMS = frozenset({"density", "dense_layers"})
 
