@@ -104,8 +104,8 @@ def _run(args: argparse.Namespace) -> int:
     console = Console(stderr=False)
     method_params = (("density", args.density),) if args.density is not None else ()
     opts = RunOptions(model=args.model, method=args.method, method_params=method_params, text=args.text,
-                      context_tokens=args.context_tokens, depth=args.depth, seed=args.seed, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
-                      address=args.address)
+                      context_tokens=args.context_tokens, depth=args.depth, seed=args.seed,
+                      max_new_tokens=args.max_new_tokens, dtype=args.dtype, address=args.address)
     try:
         result = run_retrieval(opts, console)
     except (JobError, ValueError, FileNotFoundError, ConnectionError) as e:
