@@ -1,0 +1,59 @@
+"""Paged KV cache: capacity accounting, reservation at admission, writes and gathers against a dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_hf_config
+
+from raysparse.config import ModelConfig
+from raysparse.kv_cache import CapacityError, KVCache
+
+
+def _cfg() -> ModelConfig:
+    return ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=2))
+
+
+def test_bytes_per_token_known_before_admission():
+    cfg = _cfg()
+    assert KVCache.bytes_per_token(cfg, torch.float32) == 2 * 2 * 2 * 16 * 4
+    assert KVCache.bytes_per_token(cfg, torch.bfloat16, metadata_bytes_per_token=10) == 2 * 2 * 2 * 16 * 2 + 10
+    assert KVCache.bytes_per_token(cfg, torch.float32, num_kv_heads=1) == 2 * 2 * 1 * 16 * 4
+    pages = KVCache.pages_for_bytes(cfg, 1 << 20, 16, torch.float32)
+    assert pages == (1 << 20) // (512 * 16)
+
+
+def test_admission_refuses_what_cannot_fit_and_frees_pages():
+    cache = KVCache(_cfg(), num_pages=4, page_size=16)
+    cache.allocate(1, 40)  # 3 pages
+    assert not cache.can_admit(17) and cache.can_admit(16)
+    with pytest.raises(CapacityError, match="only 1 of 4 pages"):
+        cache.allocate(2, 20)
+    cache.prepare([1], [40], True)
+    with pytest.raises(CapacityError, match="reservation"):
+        cache.prepare([1], [1], False)
+    cache.free(1)
+    assert cache.free_pages == 4 and cache.usage() == 0.0
+
+
+def test_ragged_writes_and_gathers_match_a_reference_store():
+    cfg = _cfg()
+    cache = KVCache(cfg, num_pages=32, page_size=8)
+    ref: dict[int, list[torch.Tensor]] = {}
+    lens = {0: 13, 1: 1, 2: 30}
+    for sid, n in lens.items():
+        cache.allocate(sid, n + 5)
+    for step_lens, prefill in ((lens, True), ({0: 1, 1: 1, 2: 1}, False), ({0: 1, 2: 1}, False)):
+        batch = cache.prepare(list(step_lens), list(step_lens.values()), prefill)
+        t = sum(step_lens.values())
+        k, v = torch.randn(t, 2, 16), torch.randn(t, 2, 16)
+        cache.write(1, k, v, batch)
+        for i, sid in enumerate(batch.seq_ids):
+            ref.setdefault(sid, []).append(k[batch.cu_q[i]:batch.cu_q[i + 1]])
+        for i, sid in enumerate(batch.seq_ids):
+            kk, _ = cache.gather(1, batch, i)
+            assert torch.equal(kk.transpose(0, 1), torch.cat(ref[sid]))
+    cache.metadata[1][2] = {"sketch": torch.ones(3)}
+    cache.free(2)
+    assert 2 not in cache.metadata[1]
+

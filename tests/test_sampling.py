@@ -1,0 +1,83 @@
+"""Sampling parameters, the top-p filter against brute force, seeded reproducibility, stop tokens."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import fresh_cache, random_state, tiny_hf_config
+
+from raysparse.attention import DenseAttention
+from raysparse.generate import FinishEvent, GenerationRequest, Generator, TokenEvent
+from raysparse.loader import model_from_state
+from raysparse.sampling import Sampler, SamplingParams, top_p_filter
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_new_tokens": 0}, {"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0},
+    {"top_p": 1.5}, {"seed": -3}, {"stop_token_ids": (-1,)},
+])
+def test_bad_sampling_params_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_top_p_keeps_the_minimal_most_likely_set():
+    for _ in range(50):
+        probs = torch.softmax(torch.randn(7) * 2, -1)
+        p = float(torch.rand(()) * 0.98 + 0.01)
+        kept = top_p_filter(probs, p) > 0
+        # Brute force: the smallest subset by size whose mass reaches p, made of the most likely tokens.
+        order = probs.argsort(descending=True).tolist()
+        size = next(s for s in range(1, 8) if probs[order[:s]].sum() >= p - 1e-7)
+        assert kept.sum().item() == size
+        assert set(torch.nonzero(kept).flatten().tolist()) == set(order[:size])
+        best = min(sum(probs[list(c)]) for c in itertools.combinations(range(7), size)
+                   if sum(probs[list(c)]) >= p - 1e-7)
+        assert best >= p - 1e-6
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent():
+    logits = torch.randn(1, 50)
+    draws = {}
+    for seed in (1, 1, 2):
+        s = Sampler()
+        s.add(0, SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
+        draws.setdefault(seed, []).append([s.sample(logits, [0], [SamplingParams(temperature=1.0, top_p=0.9,
+                                                                                 seed=seed)])[0]
+                                           for _ in range(20)])
+    assert draws[1][0] == draws[1][1]
+    assert draws[1][0] != draws[2][0]
+
+
+def test_stop_tokens_end_the_request_and_stream_every_token():
+    cfg = tiny_hf_config()
+    model = model_from_state(cfg, random_state(cfg).state_dict())
+    prompt = tuple(torch.randint(0, cfg.vocab_size, (20,)).tolist())
+    gen = Generator(model, fresh_cache(model, 256), DenseAttention(model.cfg.num_layers))
+    free = list(gen.generate([GenerationRequest(prompt, SamplingParams(10, ignore_eos=True), "x")]))
+    tokens = [e.token_id for e in free if isinstance(e, TokenEvent)]
+    assert tokens == list(free[-1].token_ids) and len(tokens) == 10 and free[-1].finish_reason == "length"
+    stop = tokens[4]
+    first = tokens.index(stop)
+    stopped = list(gen.generate([GenerationRequest(prompt, SamplingParams(10, stop_token_ids=(stop,)), "y")]))
+    fin = stopped[-1]
+    assert isinstance(fin, FinishEvent) and fin.finish_reason == "stop"
+    assert list(fin.token_ids) == tokens[:first]
+    assert gen.cache.free_pages == gen.cache.num_pages
+
+
+def test_seeded_requests_sample_the_same_alone_and_batched():
+    cfg = tiny_hf_config()
+    model = model_from_state(cfg, random_state(cfg).state_dict())
+    reqs = [GenerationRequest(tuple(torch.randint(0, cfg.vocab_size, (n,)).tolist()),
+                              SamplingParams(8, temperature=0.8, top_p=0.9, seed=n, ignore_eos=True), str(n))
+            for n in (9, 33)]
+
+    def run(rs):
+        gen = Generator(model, fresh_cache(model, 512), DenseAttention(model.cfg.num_layers))
+        return {e.request_id: e.token_ids for e in gen.generate(rs) if isinstance(e, FinishEvent)}
+
+    both = run(reqs)
+    assert both == {**run(reqs[:1]), **run(reqs[1:])}
