@@ -28,7 +28,10 @@ def register(spec: MethodSpec) -> MethodSpec:
 
 
 # Modules that register built-in methods when imported; loaded on first lookup to avoid import cycles.
-BUILTIN_MODULES: list[str] = []
+BUILTIN_MODULES: list[str] = [
+    "raysparse.methods.baselines",
+    "raysparse.methods.delta",
+]
 
 
 def _load_builtins() -> None:

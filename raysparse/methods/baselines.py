@@ -1,0 +1,243 @@
+"""The comparison baselines of SPEC's "Baselines that must exist": streaming, Quest and oracle top-k.
+
+Shared conventions. Prefill selects key blocks of ``block_size`` per query block and KV head; decode
+selects tokens (streaming, oracle) or pages (Quest). Query heads of a GQA group share their KV head's
+selection. Budgets come from ``row_budget(density, causal units of the row)`` (blocks in prefill,
+tokens or pages in decode); forced units (sinks, diagonal, current page) count inside the budget and are
+kept even where they alone exceed it.
+
+``streaming`` (StreamingLLM): the first ``sink_tokens`` keys plus a sliding window. Prefill keeps the
+sink blocks (ceil(sink_tokens / B)) and the last local blocks up to the diagonal; decode keeps the sink
+tokens and the last ``window`` tokens (the new one included). With ``density`` unset the window is
+``window`` tokens (ceil(window / B) blocks in prefill): SPEC's Delta base, sinks 64 + window 2048. With
+``density`` set (``--density``) it replaces ``window``: window = max(budget - causal sink units, 1).
+Sink default 64 tokens = one default block, so prefill and decode keep the same sinks.
+
+``quest`` (Quest, pages of ``page_size`` = 16): per page and KV head the element-wise min m and max M of
+its keys live in ``ctx.state`` (dtype of K; min/max are exact) and are extended as keys are appended
+(only the pages touched since the last call are recomputed). The bound sum_d max(q_d m_d, q_d M_d) =
+q+ . M + q- . m is computed per query head and reduced over the group by max. Decode keeps the first
+(sink) page and the current page plus the top pages, budget row_budget(density, pages). Prefill (the
+paper has none; our variant): per query block, the mean of its valid queries stands in for q, a key
+block's score is the max bound over its pages, and per row the top causal blocks are kept to
+row_budget(density, causal blocks) besides the forced sink block 0 and the diagonal. The mean query is
+a ranking heuristic, not a bound for every query of the block; ``block_size`` must be a multiple of
+``page_size``.
+
+``oracle`` (measurement only; quadratic): prefill scores block (i, j) by the exact attention mass, i.e.
+the SUM of the exact softmax probabilities over the query rows of block i, the g query heads of the
+group and the keys of block j, and keeps the top row_budget(density, i + 1) causal blocks per row (it
+maximises retained mass, so nothing is forced). Decode keeps the top row_budget(density, n) tokens by
+the probabilities summed over the group's query heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.methods.registry import register
+from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
+
+_CHUNK_ELEMS = 1 << 24  # scores materialised per chunk in the quadratic oracle / page bounds
+
+
+def scalar_budget(density: float, units: int) -> int:
+    """``row_budget`` for one row given as a Python int (a CPU scalar: no device sync)."""
+    return int(row_budget(density, torch.tensor(units)))
+
+
+def query_blocks(q: torch.Tensor, ctx: SeqContext, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries padded to whole blocks [nqb, B, h, d] (fp32), row validity [nqb, B] and absolute query
+    block ids [nqb] (query block r is block q_start // B + r of the sequence)."""
+    b, n_q = block_size, q.shape[0]
+    qb0, nqb = ctx.q_start // b, (ctx.n - 1) // b - ctx.q_start // b + 1
+    lead = ctx.q_start - qb0 * b
+    qf = F.pad(q.float(), (0, 0, 0, 0, lead, nqb * b - lead - n_q)).view(nqb, b, *q.shape[1:])
+    pos = qb0 * b + torch.arange(nqb * b, device=q.device).view(nqb, b)
+    return qf, (pos >= ctx.q_start) & (pos < ctx.n), torch.arange(qb0, qb0 + nqb, device=q.device)
+
+
+def per_head(indices: torch.Tensor, h_kv: int) -> torch.Tensor:
+    return indices.unsqueeze(0).expand(h_kv, *indices.shape).contiguous()
+
+
+# ---- streaming ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamingConfig(MethodConfig):
+    density: float | None = None  # None: fixed window; set: the window follows the budget
+    sink_tokens: int = 64
+    window: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.density is None:
+            replace(self, density=1.0)  # validates the shared fields
+        else:
+            super().__post_init__()
+        if self.sink_tokens < 0 or self.window < 1:
+            raise ValueError(f"need sink_tokens >= 0 and window >= 1, got {self.sink_tokens}, {self.window}")
+
+
+class Streaming(SparseMethod):
+    name = "streaming"
+    config_cls = StreamingConfig
+    config: StreamingConfig
+
+    def _local(self, units: torch.Tensor, sinks: int, unit: int) -> torch.Tensor:
+        """Local (window) units of rows with ``units`` causal units each."""
+        if self.config.density is None:
+            return torch.full_like(units, -(-self.config.window // unit))
+        return (row_budget(self.config.density, units) - units.clamp(max=sinks)).clamp(min=1)
+
+    def select_prefill(self, ctx, q, k, v) -> BlockSelection:
+        b = self.config.block_size
+        sinks = -(-self.config.sink_tokens // b)
+        _, _, qb = query_blocks(q, ctx, b)
+        local = self._local(qb + 1, sinks, b)
+        kb = torch.arange(-(-ctx.n // b), device=q.device)[None, :]
+        mask = (kb <= qb[:, None]) & ((kb < sinks) | (kb > qb[:, None] - local[:, None]))
+        return BlockSelection(per_head(indices_from_mask(mask), k.shape[0]), b)
+
+    def select_decode(self, ctx, q, k, v) -> TokenSelection:
+        n, sinks = ctx.n, min(self.config.sink_tokens, ctx.n)
+        local = int(self._local(torch.tensor([n]), sinks, 1)[0])
+        dev = k.device
+        idx = torch.cat([torch.arange(sinks, device=dev), torch.arange(max(sinks, n - local), n, device=dev)])
+        return TokenSelection(per_head(idx.to(torch.int32), k.shape[0]), 1)
+
+
+# ---- Quest -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuestConfig(MethodConfig):
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1) or self.block_size % self.page_size:
+            raise ValueError(f"page_size must be a power of two dividing block_size, got {self.page_size}")
+
+
+def page_bounds(k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise min and max of the keys [h_kv, n, d] of each page: two [h_kv, ceil(n / page), d]."""
+    h_kv, n, d = k.shape
+    pad = -(-n // page) * page - n
+    lo = F.pad(k, (0, 0, 0, pad), value=math.inf).view(h_kv, -1, page, d).amin(2)
+    hi = F.pad(k, (0, 0, 0, pad), value=-math.inf).view(h_kv, -1, page, d).amax(2)
+    return lo, hi
+
+
+def page_upper_bound(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """q [h_kv, g, m, d], bounds [h_kv, P, d] -> sum_d max(q_d lo_d, q_d hi_d), max over g: [h_kv, m, P]."""
+    ub = q.clamp(min=0) @ hi.float().unsqueeze(1).mT + q.clamp(max=0) @ lo.float().unsqueeze(1).mT
+    return ub.amax(1)
+
+
+class Quest(SparseMethod):
+    name = "quest"
+    config_cls = QuestConfig
+    config: QuestConfig
+
+    def bounds(self, ctx: SeqContext, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page bounds of the n keys, kept in ctx.state and extended with the pages touched since."""
+        p, st, n = self.config.page_size, ctx.state, ctx.n
+        done = st.get("quest_n", 0) if "quest_min" in st and st.get("quest_n", 0) <= n else 0
+        first, pages = done // p, -(-n // p)
+        lo, hi = page_bounds(k[:, first * p: n], p)
+        if first == 0:
+            st["quest_min"], st["quest_max"] = lo, hi
+        else:
+            cap = st["quest_min"].shape[1]
+            if cap < pages:  # grow by doubling: amortised O(1) per appended key
+                extra = max(cap, pages - cap)
+                for key in ("quest_min", "quest_max"):
+                    t = st[key]
+                    st[key] = torch.cat([t, t.new_empty(t.shape[0], extra, t.shape[2])], 1)
+            st["quest_min"][:, first:pages], st["quest_max"][:, first:pages] = lo, hi
+        st["quest_n"] = n
+        return st["quest_min"][:, :pages], st["quest_max"][:, :pages]
+
+    def select_decode(self, ctx, q, k, v) -> TokenSelection:
+        lo, hi = self.bounds(ctx, k)
+        h_kv, pages, d = lo.shape
+        score = page_upper_bound(q.float().view(h_kv, -1, 1, d), lo, hi)[:, 0]  # [h_kv, pages]
+        forced = torch.zeros(pages, dtype=torch.bool, device=q.device)
+        forced[0] = forced[-1] = True
+        n_forced = 1 if pages == 1 else 2
+        top = max(scalar_budget(self.config.density, pages) - n_forced, 0)
+        mask = topk_mask(score, top, torch.ones_like(score, dtype=torch.bool), forced.expand(h_kv, -1))
+        return TokenSelection(indices_from_mask(mask, top + n_forced), self.config.page_size)
+
+    def select_prefill(self, ctx, q, k, v) -> BlockSelection:
+        b, p = self.config.block_size, self.config.page_size
+        lo, hi = self.bounds(ctx, k)
+        h_kv, pages, d = lo.shape
+        qf, valid, qb = query_blocks(q, ctx, b)
+        qmean = (qf * valid[..., None, None]).sum(1) / valid.sum(1).clamp(min=1)[:, None, None]  # [nqb, h, d]
+        qmean = qmean.view(len(qb), h_kv, -1, d).permute(1, 2, 0, 3)  # [h_kv, g, nqb, d]
+        nkb = -(-ctx.n // b)
+        score = torch.empty(h_kv, len(qb), nkb, device=q.device)
+        step = max(1, _CHUNK_ELEMS // (q.shape[1] * pages))
+        for c0 in range(0, len(qb), step):
+            ub = page_upper_bound(qmean[:, :, c0: c0 + step], lo, hi)
+            ub = F.pad(ub, (0, nkb * (b // p) - pages), value=-math.inf)
+            score[:, c0: c0 + step] = ub.view(h_kv, ub.shape[1], nkb, b // p).amax(-1)
+        kb = torch.arange(nkb, device=q.device)[None, :]
+        causal, forced = kb <= qb[:, None], (kb == 0) | (kb == qb[:, None])
+        top = (row_budget(self.config.density, qb + 1) - torch.where(qb == 0, 1, 2)).clamp(min=0)
+        mask = topk_mask(score, top, causal.expand_as(score), forced.expand_as(score))
+        return BlockSelection(indices_from_mask(mask), b)
+
+
+# ---- oracle top-k ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OracleConfig(MethodConfig):
+    """Only the shared fields: density is the budget, block_size the prefill block."""
+
+
+class Oracle(SparseMethod):
+    name = "oracle"
+    config_cls = OracleConfig
+
+    def block_mass(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Exact attention mass of each (query block, key block), summed over the group: [h_kv, nqb, nkb]."""
+        b = self.config.block_size
+        h_kv, n, d = k.shape
+        qf, valid, qb = query_blocks(q, ctx, b)
+        qf = qf.view(len(qb), b, h_kv, -1, d)
+        kpos, nkb = torch.arange(n, device=q.device), -(-n // b)
+        qpos = qb[:, None] * b + torch.arange(b, device=q.device)
+        mass = torch.empty(h_kv, len(qb), nkb, device=q.device)
+        step = max(1, _CHUNK_ELEMS // (q.shape[1] * b * n))
+        for c0 in range(0, len(qb), step):
+            c1 = min(len(qb), c0 + step)
+            s = torch.einsum("cbhgd,hnd->hgcbn", qf[c0:c1], k.float()) / math.sqrt(d)
+            ok = (kpos <= qpos[c0:c1, :, None]) & valid[c0:c1, :, None]
+            prob = torch.softmax(s.masked_fill(~ok, -math.inf), -1).nan_to_num(0.0)
+            prob = F.pad(prob, (0, nkb * b - n)).view(h_kv, -1, c1 - c0, b, nkb, b)
+            mass[:, c0:c1] = prob.sum(dim=(1, 3, 5))
+        return mass
+
+    def select_prefill(self, ctx, q, k, v) -> BlockSelection:
+        b = self.config.block_size
+        mass = self.block_mass(ctx, q, k)
+        qb = ctx.q_start // b + torch.arange(mass.shape[1], device=q.device)
+        causal = torch.arange(mass.shape[2], device=q.device)[None, :] <= qb[:, None]
+        mask = topk_mask(mass, row_budget(self.config.density, qb + 1), causal.expand_as(mass))
+        return BlockSelection(indices_from_mask(mask), b)
+
+    def select_decode(self, ctx, q, k, v) -> TokenSelection:
+        h_kv, n, d = k.shape
+        s = torch.einsum("hgd,hnd->hgn", q.float().view(h_kv, -1, d), k.float()) / math.sqrt(d)
+        score = torch.softmax(s, -1).sum(1)  # [h_kv, n]
+        top = scalar_budget(self.config.density, n)
+        mask = topk_mask(score, top, torch.ones_like(score, dtype=torch.bool))
+        return TokenSelection(indices_from_mask(mask, top), 1)
+
+
+register(method_spec(Streaming, "StreamingLLM: sink tokens + sliding window (window = budget - sinks with --density)"))
+register(method_spec(Quest, "Quest: page (16) min/max upper bound, top pages + sink + current page"))
+register(method_spec(Oracle, "oracle top-k by exact attention mass (quadratic; for measurement)"))
