@@ -31,6 +31,7 @@ def register(spec: MethodSpec) -> MethodSpec:
 BUILTIN_MODULES: list[str] = [
     "raysparse.methods.baselines",
     "raysparse.methods.delta",
+    "raysparse.methods.socket",
 ]
 
 

@@ -1,0 +1,92 @@
+"""Sign-random-projection (SimHash) tables and the soft / hard collision scorers SOCKET builds on.
+
+Conventions shared by every function here (and relied on by SOCKET's stored bucket ids):
+- A table is P Gaussian hyperplanes W_l (P x d); a head holds L tables, stacked as ``[L, P, d]``.
+- The bucket id of x in table l packs the sign pattern of W_l x little-endian: bit p is 1 iff
+  (W_l x)_p > 0 (an exact 0 counts as negative), id = sum_p bit_p 2**p.
+- Corner r of the hypercube {-1, +1}^P is the sign pattern of bucket id r: c_r[p] = +1 iff bit p of r
+  is set. So the hard bucket of x is the corner maximising c . (W_l x), and p_l(r) is the probability of
+  the bucket whose keys carry id r.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MAX_PLANES = 15  # bucket ids of up to 15 bits fit int16; 2**P probabilities per table and head past that
+
+
+def bucket_dtype(planes: int) -> torch.dtype:
+    """Storage dtype of bucket ids: uint8 (one byte per table) up to 8 planes, int16 up to 15."""
+    if not 1 <= planes <= MAX_PLANES:
+        raise ValueError(f"planes per table must be in [1, {MAX_PLANES}], got {planes}")
+    return torch.uint8 if planes <= 8 else torch.int16
+
+
+def table_seed(seed: int, layer: int, kv_head: int) -> int:
+    """One fixed generator seed per (config seed, layer, global KV head) (a splitmix64-style mix)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (layer + 1) * 0xBF58476D1CE4E5B9 + (kv_head + 1) * 0x94D049BB133111EB)
+    x &= (1 << 64) - 1
+    x ^= x >> 31
+    return (x * 0xD6E8FEB86659FD93 % (1 << 64)) >> 1  # non-negative 63-bit
+
+
+def hyperplanes(seed: int, layer: int, kv_heads: range, tables: int, planes: int, dim: int) -> torch.Tensor:
+    """The L tables of i.i.d. N(0, 1) hyperplanes of each KV head: fp32 ``[h_kv, L, P, d]`` on the CPU.
+
+    Drawn from a private CPU generator per (layer, global head), so every device, shard and call sees the
+    same draw, and a head's tables do not depend on how many heads a shard holds."""
+    out = []
+    for h in kv_heads:
+        gen = torch.Generator(device="cpu").manual_seed(table_seed(seed, layer, h))
+        out.append(torch.randn(tables, planes, dim, generator=gen))
+    return torch.stack(out)
+
+
+def corners(planes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """All 2**P corners of {-1, +1}^P as fp32 ``[R, P]``; row r is the sign pattern of bucket id r."""
+    r = torch.arange(1 << planes, device=device)[:, None]
+    bits = (r >> torch.arange(planes, device=device)) & 1
+    return bits.float() * 2 - 1
+
+
+def bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w: ``[h, L, P, d]``, x: ``[h, m, d]`` -> int32 bucket ids ``[h, L, m]`` (fp32 projections)."""
+    proj = torch.einsum("hlpd,hmd->hlpm", w, x.float())
+    weights = (1 << torch.arange(w.shape[2], device=x.device, dtype=torch.int32))[:, None]
+    return ((proj > 0).int() * weights).sum(2, dtype=torch.int32)
+
+
+def soft_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float) -> torch.Tensor:
+    """SOCKET's Algorithm 2. w: ``[h, L, P, d]``, q: ``[h, g, d]`` (g query heads per KV head).
+
+    u_l = tanh(W_l q) / sqrt(d), p_l(r) = softmax_r(u_l . c_r / tau): fp32 ``[h, g, L, R]``."""
+    u = torch.tanh(torch.einsum("hlpd,hgd->hglp", w, q.float())) / math.sqrt(q.shape[-1])
+    return torch.softmax(u @ corners(w.shape[2], q.device).T / tau, dim=-1)
+
+
+def hard_bucket_probs(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Hard LSH as a one-hot distribution on the query's own bucket: fp32 ``[h, g, L, R]``, so the same
+    scorer counts exact collisions (eq. 3 of the paper)."""
+    b = bucket_ids(w, q)  # [h, L, g]
+    return torch.nn.functional.one_hot(b.long().transpose(1, 2), 1 << w.shape[2]).float()
+
+
+def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, chunk_elems: int = 1 << 23) -> torch.Tensor:
+    """sum_l probs[h, l, buckets[h, l, j]] for every key j: probs ``[h, L, R]``, buckets ``[h, L, n]``
+    (any integer dtype) -> fp32 ``[h, n]``.
+
+    Reads only the bucket ids (never the keys). Gathered in token chunks of about ``chunk_elems`` table
+    entries, so the transient index and gathered values stay bounded for long contexts."""
+    h, tables, r = probs.shape
+    n = buckets.shape[-1]
+    flat = probs.reshape(-1)
+    base = (torch.arange(h * tables, device=probs.device, dtype=torch.int32) * r).view(h, tables, 1)
+    out = torch.empty(h, n, dtype=torch.float32, device=probs.device)
+    step = max(1, chunk_elems // max(1, h * tables))
+    for c0 in range(0, n, step):
+        idx = buckets[:, :, c0: c0 + step].int() + base  # [h, L, m]
+        out[:, c0: c0 + step] = flat.index_select(0, idx.reshape(-1)).view(idx.shape).sum(1)
+    return out

@@ -1,0 +1,216 @@
+"""SOCKET (papers/socket.md, SPEC section 3): soft-LSH token selection for decode. Plain PyTorch reference.
+
+Prefill runs dense attention (SOCKET is a decode method) and builds, per sparse layer and KV head, the
+hash index of the keys: L tables of P seeded Gaussian hyperplanes W_l (P x d), one bucket id per key and
+table (sign pattern of W_l k, see ``lsh``), stored as uint8 when P <= 8 (int16 up to P = 15), plus the
+value norms ||v_j||_2. Decode hashes only the keys appended since the last call, then scores every key
+from its bucket ids and value norm alone (never the keys):
+
+    u_l = tanh(W_l q) / sqrt(d),  p_l(r) = softmax_r(u_l . c_r / tau) over the 2**P corners c_r,
+    Score(j) = ||v_j||_2 * sum_l p_l(bucket_l(j)),
+
+and attends exactly over the union of the sink tokens, the local window and the top-k scored tokens
+outside both (disjoint by construction, so deduplicated), ascending, shared by the group's query heads.
+
+Choices where SPEC and paper are silent:
+- Budget. ``density`` (default 0.1) is the fraction of the context attended in total, forced tokens
+  included (round(density * n), as ``row_budget``): k = budget - sink - local, so methods compare at equal
+  real density; sink and local are kept even where they alone exceed the budget (short contexts). An
+  explicit ``top_k`` is the paper's k: that many scored tokens on top of sink and local. k is clamped to
+  the tokens outside sink and local, so ``top_k >= n`` (or density 1.0) attends every key: dense.
+- Sink = the first min(sink_tokens, n) keys; local = the last ones (the new token included) up to
+  local_tokens, never overlapping the sinks.
+- GQA (``group_reduce``, default "mean"): p_l is averaged over the group's query heads per table and
+  bucket. The scorer is linear in p, so "mean" scores each key by the mean of the g heads' own SOCKET
+  scores: the soft-count estimate of the group's summed attention mass, the quantity the oracle baseline
+  ranks by. "max" (sum_l max_g p_l) instead favours keys one head wants strongly; it upper-bounds every
+  head's score but is not a sum of kernel estimates.
+- Hard LSH ablation (``socket_hard`` / ``hard=True``): the paper's eq. (3) baseline, the number of tables
+  in which the key's bucket equals the query's hard bucket sign(W_l q), NOT weighted by ||v|| (eq. 3 and
+  Fig. 2 have no value term). It runs as a one-hot p_l through the same scorer and group reduction (mean:
+  collisions averaged over the group's heads; max: tables where any head collides). Same budget rule.
+- Ties (frequent for hard counts) break toward the lower token index (a stable sort), deterministically.
+- Hyperplanes are drawn on the CPU from a generator seeded by (seed, layer, global KV head), fixed for
+  the backend's life and identical on every device. With tensor parallelism set ``kv_head_offset`` to
+  the shard's first KV head so each head keeps its tables.
+- Metadata: ``metadata_bytes_per_token`` = per sparse layer and KV head L bytes of bucket ids (2 L for
+  P > 8) + 4 bytes of fp32 value norm; dense layers store nothing. The per-sequence arrays grow by
+  1/8 when full (amortised O(1) per appended key), so allocated memory is at most ~12.5% above that.
+- Chunked prefill: each chunk attends densely and hashes the keys not hashed yet. Rollback of rejected
+  speculative tokens needs no hook: every call rehashes its own new keys (positions q_start..n-1).
+
+Host syncs: none in decode (budgets and widths come from the host-side length n; the metered count is
+the known width). The reference gathers K/V per step; the Triton path replaces that on GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raysparse.attention import causal_pairs, dense_attention
+from raysparse.config import ModelConfig
+from raysparse.methods import lsh
+from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.methods.registry import register
+from raysparse.methods.selection import TokenSelection
+from raysparse.methods.sparse_attention import sparse_decode_attention
+
+GROUP_REDUCES = ("mean", "max")
+NORM_BYTES = 4  # fp32 ||v||_2 per key and KV head
+
+
+@dataclass(frozen=True)
+class SocketConfig(MethodConfig):
+    density: float = 0.1  # total attended fraction of the context (sink + local included)
+    top_k: int | None = None  # explicit k scored tokens beyond sink + local (overrides density)
+    planes: int = 8  # P hyperplanes per table: R = 2**P buckets
+    tables: int = 60  # L
+    tau: float = 0.3
+    sink_tokens: int = 128
+    local_tokens: int = 128
+    group_reduce: str = "mean"
+    hard: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        lsh.bucket_dtype(self.planes)  # validates P
+        if self.tables < 1:
+            raise ValueError(f"tables must be >= 1, got {self.tables}")
+        if not self.tau > 0:
+            raise ValueError(f"tau must be positive, got {self.tau}")
+        if self.sink_tokens < 0 or self.local_tokens < 0:
+            raise ValueError(f"sink_tokens and local_tokens must be >= 0, got {self.sink_tokens}, {self.local_tokens}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 0):
+            raise ValueError(f"top_k must be a non-negative count or None, got {self.top_k!r}")
+        if self.group_reduce not in GROUP_REDUCES:
+            raise ValueError(f"group_reduce must be one of {GROUP_REDUCES}, got {self.group_reduce!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class SocketHardConfig(SocketConfig):
+    hard: bool = True
+
+
+class Socket(SparseMethod):
+    name = "socket"
+    config_cls = SocketConfig
+    config: SocketConfig
+
+    def __init__(self, model_cfg: ModelConfig, config: SocketConfig | None = None) -> None:
+        super().__init__(model_cfg, config)
+        self.kv_head_offset = 0  # first global KV head of this shard (tensor parallelism)
+        self._planes: dict[tuple, torch.Tensor] = {}
+
+    # ---- hash index -------------------------------------------------------------------------------
+    def planes_for(self, layer: int, h_kv: int, device: torch.device) -> torch.Tensor:
+        """The fixed hyperplanes of ``layer``'s KV heads: fp32 ``[h_kv, L, P, d]`` on ``device``."""
+        key = (layer, h_kv, self.kv_head_offset, device)
+        if key not in self._planes:
+            c = self.config
+            heads = range(self.kv_head_offset, self.kv_head_offset + h_kv)
+            self._planes[key] = lsh.hyperplanes(c.seed, layer, heads, c.tables, c.planes,
+                                                self.model_cfg.head_dim).to(device)
+        return self._planes[key]
+
+    def update_index(self, ctx: SeqContext, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ids ``[h_kv, L, n]`` and value norms ``[h_kv, n]`` of the n cached keys, kept in ctx.state.
+        Hashes only the keys not hashed yet, and always the call's own keys from ``q_start`` on: after a
+        rollback (``KVCache.truncate``) those slots hold new keys, so stale ids past it are overwritten."""
+        st, n = ctx.state, ctx.n
+        done = min(st.get("socket_n", 0), ctx.q_start, n) if "socket_buckets" in st else 0
+        if n > done:
+            w = self.planes_for(ctx.layer, k.shape[0], k.device)
+            ids = lsh.bucket_ids(w, k[:, done:n]).to(lsh.bucket_dtype(self.config.planes))
+            norms = torch.linalg.vector_norm(v[:, done:n].float(), dim=-1)
+            if done == 0:
+                st["socket_buckets"], st["socket_vnorm"] = ids, norms
+            else:
+                cap = st["socket_vnorm"].shape[1]
+                if cap < n:  # grow by 1/8 (at least 64 keys): amortised O(1) copies per key
+                    extra = max(n - cap, cap // 8, 64)
+                    b, vn = st["socket_buckets"], st["socket_vnorm"]
+                    st["socket_buckets"] = torch.cat([b, b.new_zeros(*b.shape[:2], extra)], 2)
+                    st["socket_vnorm"] = torch.cat([vn, vn.new_zeros(vn.shape[0], extra)], 1)
+                st["socket_buckets"][:, :, done:n] = ids
+                st["socket_vnorm"][:, done:n] = norms
+            st["socket_n"] = n
+        return st["socket_buckets"][:, :, :n], st["socket_vnorm"][:, :n]
+
+    # ---- scoring and selection ----------------------------------------------------------------------
+    def bucket_probs(self, layer: int, q: torch.Tensor, h_kv: int) -> torch.Tensor:
+        """q: [h, d] -> the group-reduced per-table bucket distribution ``[h_kv, L, R]`` (one-hot if hard)."""
+        w = self.planes_for(layer, h_kv, q.device)
+        qg = q.view(h_kv, -1, q.shape[-1])
+        p = lsh.hard_bucket_probs(w, qg) if self.config.hard else lsh.soft_bucket_probs(w, qg, self.config.tau)
+        return p.mean(1) if self.config.group_reduce == "mean" else p.amax(1)
+
+    def scores(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Score of every cached key per KV head: fp32 ``[h_kv, n]``. Reads K/V only to hash new keys."""
+        buckets, norms = self.update_index(ctx, k, v)
+        s = lsh.collision_scores(self.bucket_probs(ctx.layer, q, k.shape[0]), buckets)
+        return s if self.config.hard else s * norms
+
+    def budget(self, n: int) -> tuple[int, int, int]:
+        """(sink, local, k) token counts for a context of n keys (host ints: no device sync)."""
+        c = self.config
+        sink = min(c.sink_tokens, n)
+        local = min(c.local_tokens, n - sink)
+        if c.top_k is not None:
+            k = c.top_k
+        else:
+            k = int(row_budget(c.density, torch.tensor(n))) - sink - local
+        return sink, local, max(0, min(k, n - sink - local))
+
+    def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
+        n, h_kv, dev = ctx.n, k.shape[0], k.device
+        sink, local, top = self.budget(n)
+        score = self.scores(ctx, q, k, v)  # hashes the new keys even when nothing is scored
+        parts = [torch.arange(sink, device=dev).expand(h_kv, -1)]
+        if top:
+            order = torch.sort(score[:, sink: n - local], dim=-1, descending=True, stable=True).indices
+            parts.append(order[:, :top] + sink)
+        parts.append(torch.arange(n - local, n, device=dev).expand(h_kv, -1))
+        idx = torch.cat(parts, 1).sort(dim=-1).values  # disjoint parts: deduplicated, width sink+local+top
+        return TokenSelection(idx.to(torch.int32).contiguous(), 1)
+
+    # ---- SparseMethod ---------------------------------------------------------------------------
+    def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Dense attention (full density) while building the hash index of the keys."""
+        self.update_index(ctx, k, v)
+        return dense_attention(q, k, v), float(causal_pairs(q.shape[0], ctx.n) * k.shape[0])
+
+    def decode_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, float]:
+        sel = self.select_decode(ctx, q, k, v)
+        out, _ = sparse_decode_attention(q, k, v, sel)
+        if self.tracer is not None:
+            self.tracer(ctx, q, k, v, sel, out)
+        return out, float(sel.indices.numel())  # no SENTINEL: every row holds exactly the width
+
+    # ---- capacity accounting --------------------------------------------------------------------
+    def metadata_bytes_per_token_per_layer(self, num_kv_heads: int | None = None) -> int:
+        """Bytes this method adds to the KV cache per token in one sparse layer: L bucket ids (1 byte each
+        for P <= 8, else 2) + the fp32 value norm, per KV head (``num_kv_heads``: this shard's count)."""
+        h_kv = num_kv_heads or self.model_cfg.num_kv_heads
+        id_bytes = torch.tensor([], dtype=lsh.bucket_dtype(self.config.planes)).element_size()
+        return h_kv * (self.config.tables * id_bytes + NORM_BYTES)
+
+    def metadata_bytes_per_token(self, num_kv_heads: int | None = None) -> int:
+        """Per token over all layers (dense layers store nothing): KVCache's ``metadata_bytes_per_token``."""
+        sparse = sum(not self.is_dense_layer(i) for i in range(self.model_cfg.num_layers))
+        return sparse * self.metadata_bytes_per_token_per_layer(num_kv_heads)
+
+
+class SocketHard(Socket):
+    name = "socket_hard"
+    config_cls = SocketHardConfig
+
+
+register(method_spec(Socket, "SOCKET: soft-LSH key scores (bucket ids + value norms) pick top-k tokens in decode"))
+register(method_spec(SocketHard, "SOCKET ablation: hard LSH (exact bucket-collision counts) at the same budget"))
