@@ -32,6 +32,7 @@ BUILTIN_MODULES: list[str] = [
     "raysparse.methods.baselines",
     "raysparse.methods.delta",
     "raysparse.methods.socket",
+    "raysparse.methods.sketch_walk",
 ]
 
 

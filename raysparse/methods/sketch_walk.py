@@ -1,0 +1,220 @@
+"""Sketch&Walk (papers/sketch-and-walk.md, SPEC section 1): block selection from sketched block scores
+walked across layers, for prefill (Algorithm 1) and decode (Algorithm 2). Plain PyTorch reference.
+
+Per sparse layer k and sequence: Q_avg / K_avg (head means) are reduced to block means, sketched with a
+fixed SRHT H_d (d x r), A_hat = Q~ K~^T / sqrt(r) under the block-causal mask, W^k = row-softmax(A_hat)**s,
+R^k = R^{k-1} W^k (R^0 = W at the first sparse layer), and each query block attends the top key blocks
+of its row of R^k plus the sink and diagonal blocks, on the original per-head Q, K, V.
+
+Choices where SPEC and paper are silent:
+- GQA: Q_avg is the mean over all h query heads, K_avg over the h_kv KV heads (the paper's mean over h
+  repeated heads is the same). One selection per layer, expanded (not copied) over the KV heads.
+- Block representatives are kept already sketched: running fp32 sums of Q_avg H_d and K_avg H_d per block
+  ([b, r] each; the sketch is linear, so sketch-of-mean = mean-of-sketches). Counts follow from n
+  (min(B, n - jB)), so a partial last block averages what it has, in prefill and decode alike.
+- r is min(sketch_dim, d') with d' = head_dim padded to a power of two; the scale is 1/sqrt(r) of that r.
+- A_hat is cached in bf16 (entries above the block diagonal are stored as 0 and masked). The walk always
+  reads the bf16 values, in prefill too, so decode reproduces prefill on the same sequence.
+- Walk: W = exp(s * log_softmax(A_hat)) (= P**s without underflowing P first), fp32. Rows of R are
+  renormalised after every layer, R^0 included (a row scale changes no ranking). Row i of R^k depends only
+  on row i of R^{k-1}, so ``ctx.seq_state`` carries only the rows of the current call's query blocks from
+  one sparse layer to the next (one row in decode), tagged with (q_start, n) to catch a stale walk.
+- Dense layers run plain SDPA, record nothing and are not part of the walk (also dense layers listed
+  after the first sparse one). With no sparse layer nothing is sketched at all.
+- Budget: query block i keeps tau_i = row_budget(density, i + 1) blocks in total, forced blocks included
+  (block 0 as sink, block i as diagonal); where the forced blocks exceed tau_i (short rows) they win.
+  The diagonal block is causally about half full, which roughly offsets that excess, so the metered
+  density lands near the budget. Decode: top-(tau - forced) blocks by R plus the current block and sink.
+- Decode row: the current query block's row of A_hat uses the running mean of that (possibly partial)
+  query block, new token included, exactly as prefill treats a partial last block (the paper writes the
+  new token's sketch alone into the row). Hence decode state == prefill state on the full sequence.
+- Decode column: under the block-causal mask the current key block t // B is the last block, so its
+  column is visible only from the current query block's row (the same block index); rewriting that row
+  over key blocks 0..t // B writes the diagonal entry, which is the whole causal part of the column.
+- Chunked prefill (q_start > 0) works when the earlier chunks went through this backend: rows of A_hat
+  and R from query block q_start // B on are recomputed. A prefix this backend never saw (no query
+  sketches) raises NotImplementedError.
+- Tensor parallelism: set ``head_reduce`` to a SUM all-reduce over the group. Each shard then sums its
+  heads' sketched block sums, divides by the model's full head counts and reduces, so every shard holds
+  the same sketches, A_hat, walk and selection.
+
+Memory per sequence: A_hat is a full b x b bf16 matrix per sparse layer, 2 * b**2 * L_s bytes for L_s
+sparse layers (b = ceil(n / B); e.g. n = 131072, B = 64: 8 MiB per layer, 240 MiB for 30 layers), plus
+8 * r * b bytes per sparse layer of sketched sums and a transient 4 * b * rows bytes of walk rows.
+
+Host syncs: none in decode (budgets come from the host-side length n); prefill's per-row top-k does one
+``.item()`` inside ``topk_mask``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raysparse.config import ModelConfig
+from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.methods.hadamard import SRHT, derive_seed
+from raysparse.methods.registry import register
+from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
+
+
+@dataclass(frozen=True)
+class SketchWalkConfig(MethodConfig):
+    sketch_dim: int = 64  # r
+    exponent: float = 8.0  # s, the sparsity exponent of W = P ** s
+    seed: int = 0  # the SRHT draw (combined with head_dim)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # lists from the CLI stay hashable
+        if isinstance(self.sketch_dim, bool) or not isinstance(self.sketch_dim, int) or self.sketch_dim <= 0:
+            raise ValueError(f"sketch_dim must be a positive integer, got {self.sketch_dim!r}")
+        if not (isinstance(self.exponent, int | float) and math.isfinite(self.exponent) and self.exponent > 0):
+            raise ValueError(f"exponent must be a finite number > 0, got {self.exponent!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
+
+
+def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Tokens in each of the first ``num_blocks`` blocks of an n-token sequence (the last may be partial)."""
+    return (n - torch.arange(num_blocks, device=device) * block_size).clamp(max=block_size).float()
+
+
+def walk_weights(a_hat: torch.Tensor, exponent: float) -> torch.Tensor:
+    """W = row-softmax(A_hat over causal blocks) ** s, fp32 [b, b], zero above the block diagonal."""
+    b = a_hat.shape[0]
+    causal = torch.ones(b, b, dtype=torch.bool, device=a_hat.device).tril()
+    logp = torch.log_softmax(a_hat.float().masked_fill(~causal, float("-inf")), dim=-1)
+    return torch.exp(exponent * logp)
+
+
+def renormalise(rows: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to sum 1 (ranking unchanged); keeps the product of many W's out of underflow."""
+    return rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+class SketchWalk(SparseMethod):
+    name = "sketch_walk"
+    config_cls = SketchWalkConfig
+    config: SketchWalkConfig
+
+    def __init__(self, model_cfg: ModelConfig, config: SketchWalkConfig | None = None) -> None:
+        super().__init__(model_cfg, config)
+        cfg = self.config
+        self.srht = SRHT(model_cfg.head_dim, cfg.sketch_dim, derive_seed(cfg.seed, model_cfg.head_dim))
+        sparse = [layer for layer in range(model_cfg.num_layers) if not self.is_dense_layer(layer)]
+        self.first_sparse: int | None = sparse[0] if sparse else None
+        # Tensor parallelism: a SUM all-reduce over the shards (see the module docstring); None on one device.
+        self.head_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    # ---- sketches and block scores --------------------------------------------------------------
+    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+        """Folds the new tokens (q: [n_q, h, d], k: [h_kv, n, d]) into this layer's block sketches and
+        recomputes the A_hat rows of the query blocks they touch. Returns (first query block, b)."""
+        B, st = self.config.block_size, ctx.state
+        q0, n = ctx.q_start, ctx.n
+        qb0, nb = q0 // B, -(-n // B)
+        dev = q.device
+        r = self.srht.sketch_dim
+        if q0 == 0:  # a new sequence (or a re-prefill): start this layer's sketches afresh
+            st.update(qs=torch.zeros(0, r, device=dev), ks=torch.zeros(0, r, device=dev),
+                      a_hat=torch.zeros(0, 0, dtype=torch.bfloat16, device=dev), n=0)
+        elif st.get("n") != q0:
+            raise NotImplementedError(
+                f"sketch_walk: layer {ctx.layer} has sketches of {st.get('n', 0)} tokens but the step starts at "
+                f"position {q0}; prefill must start at 0 or continue a sequence this backend has seen")
+        grow = nb - st["qs"].shape[0]
+        if grow > 0:  # a new block: exact growth, an O(b^2) copy at most once every B tokens
+            st["qs"], st["ks"] = F.pad(st["qs"], (0, 0, 0, grow)), F.pad(st["ks"], (0, 0, 0, grow))
+            st["a_hat"] = F.pad(st["a_hat"], (0, grow, 0, grow))
+
+        # Head sums over the heads held here, divided by the model's head counts when shards reduce.
+        hq = self.model_cfg.num_heads if self.head_reduce is not None else q.shape[1]
+        hk = self.model_cfg.num_kv_heads if self.head_reduce is not None else k.shape[0]
+        q_avg = q.float().sum(1) / hq  # [n_q, d]
+        k_avg = k[:, q0:n].float().sum(0) / hk  # [n_q, d]
+        # Sum per block first, then sketch the few block sums (linear): O(b d log d), not O(n d log d).
+        if n - q0 == 1:  # decode: one token, one block
+            sums = torch.stack((q_avg, k_avg))
+        else:
+            blk = torch.arange(q0, n, device=dev) // B - qb0
+            sums = torch.zeros(2, nb - qb0, q.shape[-1], device=dev)
+            sums[0].index_add_(0, blk, q_avg)
+            sums[1].index_add_(0, blk, k_avg)
+        new = self.srht.apply(sums)  # [2, nb - qb0, r]
+        if self.head_reduce is not None:
+            new = self.head_reduce(new)
+        st["qs"][qb0:nb] += new[0]
+        st["ks"][qb0:nb] += new[1]
+        st["n"] = n
+
+        # Rows qb0.. of A_hat; rows above qb0 cannot see the key blocks that changed (block causality).
+        cnt = block_counts(n, nb, B, dev)
+        q_mean = st["qs"][qb0:nb] / cnt[qb0:, None]
+        k_mean = st["ks"][:nb] / cnt[:, None]
+        rows = q_mean @ k_mean.T / math.sqrt(r)  # [nb - qb0, nb]
+        causal = torch.arange(nb, device=dev) <= torch.arange(qb0, nb, device=dev)[:, None]
+        st["a_hat"][qb0:nb] = rows.masked_fill(~causal, 0.0).to(torch.bfloat16)
+        return qb0, nb
+
+    # ---- the walk -------------------------------------------------------------------------------
+    def _walk(self, ctx: SeqContext, qb0: int, nb: int) -> torch.Tensor:
+        """Rows qb0..nb-1 of R^k for this layer (fp32 [nb - qb0, nb]), carried in ``ctx.seq_state``."""
+        w = walk_weights(ctx.state["a_hat"], self.config.exponent)
+        step = (ctx.q_start, ctx.n)
+        if ctx.layer == self.first_sparse:
+            rows = w[qb0:nb]
+        else:
+            prev = ctx.seq_state.get("walk")
+            if prev is None or prev[0] != step:
+                raise RuntimeError(f"sketch_walk: layer {ctx.layer} found no walk state from an earlier sparse "
+                                   f"layer of this step; layers must run in order from layer {self.first_sparse}")
+            rows = prev[1] @ w
+        rows = renormalise(rows)
+        ctx.seq_state["walk"] = (step, rows)
+        return rows
+
+    def _choose(self, scores: torch.Tensor, qb0: int, nb: int) -> tuple[torch.Tensor, int]:
+        """Per query block qb0..nb-1: forced sink + diagonal plus the top blocks by ``scores`` up to the row
+        budget. Returns the boolean mask [rows, nb] and the widest row (host int, no device sync)."""
+        rows_cpu = torch.arange(qb0, nb)
+        budget = row_budget(self.config.density, rows_cpu + 1)
+        forced_n = torch.where(rows_cpu == 0, 1, 2)  # block 0 is both sink and diagonal of row 0
+        extra = (budget - forced_n).clamp(min=0)
+        width = int(torch.maximum(budget, forced_n).max())  # a CPU tensor: no device sync
+        dev = scores.device
+        qblk = torch.arange(qb0, nb, device=dev)[:, None]
+        cols = torch.arange(nb, device=dev)
+        allowed = cols <= qblk
+        forced = (cols == 0) | (cols == qblk)
+        # One row (decode): an int budget keeps topk_mask free of host syncs. Several rows (prefill): a
+        # per-row tensor, for which topk_mask does one .item() to size its sort.
+        k: int | torch.Tensor = int(extra[0]) if nb - qb0 == 1 else extra.to(dev)
+        return topk_mask(scores, k, allowed, forced), width
+
+    # ---- SparseMethod ---------------------------------------------------------------------------
+    def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
+        qb0, nb = self._update_sketch(ctx, q, k)
+        mask, width = self._choose(self._walk(ctx, qb0, nb), qb0, nb)
+        idx = indices_from_mask(mask, width)  # [nqb, width]
+        return BlockSelection(idx.unsqueeze(0).expand(k.shape[0], -1, -1), self.config.block_size)
+
+    def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
+        qb0, nb = self._update_sketch(ctx, q.unsqueeze(0), k)  # qb0 == nb - 1: the new token's block
+        mask, width = self._choose(self._walk(ctx, qb0, nb), qb0, nb)
+        idx = indices_from_mask(mask, width)  # [1, width] block indices
+        return TokenSelection(idx.expand(k.shape[0], -1), self.config.block_size)
+
+    def state_bytes(self, n: int) -> dict[str, int]:
+        """Bytes of Sketch&Walk state per sequence of n tokens (all sparse layers), for capacity planning."""
+        b = -(-n // self.config.block_size)
+        layers = sum(not self.is_dense_layer(i) for i in range(self.model_cfg.num_layers))
+        return {"a_hat": 2 * b * b * layers, "sketch_sums": 8 * self.srht.sketch_dim * b * layers,
+                "decode_walk_row": 4 * b}
+
+
+register(method_spec(SketchWalk, "Sketch&Walk: SRHT-sketched block scores walked across layers (prefill + decode)"))

@@ -1,0 +1,436 @@
+"""Sketch&Walk against independent brute-force oracles, on fresh random inputs (no fixed seeds).
+
+The oracles build the Hadamard matrix from its closed form, average blocks with explicit loops over
+tokens, walk with explicit per-row softmaxes in float64 and pick top blocks by sorting a Python list.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import fresh_cache, random_state, tiny_hf_config
+
+from raysparse.attention import DenseAttention
+from raysparse.config import ModelConfig
+from raysparse.generate import GenerationRequest, Generator
+from raysparse.loader import model_from_state
+from raysparse.methods.base import SeqContext
+from raysparse.methods.hadamard import SRHT, derive_seed, fwht
+from raysparse.methods.selection import SENTINEL
+from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
+from raysparse.sampling import SamplingParams
+
+BF16 = {"rtol": 2**-7, "atol": 2e-3}  # A_hat is stored in bf16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These shapes are tiny: intra-op threads only spin, and on a loaded 2-core box that costs ~50x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rand_int(lo: int, hi: int) -> int:
+    return int(torch.randint(lo, hi, ()).item())
+
+
+def model_cfg(layers: int = 4, heads: int = 4, kv_heads: int = 2, head_dim: int = 24) -> ModelConfig:
+    return ModelConfig(vocab_size=97, hidden_size=heads * head_dim, intermediate_size=80, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                       max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def method(cfg: ModelConfig, **kw) -> SketchWalk:
+    kw = {"block_size": 8, "sketch_dim": 16, "dense_layers": (0,), "seed": rand_int(0, 2**31), **kw}
+    return SketchWalk(cfg, SketchWalkConfig(**kw))
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """Sylvester Hadamard matrix from its closed form H[i, j] = (-1) ** popcount(i & j)."""
+    i = torch.arange(d)
+    both = i[:, None] & i[None, :]
+    pop = sum((both >> bit) & 1 for bit in range(max(1, d.bit_length())))
+    return (1 - 2 * (pop % 2)).double()
+
+
+def explicit_srht(s: SRHT) -> torch.Tensor:
+    """H_d = (D W)[:d, coords] * sqrt(d'/r) as an explicit float64 matrix."""
+    dw = torch.diag(s.signs.double()) @ hadamard(s.padded) / math.sqrt(s.padded)
+    return dw[: s.dim][:, s.coords] * s.scale
+
+
+def random_qk(n: int, h: int, h_kv: int, d: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q [n, h, d], K [h_kv, n, d]: a random centre per block (so block scores spread) plus token noise."""
+    nb = -(-n // b)
+    blk = torch.arange(n) // b
+    scale = 0.3 + torch.rand(())
+    q = (torch.randn(nb, d) * scale)[blk][:, None] + torch.randn(n, h, d)
+    k = (torch.randn(nb, d) * scale)[blk][None] + torch.randn(h_kv, n, d)
+    return q, k
+
+
+def brute_scores(q: torch.Tensor, k: torch.Tensor, H: torch.Tensor, b: int):
+    """Sketched block means and block-causal A_hat by explicit loops (float64)."""
+    n, d, r = q.shape[0], q.shape[-1], H.shape[1]
+    nb = -(-n // b)
+    qt, kt = [], []
+    for i in range(nb):
+        lo, hi = i * b, min(n, (i + 1) * b)
+        qbar, kbar = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+        for t in range(lo, hi):
+            qbar += q[t].double().mean(0)
+            kbar += k[:, t].double().mean(0)
+        qt.append(qbar / (hi - lo) @ H)
+        kt.append(kbar / (hi - lo) @ H)
+    a = torch.zeros(nb, nb, dtype=torch.float64)
+    for i in range(nb):
+        for j in range(i + 1):
+            a[i, j] = qt[i] @ kt[j] / math.sqrt(r)
+    return torch.stack(qt), torch.stack(kt), a
+
+
+def brute_walk(scores: list[torch.Tensor], s: float) -> list[torch.Tensor]:
+    """R per layer from block scores: per-row causal softmax, ** s, product, rows renormalised."""
+    out, rw = [], None
+    for a in scores:
+        nb = a.shape[0]
+        w = torch.zeros(nb, nb, dtype=torch.float64)
+        for i in range(nb):
+            p = torch.softmax(a[i, : i + 1].double(), 0)
+            w[i, : i + 1] = p**s
+        rw = w if rw is None else rw @ w
+        rw = rw / rw.sum(1, keepdim=True)
+        out.append(rw)
+    return out
+
+
+def brute_select(row: torch.Tensor, qi: int, density: float) -> list[int]:
+    tau = max(1, round(density * (qi + 1)))
+    forced = {0, qi}
+    rest = sorted(set(range(qi + 1)) - forced, key=lambda j: (-float(row[j]), j))
+    return sorted(forced | set(rest[: max(0, tau - len(forced))]))
+
+
+def assert_same_choice(got: list[int], want: list[int], row: torch.Tensor) -> None:
+    """Equal sets, or sets that differ only by swapping near-tied scores (fp32 vs float64 ranking, or
+    entries that underflow in fp32)."""
+    if got == want:
+        return
+    assert len(got) == len(want), (got, want)
+    floor = float(row.max()) * 1e-30
+    g, w = sorted(float(row[j]) for j in got), sorted(float(row[j]) for j in want)
+    for x, y in zip(g, w, strict=True):
+        assert abs(x - y) <= 1e-3 * max(x, y) or max(x, y) <= floor, (got, want, g, w)
+
+
+def block_counts(n: int, b: int) -> torch.Tensor:
+    return torch.tensor([min(b, n - i * b) for i in range(-(-n // b))], dtype=torch.float64)
+
+
+def rows_of(sel_indices: torch.Tensor) -> list[list[int]]:
+    return [[int(x) for x in row if x != SENTINEL] for row in sel_indices]
+
+
+# ---- 1. block scores ---------------------------------------------------------------------------
+def test_block_scores_match_brute_force_with_partial_last_block():
+    b = 8
+    n = rand_int(3 * b + 1, 7 * b)
+    n += 3 if n % b == 0 else 0  # a partial last block
+    cfg = model_cfg(head_dim=24)  # not a power of two: the SRHT pads to 32
+    m = method(cfg)
+    q, k = random_qk(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
+    st: dict = {}
+    m.select_prefill(SeqContext(1, 0, 0, n, st, {}), q, k, k)
+    qt, kt, a = brute_scores(q, k, explicit_srht(m.srht), b)
+    cnt = block_counts(n, b)[:, None]
+    torch.testing.assert_close(st["qs"].double() / cnt, qt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st["ks"].double() / cnt, kt, rtol=1e-5, atol=1e-5)
+    assert st["a_hat"].dtype == torch.bfloat16 and st["n"] == n
+    torch.testing.assert_close(st["a_hat"].double(), a, **BF16)
+    assert (st["a_hat"].triu(1) == 0).all()
+
+
+# ---- 2. fast WHT and SRHT ----------------------------------------------------------------------
+@pytest.mark.parametrize("d", [1, 2, 8, 32, 128])
+def test_fwht_equals_explicit_hadamard_matrix(d):
+    x = torch.randn(3, 5, d, dtype=torch.float64)
+    torch.testing.assert_close(fwht(x), x @ hadamard(d) / math.sqrt(d))
+    with pytest.raises(ValueError):
+        fwht(torch.randn(4, 12))
+
+
+@pytest.mark.parametrize("dim,r", [(24, 8), (64, 16), (16, 64)])
+def test_srht_matrix_matches_explicit_construction(dim, r):
+    s = SRHT(dim, r, rand_int(0, 2**62))
+    assert s.sketch_dim == min(r, s.padded) and s.padded >= dim and s.padded & (s.padded - 1) == 0
+    h = explicit_srht(s)
+    torch.testing.assert_close(s.matrix().double(), h, rtol=1e-5, atol=1e-6)
+    x = torch.randn(7, dim)
+    torch.testing.assert_close(s.apply(x).double(), x.double() @ h, rtol=1e-5, atol=1e-5)
+
+
+def test_srht_preserves_inner_products_in_expectation():
+    dim, r, draws = 24, 8, 4000
+    xy = torch.randn(2, dim)
+    exact = float(xy[0].double() @ xy[1].double())
+    base = rand_int(0, 2**40)
+    est = torch.empty(draws, dtype=torch.float64)
+    for i in range(draws):
+        sk = SRHT(dim, r, base + i).apply(xy).double()
+        est[i] = sk[0] @ sk[1]
+    mean, se = float(est.mean()), float(est.std()) / math.sqrt(draws)
+    assert se > 0  # r < d': a real subsample, not a rotation
+    assert abs(mean - exact) < 5 * se + 1e-6, (mean, exact, se)
+    # With r >= d' the sketch is a rotation: inner products are exact for every draw.
+    full = SRHT(dim, 64, base).apply(xy).double()
+    assert abs(float(full[0] @ full[1]) - exact) < 1e-4 * (1 + abs(exact))
+
+
+def test_srht_is_fixed_per_model_and_seed():
+    seed = rand_int(0, 2**31)
+    a, b = method(model_cfg(), seed=seed), method(model_cfg(), seed=seed)
+    torch.testing.assert_close(a.srht.matrix(), b.srht.matrix())
+    x = torch.randn(4, 24)
+    torch.testing.assert_close(a.srht.apply(x), a.srht.apply(x))  # not re-drawn per call
+    assert not torch.equal(a.srht.matrix(), method(model_cfg(), seed=seed + 1).srht.matrix())
+    assert derive_seed(seed, 64) != derive_seed(seed, 128)
+
+
+# ---- 3. the walk in prefill --------------------------------------------------------------------
+def test_prefill_walk_selection_matches_brute_force_over_three_layers():
+    b, density = 8, 0.375  # exact in binary: Python and torch round the budgets identically
+    n = rand_int(6 * b + 1, 10 * b)
+    cfg = model_cfg(layers=4)
+    m = method(cfg, density=density)
+    h_mat = explicit_srht(m.srht)
+    seq_state: dict = {}
+    stored, walks, sels = [], [], []
+    for layer in (1, 2, 3):
+        q, k = random_qk(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
+        st: dict = {}
+        sel = m.select_prefill(SeqContext(layer, 0, 0, n, st, seq_state), q, k, k)
+        torch.testing.assert_close(st["a_hat"].double(), brute_scores(q, k, h_mat, b)[2], **BF16)
+        # The walk oracle reads the stored bf16 scores, as the method does (their values are checked above).
+        stored.append(st["a_hat"].double())
+        walks.append(seq_state["walk"][1].clone())
+        sels.append(sel)
+    for rw, sel, ref in zip(walks, sels, brute_walk(stored, 8.0), strict=True):
+        torch.testing.assert_close(rw.double(), ref, rtol=2e-3, atol=1e-30)
+        assert sel.block_size == b and sel.indices.shape[0] == cfg.num_kv_heads
+        assert (sel.indices == sel.indices[:1]).all()  # one selection shared by every KV head
+        for qi, got in enumerate(rows_of(sel.indices[0])):
+            assert_same_choice(got, brute_select(ref[qi], qi, density), ref[qi])
+
+
+# ---- 4. decode's incremental state ---------------------------------------------------------------
+def test_decode_incremental_updates_equal_recompute_from_scratch():
+    b, density = 8, 0.375
+    n0 = rand_int(2 * b + 1, 3 * b - 1)  # the prompt ends inside a block
+    total = n0 + 2 * b + 3  # decode crosses two block boundaries
+    cfg = model_cfg(layers=4)
+    m = method(cfg, density=density)
+    h_mat = explicit_srht(m.srht)
+    layers = (1, 2, 3)
+    qk = {layer: random_qk(total, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in layers}
+    states: dict = {layer: {} for layer in layers}
+    seq_state: dict = {}
+    for layer in layers:
+        q, k = qk[layer]
+        m.select_prefill(SeqContext(layer, 0, 0, n0, states[layer], seq_state), q[:n0], k[:, :n0], k[:, :n0])
+    for t in range(n0, total):
+        nb = t // b + 1
+        sels, rows = [], []
+        for layer in layers:
+            q, k = qk[layer]
+            kv = k[:, : t + 1]
+            sels.append(m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv))
+            rows.append(seq_state["walk"][1])
+        if t not in (n0, total - 1) and t % b > 1:
+            continue  # check the first and last steps and both sides of every block boundary
+        # From scratch on the full t + 1 tokens: block means, every row and column of A_hat, the R row.
+        cnt = block_counts(t + 1, b)[:, None]
+        for layer in layers:
+            st = states[layer]
+            qt, kt, a = brute_scores(qk[layer][0][: t + 1], qk[layer][1][:, : t + 1], h_mat, b)
+            assert st["n"] == t + 1 and st["a_hat"].shape == (nb, nb)
+            torch.testing.assert_close(st["qs"].double() / cnt, qt, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(st["ks"].double() / cnt, kt, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(st["a_hat"].double(), a, **BF16)
+        walks = brute_walk([states[layer]["a_hat"].double() for layer in layers], 8.0)
+        for row, sel, ref in zip(rows, sels, walks, strict=True):
+            assert row.shape == (1, nb)
+            torch.testing.assert_close(row[0].double(), ref[nb - 1], rtol=2e-3, atol=1e-30)
+            assert sel.block_size == b and (sel.indices == sel.indices[:1]).all()
+            got = rows_of(sel.indices)[0]
+            assert_same_choice(got, brute_select(ref[nb - 1], nb - 1, density), ref[nb - 1])
+    # Decode state equals a fresh prefill of the whole sequence through the method itself.
+    fresh, fresh_seq = method(cfg, density=density, seed=m.config.seed), {}
+    for layer in layers:
+        q, k = qk[layer]
+        st: dict = {}
+        fresh.select_prefill(SeqContext(layer, 0, 0, total, st, fresh_seq), q, k, k)
+        torch.testing.assert_close(st["qs"], states[layer]["qs"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(st["a_hat"].double(), states[layer]["a_hat"].double(), **BF16)
+
+
+# ---- 5. selection invariants, chunked prefill, density -------------------------------------------
+@pytest.mark.parametrize("density", [0.05, 0.2, 0.5, 1.0])
+def test_selections_are_causal_deduplicated_with_sink_and_diagonal(density):
+    b = 8
+    cfg = model_cfg(layers=3)
+    m = method(cfg, density=density)
+    n = rand_int(b + 1, 12 * b)
+    seq_state: dict = {}
+    states: dict = {1: {}, 2: {}}
+    qk = {layer: random_qk(n + 5, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in states}
+
+    def check_row(row: list[int], qi: int) -> None:
+        assert row == sorted(set(row)), row  # ascending and deduplicated
+        assert row[0] == 0 and row[-1] == qi and all(0 <= j <= qi for j in row)  # sink, diagonal, causal
+        assert len(row) == max(max(1, round(density * (qi + 1))), 1 if qi == 0 else 2)
+
+    for layer in states:
+        q, k = qk[layer]
+        sel = m.select_prefill(SeqContext(layer, 0, 0, n, states[layer], seq_state), q[:n], k[:, :n], k[:, :n])
+        assert sel.indices.dtype == torch.int32 and sel.indices.shape[:2] == (cfg.num_kv_heads, -(-n // b))
+        for qi, row in enumerate(rows_of(sel.indices[0])):
+            check_row(row, qi)
+    for t in range(n, n + 5):
+        for layer in states:
+            q, k = qk[layer]
+            kv = k[:, : t + 1]
+            sel = m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv)
+            assert sel.indices.shape[0] == cfg.num_kv_heads and sel.block_size == b
+            check_row(rows_of(sel.indices)[0], t // b)
+
+
+def test_chunked_prefill_continues_the_sketches():
+    b = 8
+    cfg = model_cfg(layers=3)
+    m = method(cfg, density=0.375)
+    n = rand_int(5 * b, 8 * b)
+    cut = rand_int(b + 1, n - b)  # usually inside a block
+    qk = {layer: random_qk(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in (1, 2)}
+    one: dict = {1: {}, 2: {}}
+    two: dict = {1: {}, 2: {}}
+    ss_one: dict = {}
+    ss_two: dict = {}
+    for layer in (1, 2):
+        q, k = qk[layer]
+        full = m.select_prefill(SeqContext(layer, 0, 0, n, one[layer], ss_one), q, k, k)
+        m.select_prefill(SeqContext(layer, 0, 0, cut, two[layer], ss_two), q[:cut], k[:, :cut], k[:, :cut])
+    for layer in (1, 2):
+        q, k = qk[layer]
+        part = m.select_prefill(SeqContext(layer, 0, cut, n, two[layer], ss_two), q[cut:], k, k)
+        torch.testing.assert_close(two[layer]["qs"], one[layer]["qs"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(two[layer]["a_hat"].double(), one[layer]["a_hat"].double(), **BF16)
+    qb0 = cut // b
+    ref = ss_one["walk"][1][qb0:]
+    torch.testing.assert_close(ss_two["walk"][1], ref, rtol=2e-3, atol=1e-30)
+    full_rows = rows_of(full.indices[0])[qb0:]
+    for i, (got, want) in enumerate(zip(rows_of(part.indices[0]), full_rows, strict=True)):
+        assert_same_choice(got, want, ref[i].double())
+    # A prefix this backend never sketched cannot be walked.
+    with pytest.raises(NotImplementedError):
+        q, k = qk[1]
+        method(cfg).select_prefill(SeqContext(1, 0, cut, n, {}, {}), q[cut:], k, k)
+
+
+def test_tensor_parallel_head_reduce_matches_one_device():
+    """Two shards holding half the heads each, summed by ``head_reduce``, select what one device does."""
+    b = 8
+    cfg = model_cfg(layers=3, heads=4, kv_heads=2)
+    seed = rand_int(0, 2**31)
+    one, shard = method(cfg, seed=seed), method(cfg, seed=seed)
+    n = rand_int(4 * b, 8 * b)
+    q, k = random_qk(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
+    q, k = torch.cat([q[:, :2], q[:, :2]], 1), torch.cat([k[:1], k[:1]], 0)  # the shards hold equal halves
+    shard.head_reduce = lambda x: x * 2  # what a SUM all-reduce over the two equal shards returns
+    st_one, st_shard = {}, {}
+    a = one.select_prefill(SeqContext(1, 0, 0, n, st_one, {}), q, k, k)
+    s = shard.select_prefill(SeqContext(1, 0, 0, n, st_shard, {}), q[:, :2], k[:1], k[:1])
+    torch.testing.assert_close(st_shard["qs"], st_one["qs"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st_shard["a_hat"].double(), st_one["a_hat"].double(), **BF16)
+    assert s.indices.shape[0] == 1 and a.indices.shape[0] == 2
+
+
+def test_config_validation_and_registry():
+    with pytest.raises(ValueError):
+        SketchWalkConfig(sketch_dim=0)
+    with pytest.raises(ValueError):
+        SketchWalkConfig(exponent=0.0)
+    with pytest.raises(ValueError):
+        SketchWalkConfig(density=0.0)
+    with pytest.raises(ValueError):
+        SketchWalkConfig(block_size=48)
+    c = SketchWalkConfig()
+    assert (c.block_size, c.sketch_dim, c.exponent, c.density, c.dense_layers) == (64, 64, 8.0, 0.2, (0, 1))
+    from raysparse.methods.registry import get_method
+
+    backend = get_method("sketch_walk").factory(model_cfg(), density=0.3, sketch_dim=32)
+    assert isinstance(backend, SketchWalk) and backend.config.density == 0.3
+    with pytest.raises(ValueError):
+        get_method("sketch_walk").factory(model_cfg(), bogus=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    hf_cfg = tiny_hf_config(layers=3)
+    return model_from_state(hf_cfg, random_state(hf_cfg, seed=rand_int(0, 10_000)).state_dict())
+
+
+def run_steps(model, backend, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """A ragged prefill then greedy decode steps; the logits of every step."""
+    cache = fresh_cache(model, 1024, page_size=16)
+    for i, p in enumerate(prompts):
+        cache.allocate(i, len(p) + steps)
+    ids = torch.tensor([t for p in prompts for t in p])
+    batch = cache.prepare(list(range(len(prompts))), [len(p) for p in prompts], True)
+    out = [model(ids, batch, cache, backend, all_logits=True)]
+    last = out[0][batch.last_token_rows()].argmax(-1)
+    for _ in range(steps):
+        batch = cache.prepare(list(range(len(prompts))), [1] * len(prompts), False)
+        out.append(model(last, batch, cache, backend))
+        last = out[-1].argmax(-1)
+    return out
+
+
+def test_density_one_reproduces_dense_attention_through_the_model(tiny_model):
+    cfg = tiny_model.cfg
+    # Ragged prompts that end inside a block, so decode crosses a block boundary.
+    prompts = [torch.randint(0, cfg.vocab_size, (16 * rand_int(2, 5) - rand_int(1, 8),)).tolist() for _ in range(2)]
+    sw = SketchWalk(cfg, SketchWalkConfig(density=1.0, dense_layers=(), block_size=16, sketch_dim=16))
+    got = run_steps(tiny_model, sw, prompts, 10)
+    want = run_steps(tiny_model, DenseAttention(cfg.num_layers), prompts, 10)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    assert sw.meter.overall() == pytest.approx(1.0)
+    # Through the Generator too: greedy tokens identical to dense.
+    reqs = [GenerationRequest(tuple(p), SamplingParams(10, ignore_eos=True), str(i)) for i, p in enumerate(prompts)]
+
+    def tokens(backend) -> dict[str, tuple[int, ...]]:
+        gen = Generator(tiny_model, fresh_cache(tiny_model, 1024, page_size=16), backend)
+        return {ev.request_id: ev.token_ids for ev in gen.generate(reqs) if hasattr(ev, "finish_reason")}
+
+    sw2 = SketchWalk(cfg, SketchWalkConfig(density=1.0, dense_layers=(), block_size=16, sketch_dim=16))
+    assert tokens(sw2) == tokens(DenseAttention(cfg.num_layers))
+    assert not sw2._seq_state  # released with the sequences
+
+
+def test_real_density_near_budget(tiny_model):
+    cfg = tiny_model.cfg
+    sw = SketchWalk(cfg, SketchWalkConfig(density=0.2, dense_layers=(0,), block_size=16, sketch_dim=16))
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (448, rand_int(300, 440))]
+    run_steps(tiny_model, sw, prompts[:1], 0)
+    per_layer = sw.meter.per_layer()
+    assert per_layer[0] == 1.0
+    for d in per_layer[1:]:
+        assert 0.17 < d < 0.25, per_layer
+    sw.meter.reset()
+    run_steps(tiny_model, sw, prompts, 8)
+    for d in sw.meter.per_layer()[1:]:
+        assert 0.17 < d < 0.25, sw.meter.per_layer()
