@@ -19,7 +19,7 @@ LOCAL_RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",  # the in-process instance listens on 127.0.0.1 only
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 }
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
 
 
 class JobError(RuntimeError):
