@@ -87,8 +87,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 batch: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
-        return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
+        # Optional backend hook (early token freezing): bool [T] of rows whose hidden state is carried
+        # unchanged through this layer. Their K/V are still projected and cached (the backend decides what
+        # they attend, usually nothing); the residual updates and the MLP run on the other rows only.
+        hook = getattr(backend, "frozen_rows", None)
+        frozen = hook(self.self_attn.layer, batch) if hook is not None else None
+        if frozen is None:
+            h = h + self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
+            return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
+        attn = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
+        live = (~frozen).nonzero().squeeze(1)
+        hl = h[live] + attn[live]
+        hl = hl + self.reduce(self.mlp(self.post_attention_layernorm(hl)))
+        return h.index_copy(0, live, hl)
 
 
 class LlamaBody(nn.Module):

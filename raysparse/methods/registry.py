@@ -33,6 +33,7 @@ BUILTIN_MODULES: list[str] = [
     "raysparse.methods.delta",
     "raysparse.methods.socket",
     "raysparse.methods.sketch_walk",
+    "raysparse.methods.prhs",
 ]
 
 

@@ -1,0 +1,270 @@
+"""PrHS (CIS, PSAW, ETF, CPE) against independent brute force on fresh random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import fresh_cache, random_state, tiny_hf_config
+
+from raysparse.attention import DenseAttention
+from raysparse.config import ModelConfig
+from raysparse.generate import GenerationRequest, Generator
+from raysparse.loader import model_from_state
+from raysparse.methods.base import SeqContext
+from raysparse.methods.prhs import CIS, CPE, ETF, PSAW, CPEConfig, PSAWConfig
+from raysparse.methods.registry import create_backend
+from raysparse.methods.selection import SENTINEL
+from raysparse.sampling import SamplingParams
+
+H_KV, G, D, N_LAYERS = 2, 3, 16, 8
+
+
+def model_cfg() -> ModelConfig:
+    return ModelConfig(97, H_KV * G * D, 80, N_LAYERS, H_KV * G, H_KV, D, 1e-5, 4096, False)
+
+
+def gen(seed: int | None = None) -> torch.Generator:
+    return torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())) if seed is None else seed)
+
+
+def boundary(base: float, expo: float, layer: int, l_s: int, t: int) -> int:
+    """SPEC's P_l(t) / E_l(t), written out independently."""
+    if layer < l_s:
+        return 0
+    return math.floor((1 - base ** (expo * (layer - l_s) / (N_LAYERS - l_s))) * t)
+
+
+def psaw_visible(p: int, layer: int, sink: int, l_s: int = 6, phi: float = 0.7, alpha: float = 1.0) -> list[int]:
+    """0-based keys the query at 0-based position p sees: 1-based {1..C_sink} U [P_l(t), t], t = p + 1."""
+    t = p + 1
+    lo = boundary(phi, alpha, layer, l_s, t)
+    return [j for j in range(p + 1) if j + 1 <= sink or lo <= j + 1 <= t]
+
+
+def rows_of(indices: torch.Tensor) -> list[list[int]]:
+    return [[int(x) for x in row if x != SENTINEL] for row in indices.reshape(-1, indices.shape[-1])]
+
+
+def assert_set_rows(indices: torch.Tensor, n: int) -> None:
+    """Ascending, deduplicated, causal, sentinels only at the end."""
+    for row in indices.reshape(-1, indices.shape[-1]).tolist():
+        valid = [x for x in row if x != SENTINEL]
+        assert row[: len(valid)] == valid and valid == sorted(set(valid)) and 0 <= valid[0] and valid[-1] < n
+
+
+# ---- PSAW --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layer,n,n_q,sink", [(7, 90, 90, 3), (7, 70, 23, 5), (6, 40, 40, 2), (5, 33, 33, 4)])
+def test_psaw_prefill_and_decode_follow_the_formula(layer, n, n_q, sink):
+    g = gen()
+    q = torch.randn(n_q, H_KV * G, D, generator=g)
+    k, v = torch.randn(H_KV, n, D, generator=g), torch.randn(H_KV, n, D, generator=g)
+    m = PSAW(model_cfg(), PSAWConfig(sink=sink, block_size=8))
+    assert m.start_layer == 6
+    ctx = SeqContext(layer, 0, n - n_q, n, {})
+    out, pairs = m.prefill_seq(ctx, q, k, v)
+    want_pairs = 0
+    for r in range(n_q):
+        p = n - n_q + r
+        vis = psaw_visible(p, layer, sink)
+        want_pairs += len(vis) * H_KV
+        for h in range(H_KV * G):
+            kh, vh = k[h // G, vis], v[h // G, vis]
+            ref = torch.softmax(kh @ q[r, h] / math.sqrt(D), 0) @ vh
+            assert torch.allclose(out[r, h], ref, atol=1e-5)
+    assert pairs == want_pairs
+    sel = m.select_prefill(ctx, q, k, v)  # block view: exactly the blocks holding a visible key of some row
+    for qb, row in enumerate(rows_of(sel.indices[0])):
+        ps = [p for p in range(n - n_q, n) if p // 8 == (n - n_q) // 8 + qb]
+        assert row == sorted({j // 8 for p in ps for j in psaw_visible(p, layer, sink)})
+    dec = m.select_decode(SeqContext(layer, 0, n - 1, n, {}), q[-1], k, v)
+    assert_set_rows(dec.indices, n)
+    assert all(r == psaw_visible(n - 1, layer, sink) for r in rows_of(dec.indices))
+
+
+# ---- CIS ---------------------------------------------------------------------------------------
+def brute_cis(qs, ks, sink, local, k, m, r, s, thr, lo_of):
+    """Per-head loop simulation of CIS; returns the per-step per-head sets and the retrieval count."""
+    anchors: list[list] = [[] for _ in range(H_KV)]
+    sets, retrievals = [], 0
+    for step, (q, kk) in enumerate(zip(qs, ks, strict=True)):
+        n = kk.shape[1]
+        if step % s == 0:
+            anchors = [[] for _ in range(H_KV)]
+        lo = lo_of(n)
+        vis = [j for j in range(n) if j < sink or j >= lo]
+        step_sets = []
+        for h in range(H_KV):
+            qv = q[h * G:(h + 1) * G].flatten().double()
+            share = None
+            for aq, aset in reversed(anchors[h]):
+                if float(qv @ aq / (qv.norm() * aq.norm())) > thr:
+                    share = aset
+                    break
+            fixed = {j for j in range(n) if j < sink or j >= n - local}
+            if share is None:
+                retrievals += 1
+                probs = sum(torch.softmax(kk[h].double() @ q[h * G + i].double() / math.sqrt(D), 0) for i in range(G))
+                cands = [j for j in vis if j not in fixed]
+                ranked = sorted(cands, key=lambda j: (-float(probs[j]), j))[:k]
+                dilated = {p + o for p in ranked[:m] for o in range(-r, r + 1) if p + o >= 0}
+                anchors[h].append((qv, set(ranked) | dilated))
+                middle = set(ranked)
+            else:
+                middle = {j for j in share if j < n}
+            step_sets.append(sorted((fixed | middle) & set(vis)))
+        sets.append(step_sets)
+    return sets, retrievals
+
+
+@pytest.mark.parametrize("kind", ["cis", "cpe"])
+def test_cis_sets_and_retrieval_ratio_match_loop_simulation(kind):
+    g = gen()
+    sink, local, topk, s, r, thr, steps, n0 = 2, 3, 7, 4, 1, 0.75, 14, 30
+    kw = dict(sink=sink, local=local, topk=topk, share_block=s, radius=r, threshold=thr)
+    if kind == "cis":
+        m, layer = CIS(model_cfg(), CIS.config_cls(**kw)), 3
+        lo_of = lambda n: 0  # noqa: E731
+    else:
+        m, layer = CPE(model_cfg(), CPEConfig(**kw)), 7
+        lo_of = lambda n: max(boundary(0.7, 1.0, 7, 6, n) - 1, 0)  # noqa: E731
+    k_all = torch.randn(H_KV, n0 + steps, D, generator=g) * 1.5
+    base = torch.randn(H_KV * G, D, generator=g)
+    qs, ks, state = [], [], {}
+    for step in range(steps):
+        if step % 5 == 3:
+            base = torch.randn(H_KV * G, D, generator=g)  # a jump: similarity drops
+        qs.append(base + 0.55 * torch.randn(H_KV * G, D, generator=g))
+        ks.append(k_all[:, : n0 + step + 1])
+    got = []
+    for q, kk in zip(qs, ks, strict=True):
+        n = kk.shape[1]
+        sel = m.select_decode(SeqContext(layer, 0, n - 1, n, state), q, kk, kk)
+        assert_set_rows(sel.indices, n)
+        rows = rows_of(sel.indices)
+        assert all(set(range(sink)) <= set(row) and set(range(n - local, n)) <= set(row) for row in rows)
+        got.append(rows)
+    want, retrievals = brute_cis(qs, ks, sink, local, topk, topk // 3, r, s, thr, lo_of)
+    assert got == want
+    assert m.retrieval_ratio == pytest.approx(retrievals / (steps * H_KV))
+    assert 0 < m.retrieval_ratio < 1  # both sharing and re-retrieval happened
+    per_layer = m.retrieval_ratio_per_layer()
+    assert per_layer[layer] == pytest.approx(m.retrieval_ratio) and per_layer[0] is None
+
+
+def test_cis_density_sets_the_middle_budget():
+    m = create_backend("cis", model_cfg(), density=0.25)
+    from raysparse.methods.cis import cis_budget
+
+    assert cis_budget(m.config, 1000) == (250 - 16 - 64, (250 - 16 - 64) // 3)
+    assert cis_budget(m.config, 100) == (0, 0)
+    assert cis_budget(create_backend("cis", model_cfg()).config, 5000) == (432, 144)
+    with pytest.raises(ValueError):
+        create_backend("cis", model_cfg(), phi=0.5)
+
+
+# ---- on the tiny model -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    cfg = tiny_hf_config(layers=N_LAYERS)
+    return model_from_state(cfg, random_state(cfg, seed=3).state_dict())
+
+
+def run_steps(model, backend, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Packed ragged prefill of the prompts, then greedy decode steps; the logits of every step."""
+    cache = fresh_cache(model, 1024)
+    ids = list(range(len(prompts)))
+    for i, p in enumerate(prompts):
+        cache.allocate(i, len(p) + steps)
+    logits = [model(torch.tensor([t for p in prompts for t in p]), cache.prepare(ids, [len(p) for p in prompts], True),
+                    cache, backend)]
+    for _ in range(steps):
+        nxt = logits[-1].argmax(-1)
+        logits.append(model(nxt, cache.prepare(ids, [1] * len(ids), False), cache, backend))
+    return logits
+
+
+@pytest.fixture(scope="module")
+def dense_run(model):
+    prompts = [torch.randint(0, 97, (n,)).tolist() for n in (45, 30)]
+    return prompts, run_steps(model, DenseAttention(N_LAYERS), prompts, 4)
+
+
+@pytest.mark.parametrize("name,params", [
+    ("cis", dict(threshold=2.0, topk=10**6, sink=2, local=3)),  # always retrieves, k >= n
+    ("psaw", dict(sink=10**6)),  # PSAW's masked path runs at layer 7, with every key a sink
+    ("psaw", dict(phi=1.0)),
+    ("etf", dict(psi=1.0)),
+    ("cpe", dict(threshold=2.0, topk=10**6, sink=2, local=3, phi=1.0, psi=1.0)),
+    ("cpe", dict(threshold=2.0, topk=10**6, sink=10**6)),
+])
+def test_dense_parameters_reproduce_dense(model, dense_run, name, params):
+    prompts, ref = dense_run
+    got = run_steps(model, create_backend(name, model.cfg, **params), prompts, 4)
+    for a, b in zip(ref, got, strict=True):
+        assert (a - b).abs().max().item() < 1e-5
+
+
+def test_etf_freezes_exactly_the_formula_rows(model):
+    sink, l_s = 3, 4
+    lens = [80, 41]
+    backend = ETF(model.cfg, ETF.config_cls(sink=sink, start_layer=l_s))
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0].clone(), out)))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        cache = fresh_cache(model, 512)
+        for i, n in enumerate(lens):
+            cache.allocate(i, n)
+        ids = torch.randint(0, 97, (sum(lens),))
+        model(ids, cache.prepare([0, 1], lens, True), cache, backend)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    frozen_any = 0
+    for layer in range(N_LAYERS):
+        h_in, h_out = seen[layer]
+        rows, attended, off = [], 0, 0
+        for n in lens:  # 1-based positions in (C_sink, E_l(t)) with t = the prompt length
+            e = boundary(0.5, 1.0, layer, l_s, n)
+            rows += [off + p - 1 for p in range(1, n + 1) if sink < p < e]
+            attended += sum(p for p in range(1, n + 1) if not sink < p < e) * model.cfg.num_kv_heads
+            off += n
+        live = sorted(set(range(sum(lens))) - set(rows))
+        assert torch.equal(h_out[rows], h_in[rows])  # carried unchanged: attention and MLP skipped
+        assert all((h_out[r] != h_in[r]).any() for r in live)
+        assert backend.meter.attended[layer] == attended
+        frozen_any += len(rows) > 0
+    assert frozen_any == N_LAYERS - l_s - 1  # every layer past l_s froze something
+
+
+def test_etf_copy_mode_reuses_previous_layer_kv(model):
+    sink, n = 2, 60
+    ids = torch.randint(0, 97, (n,))
+    keys = {}
+    for mode in ("project", "copy"):
+        cache = fresh_cache(model, 128)
+        cache.allocate(0, n)
+        batch = cache.prepare([0], [n], True)
+        model(ids, batch, cache, create_backend("etf", model.cfg, sink=sink, etf_kv=mode))
+        keys[mode] = [cache.gather(layer, batch, 0)[0] for layer in range(N_LAYERS)]
+    fr = list(range(sink, boundary(0.5, 1.0, 7, 6, n) - 1))  # frozen at layer 7 only (l_s = 6)
+    cp, pr = keys["copy"], keys["project"]
+    assert fr and torch.equal(cp[7][:, fr], cp[6][:, fr])
+    assert not torch.equal(pr[7][:, fr], pr[6][:, fr])
+    assert all(torch.equal(cp[i], pr[i]) for i in range(7))
+    assert torch.equal(cp[7][:, fr[-1] + 1:], pr[7][:, fr[-1] + 1:])
+
+
+def test_methods_generate_and_report(model):
+    prompt = tuple(torch.randint(0, 97, (50,)).tolist())
+    for name in ("cis", "psaw", "etf", "cpe"):
+        backend = create_backend(name, model.cfg, sink=4, **({"local": 8, "topk": 12, "share_block": 4}
+                                                              if name in ("cis", "cpe") else {}))
+        gen_ = Generator(model, fresh_cache(model, 256), backend)
+        ev = list(gen_.generate([GenerationRequest(prompt, SamplingParams(6, ignore_eos=True), name)]))
+        assert len(ev[-1].token_ids) == 6 and gen_.cache.free_pages == gen_.cache.num_pages
+        assert backend.meter.overall() < 1.0
+        if name in ("cis", "cpe"):
+            assert 0 < backend.retrieval_ratio <= 1
