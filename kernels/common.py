@@ -1,0 +1,145 @@
+"""What the Triton kernels share: interpreter detection, launch-argument plumbing and the jit helpers that
+address K/V rows in either KV source (``formats.PagedKV`` / ``formats.PackedKV``).
+
+Every helper builds its tensors with device ops from shapes only (no host synchronisation), so the
+decode path stays CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .formats import KVSource, PagedKV
+
+try:  # Triton is optional: CPU-only installs use the PyTorch reference.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (tests); autotuning is skipped there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _patch_interpreter_for_numpy24() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with ``int()``, which
+    NumPy >= 2.4 refuses (triton-lang/triton#9171), so every loop with a runtime bound fails there. Re-set
+    ``tensor.__index__`` to squeeze first; harmless on versions with the upstream fix."""
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover
+        return
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_raysparse_patched", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._raysparse_patched = True  # type: ignore[attr-defined]
+    interp._patch_lang_tensor = patched
+
+
+if HAS_TRITON and interpreting():
+    _patch_interpreter_for_numpy24()
+
+
+@dataclass(frozen=True)
+class KVArgs:
+    """Uniform launch arguments of a KV source: pointer, strides [block/page, head, token], metadata."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_strides: tuple[int, int, int]
+    v_strides: tuple[int, int, int]
+    page_table: torch.Tensor
+    pt_stride: int
+    cu_k: torch.Tensor
+    seqlens: torch.Tensor
+    page_size: int  # 0 for packed sources
+    paged: bool
+    h_kv: int
+    d: int
+
+
+def kv_args(kv: KVSource) -> KVArgs:
+    for t in (kv.k, kv.v):
+        if t.stride(-1) != 1:
+            raise ValueError("K/V need a contiguous last dimension")
+    if isinstance(kv, PagedKV):
+        _, h_kv, page, d = kv.k.shape
+        ks = (kv.k.stride(0), kv.k.stride(1), kv.k.stride(2))
+        vs = (kv.v.stride(0), kv.v.stride(1), kv.v.stride(2))
+        pt = kv.page_table.to(torch.int32)
+        seqlens = kv.seqlens.to(torch.int32)
+        return KVArgs(kv.k, kv.v, ks, vs, pt, pt.stride(0), seqlens, seqlens, page, True, h_kv, d)
+    _, h_kv, d = kv.k.shape
+    ks = (0, kv.k.stride(1), kv.k.stride(0))
+    vs = (0, kv.v.stride(1), kv.v.stride(0))
+    cu = kv.cu_seqlens.to(torch.int32)
+    seqlens = cu[1:] - cu[:-1]
+    return KVArgs(kv.k, kv.v, ks, vs, cu, 0, cu, seqlens, 0, False, h_kv, d)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def check_head_dim(d: int) -> None:
+    # tl.arange needs a power of two; tl.dot needs K >= 16.
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"the Triton kernels need a power-of-two head dim >= 16, got {d}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """16-bit inputs: tensor cores, exact products. fp32 inputs: TF32 tensor cores on the GPU (about 1e-3
+    relative error, like torch matmuls with TF32 allowed; exact fp32 dots spill badly and 3xTF32 tiles
+    overflow shared memory), exact fp32 in the interpreter, where the tests compare with the reference."""
+    return "ieee" if dtype == torch.float32 and interpreting() else "tf32"
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def kv_row_offsets(PT, pt_row, CU_K, seq, tok, kvh, stride_b, stride_h, stride_t,
+                       PAGE: tl.constexpr, PAGED: tl.constexpr):
+        """Element offsets (int64) of the K or V rows of tokens ``tok`` of sequence ``seq``, head ``kvh``.
+
+        Paged: token t lives at page ``page_table[seq, t // PAGE]``, row ``t % PAGE``. Packed: row
+        ``cu_k[seq] + t``. Callers mask ``tok`` themselves; masked lanes must still hold a valid ``tok``
+        (>= 0) so the page-table load stays in bounds.
+        """
+        if PAGED:
+            page = tl.load(PT + pt_row + tok // PAGE).to(tl.int64)
+            off = page * stride_b + (tok % PAGE).to(tl.int64) * stride_t
+        else:
+            base = tl.load(CU_K + seq).to(tl.int64)
+            off = (base + tok.to(tl.int64)) * stride_t
+        return off + kvh.to(tl.int64) * stride_h
+
+    @triton.jit
+    def kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_b, stride_h, stride_t,
+                        BLOCK: tl.constexpr, PAGED: tl.constexpr):
+        """Element offset (int64) of token 0 of key block ``kb``; rows follow at ``stride_t``.
+
+        Paged sources need ``page_size == BLOCK`` (one block is one page)."""
+        if PAGED:
+            off = tl.load(PT + pt_row + kb).to(tl.int64) * stride_b
+        else:
+            off = (tl.load(CU_K + seq).to(tl.int64) + kb * BLOCK) * stride_t
+        return off + kvh.to(tl.int64) * stride_h
+else:  # pragma: no cover - keeps the kernel modules importable (and their wrappers raising) without triton
+    kv_row_offsets = kv_block_offset = None

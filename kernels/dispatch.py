@@ -1,0 +1,165 @@
+"""Kernel dispatch: the reference signatures, served by Triton on CUDA tensors and by PyTorch elsewhere.
+
+``RAYSPARSE_KERNELS`` picks the path: ``auto`` (default: Triton when the tensors are on CUDA and Triton is
+installed), ``triton`` (always Triton; with ``TRITON_INTERPRET=1`` this runs the kernels on the CPU, which
+is how the tests exercise them) or ``torch`` (always the reference). Shapes the kernels do not support
+(head dim or block size not a power of two >= 16) silently take the reference path.
+
+Single-sequence functions mirror ``raysparse.methods.sparse_attention`` / ``raysparse.methods.delta``;
+the ``*_varlen`` functions take the packed ragged formats of ``formats`` and fall back to a per-sequence
+loop over the reference (with host reads, so only for CPU use). Importing this module does not import
+Triton: the kernel modules load on the first Triton call, so CPU-only processes (and the interpreter
+tests, which must set TRITON_INTERPRET before Triton is imported) are unaffected by it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from raysparse.methods import sparse_attention as ref
+from raysparse.methods.selection import BlockSelection, TokenSelection
+
+from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+combine = ref.combine  # torch ops only: device-agnostic and sync-free already
+
+ENV = "RAYSPARSE_KERNELS"
+
+
+def _pow2_at_least_16(x: int) -> bool:
+    return x >= 16 and not x & (x - 1)
+
+
+def use_triton(*tensors: torch.Tensor, head_dim: int, block: int = 16) -> bool:
+    mode = os.environ.get(ENV, "auto").lower()
+    if mode not in ("auto", "triton", "torch"):
+        raise ValueError(f"{ENV} must be auto, triton or torch, got {mode!r}")
+    if mode == "torch" or not HAS_TRITON or not (_pow2_at_least_16(head_dim) and _pow2_at_least_16(block)):
+        return False
+    return mode == "triton" or all(t.is_cuda for t in tensors)
+
+
+def _like_kv(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    # tl.dot needs both operands in one dtype; the cache's dtype wins (the output is cast back).
+    return q if q.dtype == k.dtype else q.to(k.dtype)
+
+
+def _single(k: torch.Tensor, v: torch.Tensor) -> PackedKV:
+    # The kernels need a contiguous head dim; any other stride is fine.
+    return PackedKV.single(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v)))
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: BlockSelection,
+                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [n_q, h, d], the last n_q of the n keys in k, v: [h_kv, n, d]. Returns out [n_q, h, d], lse [n_q, h]."""
+    if not use_triton(q, k, v, sel.indices, head_dim=q.shape[-1], block=sel.block_size):
+        return ref.block_sparse_attention(q, k, v, sel, scale)
+    from .block_sparse_prefill import block_sparse_prefill
+
+    cu_q = torch.arange(2, device=q.device, dtype=torch.int32) * q.shape[0]
+    out, lse = block_sparse_prefill(_like_kv(q, k), _single(k, v), PackedBlockSelection.single(sel), cu_q,
+                                    scale)
+    return out.to(q.dtype), lse
+
+
+def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: TokenSelection,
+                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [h, d] (the newest position); k, v: [h_kv, n, d]. Returns out [h, d], lse [h]."""
+    unit_ok = not sel.block_size & (sel.block_size - 1)
+    if not (unit_ok and use_triton(q, k, v, sel.indices, head_dim=q.shape[-1])):
+        return ref.sparse_decode_attention(q, k, v, sel, scale)
+    from .sparse_decode import sparse_decode
+
+    out, lse = sparse_decode(_like_kv(q, k)[None], _single(k, v), sel.indices[None], sel.block_size, scale)
+    return out[0].to(q.dtype), lse[0]
+
+
+def strided_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: int, q_start: int,
+                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows q[(-q_start) % gamma :: gamma] densely over their causal keys (k, v: [h_kv, q_start + n_q, d])."""
+    if not use_triton(q, k, v, head_dim=q.shape[-1]):
+        from raysparse.methods.delta import strided_dense_attention as strided_ref  # heavy import, CPU only
+
+        return strided_ref(q, k, v, gamma, q_start, scale)
+    from .strided_dense import strided_dense
+
+    n_q, n = q.shape[0], k.shape[1]
+    cu_q = torch.arange(2, device=q.device, dtype=torch.int32) * n_q
+    out, lse = strided_dense(_like_kv(q, k), _single(k, v), cu_q, gamma, [n_q], [n], scale)
+    return out.to(q.dtype), lse
+
+
+# ---- ragged batches ---------------------------------------------------------------------------------
+
+def _seq_kv(kv: KVSource, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence i's K, V as [h_kv, n, d] (host reads: reference path only)."""
+    if isinstance(kv, PagedKV):
+        n, page = int(kv.seqlens[i]), kv.k.shape[2]
+        pages = kv.page_table[i, : -(-n // page)].long()
+        h_kv, d = kv.k.shape[1], kv.k.shape[3]
+        return tuple(t[pages].transpose(0, 1).reshape(h_kv, -1, d)[:, :n] for t in (kv.k, kv.v))
+    lo, hi = int(kv.cu_seqlens[i]), int(kv.cu_seqlens[i + 1])
+    return kv.k[lo:hi].transpose(0, 1), kv.v[lo:hi].transpose(0, 1)
+
+
+def block_sparse_attention_varlen(q: torch.Tensor, kv: KVSource, sel: PackedBlockSelection,
+                                  cu_seqlens_q: torch.Tensor, scale: float | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed q [T, h, d] -> out [T, h, d], lse [T, h] (formats: ``block_sparse_prefill``)."""
+    if use_triton(q, kv.k, sel.indices, head_dim=q.shape[-1], block=sel.block_size):
+        from .block_sparse_prefill import block_sparse_prefill
+
+        out, lse = block_sparse_prefill(_like_kv(q, kv.k), kv, sel, cu_seqlens_q, scale)
+        return out.to(q.dtype), lse
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for i in range(cu_seqlens_q.numel() - 1):
+        lo, hi = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        b0, b1 = int(sel.qblock_start[i]), int(sel.qblock_start[i + 1])
+        k, v = _seq_kv(kv, i)
+        one = BlockSelection(sel.indices[:, b0:b1], sel.block_size)
+        out[lo:hi], lse[lo:hi] = ref.block_sparse_attention(q[lo:hi], k, v, one, scale)
+    return out, lse
+
+
+def sparse_decode_attention_varlen(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1,
+                                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [batch, h, d], indices [batch, h_kv, max_sel] -> out [batch, h, d], lse [batch, h] (``sparse_decode``)."""
+    if not unit & (unit - 1) and use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
+        from .sparse_decode import sparse_decode
+
+        out, lse = sparse_decode(_like_kv(q, kv.k), kv, indices, unit, scale)
+        return out.to(q.dtype), lse
+    outs, lses = [], []
+    for i in range(q.shape[0]):
+        k, v = _seq_kv(kv, i)
+        o, s = ref.sparse_decode_attention(q[i], k, v, TokenSelection(indices[i], unit), scale)
+        outs.append(o)
+        lses.append(s)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def strided_dense_attention_varlen(q: torch.Tensor, kv: KVSource, cu_seqlens_q: torch.Tensor, gamma: int,
+                                   q_lens: list[int], k_lens: list[int], scale: float | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed strided rows of every sequence: out [R, h, d], lse [R, h] (``strided_dense``)."""
+    if use_triton(q, kv.k, head_dim=q.shape[-1]):
+        from .strided_dense import strided_dense
+
+        out, lse = strided_dense(_like_kv(q, kv.k), kv, cu_seqlens_q, gamma, q_lens, k_lens, scale)
+        return out.to(q.dtype), lse
+    from raysparse.methods.delta import strided_dense_attention as strided_ref
+
+    outs, lses, lo = [], [], 0
+    for i, (q_len, n) in enumerate(zip(q_lens, k_lens, strict=True)):
+        k, v = _seq_kv(kv, i)
+        o, s = strided_ref(q[lo: lo + q_len], k, v, gamma, n - q_len, scale)
+        outs.append(o)
+        lses.append(s)
+        lo += q_len
+    return torch.cat(outs), torch.cat(lses)

@@ -1,0 +1,181 @@
+"""Split-K sparse decode attention (flash decoding over a selection) with native GQA and a ragged batch.
+
+Packed selection format: ``indices`` int32 ``[batch, h_kv, max_sel]``, row (i, j) the ascending entries of
+sequence i's ``TokenSelection.indices[j]`` padded with ``SENTINEL`` (``pack_token_selections``). An entry is a
+token (``unit=1``) or a block of ``unit`` tokens (block e covers tokens ``e*unit .. e*unit+unit-1``); with a
+paged cache whose page size equals ``unit`` a block entry is simply a logical page, read through the page
+table. ``q``: ``[batch, h, d]``, one new query per sequence, the newest of its ``n`` keys (from the KV source).
+
+Grid: (split, KV head, sequence). Each program owns a contiguous range of ``per_split`` entries of one KV
+head's list and processes the g query heads of that head together as the M side of ``tl.dot`` (padded to
+16 rows), so every selected K/V row is read once for the whole group. It counts its valid entries (they are
+a prefix of the range, the list being ascending and padded at the end), loops over exactly those, and
+writes a normalised partial output and its log2-sum-exp. A second kernel combines the splits. The split
+count comes from shapes and the SM count only and nothing is read back to the host, so the whole call can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .common import (
+    LOG2E,
+    KVSource,
+    check_head_dim,
+    dot_precision,
+    interpreting,
+    kv_args,
+    kv_row_offsets,
+    next_pow2,
+    tl,
+    triton,
+)
+from .formats import pack_token_selections  # noqa: F401 - re-exported
+
+_BLOCK_N = 64  # keys per inner step
+_CNT_CHUNK = 64  # entries counted per step
+_MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, pipeline fill, combine) dominates
+_MAX_SPLITS = 128
+
+
+def num_splits_for(batch: int, h_kv: int, max_sel: int, unit: int, device: torch.device) -> tuple[int, int]:
+    """(splits, entries per split) from shapes only: enough programs to fill the GPU about four times over,
+    but at least ``_MIN_TOKENS_PER_SPLIT`` selected tokens per split."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    by_work = -(-(max_sel * unit) // _MIN_TOKENS_PER_SPLIT)
+    by_grid = -(-(4 * sms) // max(1, batch * h_kv))
+    splits = max(1, min(by_work, by_grid, _MAX_SPLITS, max_sel))
+    per = -(-max_sel // splits)
+    step = max(1, _BLOCK_N // unit)  # keep every split's token count a multiple of the inner step
+    per = -(-per // step) * step
+    return -(-max_sel // per), per
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT,
+                             stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                             stride_ib, stride_ih, stride_pt, max_sel, per_split, num_splits, qk_scale,
+                             G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, UNIT: tl.constexpr,
+                             PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                             CNT_CHUNK: tl.constexpr):
+        split = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq = tl.program_id(2)
+        n = tl.load(SEQ_K + seq)
+        e0 = split * per_split
+        e_end = tl.minimum(e0 + per_split, max_sel)
+        gi = tl.arange(0, G_PAD)
+        head = kvh * G + gi
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + seq.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :],
+                    mask=(gi < G)[:, None], other=0.0)  # issued before the count: overlaps its latency
+        idx_row = IDX + seq.to(tl.int64) * stride_ib + kvh.to(tl.int64) * stride_ih
+        cnt = tl.zeros((), dtype=tl.int32)
+        for c in range(e0, e_end, CNT_CHUNK):
+            e_off = c + tl.arange(0, CNT_CHUNK)
+            e = tl.load(idx_row + e_off, mask=e_off < e_end, other=-1)
+            cnt += tl.sum((e >= 0).to(tl.int32))
+        units = cnt * UNIT
+        pt_row = seq.to(tl.int64) * stride_pt
+        m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        for u0 in range(0, units, BLOCK_N):
+            u = u0 + tl.arange(0, BLOCK_N)
+            u_ok = u < units
+            ent = tl.load(idx_row + e0 + u // UNIT, mask=u_ok, other=0)
+            tok = ent * UNIT + u % UNIT
+            ok = u_ok & (tok < n)  # the last block may run past the sequence's end
+            tok = tl.where(ok, tok, 0)
+            k_off = kv_row_offsets(PT, pt_row, CU_K, seq, tok, kvh, stride_kb, stride_kh, stride_kt, PAGE, PAGED)
+            k = tl.load(K + k_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_off = kv_row_offsets(PT, pt_row, CU_K, seq, tok, kvh, stride_vb, stride_vh, stride_vt, PAGE, PAGED)
+            v = tl.load(V + v_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+            m_i = m_new
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        row = (seq * (tl.num_programs(1) * G) + head).to(tl.int64) * num_splits + split  # [batch, h, splits]
+        tl.store(PO + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=(gi < G)[:, None])
+        tl.store(PL + row, lse2, mask=gi < G)
+
+    @triton.jit
+    def _decode_combine_kernel(PO, PL, Out, LSE, stride_ob, stride_oh, num_splits,
+                               HEAD_DIM: tl.constexpr, NS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+        head = tl.program_id(0)
+        seq = tl.program_id(1)
+        row = seq.to(tl.int64) * tl.num_programs(0) + head  # (seq, head) in [batch, h]
+        s = tl.arange(0, NS_PAD)
+        mx = tl.max(tl.load(PL + row * num_splits + s, mask=s < num_splits, other=float("-inf")), 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        d = tl.arange(0, HEAD_DIM)
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        l_sum = tl.zeros((), dtype=tl.float32)
+        for c in range(0, num_splits, CHUNK):
+            sc = c + tl.arange(0, CHUNK)
+            ok = sc < num_splits
+            w = tl.exp2(tl.load(PL + row * num_splits + sc, mask=ok, other=float("-inf")) - mx)
+            o = tl.load(PO + (row * num_splits + sc)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * o, 0)
+            l_sum += tl.sum(w, 0)
+        empty = l_sum == 0.0
+        l_safe = tl.where(empty, 1.0, l_sum)
+        tl.store(Out + seq.to(tl.int64) * stride_ob + head * stride_oh + d, (acc / l_safe).to(Out.dtype.element_ty))
+        tl.store(LSE + row, tl.where(empty, float("-inf"), (mx + tl.log2(l_safe)) * 0.6931471805599453))
+
+
+def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1, scale: float | None = None,
+                  num_splits: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [batch, h, d]; indices: int32 [batch, h_kv, max_sel]. Returns out [batch, h, d] (q's dtype) and
+    lse [batch, h] fp32 (natural log); a query with no valid key gets zeros and lse = -inf. ``out``/``lse``
+    may be preallocated (static buffers for CUDA graphs)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    batch, h, d = q.shape
+    a = kv_args(kv)
+    check_head_dim(d)
+    if h % a.h_kv or a.d != d or indices.shape[:2] != (batch, a.h_kv):
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, KV heads {a.h_kv}, indices {tuple(indices.shape)}")
+    if unit < 1 or unit & (unit - 1):
+        raise ValueError(f"unit must be a power of two, got {unit}")
+    g = h // a.h_kv
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    idx = indices if indices.dtype == torch.int32 and indices.stride(-1) == 1 else indices.to(torch.int32).contiguous()
+    max_sel = idx.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(batch, h, dtype=torch.float32, device=q.device) if lse is None else lse
+    if batch == 0:
+        return out, lse
+    if num_splits is None:
+        splits, per = num_splits_for(batch, a.h_kv, max(max_sel, 1), unit, q.device)
+    else:
+        per = -(-max(max_sel, 1) // num_splits)
+        splits = -(-max(max_sel, 1) // per)
+    part_o = torch.empty(batch, h, splits, d, dtype=torch.float32, device=q.device)
+    part_l = torch.empty(batch, h, splits, dtype=torch.float32, device=q.device)
+    # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
+    page = a.page_size if a.paged else 1
+    _decode_split_kernel[(splits, a.h_kv, batch)](
+        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, q.stride(0), q.stride(1),
+        *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride, max_sel, per, splits, scale * LOG2E,
+        G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=_BLOCK_N,
+        PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK, num_warps=4, num_stages=1 if interpreting() else 3)
+    ns_pad = next_pow2(splits)
+    _decode_combine_kernel[(h, batch)](part_o, part_l, out, lse, out.stride(0), out.stride(1), splits,
+                                       HEAD_DIM=d, NS_PAD=ns_pad, CHUNK=min(ns_pad, 16), num_warps=4)
+    return out, lse

@@ -1,0 +1,241 @@
+"""The Triton kernels against the PyTorch reference, on fresh random inputs.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
+imported); with one they run compiled. Shapes stay small: the interpreter pays per program. Every case
+fills the outputs with NaN first, so an element the kernel forgot to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # Triton's own library functions were built for compiled mode: the interpreter cannot run them.
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this file alone or "
+                    "export TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from raysparse.kernels import dispatch  # noqa: E402
+from raysparse.kernels.block_sparse_prefill import block_sparse_prefill  # noqa: E402
+from raysparse.kernels.formats import PackedKV, PagedKV, pack_block_selections, pack_token_selections  # noqa: E402
+from raysparse.kernels.sparse_decode import sparse_decode  # noqa: E402
+from raysparse.kernels.strided_dense import strided_dense, strided_rows  # noqa: E402
+
+from raysparse.methods import sparse_attention as ref  # noqa: E402
+from raysparse.methods.delta import strided_dense_attention as strided_ref  # noqa: E402
+from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+B = 64
+H_KV = 2
+# (n keys, n_q new queries): a full prefill ending mid-block, a chunk starting mid-block, one query, one
+# exact block.
+PREFILL_LENS = [(200, 200), (300, 70), (129, 1), (64, 64)]
+DECODE_LENS = [300, 1000, 70, 5]
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    if dtype == torch.float32 and DEV.type == "cuda":  # fp32 dots use TF32 on the GPU
+        return dict(atol=1e-2, rtol=1e-2)
+    return dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+
+
+def _seqs(lens: list[tuple[int, int]], g: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    return [(torch.randn(nq, H_KV * g, d, generator=gen).to(DEV, dtype),
+             torch.randn(H_KV, n, d, generator=gen).to(DEV, dtype),
+             torch.randn(H_KV, n, d, generator=gen).to(DEV, dtype)) for n, nq in lens]
+
+
+def _kv(ks: list[torch.Tensor], vs: list[torch.Tensor], layout: str, gen: torch.Generator):
+    lens = [k.shape[1] for k in ks]
+    if layout == "packed":
+        cu = torch.tensor([0, *lens]).cumsum(0).to(DEV, torch.int32)
+        return PackedKV(torch.cat([k.transpose(0, 1) for k in ks]), torch.cat([v.transpose(0, 1) for v in vs]), cu)
+    need = [-(-n // B) for n in lens]
+    perm = torch.randperm(sum(need) + 3, generator=gen)  # shuffled pages, a few never used
+    d, dtype = ks[0].shape[-1], ks[0].dtype
+    # NaN everywhere no sequence wrote: a kernel reading past a sequence's end poisons its output.
+    kc = torch.full((perm.numel(), H_KV, B, d), float("nan"), dtype=dtype, device=DEV)
+    vc = kc.clone()
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    at = 0
+    for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        pages = perm[at: at + need[i]]
+        table[i, : need[i]] = pages.int()
+        at += need[i]
+        for j, p in enumerate(pages.tolist()):
+            kc[p, :, : k[:, j * B:(j + 1) * B].shape[1]] = k[:, j * B:(j + 1) * B]
+            vc[p, :, : v[:, j * B:(j + 1) * B].shape[1]] = v[:, j * B:(j + 1) * B]
+    return PagedKV(kc, vc, table.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV))
+
+
+def _block_sel(n: int, n_q: int, gen: torch.Generator) -> BlockSelection:
+    """Random causal selection with sink + diagonal, one empty row, one stray future block, extra padding."""
+    q_start = n - n_q
+    qb0, nkb = q_start // B, -(-n // B)
+    nqb = -(-(q_start % B + n_q) // B)
+    qb = qb0 + torch.arange(nqb)
+    kb = torch.arange(nkb)
+    mask = (torch.rand(H_KV, nqb, nkb, generator=gen) < 0.5) & (kb <= qb[:, None])
+    mask |= (kb == 0) | (kb == qb[:, None])
+    if nqb > 1:
+        mask[0, 0] = False  # a query block with nothing selected: zeros and lse = -inf
+        mask[1, 0, qb0 + 1] = True  # above the diagonal: fully masked, must not change the result
+    return BlockSelection(indices_from_mask(mask, width=nkb + 2), B)
+
+
+PREFILL_CASES = [  # (g, d, dtype, layout, block_qt)
+    (1, 64, torch.float16, "packed", None),
+    (4, 128, torch.float32, "paged", None),
+    (8, 64, torch.float16, "paged", None),
+    (4, 64, torch.float16, "packed", 16),  # several tiles per query block
+    (3, 64, torch.float32, "packed", None),  # a group size that is not a power of two
+]
+
+
+@pytest.mark.parametrize("g,d,dtype,layout,block_qt", PREFILL_CASES)
+def test_block_sparse_prefill(g: int, d: int, dtype: torch.dtype, layout: str, block_qt: int | None) -> None:
+    gen = torch.Generator().manual_seed(g * 1000 + d)
+    seqs = _seqs(PREFILL_LENS, g, d, dtype, gen)
+    sels = [_block_sel(n, nq, gen) for n, nq in PREFILL_LENS]
+    q = torch.cat([s[0] for s in seqs])
+    kv = _kv([s[1] for s in seqs], [s[2] for s in seqs], layout, gen)
+    cu_q = torch.tensor([0] + [nq for _, nq in PREFILL_LENS]).cumsum(0).to(DEV, torch.int32)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEV)
+    block_sparse_prefill(q, kv, pack_block_selections(sels), cu_q, block_qt=block_qt, out=out, lse=lse)
+    refs = [ref.block_sparse_attention(qi.float(), ki.float(), vi.float(), s)
+            for (qi, ki, vi), s in zip(seqs, sels, strict=True)]
+    torch.testing.assert_close(out.float(), torch.cat([r[0] for r in refs]), **_tol(dtype))
+    torch.testing.assert_close(lse, torch.cat([r[1] for r in refs]), **_tol(dtype))
+    assert torch.isneginf(lse).any()  # the empty row was exercised
+
+
+DECODE_CASES = [  # (g, d, unit, layout, dtype, num_splits)
+    (1, 128, 1, "packed", torch.float32, None),
+    (4, 64, 64, "paged", torch.float16, 3),
+    (8, 128, 64, "paged", torch.float16, None),
+    (4, 64, 1, "paged", torch.float16, 5),  # token gathers through the page table; some splits empty
+    (3, 64, 16, "packed", torch.float32, None),  # blocks smaller than pages, odd group size
+]
+
+
+@pytest.mark.parametrize("g,d,unit,layout,dtype,num_splits", DECODE_CASES)
+def test_sparse_decode(g: int, d: int, unit: int, layout: str, dtype: torch.dtype, num_splits: int | None) -> None:
+    gen = torch.Generator().manual_seed(7 * g + d + unit)
+    seqs = _seqs([(n, 1) for n in DECODE_LENS], g, d, dtype, gen)
+    sels = []
+    for i, n in enumerate(DECODE_LENS):
+        units = -(-n // unit)
+        mask = torch.rand(H_KV, units, generator=gen) < 0.3
+        mask[:, 0] = True
+        if i == 2:
+            mask[0] = False  # a KV head with an empty selection
+        sels.append(TokenSelection(indices_from_mask(mask, width=units + i).to(DEV), unit))
+    q = torch.stack([s[0][0] for s in seqs])
+    kv = _kv([s[1] for s in seqs], [s[2] for s in seqs], layout, gen)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEV)
+    sparse_decode(q, kv, pack_token_selections(sels), unit, num_splits=num_splits, out=out, lse=lse)
+    refs = [ref.sparse_decode_attention(qi[0].float(), ki.float(), vi.float(), s)
+            for (qi, ki, vi), s in zip(seqs, sels, strict=True)]
+    torch.testing.assert_close(out.float(), torch.stack([r[0] for r in refs]), **_tol(dtype))
+    torch.testing.assert_close(lse, torch.stack([r[1] for r in refs]), **_tol(dtype))
+    assert torch.isneginf(lse[2, :g]).all()
+
+
+STRIDED_CASES = [  # (g, d, gamma, layout, dtype, block_qt)
+    (1, 64, 16, "packed", torch.float16, None),
+    (4, 128, 64, "paged", torch.float32, None),
+    (8, 64, 32, "paged", torch.float16, 2),  # several row tiles per sequence
+]
+
+
+@pytest.mark.parametrize("g,d,gamma,layout,dtype,block_qt", STRIDED_CASES)
+def test_strided_dense(g: int, d: int, gamma: int, layout: str, dtype: torch.dtype, block_qt: int | None) -> None:
+    gen = torch.Generator().manual_seed(g + d + gamma)
+    lens = [(300, 300), (500, 77), (130, 1), (40, 3)]
+    seqs = _seqs(lens, g, d, dtype, gen)
+    q = torch.cat([s[0] for s in seqs])
+    kv = _kv([s[1] for s in seqs], [s[2] for s in seqs], layout, gen)
+    cu_q = torch.tensor([0] + [nq for _, nq in lens]).cumsum(0).to(DEV, torch.int32)
+    q_lens, k_lens = [nq for _, nq in lens], [n for n, _ in lens]
+    rows = sum(strided_rows(q_lens, k_lens, gamma))
+    out = torch.full((rows, *q.shape[1:]), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((rows, q.shape[1]), float("nan"), device=DEV)
+    strided_dense(q, kv, cu_q, gamma, q_lens, k_lens, block_qt=block_qt, out=out, lse=lse)
+    refs = [strided_ref(qi.float(), ki.float(), vi.float(), gamma, n - nq)
+            for (qi, ki, vi), (n, nq) in zip(seqs, lens, strict=True)]
+    torch.testing.assert_close(out.float(), torch.cat([r[0] for r in refs]), **_tol(dtype))
+    torch.testing.assert_close(lse, torch.cat([r[1] for r in refs]), **_tol(dtype))
+
+
+def test_dispatch_single_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference signatures: Triton when forced, the reference itself when told so or unsupported."""
+    gen = torch.Generator().manual_seed(3)
+    (q, k, v), = _seqs([(150, 90)], 4, 64, torch.float32, gen)
+    sel = _block_sel(150, 90, gen)
+    tsel = TokenSelection(indices_from_mask(torch.rand(H_KV, 3, generator=gen) < 0.7, width=4).to(DEV), B)
+    calls = {
+        "prefill": (lambda m: m.block_sparse_attention(q, k, v, sel)),
+        "decode": (lambda m: m.sparse_decode_attention(q[-1], k, v, tsel)),
+        "strided": (lambda m: m.strided_dense_attention(q, k, v, 16, 60) if m is dispatch
+                    else strided_ref(q, k, v, 16, 60)),
+    }
+    for name, call in calls.items():
+        expect = call(ref)
+        monkeypatch.setenv(dispatch.ENV, "torch")
+        for a, b in zip(call(dispatch), expect, strict=True):
+            assert torch.equal(a, b), name
+        monkeypatch.setenv(dispatch.ENV, "triton")
+        for a, b in zip(call(dispatch), expect, strict=True):
+            torch.testing.assert_close(a, b, **_tol(torch.float32), msg=name)
+    assert not dispatch.use_triton(q, head_dim=48)  # unsupported head dim: reference even when forced
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    assert dispatch.use_triton(q, head_dim=64) == (DEV.type == "cuda")
+
+
+def test_dispatch_varlen_fallback_matches_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ragged entry points give the same answer through the reference loop and through Triton."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [(130, 130), (200, 10)]
+    seqs = _seqs(lens, 2, 64, torch.float32, gen)
+    q = torch.cat([s[0] for s in seqs])
+    kv = _kv([s[1] for s in seqs], [s[2] for s in seqs], "paged", gen)
+    cu_q = torch.tensor([0] + [nq for _, nq in lens]).cumsum(0).to(DEV, torch.int32)
+    psel = pack_block_selections([_block_sel(n, nq, gen) for n, nq in lens])
+    idx = torch.stack([indices_from_mask(torch.rand(H_KV, 4, generator=gen) < 0.5, width=5) for _ in lens]).to(DEV)
+    q1 = torch.stack([s[0][-1] for s in seqs])
+    runs = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv(dispatch.ENV, mode)
+        runs[mode] = (dispatch.block_sparse_attention_varlen(q, kv, psel, cu_q),
+                      dispatch.sparse_decode_attention_varlen(q1, kv, idx, B),
+                      dispatch.strided_dense_attention_varlen(q, kv, cu_q, 32, [130, 10], [130, 200]))
+    for a, b in zip(runs["torch"], runs["triton"], strict=True):
+        torch.testing.assert_close(a[0], b[0], **_tol(torch.float32))
+        torch.testing.assert_close(a[1], b[1], **_tol(torch.float32))
+
+
+def test_combine_of_splits_equals_whole() -> None:
+    """Two decode calls over disjoint halves of a selection, combined, equal one call over all of it."""
+    gen = torch.Generator().manual_seed(11)
+    (q, k, v), = _seqs([(400, 1)], 4, 64, torch.float32, gen)
+    mask = (torch.rand(H_KV, 400, generator=gen) < 0.4).to(DEV)
+    first = torch.arange(400, device=DEV) < 200
+    idx, lo, hi = (indices_from_mask(m, width=400) for m in (mask, mask & first, mask & ~first))
+    kv = PackedKV.single(k, v)
+    whole = sparse_decode(q[-1:], kv, idx[None])
+    a = sparse_decode(q[-1:], kv, lo[None])
+    b = sparse_decode(q[-1:], kv, hi[None])
+    out, lse = dispatch.combine(a[0], a[1], b[0], b[1])
+    torch.testing.assert_close(out, whole[0], **_tol(torch.float32))
+    torch.testing.assert_close(lse, whole[1], **_tol(torch.float32))
+    assert math.isfinite(float(lse.min()))
