@@ -17,10 +17,12 @@ import torch
 
 from raysparse.attention import AttentionBackend, causal_pairs, dense_attention
 from raysparse.config import ModelConfig
+
+# Triton on CUDA tensors, the PyTorch reference otherwise (same signatures, same results within tolerance).
+from raysparse.kernels.dispatch import block_sparse_attention, sparse_decode_attention
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.registry import MethodSpec
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs
-from raysparse.methods.sparse_attention import block_sparse_attention, sparse_decode_attention
 
 # Parameters every command may pass; a method without them ignores them (dense has no density).
 SHARED_PARAMS = frozenset({"density", "dense_layers"})

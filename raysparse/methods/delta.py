@@ -35,6 +35,7 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.kernels import dispatch
 from raysparse.methods import baselines  # noqa: F401  - registers the default base, streaming
 from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec
 from raysparse.methods.registry import create_backend, register
@@ -159,7 +160,7 @@ class Delta(SparseMethod):
         out = o_sparse
         if cfg.mode != "sparse-only":
             first = (-ctx.q_start) % gamma
-            o_rows, _ = strided_dense_attention(q, k, v, gamma, ctx.q_start)
+            o_rows, _ = dispatch.strided_dense_attention(q, k, v, gamma, ctx.q_start)
             out = o_sparse.float()
             if cfg.mode == "delta":
                 out = out + self._deltas(ctx, o_rows.float() - out[first::gamma], pos, first)

@@ -51,11 +51,11 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.kernels.dispatch import sparse_decode_attention
 from raysparse.methods import lsh
 from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
 from raysparse.methods.registry import register
 from raysparse.methods.selection import TokenSelection
-from raysparse.methods.sparse_attention import sparse_decode_attention
 
 GROUP_REDUCES = ("mean", "max")
 NORM_BYTES = 4  # fp32 ||v||_2 per key and KV head
