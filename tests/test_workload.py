@@ -41,7 +41,8 @@ def test_prompt_is_close_to_requested_size(tokenizer: Any, haystack: tuple[str, 
                                            context_tokens: int) -> None:
     task = W.build_retrieval_task(tokenizer, *haystack, context_tokens=context_tokens)
     assert len(task.prompt_ids) <= context_tokens
-    assert len(task.prompt_ids) >= 0.95 * context_tokens
+    # Whole sentences only: a long one at each end can leave a gap, which matters only in small prompts.
+    assert len(task.prompt_ids) >= (0.97 if context_tokens >= 1024 else 0.85) * context_tokens
     assert task.context_tokens == context_tokens
 
 
@@ -133,7 +134,7 @@ def test_load_haystack_text_errors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kwargs", [
     {"context_tokens": 100}, {"context_tokens": 4096.0}, {"context_tokens": True},
-    {"depth": -0.1}, {"depth": 1.5}, {"depth": float("nan")},
+    {"depth": -0.1}, {"depth": 1.5}, {"depth": float("nan")}, {"depth": True}, {"depth": "0.5"},
 ])
 def test_bad_arguments_raise(tokenizer: Any, haystack: tuple[str, str], kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
