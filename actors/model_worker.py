@@ -47,6 +47,7 @@ class ModelWorker:
         if src.gguf_file is not None:
             yield {"type": "progress", "stage": "converting GGUF to a cached HF copy (first run only)"}
             src = materialize(src)
+        self.model_dir = src.directory
         yield {"type": "progress", "stage": "reading config"}
         hf_config = load_hf_config(src)
         yield {"type": "progress", "stage": "loading tokenizer"}
@@ -77,7 +78,13 @@ class ModelWorker:
                  method_params: dict[str, Any] | None = None, request_id: str = "0") -> Iterator[Event]:
         backend = create_backend(method, self.model.cfg, **(method_params or {}))
         request = GenerationRequest(tuple(prompt_ids), SamplingParams(**params), request_id)
-        gen = Generator(self.model, self.cache, backend, self.tokenizer)
+        if getattr(backend, "speculative", False):
+            from raysparse.specattn import SpecAttnGenerator, resolve_layer_map
+
+            layer_map = resolve_layer_map(self.model, self.model_dir, backend.draft_layers, self.tokenizer)
+            gen: Generator = SpecAttnGenerator(self.model, self.cache, backend, self.tokenizer, layer_map=layer_map)
+        else:
+            gen = Generator(self.model, self.cache, backend, self.tokenizer)
         events: queue.Queue[Event | None] = queue.Queue()
         layers = self.model.cfg.num_layers
 
@@ -90,7 +97,8 @@ class ModelWorker:
                     elif isinstance(ev, FinishEvent):
                         events.put({"type": "finish", **asdict(ev), "decode_tokens_per_s": ev.decode_tokens_per_s,
                                     "method": method, "density": backend.meter.overall(),
-                                    "density_per_layer": backend.meter.per_layer()})
+                                    "density_per_layer": backend.meter.per_layer(),
+                                    **({"specattn": backend.stats.to_dict()} if hasattr(backend, "stats") else {})})
             except Exception as e:  # reported to the caller as an event; the worker stays usable
                 events.put({"type": "error", "error": f"{type(e).__name__}: {e}"})
             finally:

@@ -143,6 +143,15 @@ class KVCache:
     def seq_len(self, seq_id: int) -> int:
         return self._lens[seq_id]
 
+    def truncate(self, seq_id: int, new_len: int) -> None:
+        """Rolls a sequence back to its first ``new_len`` tokens (rejected speculative tokens). Its pages stay
+        reserved; the dropped slots are never read again and the next ``prepare``/``write`` overwrites them.
+        Method metadata in ``metadata`` is the method's to roll back."""
+        cur = self._lens[seq_id]
+        if not 0 <= new_len <= cur:
+            raise ValueError(f"cannot truncate sequence {seq_id} of {cur} tokens to {new_len}")
+        self._lens[seq_id] = new_len
+
     def page_table(self, seq_id: int) -> torch.Tensor:
         return torch.tensor(self._pages[seq_id], dtype=torch.int64, device=self.device)
 

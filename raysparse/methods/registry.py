@@ -34,6 +34,7 @@ BUILTIN_MODULES: list[str] = [
     "raysparse.methods.socket",
     "raysparse.methods.sketch_walk",
     "raysparse.methods.prhs",
+    "raysparse.specattn.method",
 ]
 
 

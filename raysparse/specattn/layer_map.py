@@ -1,0 +1,372 @@
+"""Layer mapping f: verifier layer -> draft layer, by monotone DTW over attention KL similarities.
+
+S[i, j] = -KL(A_verifier_j || A_draft_i), where A are attention distributions over the context, averaged
+over each KV group's query heads (the draft and the verifier have the same KV heads: the draft is the
+verifier with a subset of its layers). KL is per KV head and per probed decode row, then averaged.
+
+How the distributions are probed (``compute_layer_map``): each text window's prefix is prefilled densely
+into one KV cache, then for ``steps`` further tokens of the real text (teacher forced) the draft takes a
+decode step exactly as it does while serving (its own queries over the shared cache, see ``draft``),
+the cache is rolled back, and the verifier takes the same step densely. Both record their attention rows.
+So the similarities are measured on the same kind of rows the draft produces at serve time.
+
+``monotone_dtw`` is the paper's Algorithm 3: maximise sum_j S[f(j), j] over non-decreasing f, with draft
+layers allowed to be skipped or repeated and no constraint on the first or last draft layer used. Ties go
+to the smaller draft layer. The map is saved as a small JSON file (``specattn_layer_map.json``) in the
+model directory, or, when that is not writable, under the raysparse cache directory keyed by the model
+directory's path; ``specattn_map_main`` is the body of ``raysparse specattn-map``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raysparse.attention import DenseAttention
+from raysparse.kv_cache import KVCache
+from raysparse.model import LlamaForCausalLM
+from raysparse.specattn.draft import AttentionProbe, default_draft_layers, draft_forward, validate_draft_layers
+
+MAP_FILE = "specattn_layer_map.json"
+FORMAT = "raysparse-specattn-layer-map"
+VERSION = 1
+_EPS = 1e-10
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """``mapping[j]`` is the draft layer (a verifier layer index, one of ``draft_layers``) for verifier
+    layer j."""
+
+    num_layers: int
+    draft_layers: tuple[int, ...]
+    mapping: tuple[int, ...]
+    similarity: tuple[tuple[float, ...], ...] = ()  # S[i, j], i over draft_layers, j over verifier layers
+    source: str = ""
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        validate_draft_layers(self.draft_layers, self.num_layers)
+        if len(self.mapping) != self.num_layers:
+            raise ValueError(f"layer map has {len(self.mapping)} entries for {self.num_layers} verifier layers")
+        allowed = set(self.draft_layers)
+        if any(m not in allowed for m in self.mapping):
+            raise ValueError(f"layer map {list(self.mapping)} uses layers outside the draft {list(self.draft_layers)}")
+        if any(a > b for a, b in zip(self.mapping, self.mapping[1:], strict=False)):
+            raise ValueError(f"layer map {list(self.mapping)} is not monotone")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "num_layers": self.num_layers,
+                "draft_layers": list(self.draft_layers), "map": list(self.mapping),
+                "similarity": [list(r) for r in self.similarity], "source": self.source, **self.info}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LayerMap:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError("not a SpecAttn layer map file")
+        if data.get("version") != VERSION:
+            raise ValueError(f"unsupported layer map version {data.get('version')!r}")
+        try:
+            known = {"format", "version", "num_layers", "draft_layers", "map", "similarity", "source"}
+            return cls(int(data["num_layers"]), tuple(int(x) for x in data["draft_layers"]),
+                       tuple(int(x) for x in data["map"]),
+                       tuple(tuple(float(x) for x in r) for r in data.get("similarity", ())),
+                       str(data.get("source", "")), {k: v for k, v in data.items() if k not in known})
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed layer map: {e}") from None
+
+
+def nearest_below_map(num_layers: int, draft_layers: Sequence[int]) -> LayerMap:
+    """The fallback map when none was computed: each verifier layer reads the deepest draft layer at or
+    below it (the draft's copy of the same weights where it has one)."""
+    draft = validate_draft_layers(draft_layers, num_layers)
+    mapping = tuple(max(d for d in draft if d <= j) for j in range(num_layers))
+    return LayerMap(num_layers, draft, mapping, source="nearest draft layer at or below (no measured map)")
+
+
+# ---- DTW ---------------------------------------------------------------------------------------
+def monotone_dtw(score: Sequence[Sequence[float]] | torch.Tensor) -> tuple[list[int], float]:
+    """Monotone alignment of the columns (verifier layers) to rows (draft layers) of ``score`` [m, n]:
+    returns f (length n, non-decreasing row indices) maximising sum_j score[f(j), j], and that sum."""
+    s = score.tolist() if isinstance(score, torch.Tensor) else [list(map(float, r)) for r in score]
+    m = len(s)
+    n = len(s[0]) if m else 0
+    if m == 0 or n == 0 or any(len(r) != n for r in s):
+        raise ValueError("score must be a non-empty rectangular matrix")
+    if any(not math.isfinite(x) for r in s for x in r):
+        raise ValueError("score holds non-finite values")
+    best = [[0.0] * n for _ in range(m)]
+    back = [[0] * n for _ in range(m)]
+    for i in range(m):
+        best[i][0] = s[i][0]
+    for j in range(1, n):
+        run, arg = -math.inf, 0
+        for i in range(m):  # best over predecessors k <= i (diagonal, repeat and skip moves alike)
+            if best[i][j - 1] > run:
+                run, arg = best[i][j - 1], i
+            best[i][j] = s[i][j] + run
+            back[i][j] = arg
+    end = max(range(m), key=lambda i: (best[i][n - 1], -i))
+    path = [end]
+    for j in range(n - 1, 0, -1):
+        path.append(back[path[-1]][j])
+    return path[::-1], best[end][n - 1]
+
+
+def kl_similarity(verifier_rows: torch.Tensor, draft_rows: torch.Tensor) -> torch.Tensor:
+    """verifier_rows [L, R, h_kv, n], draft_rows [m, R, h_kv, n] (distributions over n, zero-padded).
+    Returns S [m, L] = -mean over rows and heads of KL(A_verifier_j || A_draft_i)."""
+    pv = verifier_rows.double().clamp(min=0)
+    pd = draft_rows.double().clamp(min=0)
+    pv = pv / pv.sum(-1, keepdim=True).clamp(min=_EPS)
+    pd = pd / pd.sum(-1, keepdim=True).clamp(min=_EPS)
+    plogp = torch.where(pv > 0, pv * (pv.clamp(min=_EPS)).log(), torch.zeros_like(pv)).sum(-1)  # [L, R, h]
+    logd = pd.clamp(min=_EPS).log()  # [m, R, h, n]
+    cross = torch.einsum("lrhn,mrhn->mlrh", pv, logd)
+    kl = plogp[None] - cross
+    return (-kl.mean(dim=(-1, -2))).float()
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+def probe_attention(model: LlamaForCausalLM, windows: Sequence[Sequence[int]], draft_layers: Sequence[int],
+                    steps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention rows of the verifier (every layer) and the draft (its layers) on the last ``steps`` tokens
+    of each window: ([L, R, h_kv, n_max], [m, R, h_kv, n_max]), R = windows * steps, zero padded."""
+    draft = validate_draft_layers(draft_layers, model.cfg.num_layers)
+    L = model.cfg.num_layers
+    if steps < 1:
+        raise ValueError("steps must be >= 1")
+    windows = [list(w) for w in windows]
+    if not windows or any(len(w) < steps + 1 for w in windows):
+        raise ValueError(f"every window needs more than steps={steps} tokens")
+    dev = model.lm_head.weight.device
+    longest = max(len(w) for w in windows)
+    page = 16
+    cache = KVCache(model.cfg, -(-longest // page) + 1, page, model.lm_head.weight.dtype, dev, model.num_kv_heads)
+    dense = DenseAttention(L)
+    v_probe, d_probe = AttentionProbe(L, range(L)), AttentionProbe(L, draft)
+    v_rows: list[list[torch.Tensor]] = [[] for _ in range(L)]
+    d_rows: list[list[torch.Tensor]] = [[] for _ in draft]
+    sid = -1  # not a Generator id
+    for w in windows:
+        cache.allocate(sid, len(w))
+        try:
+            prefix = len(w) - steps
+            batch = cache.prepare([sid], [prefix], True)
+            model(torch.tensor(w[:prefix], device=dev), batch, cache, dense)
+            for t in range(prefix, len(w)):
+                tok = torch.tensor([w[t]], device=dev)
+                batch = cache.prepare([sid], [1], False)
+                draft_forward(model, draft, tok, batch, cache, d_probe)
+                cache.truncate(sid, t)
+                batch = cache.prepare([sid], [1], False)
+                model(tok, batch, cache, v_probe)
+                for j in range(L):
+                    v_rows[j].append(v_probe.take(j, sid))
+                for i, d in enumerate(draft):
+                    d_rows[i].append(d_probe.take(d, sid))
+        finally:
+            cache.free(sid)
+    n_max = max(r.shape[-1] for r in v_rows[0])
+
+    def stack(rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(r.float().cpu(), (0, n_max - r.shape[-1])) for r in rows])
+
+    return torch.stack([stack(r) for r in v_rows]), torch.stack([stack(r) for r in d_rows])
+
+
+def compute_layer_map(model: LlamaForCausalLM, windows: Sequence[Sequence[int]],
+                      draft_layers: Sequence[int] | None = None, steps: int = 8, source: str = "") -> LayerMap:
+    """Measures S on the token ``windows`` (real text) and aligns the layers by ``monotone_dtw``."""
+    L = model.cfg.num_layers
+    draft = validate_draft_layers(default_draft_layers(L) if draft_layers is None else draft_layers, L)
+    v_rows, d_rows = probe_attention(model, windows, draft, steps)
+    sim = kl_similarity(v_rows, d_rows)
+    path, total = monotone_dtw(sim)
+    return LayerMap(L, draft, tuple(draft[i] for i in path), tuple(tuple(r) for r in sim.tolist()), source,
+                    {"score": total, "windows": len(windows), "steps": steps,
+                     "window_tokens": [len(w) for w in windows]})
+
+
+def text_windows(tokenizer: Any, text: str, windows: int, tokens: int) -> list[list[int]]:
+    """``windows`` token windows of ``tokens`` tokens from evenly spaced places of ``text``."""
+    out: list[list[int]] = []
+    span = max(1, len(text) // max(windows, 1))
+    for w in range(windows):
+        start = w * span
+        piece = text[start: start + 12 * tokens]
+        ids = tokenizer(piece, add_special_tokens=False)["input_ids"][:tokens]
+        if len(ids) >= tokens:
+            out.append(ids)
+    if not out:
+        raise ValueError(f"the text is too short for a window of {tokens} tokens")
+    return out
+
+
+# ---- storage -----------------------------------------------------------------------------------
+def cache_map_path(model_dir: str | os.PathLike[str]) -> Path:
+    """Where the map of a model directory that is not writable lives, under the raysparse cache."""
+    from raysparse.loader import cache_root
+
+    d = Path(model_dir).expanduser().resolve()
+    key = hashlib.sha1(str(d).encode()).hexdigest()[:12]
+    return cache_root() / "specattn" / f"{d.name}-{key}.json"
+
+
+def map_candidates(model_dir: str | os.PathLike[str]) -> list[Path]:
+    return [Path(model_dir).expanduser() / MAP_FILE, cache_map_path(model_dir)]
+
+
+def save_layer_map(layer_map: LayerMap, path: str | os.PathLike[str] | None = None,
+                   model_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Writes the map to ``path``, else into ``model_dir`` (falling back to the cache when that is not
+    writable). Atomic (temporary file + rename). Returns the path written."""
+    if path is None and model_dir is None:
+        raise ValueError("save_layer_map needs a path or a model directory")
+    targets = [Path(path).expanduser()] if path is not None else map_candidates(model_dir)  # type: ignore[arg-type]
+    payload = json.dumps(layer_map.to_json(), indent=1) + "\n"
+    last: OSError | None = None
+    for target in targets:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            tmp.write_text(payload, encoding="utf-8")
+            os.replace(tmp, target)
+            return target
+        except OSError as e:
+            last = e
+    raise OSError(f"cannot write the layer map ({last})")
+
+
+def load_layer_map(path: str | os.PathLike[str] | None = None, model_dir: str | os.PathLike[str] | None = None,
+                   num_layers: int | None = None, draft_layers: Sequence[int] | None = None) -> LayerMap | None:
+    """Reads a map from ``path`` or the first existing candidate of ``model_dir``; None when there is none.
+    Raises ValueError for an unreadable file or one made for another depth or draft."""
+    if path is None and model_dir is None:
+        raise ValueError("load_layer_map needs a path or a model directory")
+    cands = [Path(path).expanduser()] if path is not None else map_candidates(model_dir)  # type: ignore[arg-type]
+    found = next((c for c in cands if c.is_file()), None)
+    if found is None:
+        return None
+    try:
+        lm = LayerMap.from_json(json.loads(found.read_text(encoding="utf-8")))
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise ValueError(f"layer map {str(found)!r}: {e}") from None
+    if num_layers is not None and lm.num_layers != num_layers:
+        raise ValueError(f"layer map {str(found)!r} is for {lm.num_layers} layers, the model has {num_layers}")
+    if draft_layers is not None and tuple(draft_layers) != lm.draft_layers:
+        raise ValueError(f"layer map {str(found)!r} was made for draft layers {list(lm.draft_layers)}, "
+                         f"not {list(draft_layers)}")
+    return lm
+
+
+def resolve_layer_map(model: LlamaForCausalLM, model_dir: str | os.PathLike[str] | None,
+                      draft_layers: Sequence[int] | None = None, tokenizer: Any | None = None,
+                      compute: bool = True, windows: int = 2, tokens: int = 512, steps: int = 8) -> LayerMap:
+    """Serve-time lookup: the saved map of ``model_dir`` if it fits this draft; else, with ``compute`` and a
+    tokenizer, a map measured on the default text and saved; else the nearest-below fallback."""
+    L = model.cfg.num_layers
+    draft = validate_draft_layers(default_draft_layers(L) if draft_layers is None else draft_layers, L)
+    if model_dir is not None:
+        try:
+            lm = load_layer_map(model_dir=model_dir, num_layers=L, draft_layers=draft)
+        except ValueError:
+            lm = None  # stale or foreign: measure afresh below
+        if lm is not None:
+            return lm
+    if compute and tokenizer is not None:
+        from raysparse.workload import load_haystack_text
+
+        text, source = load_haystack_text(None)
+        lm = compute_layer_map(model, text_windows(tokenizer, text, windows, tokens), draft, steps, source)
+        if model_dir is not None:
+            try:
+                save_layer_map(lm, model_dir=model_dir)
+            except OSError:
+                pass  # serving goes on with the measured map in memory
+        return lm
+    return nearest_below_map(L, draft)
+
+
+# ---- command -----------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _layers(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {s!r}") from None
+
+
+def _pos(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def build_map_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="raysparse specattn-map",
+                description="Measures the SpecAttn layer map (verifier layer -> draft layer, monotone DTW over "
+                            "attention KL) on real text and saves it next to the model.")
+    p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file (default: SmolLM2)")
+    p.add_argument("--text", metavar="PATH", help="a .txt file or directory (default: ../shared/data/text)")
+    p.add_argument("--out", metavar="PATH", help="where to write the JSON map (default: in the model directory, "
+                                                 "or the raysparse cache when that is not writable)")
+    p.add_argument("--draft-layers", type=_layers, default=None, metavar="I,J,...",
+                   help="the draft's verifier layers (default: all but the middle third)")
+    p.add_argument("--windows", type=_pos, default=4, help="text windows probed (default 4)")
+    p.add_argument("--tokens", type=_pos, default=1024, help="tokens per window (default 1024)")
+    p.add_argument("--steps", type=_pos, default=8, help="decode rows probed at the end of each window (default 8)")
+    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    return p
+
+
+def specattn_map_main(argv: Sequence[str] | None = None) -> int:
+    """Body of ``raysparse specattn-map``; ``argv`` are the arguments after the command name."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_map_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    prog = "raysparse specattn-map"
+    try:
+        from raysparse.config import parse_dtype
+        from raysparse.loader import load_model, load_tokenizer, materialize, resolve_source
+        from raysparse.workload import load_haystack_text
+
+        dtype = parse_dtype(args.dtype)
+        if args.steps >= args.tokens:
+            raise ValueError(f"--steps ({args.steps}) must be below --tokens ({args.tokens})")
+        for flag, value in (("--model", args.model), ("--text", args.text)):
+            if value is not None and not Path(value).expanduser().exists():
+                raise ValueError(f"{flag} {value!r}: no such file or directory")
+        text, source = load_haystack_text(args.text)
+        src = materialize(resolve_source(args.model))
+        model = load_model(src, dtype=dtype, device=args.device)
+        if args.tokens + 1 > model.cfg.max_position_embeddings:
+            limit = model.cfg.max_position_embeddings
+            raise ValueError(f"--tokens {args.tokens} exceeds the model's {limit} positions")
+        windows = text_windows(load_tokenizer(src), text, args.windows, args.tokens)
+        lm = compute_layer_map(model, windows, args.draft_layers, args.steps, source)
+        path = save_layer_map(lm, path=args.out, model_dir=src.directory)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"{prog}: error: {e}".splitlines()[0], file=sys.stderr)
+        return 1
+    print(f"layer map ({len(windows)} windows x {args.tokens} tokens, {source}) -> {path}")
+    print("verifier -> draft: " + " ".join(f"{j}:{d}" for j, d in enumerate(lm.mapping)))
+    return 0

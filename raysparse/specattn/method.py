@@ -1,0 +1,276 @@
+"""The SpecAttn backend (SPEC section 4): dense prefill, sparse verification guided by the draft.
+
+``SpecAttn`` is the registry entry ``specattn``. It is the verifier's attention backend; it does not decode
+by itself: ``speculative = True`` tells the worker to drive it with ``SpecAttnGenerator`` (``decode.py``),
+which drafts, installs one verification plan per sequence (``plan``), runs the verifier's gamma + 1
+positions through the model's prefill path with a prefix (q_start > 0) and accepts greedily.
+
+Attention rules:
+- Prompt prefill (no plan installed): dense, as SPEC and the paper do (only decoding is speculated).
+- Verification (a plan installed): the dense layers (``dense_layers``, default the first 2) attend every
+  key; every other verifier layer j attends, per KV head, the context chunks selected from the draft
+  layer f(j)'s attention (sorting-free top-p per speculative step, united over the steps, rounded to
+  ``chunk_size``-token chunks aligned at 0) plus the gamma + 1 new tokens themselves, causally. The g query
+  heads of a KV group share its selection (native GQA; the draft's rows are averaged per KV group).
+- ``top_p >= 1``: the plan is "full" and every layer runs exact dense attention (SDPA, the same call as the
+  plain decode path), so SpecAttn with p = 1 decodes exactly the verifier's greedy tokens.
+- ``decode`` (a plain ``Generator`` driving this backend by mistake, one token at a time): dense, metered
+  as dense. Nothing is sparse without the speculative generator.
+
+Choices where SPEC is silent:
+- Chunk rounding applies to the verified context only (positions < t); the chunk around the newest
+  context tokens is kept only if the draft selected a token in it. The new tokens are always attended.
+- Top-p of a step runs over the draft's whole row (context plus the speculative positions before it), so
+  the mass threshold is relative to everything the draft attended.
+- ``density`` is not a parameter: SpecAttn's budget is adaptive (``top_p``); ``--density`` is ignored.
+- KV reduction (``stats``): per verifier layer and KV head, context keys read / context keys held (t),
+  dense layers read all t; the new tokens are not counted on either side. ``kv_reduction`` covers every
+  verifier layer, ``kv_reduction_sparse`` only the sparse ones. The draft's own reads (dense, over its
+  layers) are reported apart as ``draft_kv_read_fraction`` (relative to one full-depth dense pass per step).
+- Host syncs: the verifier reference builds padded index lists (one sync per sequence and draft layer);
+  acceptance needs one sync per round. The fast path (Triton block-sparse over 16-token chunks) is not here.
+- The fidelity tracer sees verification calls as prefill calls (q_len = gamma + 1) with a TokenSelection
+  shared by the rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raysparse.attention import causal_pairs, dense_attention
+from raysparse.config import ModelConfig
+from raysparse.kv_cache import BatchMeta, KVCache
+from raysparse.methods.base import SeqContext, SparseMethod, method_spec
+from raysparse.methods.registry import register
+from raysparse.methods.selection import SENTINEL, TokenSelection, indices_from_mask
+from raysparse.specattn.draft import default_draft_layers, validate_draft_layers
+from raysparse.specattn.layer_map import LayerMap, nearest_below_map
+from raysparse.specattn.topp import SEARCH_ITERS, union_topp
+
+
+@dataclass(frozen=True)
+class SpecAttnConfig:
+    top_p: float = 0.97
+    gamma: int = 4  # lookahead: draft tokens per round
+    chunk_size: int = 16
+    dense_layers: tuple[int, ...] = (0, 1)
+    draft_layers: tuple[int, ...] | None = None  # None: draft.default_draft_layers(num_layers)
+    search_iters: int = SEARCH_ITERS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if self.draft_layers is not None:
+            object.__setattr__(self, "draft_layers", tuple(self.draft_layers))
+        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("gamma", "chunk_size", "search_iters"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if any(layer < 0 for layer in self.dense_layers):
+            raise ValueError(f"dense_layers must be non-negative layer indices, got {self.dense_layers}")
+
+
+@dataclass
+class SpecAttnStats:
+    """Acceptance and KV reads of the verifier, accumulated over every round since the last reset."""
+
+    num_layers: int
+    rounds: int = 0
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the verifier agreed with
+    kv_read: list[float] = field(default_factory=list)  # per verifier layer: context keys read (x KV heads)
+    kv_held: list[float] = field(default_factory=list)  # per verifier layer: context keys present (x KV heads)
+    draft_kv_read: float = 0.0  # context keys the draft read, over its layers and steps (x KV heads)
+    draft_kv_full: float = 0.0  # what one full-depth dense pass per draft step would read
+    sparse_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.rounds = self.drafted = self.accepted = 0
+        self.kv_read = [0.0] * self.num_layers
+        self.kv_held = [0.0] * self.num_layers
+        self.draft_kv_read = self.draft_kv_full = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    def _fraction(self, layers: list[int] | tuple[int, ...]) -> float:
+        held = sum(self.kv_held[j] for j in layers)
+        return sum(self.kv_read[j] for j in layers) / held if held else 1.0
+
+    @property
+    def kv_read_fraction(self) -> float:
+        return self._fraction(list(range(self.num_layers)))
+
+    @property
+    def kv_reduction(self) -> float:
+        return 1.0 - self.kv_read_fraction
+
+    @property
+    def kv_reduction_sparse(self) -> float:
+        return 1.0 - self._fraction(self.sparse_layers) if self.sparse_layers else 0.0
+
+    def per_layer_read_fraction(self) -> list[float]:
+        return [r / h if h else 1.0 for r, h in zip(self.kv_read, self.kv_held, strict=True)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate, "tokens_per_round": self.tokens_per_round,
+                "kv_read_fraction": self.kv_read_fraction, "kv_reduction": self.kv_reduction,
+                "kv_reduction_sparse": self.kv_reduction_sparse,
+                "kv_read_fraction_per_layer": self.per_layer_read_fraction(),
+                "draft_kv_read_fraction": self.draft_kv_read / self.draft_kv_full if self.draft_kv_full else 0.0}
+
+
+@dataclass
+class VerifyPlan:
+    """One sequence's verification step: ``ctx_len`` verified tokens in the cache, ``n_new`` positions to
+    verify. ``tokens[j]``: key indices [h_kv, S] (SENTINEL-padded, new positions included) of sparse layer j;
+    ``ctx_read[j]``: context keys selected, summed over KV heads. ``full``: every layer dense (p = 1)."""
+
+    ctx_len: int
+    n_new: int
+    full: bool
+    tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    ctx_read: dict[int, int] = field(default_factory=dict)
+
+
+def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Reference sparse attention of the verifier: q [n_q, h, d] are the last n_q of the n keys in
+    k, v [h_kv, n, d]; ``tok`` [h_kv, S] are the key indices each KV head may attend (SENTINEL-padded),
+    masked causally per query row. Gathers only the listed keys; K and V are never repeated per query head.
+    Returns [n_q, h, d] in q's dtype (a row with no visible key gets zeros)."""
+    n_q, h, d = q.shape
+    h_kv, n, _ = k.shape
+    g = h // h_kv
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    idx = tok.long()
+    safe = idx.clamp(min=0)
+    heads = torch.arange(h_kv, device=q.device)[:, None]
+    kg, vg = k[heads, safe].float(), v[heads, safe].float()  # [h_kv, S, d]
+    scores = torch.einsum("qkgd,ksd->kgqs", q.float().view(n_q, h_kv, g, d), kg) * scale
+    qpos = torch.arange(n - n_q, n, device=q.device)
+    visible = (idx != SENTINEL)[:, None, :] & (idx[:, None, :] <= qpos[None, :, None])  # [h_kv, n_q, S]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    p = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    out = torch.einsum("kgqs,ksd->qkgd", p, vg)
+    return out.reshape(n_q, h, d).to(q.dtype)
+
+
+class SpecAttn(SparseMethod):
+    name = "specattn"
+    config_cls = SpecAttnConfig  # type: ignore[assignment]  # no density: the budget is top_p
+    speculative = True  # the worker drives this backend with specattn.SpecAttnGenerator
+
+    def __init__(self, model_cfg: ModelConfig, config: SpecAttnConfig | None = None) -> None:
+        super().__init__(model_cfg, config)  # type: ignore[arg-type]
+        cfg: SpecAttnConfig = self.config  # type: ignore[assignment]
+        L = model_cfg.num_layers
+        self.draft_layers = validate_draft_layers(
+            cfg.draft_layers if cfg.draft_layers is not None else default_draft_layers(L), L)
+        self.layer_map: LayerMap = nearest_below_map(L, self.draft_layers)
+        self.stats = SpecAttnStats(L, sparse_layers=tuple(j for j in range(L) if not self.is_dense_layer(j)))
+        self._plans: dict[int, VerifyPlan] = {}
+
+    # ---- configuration ---------------------------------------------------------------------------
+    def set_layer_map(self, layer_map: LayerMap) -> None:
+        if layer_map.num_layers != self.model_cfg.num_layers:
+            raise ValueError(f"layer map is for {layer_map.num_layers} layers, "
+                             f"the model has {self.model_cfg.num_layers}")
+        if layer_map.draft_layers != self.draft_layers:
+            raise ValueError(f"layer map was made for draft layers {list(layer_map.draft_layers)}, this draft "
+                             f"uses {list(self.draft_layers)}")
+        self.layer_map = layer_map
+
+    def needed_draft_layers(self) -> tuple[int, ...]:
+        """Draft layers whose attention some sparse verifier layer reads (none when top_p >= 1)."""
+        if self.config.top_p >= 1.0:  # type: ignore[attr-defined]
+            return ()
+        return tuple(sorted({self.layer_map.mapping[j] for j in self.stats.sparse_layers}))
+
+    # ---- planning ---------------------------------------------------------------------------------
+    def plan(self, seq_id: int, ctx_len: int, n_new: int, rows: dict[int, list[torch.Tensor]]) -> VerifyPlan:
+        """Installs the verification plan of one sequence from the draft's attention ``rows`` (per draft
+        layer, one [h_kv, n_s] row per speculative step)."""
+        cfg: SpecAttnConfig = self.config  # type: ignore[assignment]
+        if cfg.top_p >= 1.0:
+            plan = VerifyPlan(ctx_len, n_new, True)
+        else:
+            plan = VerifyPlan(ctx_len, n_new, False)
+            per_draft: dict[int, tuple[torch.Tensor, int]] = {}
+            for d in self.needed_draft_layers():
+                ctx_mask = union_topp(rows[d], cfg.top_p, ctx_len, cfg.chunk_size, cfg.search_iters)
+                h_kv = ctx_mask.shape[0]
+                full = torch.cat([ctx_mask, ctx_mask.new_ones(h_kv, n_new)], dim=-1)
+                tok = indices_from_mask(full)
+                count = int((tok != SENTINEL).sum()) - h_kv * n_new
+                per_draft[d] = (tok, count)
+            for j in self.stats.sparse_layers:
+                plan.tokens[j], plan.ctx_read[j] = per_draft[self.layer_map.mapping[j]]
+        self._plans[seq_id] = plan
+        return plan
+
+    def clear_plans(self) -> None:
+        self._plans.clear()
+
+    # ---- the AttentionBackend seam ------------------------------------------------------------------
+    def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        out = torch.empty_like(q)
+        h_kv = cache.num_kv_heads
+        for i, sid in enumerate(batch.seq_ids):
+            lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
+            n, n_q = batch.ctx_lens[i], hi - lo
+            k, v = cache.gather(layer, batch, i)
+            causal = causal_pairs(n_q, n) * h_kv
+            plan = self._plans.get(sid)
+            if plan is None or plan.full or self.is_dense_layer(layer):
+                out[lo:hi] = dense_attention(q[lo:hi], k, v)
+                attended = float(causal)
+                read = float(n - n_q) * h_kv
+            else:
+                if (plan.ctx_len, plan.n_new) != (n - n_q, n_q):
+                    raise RuntimeError(f"sequence {sid}: verification plan is for {plan.n_new} tokens after "
+                                       f"{plan.ctx_len}, the step has {n_q} after {n - n_q}")
+                tok = plan.tokens[layer]
+                out[lo:hi] = verify_attention(q[lo:hi], k, v, tok)
+                read = float(plan.ctx_read[layer])
+                attended = n_q * read + h_kv * n_q * (n_q + 1) / 2
+                if self.tracer is not None:
+                    ctx = SeqContext(layer, sid, n - n_q, n, cache.metadata[layer].setdefault(sid, {}),
+                                     self._seq_state.setdefault(sid, {}))
+                    self.tracer(ctx, q[lo:hi], k, v, TokenSelection(tok), out[lo:hi])
+            if plan is not None:
+                self.stats.kv_read[layer] += read
+                self.stats.kv_held[layer] += float(n - n_q) * h_kv
+            self.meter.add(layer, attended, float(causal))
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for i in range(batch.num_seqs):
+            k, v = cache.gather(layer, batch, i)
+            out[i: i + 1] = dense_attention(q[i: i + 1], k, v)
+            pairs = float(causal_pairs(1, batch.ctx_lens[i]) * cache.num_kv_heads)
+            self.meter.add(layer, pairs, pairs)
+        return out
+
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        self._plans.pop(seq_id, None)
+
+
+SPEC = register(method_spec(SpecAttn, "SpecAttn: self-speculative decoding, verifier attends draft top-p chunks "
+                                      "(use SpecAttnGenerator)"))
