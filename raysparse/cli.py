@@ -98,6 +98,8 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     from raysparse.eval.tasks import TASK_NAMES
     from raysparse.methods.registry import method_names
 
+    sub.add_parser("specattn-map", add_help=False,
+                   help="measure and save SpecAttn's verifier-to-draft layer map (see specattn-map --help)")
     ev = sub.add_parser("eval", help="measure attention methods against dense on real text (fidelity harness)",
                         description="Runs every method at every density, and dense as the reference, in this "
                                     "process on RULER-style tasks and perplexity over real prose; reports accuracy, "
@@ -141,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
+    if argv[0] == "specattn-map":  # its own argparse body lives with SpecAttn
+        from raysparse.specattn.layer_map import specattn_map_main
+
+        return specattn_map_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "eval":
