@@ -98,6 +98,7 @@ class ModelWorker:
                         events.put({"type": "finish", **asdict(ev), "decode_tokens_per_s": ev.decode_tokens_per_s,
                                     "method": method, "density": backend.meter.overall(),
                                     "density_per_layer": backend.meter.per_layer(),
+                                    "density_decode": backend.meter.decode_overall(),
                                     **({"specattn": backend.stats.to_dict()} if hasattr(backend, "stats") else {})})
             except Exception as e:  # reported to the caller as an event; the worker stays usable
                 events.put({"type": "error", "error": f"{type(e).__name__}: {e}"})

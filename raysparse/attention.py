@@ -19,11 +19,17 @@ from raysparse.kv_cache import BatchMeta, KVCache
 
 @dataclass
 class DensityMeter:
-    """Counts attended and causal (query, key) pairs per layer, so every method reports real density."""
+    """Counts attended and causal (query, key) pairs per layer, so every method reports real density.
+
+    Decode steps are also counted on their own: a decode-only method runs a dense prefill, and its
+    whole-run density would otherwise be dominated by the prompt.
+    """
 
     num_layers: int
     attended: list[float] = field(default_factory=list)
     causal: list[float] = field(default_factory=list)
+    decode_attended: float = 0.0
+    decode_causal: float = 0.0
 
     def __post_init__(self) -> None:
         self.reset()
@@ -31,10 +37,14 @@ class DensityMeter:
     def reset(self) -> None:
         self.attended = [0.0] * self.num_layers
         self.causal = [0.0] * self.num_layers
+        self.decode_attended = self.decode_causal = 0.0
 
-    def add(self, layer: int, attended: float, causal: float) -> None:
+    def add(self, layer: int, attended: float, causal: float, decode: bool = False) -> None:
         self.attended[layer] += attended
         self.causal[layer] += causal
+        if decode:
+            self.decode_attended += attended
+            self.decode_causal += causal
 
     def per_layer(self) -> list[float]:
         return [a / c if c else 1.0 for a, c in zip(self.attended, self.causal, strict=True)]
@@ -42,6 +52,10 @@ class DensityMeter:
     def overall(self) -> float:
         c = sum(self.causal)
         return sum(self.attended) / c if c else 1.0
+
+    def decode_overall(self) -> float | None:
+        """Density of the decode steps alone (None when there were none)."""
+        return self.decode_attended / self.decode_causal if self.decode_causal else None
 
 
 def causal_pairs(q_len: int, ctx_len: int) -> int:
@@ -102,8 +116,8 @@ class DenseAttention(AttentionBackend):
             k, v = cache.gather(layer, batch, i)
             lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
             out[lo:hi] = dense_attention(q[lo:hi], k, v)
-            pairs = causal_pairs(batch.q_lens[i], batch.ctx_lens[i])
-            self.meter.add(layer, pairs, pairs)
+            pairs = causal_pairs(batch.q_lens[i], batch.ctx_lens[i]) * cache.num_kv_heads
+            self.meter.add(layer, pairs, pairs, decode=not batch.is_prefill)
         return out
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:

@@ -57,3 +57,18 @@ def test_ragged_writes_and_gathers_match_a_reference_store():
     cache.free(2)
     assert 2 not in cache.metadata[1]
 
+
+
+def test_density_meter_counts_decode_on_its_own():
+    from raysparse.attention import DensityMeter
+
+    m = DensityMeter(2)
+    assert m.decode_overall() is None and m.overall() == 1.0
+    m.add(0, 100.0, 100.0)  # a dense prefill
+    m.add(1, 3.0, 10.0, decode=True)
+    m.add(0, 2.0, 10.0, decode=True)
+    assert m.decode_overall() == 5.0 / 20.0
+    assert m.overall() == 105.0 / 120.0
+    assert m.per_layer() == [102.0 / 110.0, 0.3]
+    m.reset()
+    assert m.decode_overall() is None

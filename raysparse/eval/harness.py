@@ -97,6 +97,7 @@ class RunResult:
     nll: float | None = None  # mean NLL (nats) of the scored tokens
     density: float | None = None  # backend.meter.overall(): attended / causal pairs, all layers, whole run
     density_per_layer: list[float] = field(default_factory=list)
+    density_decode: float | None = None  # the decode steps alone (decode-only methods prefill densely)
     fidelity: dict[str, dict[str, Any]] = field(default_factory=dict)  # FidelityTracer.summary()
     samples: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
@@ -143,6 +144,7 @@ class Harness:
             self._tasks(backend, work.tasks, res, step)
             self._perplexity(backend, work.windows, res, step)
             res.density, res.density_per_layer = backend.meter.overall(), backend.meter.per_layer()
+            res.density_decode = backend.meter.decode_overall()
             layers = self.model.cfg.num_layers
             if tracer is not None:
                 res.fidelity = tracer.summary()

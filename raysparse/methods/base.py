@@ -122,7 +122,7 @@ class SparseMethod(AttentionBackend):
                 out[lo] = o
             else:
                 out[lo:hi], attended = self.prefill_seq(ctx, q[lo:hi], k, v)
-            self.meter.add(layer, attended, causal)
+            self.meter.add(layer, attended, causal, decode=decode)
         return out
 
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:

@@ -255,7 +255,8 @@ class SpecAttn(SparseMethod):
             if plan is not None:
                 self.stats.kv_read[layer] += read
                 self.stats.kv_held[layer] += float(n - n_q) * h_kv
-            self.meter.add(layer, attended, float(causal))
+            # Verification steps are this method's decode.
+            self.meter.add(layer, attended, float(causal), decode=plan is not None)
         return out
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
@@ -264,7 +265,7 @@ class SpecAttn(SparseMethod):
             k, v = cache.gather(layer, batch, i)
             out[i: i + 1] = dense_attention(q[i: i + 1], k, v)
             pairs = float(causal_pairs(1, batch.ctx_lens[i]) * cache.num_kv_heads)
-            self.meter.add(layer, pairs, pairs)
+            self.meter.add(layer, pairs, pairs, decode=True)
         return out
 
     def release(self, seq_id: int) -> None:
