@@ -22,8 +22,11 @@ import torch
 from .common import (
     LOG2E,
     KVSource,
+    attend_block,
     check_head_dim,
     dot_precision,
+    finish_rows,
+    group_tile_offsets,
     interpreting,
     kv_args,
     kv_block_offset,
@@ -66,10 +69,8 @@ if triton is not None:
         hj = m % G_PAD
         row_ok = (qpos >= q_start) & (qpos < n) & (hj < G)
         head = kvh * G + hj
-        d = tl.arange(0, HEAD_DIM)
-        tok = (q0 + qpos - q_start).to(tl.int64)
-        q_off = tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :]
-        q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+        tok = q0 + qpos - q_start
+        q = tl.load(Q + group_tile_offsets(tok, head, stride_qt, stride_qh, HEAD_DIM), mask=row_ok[:, None], other=0.0)
 
         # Entries are ascending and padded at the end: the valid ones are a prefix, and those below the
         # query block (no mask needed) a prefix of that.
@@ -91,42 +92,23 @@ if triton is not None:
             kb = tl.load(idx_row + j)
             k_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
             v_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
-            k = tl.load(K + k_base + kn[:, None] * stride_kt + d[None, :])
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + v_base + kn[:, None] * stride_vt + d[None, :])
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
+                                         qpos, kb * BLOCK + kn, n, BLOCK, HEAD_DIM, False, PREC)
         for j in range(n_full, n_valid):
             kb = tl.load(idx_row + j)
             kpos = kb * BLOCK + kn
             kb = tl.minimum(kb, (n - 1) // BLOCK)  # a stray block past the end is fully masked: stay in bounds
             k_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
             v_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
-            k_ok = kpos < n  # a partial last block: rows past n are not this sequence's keys
-            k = tl.load(K + k_base + kn[:, None] * stride_kt + d[None, :], mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing causal yet
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + v_base + kn[:, None] * stride_vt + d[None, :], mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
+                                         qpos, kpos, n, BLOCK, HEAD_DIM, True, PREC)
 
         # Rows with no causal key selected: zeros and lse = -inf, like the reference.
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-        o_off = tok[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
-        tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + tok * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+        out, lse2 = finish_rows(acc, m_i, l_i)
+        tl.store(Out + group_tile_offsets(tok, head, stride_ot, stride_oh, HEAD_DIM), out.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None])
+        lse_off = tok.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+        tl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=row_ok)
 
     # (query tokens per tile as rows = tokens * g, num_warps, num_stages); the tile's row count decides
     # register pressure, so configs are given in rows and converted per GQA group size.

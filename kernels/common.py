@@ -1,5 +1,7 @@
-"""What the Triton kernels share: interpreter detection, launch-argument plumbing and the jit helpers that
-address K/V rows in either KV source (``formats.PagedKV`` / ``formats.PackedKV``).
+"""What the Triton kernels share: interpreter detection, launch-argument plumbing, the jit helpers that
+address K/V rows in either KV source (``formats.PagedKV`` / ``formats.PackedKV``) and the attention
+kernels' common steps (the group tile's offsets, the online-softmax update over one key block, the
+normalising epilogue). Jit helpers are inlined, so folding them here costs the kernels nothing.
 
 Every helper builds its tensors with device ops from shapes only (no host synchronisation), so the
 decode path stays CUDA-graph capturable.
@@ -141,5 +143,59 @@ if HAS_TRITON:
         else:
             off = (tl.load(CU_K + seq).to(tl.int64) + kb * BLOCK) * stride_t
         return off + kvh.to(tl.int64) * stride_h
+
+    # ---- the attention kernels' shared prologue, inner step and epilogue ----------------------------
+
+    @triton.jit
+    def group_tile_offsets(tok, head, stride_t, stride_h, HEAD_DIM: tl.constexpr):
+        """Element offsets [ROWS, HEAD_DIM] of a (token, head) row tile of a packed [T, h, d] tensor (q, out)."""
+        d = tl.arange(0, HEAD_DIM)
+        return tok.to(tl.int64)[:, None] * stride_t + head.to(tl.int64)[:, None] * stride_h + d[None, :]
+
+    @triton.jit
+    def softmax_update(s, m_i, l_i, MASKED: tl.constexpr):
+        """One online-softmax step on log2-scaled scores s [ROWS, N]: (m_new, l_new, p, alpha).
+
+        ``MASKED`` steps may hold rows with no finite score yet (all -inf): their max is taken as 0 so
+        exp2 never sees -inf - -inf; unmasked steps skip that select."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+    @triton.jit
+    def attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale, qpos, kpos, n,
+                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+        """Folds one contiguous key block (rows at ``k_base`` / ``v_base``, ``stride_*t`` apart) into the
+        running (m_i, l_i, acc) of the query tile q. ``MASKED`` applies the causal mask (key ``kpos`` <= query
+        ``qpos``) and the end of the sequence (``kpos < n``); unmasked blocks lie wholly below every row."""
+        kn = tl.arange(0, BLOCK)
+        d = tl.arange(0, HEAD_DIM)
+        if MASKED:
+            k_ok = kpos < n  # a partial last block: rows past n are not this sequence's keys
+            k = tl.load(K + k_base + kn[:, None] * stride_kt + d[None, :], mask=k_ok[:, None], other=0.0)
+        else:
+            k = tl.load(K + k_base + kn[:, None] * stride_kt + d[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASKED:
+            s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s, float("-inf"))
+        m_i, l_i, p, alpha = softmax_update(s, m_i, l_i, MASKED)
+        if MASKED:
+            v = tl.load(V + v_base + kn[:, None] * stride_vt + d[None, :], mask=k_ok[:, None], other=0.0)
+        else:
+            v = tl.load(V + v_base + kn[:, None] * stride_vt + d[None, :])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def finish_rows(acc, m_i, l_i):
+        """(normalised output, log2-sum-exp) per row; a row that attended nothing gets zeros and -inf."""
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        return acc / l_safe[:, None], tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
 else:  # pragma: no cover - keeps the kernel modules importable (and their wrappers raising) without triton
-    kv_row_offsets = kv_block_offset = None
+    kv_row_offsets = kv_block_offset = group_tile_offsets = softmax_update = attend_block = finish_rows = None

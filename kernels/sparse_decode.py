@@ -26,10 +26,12 @@ from .common import (
     KVSource,
     check_head_dim,
     dot_precision,
+    finish_rows,
     interpreting,
     kv_args,
     kv_row_offsets,
     next_pow2,
+    softmax_update,
     tl,
     triton,
 )
@@ -96,20 +98,13 @@ if triton is not None:
             k = tl.load(K + k_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i, l_i, p, alpha = softmax_update(s, m_i, l_i, True)
             v_off = kv_row_offsets(PT, pt_row, CU_K, seq, tok, kvh, stride_vb, stride_vh, stride_vt, PAGE, PAGED)
             v = tl.load(V + v_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-            m_i = m_new
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        out, lse2 = finish_rows(acc, m_i, l_i)
         row = (seq * (tl.num_programs(1) * G) + head).to(tl.int64) * num_splits + split  # [batch, h, splits]
-        tl.store(PO + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=(gi < G)[:, None])
+        tl.store(PO + row[:, None] * HEAD_DIM + d[None, :], out, mask=(gi < G)[:, None])
         tl.store(PL + row, lse2, mask=gi < G)
 
     @triton.jit

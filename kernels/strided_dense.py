@@ -20,8 +20,11 @@ import torch
 from .common import (
     LOG2E,
     KVSource,
+    attend_block,
     check_head_dim,
     dot_precision,
+    finish_rows,
+    group_tile_offsets,
     interpreting,
     kv_args,
     kv_block_offset,
@@ -67,10 +70,9 @@ if triton is not None:
             row_ok = (j < n_rows) & (hj < G)
             head = kvh * G + hj
             qpos = q_start + first + j * gamma
-            d = tl.arange(0, HEAD_DIM)
-            tok = (q0 + first + j * gamma).to(tl.int64)
-            q = tl.load(Q + tok[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :],
-                        mask=row_ok[:, None], other=0.0)
+            tok = q0 + first + j * gamma
+            q = tl.load(Q + group_tile_offsets(tok, head, stride_qt, stride_qh, HEAD_DIM), mask=row_ok[:, None],
+                        other=0.0)
             lo_pos = q_start + first + tile * BLOCK_QT * gamma
             hi_pos = q_start + first + (tl.minimum((tile + 1) * BLOCK_QT, n_rows) - 1) * gamma
             n_full = (lo_pos + 1) // BLOCK  # key blocks entirely at or before the tile's first row
@@ -83,37 +85,19 @@ if triton is not None:
             for kb in range(0, n_full):
                 k_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
                 v_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
-                k = tl.load(K + k_base + kn[:, None] * stride_kt + d[None, :])
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + v_base + kn[:, None] * stride_vt + d[None, :])
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-                m_i = m_new
+                m_i, l_i, acc = attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
+                                             qpos, kb * BLOCK + kn, n, BLOCK, HEAD_DIM, False, PREC)
             for kb in range(n_full, n_blocks):
                 k_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
                 v_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
-                kpos = kb * BLOCK + kn
-                k_ok = kpos < n
-                k = tl.load(K + k_base + kn[:, None] * stride_kt + d[None, :], mask=k_ok[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-                s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + v_base + kn[:, None] * stride_vt + d[None, :], mask=k_ok[:, None], other=0.0)
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-                m_i = m_new
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # every row has key 0, so only padding rows are empty
-            orow = (r0 + j).to(tl.int64)
-            o_off = orow[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
-            tl.store(Out + o_off, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
-            lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
-            tl.store(LSE + orow * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+                m_i, l_i, acc = attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
+                                             qpos, kb * BLOCK + kn, n, BLOCK, HEAD_DIM, True, PREC)
+            out, lse2 = finish_rows(acc, m_i, l_i)  # every row has key 0, so only padding rows are empty
+            orow = r0 + j
+            tl.store(Out + group_tile_offsets(orow, head, stride_ot, stride_oh, HEAD_DIM),
+                     out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE + orow.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh, lse2 * 0.6931471805599453,
+                     mask=row_ok)
 
     _CONFIGS = [(64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 8, 4)]  # (tile rows, num_warps, num_stages)
     _tuned: dict[int, object] = {}
