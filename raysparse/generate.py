@@ -41,13 +41,14 @@ class TokenEvent:
 @dataclass(frozen=True)
 class FinishEvent:
     request_id: str
-    finish_reason: str  # "stop", "length" or "error"
+    finish_reason: str  # "stop", "length", "abort" or "error"
     token_ids: tuple[int, ...]
     text: str
     prompt_tokens: int
     ttft_s: float
     decode_s: float
     error: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)  # engine extras: replica, method, queue time
 
     @property
     def decode_tokens_per_s(self) -> float:

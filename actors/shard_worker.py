@@ -1,0 +1,114 @@
+"""The shard worker actor: one tensor-parallel shard per GPU (or per CPU process), its KV cache and metadata.
+
+Life cycle, driven by ``orchestration.replica.ReplicaGroup``: ``node_info`` (the group orders ranks by
+Ray node id), ``rendezvous`` on rank 0 (a free port on its node), ``setup`` on every rank (joins the
+group's torch.distributed process group: NCCL on GPUs, gloo on CPU; loads the weights, shards them and
+sizes the cache), then ``execute`` once per engine step with the same plan on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from raysparse.config import parse_dtype
+from raysparse.kv_cache import KVCache
+from raysparse.shard_executor import ShardExecutor, StepPlan
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What every shard of a group loads. ``random_weights``: the config only, weights drawn from
+    ``seed`` (the same on every rank, so the shards slice one model) - for speed runs of big models."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    kv_cache_tokens: int = 16384
+    page_size: int = 64
+    random_weights: bool = False
+    seed: int = 0
+    num_threads: int | None = None
+    collective_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.kv_cache_tokens <= 0 or self.page_size <= 0:
+            raise ValueError("kv_cache_tokens and page_size must be positive")
+
+
+class ShardWorker:
+    def __init__(self, spec: ShardSpec) -> None:
+        self.spec = spec
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 2) // 2))
+        self.executor: ShardExecutor | None = None
+
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "device": self.device, "gpu_ids": ray.get_gpu_ids()}
+
+    def rendezvous(self) -> tuple[str, int]:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, rank: int, world_size: int, master: tuple[str, int]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        from raysparse.loader import build_model, load_hf_config, load_model, materialize, resolve_source
+        from raysparse.tensor_parallel import all_reduce_fn, apply_tensor_parallel
+
+        spec, dtype = self.spec, parse_dtype(self.spec.dtype)
+        if world_size > 1:
+            backend = "nccl" if self.device == "cuda" else "gloo"
+            # A bounded timeout: a rank blocked on a dead peer gives up instead of hanging for 30 minutes.
+            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
+        src = resolve_source(spec.model)
+        if src.gguf_file is not None:
+            src = materialize(src)
+        hf_config = load_hf_config(src)
+        if spec.random_weights:
+            torch.manual_seed(spec.seed)
+            model = build_model(hf_config, dtype=dtype, device=self.device)
+        else:
+            model = load_model(src, dtype=dtype, device=self.device, hf_config=hf_config)
+        apply_tensor_parallel(model, rank, world_size)
+        pages = -(-spec.kv_cache_tokens // spec.page_size)
+        cache = KVCache(model.cfg, pages, spec.page_size, dtype, self.device, model.num_kv_heads)
+        sync = torch.cuda.synchronize if self.device == "cuda" else None
+        reduce = all_reduce_fn(None) if world_size > 1 else None
+        self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync)
+        return {"rank": rank, "kv_heads": model.num_kv_heads, "kv_offset": getattr(model, "kv_head_offset", 0),
+                "kv_pages": pages, "page_size": spec.page_size, "device": self.device}
+
+    def execute(self, plan: StepPlan) -> dict[str, Any]:
+        assert self.executor is not None, "setup first"
+        return self.executor.execute(plan)
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        assert self.executor is not None, "setup first"
+        return self.executor.stats(reset)
+
+    def record_selections(self, key: str) -> None:
+        assert self.executor is not None, "setup first"
+        self.executor.record_selections(key)
+
+    def selections(self) -> list[tuple[int, int, torch.Tensor]]:
+        assert self.executor is not None, "setup first"
+        return getattr(self.executor, "selections", [])
+
+    def ping(self) -> bool:
+        return True

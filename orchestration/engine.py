@@ -1,0 +1,200 @@
+"""The engine: replicas of tensor-parallel shard groups on Ray, request routing, admission and abort.
+
+``Engine.start`` joins Ray (or starts a local instance), builds ``replicas`` groups of ``tp`` shard actors
+(each group pinned to one node, the groups spread over the nodes) and one loop thread per group
+(``runner.ReplicaRunner``). ``submit`` validates a request completely before it is queued - method and
+parameters, sampling values, positions, KV capacity - so a bad request is refused with a typed error
+(``engine_api``) and never reaches a shard. Requests go to the ready replica with the least queued work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from raysparse.actors.shard_worker import ShardSpec
+from raysparse.config import ModelConfig
+from raysparse.orchestration.engine_api import (
+    CapacityExceededError,
+    EngineRequest,
+    EngineUnavailableError,
+    InvalidRequestError,
+    RequestHandle,
+)
+from raysparse.orchestration.engine_config import EngineConfig
+from raysparse.orchestration.replica import ReplicaGroup, choose_node
+from raysparse.orchestration.runner import ReplicaRunner
+from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
+from raysparse.shard_executor import method_key
+
+log = logging.getLogger("raysparse.engine")
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.state = "created"  # created | loading | ready | draining | stopped
+        self.runners: list[ReplicaRunner] = []
+        self.tokenizer: Any = None
+        self.model_cfg: ModelConfig | None = None
+        self.eos: frozenset[int] = frozenset()
+        self._owns_ray = False
+        self._methods_ok: dict[str, str] = {}  # method key -> "" (valid) or the error
+        self.source_name = ""
+        self.use_gpu = False
+
+    # ---- life cycle -------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        import ray
+
+        from raysparse.loader import load_hf_config, load_tokenizer, materialize, resolve_source
+        from raysparse.orchestration.local_job import start_ray
+
+        self.state = "loading"
+        self._owns_ray = start_ray(self.cfg.address, self.cfg.num_cpus)
+        try:
+            src = resolve_source(self.cfg.model)
+            self.source_name = src.name
+            if src.gguf_file is not None:  # convert once here, not once per shard
+                src = materialize(src)
+            hf_config = load_hf_config(src)
+            self.model_cfg = ModelConfig.from_hf(hf_config)
+            try:
+                self.tokenizer = load_tokenizer(src)
+            except Exception:  # a config-only directory (random weights) has no tokenizer: ids only
+                if not self.cfg.random_weights:
+                    raise
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+                self.eos = frozenset({int(self.tokenizer.eos_token_id)})
+            gpus = ray.cluster_resources().get("GPU", 0)
+            self.use_gpu = self.cfg.device == "cuda" or (self.cfg.device == "auto" and gpus >= self.cfg.tp)
+            spec = ShardSpec(str(src.directory), self.cfg.dtype,
+                             self.cfg.kv_cache_tokens, self.cfg.page_size, self.cfg.random_weights, self.cfg.seed)
+            load: dict[str, int] = {}
+            for i in range(self.cfg.replicas):
+                node = choose_node(self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, load)
+                if node is not None:
+                    load[node] = load.get(node, 0) + 1
+                group = ReplicaGroup(i, spec, self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, node)
+                pages = -(-self.cfg.kv_cache_tokens // self.cfg.page_size)
+                sched = Scheduler(SchedulerConfig(pages, self.cfg.page_size, self.cfg.max_batch,
+                                                  self.cfg.max_prefill_tokens, self.cfg.max_waiting))
+                self.runners.append(ReplicaRunner(i, group, sched, self.tokenizer))
+            with ThreadPoolExecutor(max_workers=len(self.runners)) as pool:
+                list(pool.map(lambda r: r.group.start(self.cfg.load_timeout_s), self.runners))
+            from raysparse.orchestration.spec_step import attach_spec_steps
+
+            if self.cfg.draft:
+                attach_spec_steps(self, spec)
+            for r in self.runners:
+                r.state = "ready"
+                r.thread.start()
+            self.state = "ready"
+            return self
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        if self.state == "stopped":
+            return
+        self.state = "draining"
+        for r in self.runners:
+            r.stop()
+        self.state = "stopped"
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> Engine:
+        return self.start() if self.state == "created" else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def validate(self, req: EngineRequest) -> str:
+        """Raises InvalidRequestError for anything the engine would refuse; returns the method key."""
+        from raysparse.methods.registry import create_backend
+
+        assert self.model_cfg is not None
+        limit = self.model_cfg.max_position_embeddings
+        if req.max_tokens > limit:
+            raise InvalidRequestError(f"prompt ({len(req.prompt_ids)} tokens) plus max_new_tokens "
+                                      f"({req.params.max_new_tokens}) exceeds the model's {limit} positions")
+        if max(req.prompt_ids) >= self.model_cfg.vocab_size:
+            raise InvalidRequestError(f"token id {max(req.prompt_ids)} is outside the vocabulary "
+                                      f"({self.model_cfg.vocab_size})")
+        key = method_key(req.method, req.method_params)
+        if key not in self._methods_ok:
+            try:
+                backend = create_backend(req.method, self.model_cfg, **dict(req.method_params))
+                err = ""
+                if getattr(backend, "speculative", False) and not self.cfg.draft:
+                    err = "specattn needs the draft actor, which this engine was started without"
+            except (ValueError, TypeError) as e:
+                err = str(e)
+            self._methods_ok[key] = err
+        if self._methods_ok[key]:
+            raise InvalidRequestError(self._methods_ok[key])
+        if req.method == "specattn" and not req.params.greedy:
+            raise InvalidRequestError("specattn decodes greedily: temperature must be 0")
+        return key
+
+    def submit(self, req: EngineRequest) -> RequestHandle:
+        if self.state != "ready":
+            raise EngineUnavailableError(f"the engine is {self.state}")
+        key = self.validate(req)
+        ready = [r for r in self.runners if r.state == "ready"]
+        if not ready:
+            raise EngineUnavailableError("no replica is ready (rebuilding after a failure)")
+        runner = min(ready, key=lambda r: r.load())
+        handle = RequestHandle(req, self.abort)
+        stops = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos)
+        seq = runner.sched.make_sequence(handle, key, stops, time.perf_counter())  # may raise CapacityExceeded
+        runner.add(seq)
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        return any(r.abort(request_id) for r in self.runners)
+
+    def encode(self, text: str, chat: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send token ids")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            from raysparse.generate import chat_prompt_ids
+
+            return chat_prompt_ids(self.tokenizer, text)
+        return self.tokenizer(text)["input_ids"]
+
+    # ---- introspection -------------------------------------------------------------------------------
+    def serving(self) -> bool:
+        return self.state == "ready" and any(r.state == "ready" for r in self.runners)
+
+    def server_info(self) -> dict[str, Any]:
+        reps = [r.info() for r in self.runners]
+        return {"state": self.state, "serving": self.serving(), "tp": self.cfg.tp, "replicas": reps,
+                "running": sum(r["running"] for r in reps), "waiting": sum(r["waiting"] for r in reps),
+                "kv_used_tokens": sum(r["kv_used_tokens"] for r in reps),
+                "kv_capacity_tokens": sum(r["kv_capacity_tokens"] for r in reps)}
+
+    def model_info(self) -> dict[str, Any]:
+        from raysparse.methods.registry import method_names
+
+        c = self.model_cfg
+        assert c is not None
+        return {"model": self.source_name, "layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads,
+                "head_dim": c.head_dim, "vocab_size": c.vocab_size, "max_positions": c.max_position_embeddings,
+                "dtype": self.cfg.dtype, "tp": self.cfg.tp, "replicas": self.cfg.replicas,
+                "device": "cuda" if self.use_gpu else "cpu", "methods": method_names()}
+
+    def shard_stats(self, reset: bool = False) -> list[list[dict[str, Any]]]:
+        return [r.group.stats(reset) for r in self.runners if r.state == "ready"]
+
+
+__all__ = ["CapacityExceededError", "Engine", "EngineConfig", "EngineRequest", "EngineUnavailableError",
+           "InvalidRequestError", "RequestHandle"]

@@ -1,0 +1,120 @@
+"""What callers of the engine see: the request, its event stream, and the errors with their meaning.
+
+Each error class maps to one gRPC status code (``code``) so every front end answers the same way:
+bad input is INVALID_ARGUMENT, a request that can never fit the KV cache (or a full queue) is
+RESOURCE_EXHAUSTED, and an engine that is loading, rebuilding, draining or stopped is UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from raysparse.generate import FinishEvent, TokenEvent
+from raysparse.sampling import SamplingParams
+
+Event = TokenEvent | FinishEvent
+
+
+class EngineError(Exception):
+    code = "INTERNAL"
+
+
+class InvalidRequestError(EngineError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class CapacityExceededError(EngineError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class EngineUnavailableError(EngineError):
+    code = "UNAVAILABLE"
+
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{time.time_ns():x}-{next(_ids)}"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation request. ``method_params`` are the method's config fields (e.g. ``density``)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    method: str = "dense"
+    method_params: tuple[tuple[str, Any], ...] = ()
+    request_id: str = field(default_factory=new_request_id)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        if isinstance(self.method_params, Mapping):
+            object.__setattr__(self, "method_params", tuple(sorted(self.method_params.items())))
+        if not self.prompt_ids:
+            raise InvalidRequestError("prompt is empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.prompt_ids):
+            raise InvalidRequestError("prompt token ids must be non-negative integers")
+        if not isinstance(self.method, str) or not self.method:
+            raise InvalidRequestError("method must be a non-empty string")
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+
+    @property
+    def max_tokens(self) -> int:
+        """KV tokens the request reserves: prompt plus every token it may generate."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+
+class RequestHandle:
+    """The caller's end of one request: iterate it for events (token events, then exactly one finish event).
+
+    Thread-safe; events are buffered, so a slow consumer never blocks the engine. ``abort`` asks the
+    engine to stop the request; its finish event then has reason ``abort``."""
+
+    def __init__(self, request: EngineRequest, on_abort: Callable[[str], Any]) -> None:
+        self.request = request
+        self._q: queue.Queue[Event] = queue.Queue()
+        self._on_abort = on_abort
+        self.finished = threading.Event()
+        self.finish: FinishEvent | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def put(self, ev: Event) -> None:
+        if self.finished.is_set():
+            return  # one finish per request, nothing after it
+        if isinstance(ev, FinishEvent):
+            self.finish = ev
+            self.finished.set()
+        self._q.put(ev)
+
+    def get(self, timeout: float | None = None) -> Event:
+        """The next event; raises ``queue.Empty`` after ``timeout`` seconds without one."""
+        return self._q.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            ev = self._q.get()
+            yield ev
+            if isinstance(ev, FinishEvent):
+                return
+
+    def abort(self) -> None:
+        self._on_abort(self.request_id)
+
+    def result(self, timeout: float | None = None) -> FinishEvent:
+        """Blocks until the request finishes and returns its finish event."""
+        if not self.finished.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish in {timeout} s")
+        assert self.finish is not None
+        return self.finish

@@ -1,0 +1,46 @@
+"""The engine's frozen, validated configuration (every command that runs the model builds one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raysparse.config import parse_dtype
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF directory or GGUF file; None: the default model
+    dtype: str = "float32"
+    tp: int = 1  # tensor-parallel shards per replica
+    replicas: int = 1  # data-parallel replicas, spread over the cluster's nodes
+    address: str | None = None  # an existing Ray cluster; None: a local instance started in-process
+    device: str = "auto"  # "auto": GPUs when the cluster has them, else CPU processes
+    kv_cache_tokens: int = 16384  # per replica
+    page_size: int = 64
+    max_batch: int = 64
+    max_prefill_tokens: int = 65536
+    max_waiting: int = 4096
+    cpus_per_shard: float = 1.0
+    num_cpus: int | None = None  # CPUs of the local Ray instance (None: all)
+    random_weights: bool = False  # config only, seeded random weights (speed runs of big models)
+    seed: int = 0
+    load_timeout_s: float = 900.0
+    draft: bool = True  # start the SpecAttn draft actor (one per replica)
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        for name in ("tp", "replicas", "kv_cache_tokens", "page_size", "max_batch", "max_prefill_tokens",
+                     "max_waiting"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if not self.cpus_per_shard > 0:
+            raise ValueError(f"cpus_per_shard must be > 0, got {self.cpus_per_shard}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
+        if self.load_timeout_s <= 0:
+            raise ValueError("load_timeout_s must be > 0")

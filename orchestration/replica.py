@@ -1,0 +1,139 @@
+"""One tensor-parallel group of shard actors: placement, rank order, process group, steps, rebuild.
+
+A group's shards are placed with one placement group (PACK: every shard on one node when it fits,
+pinned to the node chosen for this replica so replicas spread over the cluster's nodes). Ranks follow
+the Ray node id, then the bundle index - never the IP, which several nodes on one host share.
+A shard that dies surfaces as ``ShardLostError`` as soon as Ray reports it (the surviving shards, blocked
+in a collective, are not waited for); ``stop`` then kills the rest and frees the placement group, and
+``start`` builds a fresh group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from raysparse.actors.shard_worker import ShardSpec, ShardWorker
+from raysparse.shard_executor import StepPlan
+
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+class ShardLostError(RuntimeError):
+    """A shard actor of the group died; the group must be rebuilt."""
+
+
+def choose_node(tp: int, use_gpu: bool, cpus_per_shard: float, load: dict[str, int]) -> str | None:
+    """The alive node with room for the whole group and the fewest replicas so far (None: none fits)."""
+    import ray
+
+    fits = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        room = res.get("GPU", 0) >= tp if use_gpu else res.get("CPU", 0) >= tp * cpus_per_shard
+        if room:
+            fits.append((load.get(node["NodeID"], 0), node["NodeID"]))
+    return min(fits)[1] if fits else None
+
+
+class ReplicaGroup:
+    def __init__(self, index: int, spec: ShardSpec, tp: int, use_gpu: bool, cpus_per_shard: float = 1.0,
+                 node_id: str | None = None, runtime_env: dict[str, Any] | None = None) -> None:
+        if tp < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+        self.index, self.spec, self.tp, self.use_gpu = index, spec, tp, use_gpu
+        self.cpus_per_shard, self.node_id, self.runtime_env = cpus_per_shard, node_id, runtime_env
+        self.generation = 0
+        self.actors: list[Any] = []
+        self.names: list[str] = []
+        self.pg: Any = None
+        self.info: list[dict[str, Any]] = []
+
+    def start(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.generation += 1
+        bundle = {"GPU": 1.0, "CPU": self.cpus_per_shard} if self.use_gpu else {"CPU": self.cpus_per_shard}
+        selector = [{NODE_ID_LABEL: self.node_id}] * self.tp if self.node_id else None
+        self.pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="PACK",
+                                  name=f"raysparse-replica{self.index}-g{self.generation}",
+                                  bundle_label_selector=selector)
+        if not self.pg.wait(timeout_s):
+            self.stop()
+            raise TimeoutError(f"replica {self.index}: the cluster has no room for {self.tp} x {bundle} "
+                               f"within {timeout_s:.0f} s")
+        cls = ray.remote(ShardWorker)
+        actors = []
+        for b in range(self.tp):
+            name = f"raysparse-replica{self.index}-shard{b}-g{self.generation}"
+            opts: dict[str, Any] = {
+                "name": name, "num_cpus": self.cpus_per_shard, "num_gpus": 1 if self.use_gpu else 0,
+                "max_restarts": 0, "max_concurrency": 2,  # stats/ping may run beside a step
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=b)}
+            if self.runtime_env:
+                opts["runtime_env"] = self.runtime_env
+            actors.append((b, name, cls.options(**opts).remote(self.spec)))
+        infos = ray.get([a.node_info.remote() for _, _, a in actors], timeout=timeout_s)
+        order = sorted(range(self.tp), key=lambda i: (infos[i]["node_id"], actors[i][0]))
+        self.actors = [actors[i][2] for i in order]
+        self.names = [actors[i][1] for i in order]
+        master = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
+        setups = [a.setup.remote(r, self.tp, master) for r, a in enumerate(self.actors)]
+        self.info = [{**infos[order[r]], **s, "name": self.names[r]}
+                     for r, s in enumerate(self._gather(setups, timeout_s))]
+        return self.info
+
+    def _gather(self, refs: Sequence[Any], timeout_s: float | None = None) -> list[Any]:
+        """Results of one call per shard; raises ShardLostError as soon as any shard is gone."""
+        import ray
+
+        pending, done = list(refs), {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                raise TimeoutError(f"replica {self.index}: shards did not answer within {timeout_s} s")
+            for ref in ready:
+                try:
+                    done[ref] = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                    name = self.names[list(refs).index(ref)] if self.names else "?"
+                    raise ShardLostError(f"shard actor {name} of replica {self.index} died: "
+                                         f"{str(e).splitlines()[0]}") from e
+        return [done[r] for r in refs]
+
+    def execute(self, plan: StepPlan) -> dict[str, Any]:
+        results = self._gather([a.execute.remote(plan) for a in self.actors])
+        errors = [r["error"] for r in results if r["error"]]
+        out = dict(results[0])
+        out["error"] = errors[0] if errors else None
+        return out
+
+    def stats(self, reset: bool = False) -> list[dict[str, Any]]:
+        return self._gather([a.stats.remote(reset) for a in self.actors], 60.0)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        return self._gather([getattr(a, method).remote(*args) for a in self.actors], 120.0)
+
+    def stop(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass  # already gone
+        self.actors, self.names = [], []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None

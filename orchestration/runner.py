@@ -1,0 +1,202 @@
+"""One replica's engine loop: schedule a step, run it on the shard group, turn sampled tokens into events.
+
+The loop runs in its own thread. Everything the caller can touch (the scheduler, abort flags) is guarded
+by ``cond``; the step itself runs outside the lock so submissions never wait for a forward pass.
+A shard that dies fails this replica's running requests with a clear error, the group is rebuilt and
+the requests still waiting are served by the new group.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from raysparse.generate import FinishEvent, TokenEvent
+from raysparse.orchestration.replica import ReplicaGroup, ShardLostError
+from raysparse.orchestration.scheduler import Scheduler, Sequence
+from raysparse.shard_executor import StepPlan
+
+log = logging.getLogger("raysparse.engine")
+
+
+class ReplicaRunner:
+    def __init__(self, index: int, group: ReplicaGroup, scheduler: Scheduler, tokenizer: Any | None,
+                 spec_step: Any | None = None) -> None:
+        self.index, self.group, self.sched, self.tokenizer = index, group, scheduler, tokenizer
+        self.spec_step = spec_step  # SpecAttn rounds (draft actor + verification), when available
+        self.cond = threading.Condition()
+        self.state = "loading"  # loading | ready | rebuilding | stopped
+        self.last_error = ""
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name=f"raysparse-replica{index}", daemon=True)
+        # control-plane accounting: driver round trip vs the shards' own forward time
+        self.steps = 0
+        self.step_wall_s = 0.0
+        self.step_forward_s = 0.0
+        self.rebuilds = 0
+
+    # ---- called by the engine (any thread) ----------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        with self.cond:
+            self.sched.add(seq)
+            self.cond.notify()
+
+    def abort(self, request_id: str) -> bool:
+        with self.cond:
+            for seq in self.sched.all_sequences():
+                if seq.request.request_id == request_id:
+                    if self.sched.drop_waiting(seq):
+                        self._finish(seq, "abort")
+                    else:
+                        seq.aborted = True  # finished by the loop between steps
+                    self.cond.notify()
+                    return True
+        return False
+
+    def load(self) -> int:
+        with self.cond:
+            return sum(len(s.request.prompt_ids) + s.request.params.max_new_tokens for s in self.sched.all_sequences())
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            for seq in self.sched.all_sequences():
+                self._finish(seq, "abort", "the engine is shutting down")
+            self.cond.notify_all()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
+        self.group.stop()
+        self.state = "stopped"
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stop and (self.state != "ready" or not self.sched.has_work()):
+                    self.cond.wait(0.5)
+                if self._stop:
+                    return
+                for seq in self.sched.all_sequences():
+                    if seq.aborted:
+                        self._finish(seq, "abort")
+                plan = self.sched.next_plan()
+            if plan is None:
+                continue
+            try:
+                self._run(plan)
+            except ShardLostError as e:
+                self._rebuild(str(e))
+            except Exception as e:  # an engine bug must not kill the loop: fail the step's requests
+                log.exception("replica %d step failed", self.index)
+                self._fail(plan, f"{type(e).__name__}: {e}")
+
+    def _run(self, plan: StepPlan) -> None:
+        if not plan.seq_ids:
+            self.group.execute(plan)
+            return
+        if self.spec_step is not None and self.spec_step.handles(plan):
+            self.spec_step.run(self, plan)
+            return
+        t0 = time.perf_counter()
+        res = self.group.execute(plan)
+        self.steps += 1
+        self.step_wall_s += time.perf_counter() - t0
+        self.step_forward_s += res.get("forward_s", 0.0)
+        if res["error"]:
+            self._fail(plan, res["error"])
+            return
+        self.emit(plan, [[t] for t in res["tokens"]])
+
+    def emit(self, plan: StepPlan, new_tokens: list[list[int]]) -> None:
+        """Delivers each sequence's new tokens (one per step, several per SpecAttn round) in order."""
+        now = time.perf_counter()
+        with self.cond:
+            seqs = self._seqs(plan)
+            for seq, toks in zip(seqs, new_tokens, strict=True):
+                if seq is None:
+                    continue
+                if plan.prefill:
+                    seq.t_first = now
+                for tok in toks:
+                    if self._accept(seq, tok):
+                        break
+
+    def _seqs(self, plan: StepPlan) -> list[Sequence | None]:
+        by_id = {s.seq_id: s for s in self.sched.running.get(plan.key, [])}
+        return [by_id.get(sid) for sid in plan.seq_ids]
+
+    def _accept(self, seq: Sequence, token: int) -> bool:
+        """Records one token; returns True when the request finished."""
+        p = seq.request.params
+        if token in seq.stops:
+            self._finish(seq, "stop")
+            return True
+        seq.tokens.append(token)
+        seq.handle.put(TokenEvent(seq.request.request_id, token, self._detok(seq)))
+        if len(seq.tokens) >= p.max_new_tokens:
+            self._finish(seq, "length")
+            return True
+        return False
+
+    def _detok(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        delta, seq.text = text[len(seq.text):], text
+        return delta
+
+    def _finish(self, seq: Sequence, reason: str, error: str = "") -> None:
+        self.sched.release(seq)
+        now = time.perf_counter()
+        ttft = (seq.t_first or now) - seq.t_submit
+        seq.handle.put(FinishEvent(
+            seq.request.request_id, reason, tuple(seq.tokens), seq.text, len(seq.request.prompt_ids), ttft,
+            now - seq.t_first if seq.t_first else 0.0, error,
+            {"replica": self.index, "method": seq.request.method, "method_params": dict(seq.request.method_params)}))
+
+    def _fail(self, plan: StepPlan, error: str) -> None:
+        with self.cond:
+            for seq in self._seqs(plan):
+                if seq is not None:
+                    self._finish(seq, "error", error)
+
+    def _rebuild(self, error: str) -> None:
+        log.error("replica %d lost a shard: %s; rebuilding", self.index, error)
+        with self.cond:
+            self.state, self.last_error = "rebuilding", error
+            for group in list(self.sched.running.values()):
+                for seq in list(group):
+                    self._finish(seq, "error", error)
+            self.sched.reset()
+        self.group.stop()
+        while not self._stop:
+            try:
+                self.group.start()
+                if self.spec_step is not None:
+                    self.spec_step.restart()
+                break
+            except Exception as e:  # e.g. the cluster lost the node: keep trying, the engine reports it
+                log.error("replica %d rebuild failed: %s", self.index, e)
+                self.group.stop()
+                time.sleep(2.0)
+        with self.cond:
+            self.rebuilds += 1
+            self.state = "ready" if not self._stop else "stopped"
+            self.cond.notify_all()
+
+    def info(self) -> dict[str, Any]:
+        with self.cond:
+            running = self.sched.num_running()
+            waiting = len(self.sched.waiting)
+            used = self.sched.cfg.capacity_pages - self.sched.free_pages
+        return {"index": self.index, "state": self.state, "running": running, "waiting": waiting,
+                "kv_used_tokens": used * self.sched.cfg.page_size,
+                "kv_capacity_tokens": self.sched.cfg.capacity_pages * self.sched.cfg.page_size,
+                "steps": self.steps, "step_wall_s": self.step_wall_s, "step_forward_s": self.step_forward_s,
+                "rebuilds": self.rebuilds, "last_error": self.last_error,
+                "shards": [{k: v for k, v in i.items() if k in ("name", "rank", "node_id", "device", "kv_heads")}
+                           for i in self.group.info]}

@@ -1,0 +1,161 @@
+"""Continuous batching for one replica: admission against KV pages, then prefill and decode steps.
+
+Policy (as in vLLM's first scheduler, per method key): waiting requests are admitted FIFO when their
+whole reservation (prompt + max new tokens) fits the free pages; a prefill step packs admitted prompts
+of the head request's method up to ``max_prefill_tokens``; decode steps batch up to ``max_batch`` running
+sequences of one method key, rotating over keys. When both kinds of work exist the steps alternate, so
+a stream of arrivals never starves running decodes. A request whose reservation exceeds the whole cache
+is refused at submission (``CapacityExceededError``), never out of memory later.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from raysparse.orchestration.engine_api import CapacityExceededError, EngineRequest, RequestHandle
+from raysparse.shard_executor import StepPlan
+
+
+@dataclass
+class Sequence:
+    """The driver's view of one request in a replica."""
+
+    handle: RequestHandle
+    seq_id: int
+    key: str
+    pages: int
+    stops: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    t_submit: float = 0.0
+    t_first: float = 0.0
+    aborted: bool = False
+
+    @property
+    def request(self) -> EngineRequest:
+        return self.handle.request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    capacity_pages: int
+    page_size: int
+    max_batch: int = 64
+    max_prefill_tokens: int = 65536
+    max_waiting: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("capacity_pages", "page_size", "max_batch", "max_prefill_tokens", "max_waiting"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class Scheduler:
+    _seq_ids = itertools.count()
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.free_pages = cfg.capacity_pages
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, list[Sequence]] = {}
+        self._to_free: list[int] = []
+        self._rr = 0
+        self._last_prefill = False
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.cfg.page_size)
+
+    def make_sequence(self, handle: RequestHandle, key: str, stops: frozenset[int], now: float) -> Sequence:
+        pages = self.pages_for(handle.request.max_tokens)
+        if pages > self.cfg.capacity_pages:
+            raise CapacityExceededError(
+                f"request needs {handle.request.max_tokens} KV tokens but a replica holds at most "
+                f"{self.cfg.capacity_pages * self.cfg.page_size}")
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise CapacityExceededError(f"{len(self.waiting)} requests are already waiting")
+        return Sequence(handle, next(self._seq_ids), key, pages, stops, t_submit=now)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self._to_free or any(self.running.values()))
+
+    def num_running(self) -> int:
+        return sum(len(v) for v in self.running.values())
+
+    def release(self, seq: Sequence) -> None:
+        """A running sequence finished: its pages come back once the shards were told (next plan)."""
+        group = self.running.get(seq.key, [])
+        if seq in group:
+            group.remove(seq)
+            self._to_free.append(seq.seq_id)
+            self.free_pages += seq.pages
+
+    def drop_waiting(self, seq: Sequence) -> bool:
+        try:
+            self.waiting.remove(seq)
+            return True
+        except ValueError:
+            return False
+
+    def all_sequences(self) -> list[Sequence]:
+        return list(self.waiting) + [s for g in self.running.values() for s in g]
+
+    def reset(self) -> None:
+        """After the replica's shards were lost: nothing runs and every page is free again."""
+        self.running.clear()
+        self._to_free.clear()
+        self.free_pages = self.cfg.capacity_pages
+
+    def next_plan(self) -> StepPlan | None:
+        decode_keys = [k for k, g in self.running.items() if g]
+        admissible = bool(self.waiting) and self.waiting[0].pages <= self.free_pages
+        if admissible and not (self._last_prefill and decode_keys):
+            self._last_prefill = True
+            return self._prefill_plan()
+        if decode_keys:
+            self._last_prefill = False
+            key = decode_keys[self._rr % len(decode_keys)]
+            self._rr += 1
+            group = self.running[key][: self.cfg.max_batch]
+            plan = StepPlan(key, False, [s.seq_id for s in group], [[s.tokens[-1]] for s in group])
+        elif self._to_free:
+            plan = StepPlan("", False)
+        else:
+            return None
+        plan.free, self._to_free = self._to_free, []
+        return plan
+
+    def _prefill_plan(self) -> StepPlan:
+        head = self.waiting[0]
+        chosen: list[Sequence] = []
+        tokens = 0
+        for seq in list(self.waiting):
+            n = len(seq.request.prompt_ids)
+            if seq.key != head.key:
+                continue
+            if chosen and (tokens + n > self.cfg.max_prefill_tokens or len(chosen) >= self.cfg.max_batch):
+                break
+            if seq.pages > self.free_pages:
+                break  # FIFO within the key: no overtaking a request that waits for pages
+            chosen.append(seq)
+            tokens += n
+            self.free_pages -= seq.pages
+            self.waiting.remove(seq)
+        self.running.setdefault(head.key, []).extend(chosen)
+        admit: list[tuple[int, int, dict[str, Any]]] = [
+            (s.seq_id, s.request.max_tokens, _params_dict(s)) for s in chosen]
+        plan = StepPlan(head.key, True, [s.seq_id for s in chosen], [list(s.request.prompt_ids) for s in chosen],
+                        admit)
+        plan.free, self._to_free = self._to_free, []
+        return plan
+
+
+def _params_dict(seq: Sequence) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(seq.request.params)

@@ -1,0 +1,158 @@
+"""One tensor-parallel shard's side of an engine step: its weights, KV cache, method backends and sampler.
+
+The engine sends every shard of a group the same ``StepPlan``; each shard frees and admits sequences in
+its own cache, runs the forward over its heads (the all-reduces inside the model keep the shards in
+lockstep) and rank 0 samples. No Ray here, so the same code runs in a Ray actor or in-process.
+
+Backends are created per method key (method name plus its parameters) on first use and shared by every
+sequence with that key; their per-sequence state lives in the cache's metadata and is released with the
+sequence. Under tensor parallelism anything a method must agree on across shards goes through
+``attach_group``: Sketch&Walk's block sums are SUM-all-reduced every layer (the walk coordinator), so every
+shard holds identical sketches, walk state and selections.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raysparse.attention import AttentionBackend
+from raysparse.kv_cache import KVCache
+from raysparse.methods.registry import create_backend
+from raysparse.model import LlamaForCausalLM
+from raysparse.sampling import Sampler, SamplingParams
+
+
+def method_key(method: str, params: tuple[tuple[str, Any], ...] | dict[str, Any] = ()) -> str:
+    """The canonical name of a method with its parameters (backends are shared per key)."""
+    items = sorted(dict(params).items())
+    return json.dumps([method, items], default=list)
+
+
+def parse_key(key: str) -> tuple[str, dict[str, Any]]:
+    method, items = json.loads(key)
+    return method, {k: tuple(v) if isinstance(v, list) else v for k, v in items}
+
+
+@dataclass
+class StepPlan:
+    """One engine step for one group. ``tokens[i]`` are the new tokens of ``seq_ids[i]`` (the prompt in a
+    prefill, the last sampled token in a decode); ``admit`` rows are (seq id, reserved tokens, sampling
+    params as a dict), applied after ``free`` and before the forward."""
+
+    key: str
+    prefill: bool
+    seq_ids: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    admit: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
+    free: list[int] = field(default_factory=list)
+
+
+def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Gives every method inside ``backend`` (Delta wraps a base) the group's SUM all-reduce."""
+    seen: set[int] = set()
+    stack: list[Any] = [backend]
+    while stack:
+        b = stack.pop()
+        if id(b) in seen:
+            continue
+        seen.add(id(b))
+        if hasattr(b, "head_reduce"):
+            b.head_reduce = reduce
+        if isinstance(getattr(b, "base", None), AttentionBackend):
+            stack.append(b.base)
+
+
+class ShardExecutor:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, rank: int = 0, world_size: int = 1,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, sync: Callable[[], None] | None = None):
+        self.model, self.cache, self.rank, self.world_size = model, cache, rank, world_size
+        self.sampler = Sampler()
+        self.backends: dict[str, AttentionBackend] = {}
+        self._seq_key: dict[int, str] = {}
+        self._params: dict[int, SamplingParams] = {}
+        self.coord_s = 0.0  # time inside the walk coordinator's all-reduces since the last stats()
+        self._sync = sync or (lambda: None)
+        self._reduce = self._timed(reduce) if reduce is not None else None
+
+    def _timed(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def timed(x: torch.Tensor) -> torch.Tensor:
+            self._sync()  # so the time is the collective's, not the queued work before it
+            t = time.perf_counter()
+            out = reduce(x)
+            self._sync()
+            self.coord_s += time.perf_counter() - t
+            return out
+
+        return timed
+
+    def backend(self, key: str) -> AttentionBackend:
+        b = self.backends.get(key)
+        if b is None:
+            method, params = parse_key(key)
+            b = create_backend(method, self.model.cfg, **params)
+            if self._reduce is not None and self.world_size > 1:
+                attach_group(b, self._reduce)
+            self.backends[key] = b
+        return b
+
+    def free(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.cache.free(sid)
+            key = self._seq_key.pop(sid, None)
+            if key is not None:
+                self.backends[key].release(sid)
+            self.sampler.remove(sid)
+            self._params.pop(sid, None)
+
+    def admit(self, rows: list[tuple[int, int, dict[str, Any]]], key: str) -> None:
+        for sid, max_tokens, params in rows:
+            self.cache.allocate(sid, max_tokens)
+            p = SamplingParams(**params)
+            self._seq_key[sid], self._params[sid] = key, p
+            self.sampler.add(sid, p)
+
+    def execute(self, plan: StepPlan) -> dict[str, Any]:
+        """Runs one step. Returns ``tokens`` (rank 0; None elsewhere), ``error`` (the step's sequences failed;
+        the shard stays usable) and the shard's forward time."""
+        t0 = time.perf_counter()
+        self.free(plan.free)
+        if not plan.seq_ids:
+            return {"tokens": [], "error": None, "forward_s": 0.0}
+        try:
+            self.admit(plan.admit, plan.key)
+            backend = self.backend(plan.key)
+            dev = self.cache.device
+            ids = torch.tensor([t for toks in plan.tokens for t in toks], dtype=torch.long, device=dev)
+            batch = self.cache.prepare(plan.seq_ids, [len(t) for t in plan.tokens], plan.prefill)
+            logits = self.model(ids, batch, self.cache, backend)
+            tokens = (self.sampler.sample(logits, plan.seq_ids, [self._params[s] for s in plan.seq_ids])
+                      if self.rank == 0 else None)
+            self._sync()
+            return {"tokens": tokens, "error": None, "forward_s": time.perf_counter() - t0}
+        except Exception as e:  # the engine fails these sequences and frees them; other work goes on
+            self.free(plan.seq_ids)
+            return {"tokens": None, "error": f"{type(e).__name__}: {e}", "forward_s": time.perf_counter() - t0}
+
+    def record_selections(self, key: str) -> None:
+        """From now on, keeps every sparse selection of ``key``'s backend (tests compare shards with them)."""
+        self.selections: list[tuple[int, int, torch.Tensor]] = []
+        backend = self.backend(key)
+
+        def tracer(ctx: Any, q: Any, k: Any, v: Any, selection: Any, out: Any) -> None:
+            self.selections.append((ctx.layer, ctx.seq_id, selection.indices.detach().cpu().clone()))
+
+        backend.tracer = tracer  # type: ignore[attr-defined]
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        out = {"coord_s": self.coord_s, "kv_free_pages": self.cache.free_pages, "kv_pages": self.cache.num_pages,
+               "density": {k: b.meter.overall() for k, b in self.backends.items()},
+               "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()}}
+        if reset:
+            self.coord_s = 0.0
+        return out
