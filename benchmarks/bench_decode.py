@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from bench_common import BLOCK, DTYPE, H_KV, D, H, copy_bandwidth_gbs, guarded, rel_err, table, time_ms, write_json
+
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode
-
 from raysparse.methods.selection import TokenSelection, indices_from_mask
 from raysparse.methods.sparse_attention import sparse_decode_attention
 

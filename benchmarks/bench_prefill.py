@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from bench_common import BLOCK, DTYPE, H_KV, D, H, guarded, rel_err, table, time_ms, write_json
-from raysparse.kernels.block_sparse_prefill import _tuned, block_sparse_prefill
-from raysparse.kernels.formats import PackedBlockSelection, PagedKV
 
 from raysparse.attention import causal_pairs
+from raysparse.kernels.block_sparse_prefill import _tuned, block_sparse_prefill
+from raysparse.kernels.formats import PackedBlockSelection, PagedKV
 from raysparse.methods.selection import BlockSelection, indices_from_mask
 from raysparse.methods.sparse_attention import block_sparse_attention
 
