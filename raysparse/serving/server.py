@@ -1,0 +1,131 @@
+"""The gRPC server: the RaySparse service, grpc.health.v1, reflection and the Prometheus endpoint.
+
+The port opens before the engine loads, so orchestrators see the server at once and its health as
+NOT_SERVING until every replica is ready. A poller thread mirrors ``Engine.serving()`` into the health
+service (NOT_SERVING while loading, while the only replicas are rebuilding after a lost shard, and while
+draining) and refreshes the KV and density gauges. ``stop`` drains: health goes NOT_SERVING, streams in
+flight get ``grace_s`` to finish, then the engine shuts down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from raysparse.serving.metrics import ServerMetrics
+from raysparse.serving.proto import raysparse_pb2 as pb
+from raysparse.serving.proto import raysparse_pb2_grpc as pb_grpc
+from raysparse.serving.servicer import RaySparseServicer
+
+log = logging.getLogger("raysparse.serving")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RaySparse"].full_name  # raysparse.v1.RaySparse
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (see InferenceServer.port)
+    metrics_port: int | None = 9400  # None: no Prometheus endpoint; 0: any free port
+    max_workers: int = 256  # concurrent calls; each stream holds one thread while it waits for tokens
+    poll_s: float = 0.2  # health and gauge refresh
+    density_poll_s: float = 5.0  # density gauges (one call to every replica's rank-0 shard)
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.max_workers < 1 or self.poll_s <= 0 or self.density_poll_s <= 0 or self.grace_s < 0:
+            raise ValueError("max_workers >= 1, poll_s > 0, density_poll_s > 0 and grace_s >= 0 are required")
+
+
+class InferenceServer:
+    """Serves ``engine`` (started or not: ``start_engine`` loads it while the port already answers)."""
+
+    def __init__(self, engine: Any, cfg: ServerConfig = ServerConfig()) -> None:
+        self.engine, self.cfg = engine, cfg
+        self.metrics = ServerMetrics()
+        self.servicer = RaySparseServicer(engine, self.metrics)
+        self.health = health.HealthServicer()
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._server: grpc.Server | None = None
+        self._http: Any = None
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="raysparse-health", daemon=True)
+
+    def start(self) -> InferenceServer:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.max_workers),
+                             options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_RaySparseServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        self.port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.cfg.host}:{self.cfg.port}")
+        self._set_health(False)
+        server.start()
+        self._server = server
+        if self.cfg.metrics_port is not None:
+            self._http = self.metrics.serve_http(self.cfg.metrics_port, self.cfg.host)
+            self.metrics_port = self._http[0].server_port
+        self._poller.start()
+        return self
+
+    def start_engine(self) -> None:
+        """Loads the engine in this thread (Ray wants its driver in the main thread) if not started."""
+        if self.engine.state == "created":
+            self.engine.start()
+        self._refresh(density=False)
+
+    def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def _refresh(self, density: bool) -> None:
+        serving = bool(self.engine.serving()) and not self._stop.is_set()
+        self._set_health(serving)
+        if self.engine.state in ("ready", "draining"):
+            self.metrics.observe_server(self.engine.server_info())
+            if density and serving:
+                self.metrics.observe_density(self.engine.shard_stats())
+
+    def _poll(self) -> None:
+        since_density = 0.0
+        while not self._stop.wait(self.cfg.poll_s):
+            since_density += self.cfg.poll_s
+            try:
+                self._refresh(density=since_density >= self.cfg.density_poll_s)
+            except Exception as e:  # a replica mid-rebuild may fail a stats call: try again next tick
+                log.debug("health poll: %s", e)
+            if since_density >= self.cfg.density_poll_s:
+                since_density = 0.0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert self._server is not None
+        return self._server.wait_for_termination(timeout)
+
+    def stop(self, shutdown_engine: bool = True) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()  # NOT_SERVING from here on, whatever the poller last set
+        if self._server is not None:
+            self._server.stop(self.cfg.grace_s).wait(self.cfg.grace_s + 5)
+            self._server = None
+        if self._poller.is_alive():
+            self._poller.join(timeout=5)
+        if self._http is not None:
+            self._http[0].shutdown()
+            self._http[0].server_close()
+            self._http = None
+        if shutdown_engine:
+            self.engine.shutdown()

@@ -1,0 +1,163 @@
+"""The ``raysparse.v1.RaySparse`` servicer: gRPC calls onto the engine, with the status codes of the API.
+
+Every refusal is decided before a request reaches the engine's queue or by ``Engine.submit`` itself, whose
+typed errors carry the status code (``engine_api``). A call that ends early - the client cancels, its
+deadline passes, the connection drops - aborts its engine request from the RPC's termination callback, so
+its KV pages come back at the replica's next step even while the request is still waiting.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from raysparse.generate import FinishEvent, TokenEvent
+from raysparse.orchestration.engine_api import EngineError, EngineRequest, InvalidRequestError
+from raysparse.sampling import SamplingParams
+from raysparse.serving.metrics import ServerMetrics
+from raysparse.serving.proto import raysparse_pb2 as pb
+from raysparse.serving.proto import raysparse_pb2_grpc as pb_grpc
+
+DEFAULT_MAX_NEW_TOKENS = 64
+_POLL_S = 0.1  # how often a streaming call notices that its client went away
+
+
+def _method_params(msg: pb.GenerateRequest) -> tuple[tuple[str, Any], ...]:
+    if not msg.HasField("method_params"):
+        return ()
+    out: dict[str, Any] = {}
+    for k, v in json_format.MessageToDict(msg.method_params).items():
+        out[k] = tuple(_number(x) for x in v) if isinstance(v, list) else _number(v)
+    return tuple(sorted(out.items()))
+
+
+def _number(v: Any) -> Any:
+    """Struct numbers are doubles: integral ones become ints (layer indices, block sizes)."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**53 else v
+
+
+def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError (INVALID_ARGUMENT) for bad values."""
+    return SamplingParams(max_new_tokens=s.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, temperature=s.temperature,
+                          top_p=s.top_p if s.HasField("top_p") else 1.0,
+                          seed=s.seed if s.HasField("seed") else None,
+                          stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+class RaySparseServicer(pb_grpc.RaySparseServicer):
+    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+
+    # ---- Generate -----------------------------------------------------------------------------------
+    def _request(self, msg: pb.GenerateRequest) -> EngineRequest:
+        kind = msg.WhichOneof("prompt")
+        if kind == "text":
+            if not msg.text:
+                raise InvalidRequestError("prompt is empty")
+            ids = self.engine.encode(msg.text, chat=msg.chat)
+        elif kind == "token_ids":
+            ids = list(msg.token_ids.ids)
+        else:
+            raise InvalidRequestError("prompt is empty: set text or token_ids")
+        extra = {"request_id": msg.request_id} if msg.request_id else {}
+        return EngineRequest(ids, sampling_from_proto(msg.sampling), msg.method or "dense", _method_params(msg),
+                             **extra)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        t0 = time.perf_counter()
+        method = request.method or "dense"
+        if getattr(self.engine, "state", "") != "ready":
+            self._refuse(context, method, grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state}")
+        try:
+            handle = self.engine.submit(self._request(request))
+        except EngineError as e:
+            self._refuse(context, method, getattr(grpc.StatusCode, e.code), str(e))
+        except ValueError as e:  # SamplingParams
+            self._refuse(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # Runs when the RPC ends for any reason; aborting a finished request is a no-op.
+        context.add_callback(handle.abort)
+        rid, m = handle.request_id, self.metrics
+        last = None
+        while True:
+            try:
+                ev = handle.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not context.is_active():
+                    handle.abort()
+                    m.requests.labels(method, "cancelled").inc()
+                    return
+                continue
+            batch = [ev]
+            while not isinstance(batch[-1], FinishEvent):  # coalesce what is already there into one message
+                try:
+                    batch.append(handle.get(timeout=0))
+                except queue.Empty:
+                    break
+            tokens = [e for e in batch if isinstance(e, TokenEvent)]
+            now = time.perf_counter()
+            for _ in tokens:
+                if last is not None:
+                    m.itl.labels(method).observe(now - last)
+                last = now
+            if tokens:
+                m.generation_tokens.labels(method).inc(len(tokens))
+                yield pb.GenerateResponse(request_id=rid, delta=pb.TokenDelta(
+                    token_ids=[e.token_id for e in tokens], text="".join(e.text for e in tokens)))
+            fin = batch[-1]
+            if isinstance(fin, FinishEvent):
+                yield self._finish(fin, method, time.perf_counter() - t0)
+                return
+
+    def _finish(self, fin: FinishEvent, method: str, e2e: float) -> pb.GenerateResponse:
+        m = self.metrics
+        m.requests.labels(method, fin.finish_reason).inc()
+        m.prompt_tokens.labels(method).inc(fin.prompt_tokens)
+        if fin.token_ids:
+            m.ttft.labels(method).observe(fin.ttft_s)
+        m.e2e.labels(method).observe(e2e)
+        return pb.GenerateResponse(request_id=fin.request_id, finish=pb.Finish(
+            finish_reason=fin.finish_reason,
+            usage=pb.Usage(prompt_tokens=fin.prompt_tokens, completion_tokens=len(fin.token_ids)),
+            timings=pb.Timings(ttft_s=fin.ttft_s, decode_s=fin.decode_s, e2e_s=e2e),
+            text=fin.text, error=fin.error, replica=int(fin.stats.get("replica", 0))))
+
+    def _refuse(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.requests.labels(method, code.name.lower()).inc()
+        context.abort(code, message)  # raises
+
+    # ---- unary calls --------------------------------------------------------------------------------
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        return pb.AbortResponse(found=bool(self.engine.abort(request.request_id)))
+
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
+        if getattr(self.engine, "model_cfg", None) is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state}")
+        i = self.engine.model_info()
+        return pb.ModelInfo(model=i["model"], layers=i["layers"], heads=i["heads"], kv_heads=i["kv_heads"],
+                            head_dim=i["head_dim"], vocab_size=i["vocab_size"], max_positions=i["max_positions"],
+                            dtype=i["dtype"], tp=i["tp"], replicas=i["replicas"], device=i["device"],
+                            methods=list(i["methods"]), has_tokenizer=self.engine.tokenizer is not None)
+
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfo:
+        return server_info_to_proto(self.engine.server_info())
+
+
+def server_info_to_proto(i: dict[str, Any]) -> pb.ServerInfo:
+    reps = [pb.ReplicaInfo(index=r["index"], state=r["state"], running=r["running"], waiting=r["waiting"],
+                           kv_used_tokens=r["kv_used_tokens"], kv_capacity_tokens=r["kv_capacity_tokens"],
+                           steps=r.get("steps", 0), rebuilds=r.get("rebuilds", 0), last_error=r.get("last_error", ""),
+                           shards=[pb.ShardInfo(name=s.get("name", ""), rank=s.get("rank", 0),
+                                                node_id=str(s.get("node_id", "")), device=str(s.get("device", "")))
+                                   for s in r.get("shards", [])])
+            for r in i.get("replicas", [])]
+    return pb.ServerInfo(state=i["state"], serving=i["serving"], running=i["running"], waiting=i["waiting"],
+                         kv_used_tokens=i["kv_used_tokens"], kv_capacity_tokens=i["kv_capacity_tokens"],
+                         replicas=reps, tp=i.get("tp", 1))
