@@ -6,6 +6,8 @@ is how the tests exercise them) or ``torch`` (always the reference). Shapes the 
 (head dim or block size not a power of two >= 16) silently take the reference path.
 
 Single-sequence functions mirror ``raysparse.methods.sparse_attention`` / ``raysparse.methods.delta``;
+the method scorers (``scorer_dispatch``, re-exported here) mirror ``hadamard``, ``lsh``, SpecAttn's ``topp``
+and Quest's bounds in ``baselines``;
 the ``*_varlen`` functions take the packed ragged formats of ``formats`` and fall back to a per-sequence
 loop over the reference (with host reads, so only for CPU use). Importing this module does not import
 Triton: the kernel modules load on the first Triton call, so CPU-only processes (and the interpreter
@@ -35,13 +37,19 @@ def _pow2_at_least_16(x: int) -> bool:
     return x >= 16 and not x & (x - 1)
 
 
-def use_triton(*tensors: torch.Tensor, head_dim: int, block: int = 16) -> bool:
+def triton_wanted(*tensors: torch.Tensor) -> bool:
+    """The ``RAYSPARSE_KERNELS`` decision before any shape check: Triton installed and forced, or all
+    tensors on CUDA under ``auto``."""
     mode = os.environ.get(ENV, "auto").lower()
     if mode not in ("auto", "triton", "torch"):
         raise ValueError(f"{ENV} must be auto, triton or torch, got {mode!r}")
-    if mode == "torch" or not HAS_TRITON or not (_pow2_at_least_16(head_dim) and _pow2_at_least_16(block)):
+    if mode == "torch" or not HAS_TRITON:
         return False
     return mode == "triton" or all(t.is_cuda for t in tensors)
+
+
+def use_triton(*tensors: torch.Tensor, head_dim: int, block: int = 16) -> bool:
+    return _pow2_at_least_16(head_dim) and _pow2_at_least_16(block) and triton_wanted(*tensors)
 
 
 def _like_kv(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -163,3 +171,21 @@ def strided_dense_attention_varlen(q: torch.Tensor, kv: KVSource, cu_seqlens_q: 
         lses.append(s)
         lo += q_len
     return torch.cat(outs), torch.cat(lses)
+
+
+# ---- the method scorers (kept in their own module; importable from here) -------------------------
+from .scorer_dispatch import (  # noqa: E402
+    collision_scores,
+    collision_scores_varlen,
+    lsh_bucket_ids,
+    quest_page_bounds,
+    quest_page_scores,
+    sketch_block_sums,
+    srht_apply,
+    topp_mask,
+)
+
+__all__ = ["ENV", "block_sparse_attention", "block_sparse_attention_varlen", "collision_scores",
+           "collision_scores_varlen", "combine", "lsh_bucket_ids", "quest_page_bounds", "quest_page_scores",
+           "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen", "srht_apply",
+           "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted", "use_triton"]

@@ -4,6 +4,8 @@
 log2(d) vectorised butterfly stages. ``SRHT`` is the d x r sketch ``H_d = D W S sqrt(d'/r)``: random
 signs ``D``, the orthonormal transform ``W`` (after zero-padding d to the next power of two d'), and ``r``
 coordinates sampled without replacement, scaled so that E[<x H_d, y H_d>] = <x, y> over the draw.
+``SRHT.apply`` goes through ``raysparse.kernels.dispatch`` (a fused Triton kernel on CUDA tensors);
+``srht_reference`` is the plain PyTorch path and the kernel's oracle.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from raysparse.kernels import dispatch
 
 
 def next_pow2(n: int) -> int:
@@ -35,6 +39,12 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return y.view(*lead, d) / math.sqrt(d)
 
 
+def srht_reference(x: torch.Tensor, signs: torch.Tensor, coords: torch.Tensor, scale: float) -> torch.Tensor:
+    """x: [..., dim] -> fp32 [..., r]: pad to len(signs), flip signs, fast transform, keep ``coords``, scale."""
+    xp = torch.nn.functional.pad(x.float(), (0, signs.numel() - x.shape[-1])) * signs
+    return fwht(xp).index_select(-1, coords) * scale
+
+
 class SRHT:
     """A fixed draw of the subsampled randomized Hadamard transform from R^dim to R^r.
 
@@ -53,18 +63,20 @@ class SRHT:
         self.signs = torch.randint(0, 2, (self.padded,), generator=gen).float() * 2 - 1
         self.coords = torch.randperm(self.padded, generator=gen)[: self.sketch_dim].sort().values
         self.scale = math.sqrt(self.padded / self.sketch_dim)
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(signs, coords, slots) on ``device``; ``slots[c]`` is the output column of transform column c
+        (-1 if not drawn), the kernel's form of ``coords``."""
         if device not in self._on:
-            self._on[device] = (self.signs.to(device), self.coords.to(device))
+            slots = torch.full((self.padded,), -1, dtype=torch.int32)
+            slots[self.coords] = torch.arange(self.sketch_dim, dtype=torch.int32)
+            self._on[device] = (self.signs.to(device), self.coords.to(device), slots.to(device))
         return self._on[device]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] -> [..., r] in fp32, through the fast transform (O(d log d) per row)."""
-        signs, coords = self._tensors(x.device)
-        xp = torch.nn.functional.pad(x.float(), (0, self.padded - self.dim)) * signs
-        return fwht(xp).index_select(-1, coords) * self.scale
+        return dispatch.srht_apply(x, *self.device_tensors(x.device), self.scale)
 
     def matrix(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The explicit d x r matrix H_d (x @ H_d == apply(x))."""

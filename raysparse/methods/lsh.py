@@ -7,6 +7,9 @@ Conventions shared by every function here (and relied on by SOCKET's stored buck
 - Corner r of the hypercube {-1, +1}^P is the sign pattern of bucket id r: c_r[p] = +1 iff bit p of r
   is set. So the hard bucket of x is the corner maximising c . (W_l x), and p_l(r) is the probability of
   the bucket whose keys carry id r.
+
+``bucket_ids`` and ``collision_scores`` go through ``raysparse.kernels.dispatch`` (Triton kernels on CUDA
+tensors); the ``*_reference`` functions are the plain PyTorch paths and the kernels' oracles.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from raysparse.kernels import dispatch
 
 MAX_PLANES = 15  # bucket ids of up to 15 bits fit int16; 2**P probabilities per table and head past that
 
@@ -54,6 +59,11 @@ def corners(planes: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 def bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """w: ``[h, L, P, d]``, x: ``[h, m, d]`` -> int32 bucket ids ``[h, L, m]`` (fp32 projections)."""
+    return dispatch.lsh_bucket_ids(w, x)
+
+
+def bucket_ids_reference(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``bucket_ids`` in plain PyTorch."""
     proj = torch.einsum("hlpd,hmd->hlpm", w, x.float())
     weights = (1 << torch.arange(w.shape[2], device=x.device, dtype=torch.int32))[:, None]
     return ((proj > 0).int() * weights).sum(2, dtype=torch.int32)
@@ -74,9 +84,16 @@ def hard_bucket_probs(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(b.long().transpose(1, 2), 1 << w.shape[2]).float()
 
 
-def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, chunk_elems: int = 1 << 23) -> torch.Tensor:
+def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, chunk_elems: int = 1 << 23,
+                     norms: torch.Tensor | None = None) -> torch.Tensor:
     """sum_l probs[h, l, buckets[h, l, j]] for every key j: probs ``[h, L, R]``, buckets ``[h, L, n]``
-    (any integer dtype) -> fp32 ``[h, n]``.
+    (any integer dtype) -> fp32 ``[h, n]``, multiplied by the value norms ``[h, n]`` when given (fused in
+    the kernel: SOCKET's soft score)."""
+    return dispatch.collision_scores(probs, buckets, norms, chunk_elems)
+
+
+def collision_scores_reference(probs: torch.Tensor, buckets: torch.Tensor, chunk_elems: int = 1 << 23) -> torch.Tensor:
+    """``collision_scores`` without norms, in plain PyTorch.
 
     Reads only the bucket ids (never the keys). Gathered in token chunks of about ``chunk_elems`` table
     entries, so the transient index and gathered values stay bounded for long contexts."""

@@ -11,12 +11,16 @@ boundary are all kept, the sensible convention for a threshold method). After k 
 lo <= theta* < lo + max(a) / 2**k, so the result contains the minimal set and every extra element lies
 within max(a) / 1024 (k = 10) below theta*. When the top element alone reaches the target the answer is
 exactly the (tied) maxima, checked before the search. Everything is batched over the leading dimensions
-(speculative steps, KV heads) with no host synchronisation and no sort.
+(speculative steps, KV heads) with no host synchronisation and no sort. ``topp_mask`` goes through
+``raysparse.kernels.dispatch`` (a few-pass Triton kernel on CUDA tensors); ``topp_mask_reference`` is the
+plain PyTorch path and the kernel's oracle.
 """
 
 from __future__ import annotations
 
 import torch
+
+from raysparse.kernels import dispatch
 
 SEARCH_ITERS = 10
 
@@ -27,6 +31,15 @@ def topp_mask(a: torch.Tensor, p: float, iters: int = SEARCH_ITERS) -> torch.Ten
     ``a``: non-negative weights [..., n] (need not be normalised; zero padding is never selected).
     ``p`` in (0, 1]; p >= 1 keeps every positive weight.
     """
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    if p >= 1.0:
+        return a.float() > 0
+    return dispatch.topp_mask(a, p, iters)
+
+
+def topp_mask_reference(a: torch.Tensor, p: float, iters: int = SEARCH_ITERS) -> torch.Tensor:
+    """``topp_mask`` in plain PyTorch, one pass over the rows per iteration."""
     if not 0.0 < p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {p}")
     a = a.float()

@@ -1,0 +1,123 @@
+"""SOCKET's kernels: SimHash bucketing of keys and the soft-collision scorer (``raysparse.methods.lsh``).
+
+Bucketing: ``w [h, L, P, d]`` hyperplanes, ``x [h, m, d]`` keys -> ids ``[h, L, m]``, bit p of a table's id
+set iff (W_l x)_p > 0 (little-endian, an exact 0 counts as negative). One program takes ``BLOCK_M`` keys of
+one head, loads them once and loops over the L tables: a ``[BLOCK_M, d] x [d, P]`` product per table in
+exact fp32 (``ieee``: TF32 would flip the sign of near-zero projections against the reference), then the
+sign bits are packed and stored in the output's dtype (int32 like the reference, or the uint8 / int16 of
+the cache). The same call hashes a whole prompt at prefill and the few keys appended by a decode step.
+
+Scoring: ``score_j = sum_l probs[l, bucket_l(j)]`` (times ``||v_j||`` when norms are given) over a ragged
+batch: ``buckets [h, L, total]`` / ``norms [h, total]`` packed along tokens by ``cu_seqlens``, ``probs
+[batch, h, L, R]``. One program takes ``BLOCK_N`` keys of one head and sequence and streams their L bucket
+ids, gathering each table's probability from the (cache-resident) ``[L, R]`` table; it never reads a key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import next_pow2, tl, triton
+
+_HASH_ROWS = 64  # keys per bucketing program
+_SCORE_KEYS = 512  # keys per scoring program
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bucket_kernel(X, W, Out, m, planes, tables, stride_xh, stride_xm, stride_wh, stride_wl, stride_wp,
+                       stride_oh, stride_ol, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, P_PAD: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        h = tl.program_id(1).to(tl.int64)
+        ok = rows < m
+        d = tl.arange(0, HEAD_DIM)
+        x = tl.load(X + h * stride_xh + rows.to(tl.int64)[:, None] * stride_xm + d[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        p = tl.arange(0, P_PAD)
+        p_ok = p < planes
+        bit = tl.where(p_ok, 1 << p, 0)
+        w_row = W + h * stride_wh + p[:, None] * stride_wp + d[None, :]
+        out_row = Out + h * stride_oh + rows
+        for t in range(tables):
+            w = tl.load(w_row + t * stride_wl, mask=p_ok[:, None], other=0.0)
+            proj = tl.dot(x, tl.trans(w), input_precision="ieee")  # [BLOCK_M, P_PAD]
+            ids = tl.sum(tl.where(proj > 0, bit[None, :], 0), 1)
+            tl.store(out_row + t * stride_ol, ids.to(Out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _collision_kernel(P, B, NORM, Out, CU, tables, stride_pb, stride_ph, stride_pl, stride_bh, stride_bl,
+                          stride_nh, stride_oh, BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr):
+        nb = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        seq = tl.program_id(2)
+        t0 = tl.load(CU + seq)
+        n = tl.load(CU + seq + 1) - t0
+        if nb * BLOCK_N < n:
+            j = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = j < n
+            tok = (t0 + j).to(tl.int64)
+            prob_row = P + seq.to(tl.int64) * stride_pb + h * stride_ph
+            ids_row = B + h * stride_bh + tok
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for t in range(tables):
+                ids = tl.load(ids_row + t * stride_bl, mask=ok, other=0).to(tl.int32)
+                acc += tl.load(prob_row + t * stride_pl + ids, mask=ok, other=0.0)
+            if HAS_NORM:
+                acc *= tl.load(NORM + h * stride_nh + tok, mask=ok, other=0.0)
+            tl.store(Out + h * stride_oh + tok, acc, mask=ok)
+
+
+def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.int32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """w: [h, L, P, d], x: [h, m, d] -> bucket ids [h, L, m] in ``out_dtype`` (or written into ``out``)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    h, tables, planes, d = w.shape
+    m = x.shape[1]
+    if x.shape[0] != h or x.shape[2] != d or d < 16 or d & (d - 1) or not 1 <= planes <= 16:
+        raise ValueError(f"shapes do not fit: w {tuple(w.shape)}, x {tuple(x.shape)} (d a power of two >= 16)")
+    w = w if w.dtype == torch.float32 and w.stride(-1) == 1 else w.float().contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(h, tables, m, dtype=out_dtype, device=x.device) if out is None else out
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a contiguous token dimension")
+    if m and h:
+        _bucket_kernel[(-(-m // _HASH_ROWS), h)](
+            x, w, out, m, planes, tables, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+            out.stride(0), out.stride(1), BLOCK_M=_HASH_ROWS, HEAD_DIM=d, P_PAD=max(16, next_pow2(planes)),
+            num_warps=4)
+    return out
+
+
+def collision_scores_varlen(probs: torch.Tensor, buckets: torch.Tensor, cu_seqlens: torch.Tensor,
+                            norms: torch.Tensor | None = None, max_len: int | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """probs [batch, h, L, R] fp32, buckets [h, L, total] (any integer dtype), norms [h, total] or None ->
+    fp32 scores [h, total]. ``max_len`` (host int, the longest sequence) sizes the grid; by default the
+    packed total, so no host read is needed."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    batch, h, tables, _ = probs.shape
+    total = buckets.shape[-1]
+    probs = probs if probs.dtype == torch.float32 and probs.stride(-1) == 1 else probs.float().contiguous()
+    if buckets.stride(-1) != 1:
+        buckets = buckets.contiguous()
+    out = torch.empty(h, total, dtype=torch.float32, device=buckets.device) if out is None else out
+    longest = total if max_len is None else max_len
+    if total and h and batch:
+        nrm = norms if norms is not None else out
+        if nrm.stride(-1) != 1:
+            nrm = nrm.contiguous()
+        _collision_kernel[(-(-longest // _SCORE_KEYS), h, batch)](
+            probs, buckets, nrm, out, cu_seqlens.to(torch.int32), tables, probs.stride(0), probs.stride(1),
+            probs.stride(2), buckets.stride(0), buckets.stride(1), nrm.stride(0), out.stride(0),
+            BLOCK_N=_SCORE_KEYS, HAS_NORM=norms is not None, num_warps=4)
+    return out
+
+
+def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence: probs [h, L, R], buckets [h, L, n], norms [h, n] or None -> fp32 [h, n]."""
+    n = buckets.shape[-1]
+    cu = torch.arange(2, dtype=torch.int32, device=buckets.device) * n
+    return collision_scores_varlen(probs[None], buckets, cu, norms, max_len=n)

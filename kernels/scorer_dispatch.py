@@ -1,0 +1,144 @@
+"""Dispatch of the method scorers (re-exported by ``dispatch``): Triton when ``dispatch.triton_wanted``
+says so (CUDA tensors, or ``RAYSPARSE_KERNELS=triton``), the methods' PyTorch reference otherwise; shapes a
+kernel does not take (a head dim that is not a power of two >= 16) take the reference.
+
+The references live with their methods (``raysparse.methods.hadamard`` / ``lsh`` / ``baselines``,
+``raysparse.specattn.topp``) and are imported lazily, so those modules can route through here without an
+import cycle; importing this module imports neither Triton nor the methods.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _triton(*tensors: torch.Tensor) -> bool:
+    from .dispatch import triton_wanted
+
+    return triton_wanted(*tensors)
+
+
+def _dim_ok(d: int) -> bool:
+    return d >= 16 and not d & (d - 1)
+
+
+# ---- Sketch&Walk -------------------------------------------------------------------------------------
+
+def srht_apply(x: torch.Tensor, signs: torch.Tensor, coords: torch.Tensor, slots: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """``SRHT.apply``: x [..., dim] -> fp32 [..., r], r = ``coords.numel()`` (``slots``: ``srht_slots``)."""
+    if _triton(x):
+        from .sketch_scorer import srht_apply as fast
+
+        return fast(x, signs, slots, coords.numel(), scale)
+    from raysparse.methods.hadamard import srht_reference
+
+    return srht_reference(x, signs, coords, scale)
+
+
+def sketch_block_sums(q: torch.Tensor, k: torch.Tensor, q_start: int, block: int, srht,
+                      q_heads: int | None = None, kv_heads: int | None = None) -> torch.Tensor:
+    """Sketch&Walk's new block sketches for one step of one sequence (``_update_sketch``'s ``new``): the
+    SRHT of the per-block sums of the head means of q [n_q, h, d] and of k[:, q_start:n] (k [h_kv, n, d])
+    over blocks q_start // B .. (n - 1) // B: fp32 [2, blocks, r]. ``q_heads`` / ``kv_heads`` divide the
+    head sums (the model's counts under tensor parallelism; default the heads given)."""
+    n, n_q = k.shape[1], q.shape[0]
+    hq, hk = q_heads or q.shape[1], kv_heads or k.shape[0]
+    qb0, nb = q_start // block, -(-n // block)
+    signs, coords, slots = srht.device_tensors(q.device)
+    if _triton(q, k):
+        from .sketch_scorer import block_sketch
+
+        r = coords.numel()
+        out = torch.empty(2, nb - qb0, r, dtype=torch.float32, device=q.device)
+        cu = torch.arange(2, dtype=torch.int32, device=q.device) * n_q
+        block_sketch(q, cu, [q_start], [n_q], block, signs, slots, r, srht.scale, hq, out=out[0])
+        block_sketch(k[:, q_start:n].transpose(0, 1), cu, [q_start], [n_q], block, signs, slots, r, srht.scale, hk,
+                     out=out[1])
+        return out
+    from raysparse.methods.hadamard import srht_reference
+
+    blk = torch.arange(q_start, n, device=q.device) // block - qb0
+    sums = torch.zeros(2, nb - qb0, q.shape[-1], device=q.device)
+    sums[0].index_add_(0, blk, q.float().sum(1) / hq)
+    sums[1].index_add_(0, blk, k[:, q_start:n].float().sum(0) / hk)
+    return srht_reference(sums, signs, coords, srht.scale)
+
+
+# ---- SOCKET ------------------------------------------------------------------------------------------
+
+def lsh_bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``lsh.bucket_ids``: w [h, L, P, d], x [h, m, d] -> int32 [h, L, m]."""
+    if _dim_ok(w.shape[-1]) and w.shape[2] <= 16 and _triton(w, x):
+        from .lsh_scorer import bucket_ids
+
+        return bucket_ids(w, x)
+    from raysparse.methods.lsh import bucket_ids_reference
+
+    return bucket_ids_reference(w, x)
+
+
+def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, norms: torch.Tensor | None = None,
+                     chunk_elems: int = 1 << 23) -> torch.Tensor:
+    """``lsh.collision_scores``: probs [h, L, R], buckets [h, L, n] -> fp32 [h, n], times norms [h, n] if
+    given (``chunk_elems`` bounds the reference's gather)."""
+    if _triton(probs, buckets):
+        from .lsh_scorer import collision_scores as fast
+
+        return fast(probs, buckets, norms)
+    from raysparse.methods.lsh import collision_scores_reference
+
+    s = collision_scores_reference(probs, buckets, chunk_elems)
+    return s if norms is None else s * norms
+
+
+def collision_scores_varlen(probs: torch.Tensor, buckets: torch.Tensor, cu_seqlens: torch.Tensor,
+                            norms: torch.Tensor | None = None, max_len: int | None = None) -> torch.Tensor:
+    """A ragged batch: probs [batch, h, L, R], buckets [h, L, total] and norms [h, total] packed by
+    ``cu_seqlens`` -> fp32 [h, total]. The reference loops over the sequences (host reads: CPU only)."""
+    if _triton(probs, buckets):
+        from .lsh_scorer import collision_scores_varlen as fast
+
+        return fast(probs, buckets, cu_seqlens, norms, max_len)
+    out = torch.empty(buckets.shape[0], buckets.shape[-1], dtype=torch.float32, device=buckets.device)
+    for i in range(probs.shape[0]):
+        lo, hi = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+        out[:, lo:hi] = collision_scores(probs[i], buckets[..., lo:hi], None if norms is None else norms[:, lo:hi])
+    return out
+
+
+# ---- SpecAttn ----------------------------------------------------------------------------------------
+
+def topp_mask(a: torch.Tensor, p: float, iters: int) -> torch.Tensor:
+    """``topp.topp_mask`` for 0 < p < 1 (the caller validates p and handles p = 1): bool [..., n]."""
+    if _triton(a):
+        from .topp import topp_mask as fast
+
+        return fast(a, p, iters)
+    from raysparse.specattn.topp import topp_mask_reference
+
+    return topp_mask_reference(a, p, iters)
+
+
+# ---- Quest ---------------------------------------------------------------------------------------------
+
+def quest_page_bounds(k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``baselines.page_bounds``: k [h_kv, n, d] -> per-page (min, max), two [h_kv, ceil(n / page), d]."""
+    if _dim_ok(k.shape[-1]) and not page & (page - 1) and _triton(k):
+        from .quest_bounds import page_bounds
+
+        return page_bounds(k, page)
+    from raysparse.methods.baselines import page_bounds
+
+    return page_bounds(k, page)
+
+
+def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``baselines.page_upper_bound`` on fp32 queries: q [h_kv, g, m, d], bounds [h_kv, P, d] -> [h_kv, m, P]."""
+    if _dim_ok(q.shape[-1]) and _triton(q, lo, hi):
+        from .quest_bounds import page_scores
+
+        return page_scores(q, lo, hi)
+    from raysparse.methods.baselines import page_upper_bound
+
+    return page_upper_bound(q.float(), lo, hi)

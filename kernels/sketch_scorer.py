@@ -1,0 +1,150 @@
+"""Sketch&Walk's scorer kernels: the subsampled randomized Hadamard sketch (``SRHT.apply``) and, fused with
+it, the per-block sums of the head-averaged Q or K (a ragged segment reduction).
+
+SRHT (``raysparse.methods.hadamard``): a row x of ``dim`` values is zero-padded to d' = next_pow2(dim),
+multiplied by the random signs, put through the orthonormal fast Walsh-Hadamard transform (log2 d'
+butterfly stages on the register tile) and subsampled to the r drawn coordinates, scaled by sqrt(d'/r).
+The subsample is a scatter on store: column c of the transform goes to output column ``slots[c]`` (-1:
+dropped), so no gather inside the tile is needed.
+
+Block sums: x ``[T, heads, d]`` packs the new tokens of a ragged batch (any strides with a contiguous
+last dim, so K's ``[h_kv, n, d]`` slice is passed as a transposed view). Sequence i owns rows
+``cu[i]:cu[i+1]`` at absolute positions ``q_start_i + t``; they touch absolute blocks ``q_start_i // B ..
+(q_start_i + q_len_i - 1) // B``, packed from ``blk_start[i]`` (a partial first or last block sums only
+the new tokens it holds, as the reference's ``index_add``). One program per packed block sums its
+(token, head) rows in fp32 tiles, multiplies by ``1 / head_count`` (the model's count under tensor
+parallelism), sketches the sum and writes its r floats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .common import interpreting, tl, triton
+
+_SRHT_ROWS = 16  # rows of x per program in the plain sketch
+_SUM_ROWS = 64  # (token, head) rows summed per step
+
+
+if triton is not None:
+
+    @triton.jit
+    def fwht_tile(x, BM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr):
+        """Unnormalised Walsh-Hadamard transform (Sylvester order) of every row of x [BM, DP]: stage s
+        turns entries j and j + 2**s of each 2**(s+1)-long segment into (a + b, a - b)."""
+        for s in tl.static_range(LOG_DP):
+            HALF: tl.constexpr = 1 << s
+            y = tl.permute(tl.reshape(x, [BM, DP // (2 * HALF), 2, HALF]), [0, 1, 3, 2])
+            a, b = tl.split(y)
+            x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [BM, DP])
+        return x
+
+    @triton.jit
+    def _srht_kernel(X, Out, SIGNS, SLOTS, m_rows, dim, stride_xm, stride_om, factor,
+                     BM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr):
+        r = tl.program_id(0) * BM + tl.arange(0, BM)
+        c = tl.arange(0, DP)
+        r_ok = r < m_rows
+        x = tl.load(X + r.to(tl.int64)[:, None] * stride_xm + c[None, :], mask=r_ok[:, None] & (c < dim)[None, :],
+                    other=0.0).to(tl.float32)
+        y = fwht_tile(x * tl.load(SIGNS + c)[None, :], BM, DP, LOG_DP) * factor
+        slot = tl.load(SLOTS + c)
+        out_off = r.to(tl.int64)[:, None] * stride_om + slot[None, :]
+        tl.store(Out + out_off, y, mask=r_ok[:, None] & (slot >= 0)[None, :])
+
+    @triton.jit
+    def _block_sketch_kernel(X, Out, SIGNS, SLOTS, CU, QSTART, BLK_SEQ, BLK_START, stride_t, stride_h, stride_ob,
+                             heads, dim, inv_heads, factor, BLOCK: tl.constexpr, DP: tl.constexpr,
+                             LOG_DP: tl.constexpr, ROWS: tl.constexpr):
+        pb = tl.program_id(0)
+        seq = tl.load(BLK_SEQ + pb)
+        t0 = tl.load(CU + seq)
+        q_len = tl.load(CU + seq + 1) - t0
+        q_start = tl.load(QSTART + seq)
+        blk = q_start // BLOCK + pb - tl.load(BLK_START + seq)
+        lo = tl.maximum(blk * BLOCK, q_start) - q_start  # this block's new tokens, local indices
+        hi = tl.minimum((blk + 1) * BLOCK, q_start + q_len) - q_start
+        n_rows = (hi - lo) * heads
+        c = tl.arange(0, DP)
+        c_ok = c < dim
+        acc = tl.zeros([ROWS, DP], dtype=tl.float32)
+        for r0 in range(0, n_rows, ROWS):
+            m = r0 + tl.arange(0, ROWS)
+            tok = (t0 + lo + m // heads).to(tl.int64)
+            off = tok[:, None] * stride_t + (m % heads).to(tl.int64)[:, None] * stride_h + c[None, :]
+            acc += tl.load(X + off, mask=(m < n_rows)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.sum(acc, 0) * inv_heads
+        y = fwht_tile((s * tl.load(SIGNS + c))[None, :], 1, DP, LOG_DP) * factor
+        slot = tl.load(SLOTS + c)
+        tl.store(Out + pb.to(tl.int64) * stride_ob + slot[None, :], y, mask=(slot >= 0)[None, :])
+
+
+def srht_slots(coords: torch.Tensor, padded: int) -> torch.Tensor:
+    """int32 [d']: the output column of each transform column (its rank among ``coords``), -1 if not drawn."""
+    slots = torch.full((padded,), -1, dtype=torch.int32, device=coords.device)
+    return slots.index_put_((coords.long(),), torch.arange(coords.numel(), dtype=torch.int32, device=coords.device))
+
+
+def _check(signs: torch.Tensor, slots: torch.Tensor) -> tuple[int, int]:
+    dp = signs.numel()
+    if dp & (dp - 1) or slots.numel() != dp:
+        raise ValueError(f"signs ({dp}) and slots ({slots.numel()}) must have one power-of-two length")
+    return dp, dp.bit_length() - 1
+
+
+def srht_apply(x: torch.Tensor, signs: torch.Tensor, slots: torch.Tensor, r: int, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., dim] -> fp32 [..., r]: ``fwht(pad(x) * signs)[..., coords] * scale`` (``slots`` from
+    ``srht_slots``; ``scale`` = sqrt(d'/r), the transform's 1/sqrt(d') is applied here). ``out``: a
+    contiguous fp32 [..., r] buffer to write into."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    dp, log_dp = _check(signs, slots)
+    lead, dim = x.shape[:-1], x.shape[-1]
+    if dim > dp:
+        raise ValueError(f"rows of {dim} values do not fit a transform of {dp}")
+    x2 = x.reshape(-1, dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, r, dtype=torch.float32, device=x.device) if out is None else out.view(m, r)
+    if m:
+        _srht_kernel[(-(-m // _SRHT_ROWS),)](x2, out, signs.float(), slots, m, dim, x2.stride(0), out.stride(0),
+                                             scale / math.sqrt(dp), BM=_SRHT_ROWS, DP=dp, LOG_DP=log_dp,
+                                             num_warps=4)
+    return out.view(*lead, r)
+
+
+def block_plan(q_starts: list[int], q_lens: list[int], block: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(blk_seq, blk_start, blocks per sequence) of the packed block layout, from host-side lengths."""
+    nblk = [(s + n - 1) // block - s // block + 1 if n else 0 for s, n in zip(q_starts, q_lens, strict=True)]
+    seq = torch.repeat_interleave(torch.arange(len(nblk), dtype=torch.int32), torch.tensor(nblk, dtype=torch.long))
+    start = torch.tensor([0, *nblk], dtype=torch.int64).cumsum(0).to(torch.int32)
+    return seq.to(device), start.to(device), nblk
+
+
+def block_sketch(x: torch.Tensor, cu_seqlens: torch.Tensor, q_starts: list[int], q_lens: list[int], block: int,
+                 signs: torch.Tensor, slots: torch.Tensor, r: int, scale: float, head_count: int | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sketched per-block sums of the head mean of packed x [T, heads, d] -> fp32 [total_blocks, r],
+    sequence i's blocks from ``sum(blocks[:i])`` on (``block_plan``). ``head_count`` divides the head sum
+    (default: x's head count)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    dp, log_dp = _check(signs, slots)
+    _, heads, dim = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    blk_seq, blk_start, nblk = block_plan(q_starts, q_lens, block, x.device)
+    total = sum(nblk)
+    out = torch.empty(total, r, dtype=torch.float32, device=x.device) if out is None else out
+    if total:
+        qs = torch.tensor(q_starts, dtype=torch.int32).to(x.device)
+        _block_sketch_kernel[(total,)](
+            x, out, signs.float(), slots, cu_seqlens.to(torch.int32), qs, blk_seq, blk_start, x.stride(0),
+            x.stride(1), out.stride(0), heads, dim, 1.0 / (head_count or heads), scale / math.sqrt(dp), BLOCK=block,
+            DP=dp, LOG_DP=log_dp, ROWS=_SUM_ROWS if not interpreting() else 256, num_warps=4)
+    return out
