@@ -98,6 +98,10 @@ class ShardWorker:
         assert self.executor is not None, "setup first"
         return self.executor.execute(plan)
 
+    def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
+        assert self.executor is not None, "setup first"
+        return self.executor.verify(plan, message)
+
     def stats(self, reset: bool = False) -> dict[str, Any]:
         assert self.executor is not None, "setup first"
         return self.executor.stats(reset)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,6 +45,7 @@ class Engine:
         self._methods_ok: dict[str, str] = {}  # method key -> "" (valid) or the error
         self.source_name = ""
         self.use_gpu = False
+        self.name = cfg.name or f"raysparse-{uuid.uuid4().hex[:6]}"
 
     # ---- life cycle -------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -63,9 +65,8 @@ class Engine:
             self.model_cfg = ModelConfig.from_hf(hf_config)
             try:
                 self.tokenizer = load_tokenizer(src)
-            except Exception:  # a config-only directory (random weights) has no tokenizer: ids only
-                if not self.cfg.random_weights:
-                    raise
+            except Exception as e:  # e.g. a config-only directory: the engine then takes and returns ids only
+                log.warning("no tokenizer for %s (%s): token ids only", src.name, str(e).splitlines()[0])
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
                 self.eos = frozenset({int(self.tokenizer.eos_token_id)})
             gpus = ray.cluster_resources().get("GPU", 0)
@@ -77,7 +78,8 @@ class Engine:
                 node = choose_node(self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, load)
                 if node is not None:
                     load[node] = load.get(node, 0) + 1
-                group = ReplicaGroup(i, spec, self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, node)
+                group = ReplicaGroup(i, spec, self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, node,
+                                     prefix=self.name)
                 pages = -(-self.cfg.kv_cache_tokens // self.cfg.page_size)
                 sched = Scheduler(SchedulerConfig(pages, self.cfg.page_size, self.cfg.max_batch,
                                                   self.cfg.max_prefill_tokens, self.cfg.max_waiting))

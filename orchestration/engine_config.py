@@ -25,6 +25,7 @@ class EngineConfig:
     random_weights: bool = False  # config only, seeded random weights (speed runs of big models)
     seed: int = 0
     load_timeout_s: float = 900.0
+    name: str = ""  # prefix of actor and placement group names; "" = raysparse-<random>
     draft: bool = True  # start the SpecAttn draft actor (one per replica)
 
     def __post_init__(self) -> None:

@@ -66,6 +66,7 @@ def _unwrap(err: Exception) -> str:
 
 def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:
     import ray
+
     from raysparse.actors.model_worker import ModelWorker
 
     console = console or Console()

@@ -41,12 +41,14 @@ def choose_node(tp: int, use_gpu: bool, cpus_per_shard: float, load: dict[str, i
 
 class ReplicaGroup:
     def __init__(self, index: int, spec: ShardSpec, tp: int, use_gpu: bool, cpus_per_shard: float = 1.0,
-                 node_id: str | None = None, runtime_env: dict[str, Any] | None = None) -> None:
+                 node_id: str | None = None, runtime_env: dict[str, Any] | None = None,
+                 prefix: str = "raysparse") -> None:
         if tp < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
         self.index, self.spec, self.tp, self.use_gpu = index, spec, tp, use_gpu
         self.cpus_per_shard, self.node_id, self.runtime_env = cpus_per_shard, node_id, runtime_env
         self.generation = 0
+        self.prefix = prefix  # names actors and placement groups; unique per engine in a cluster
         self.actors: list[Any] = []
         self.names: list[str] = []
         self.pg: Any = None
@@ -61,7 +63,7 @@ class ReplicaGroup:
         bundle = {"GPU": 1.0, "CPU": self.cpus_per_shard} if self.use_gpu else {"CPU": self.cpus_per_shard}
         selector = [{NODE_ID_LABEL: self.node_id}] * self.tp if self.node_id else None
         self.pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="PACK",
-                                  name=f"raysparse-replica{self.index}-g{self.generation}",
+                                  name=f"{self.prefix}-replica{self.index}-g{self.generation}",
                                   bundle_label_selector=selector)
         if not self.pg.wait(timeout_s):
             self.stop()
@@ -70,7 +72,7 @@ class ReplicaGroup:
         cls = ray.remote(ShardWorker)
         actors = []
         for b in range(self.tp):
-            name = f"raysparse-replica{self.index}-shard{b}-g{self.generation}"
+            name = f"{self.prefix}-replica{self.index}-shard{b}-g{self.generation}"
             opts: dict[str, Any] = {
                 "name": name, "num_cpus": self.cpus_per_shard, "num_gpus": 1 if self.use_gpu else 0,
                 "max_restarts": 0, "max_concurrency": 2,  # stats/ping may run beside a step

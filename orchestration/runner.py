@@ -68,6 +68,8 @@ class ReplicaRunner:
         if self.thread.is_alive():
             self.thread.join(timeout=30)
         self.group.stop()
+        if self.spec_step is not None:
+            self.spec_step.stop()
         self.state = "stopped"
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -93,11 +95,13 @@ class ReplicaRunner:
                 self._fail(plan, f"{type(e).__name__}: {e}")
 
     def _run(self, plan: StepPlan) -> None:
+        if self.spec_step is not None:
+            if plan.seq_ids and self.spec_step.handles(plan):
+                self.spec_step.run(self, plan)
+                return
+            self.spec_step.free(plan.free)  # the draft holds a copy of every SpecAttn sequence
         if not plan.seq_ids:
             self.group.execute(plan)
-            return
-        if self.spec_step is not None and self.spec_step.handles(plan):
-            self.spec_step.run(self, plan)
             return
         t0 = time.perf_counter()
         res = self.group.execute(plan)

@@ -1,9 +1,122 @@
-"""SpecAttn rounds in the engine (draft actor + verification on the shards)."""
+"""SpecAttn in the engine: one draft actor per replica, rounds of draft-then-verify on the shard group.
+
+A SpecAttn prefill runs on the shards and, at the same time, on the draft actor (its own full-depth
+prefill). A decode step becomes a round: the draft actor proposes (``DraftWorker.propose``) and the
+shards verify (``ShardExecutor.verify``). The shards receive the draft's message as an ObjectRef, so it
+travels from the draft to the shards through Ray's object store without a hop through the driver, and
+the call reaches the shards before the draft has finished. The draft gets a GPU of its own when the
+cluster has one to spare, else it runs on CPU.
+"""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from raysparse.actors.draft_worker import DraftWorker
+from raysparse.actors.shard_worker import ShardSpec
+from raysparse.shard_executor import StepPlan, parse_key
 
-def attach_spec_steps(engine: Any, spec: Any) -> None:
-    return None
+
+class SpecStep:
+    def __init__(self, runner: Any, spec: ShardSpec, use_gpu: bool, prefix: str, runtime_env: dict | None = None):
+        self.runner, self.spec, self.use_gpu, self.prefix = runner, spec, use_gpu, prefix
+        self.runtime_env = runtime_env
+        self.actor: Any = None
+        self.generation = 0
+        self.gammas: dict[str, int] = {}
+        self.round_s = 0.0
+        self.rounds = 0
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        import ray
+
+        self.generation += 1
+        gpu = 1 if self.use_gpu and ray.available_resources().get("GPU", 0) >= 1 else 0
+        opts: dict[str, Any] = {"name": f"{self.prefix}-replica{self.runner.index}-draft-g{self.generation}",
+                                "num_cpus": self.runner.group.cpus_per_shard, "num_gpus": gpu, "max_restarts": 0}
+        if self.runtime_env:
+            opts["runtime_env"] = self.runtime_env
+        self.actor = ray.remote(DraftWorker).options(**opts).remote(self.spec)
+        ray.get(self.actor.setup.remote(), timeout=timeout_s)
+
+    def stop(self) -> None:
+        import ray
+
+        if self.actor is not None:
+            try:
+                ray.kill(self.actor, no_restart=True)
+            except Exception:
+                pass
+            self.actor = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def handles(self, plan: StepPlan) -> bool:
+        if not plan.key:
+            return False
+        if plan.key not in self.gammas:
+            method, params = parse_key(plan.key)
+            self.gammas[plan.key] = int(params.get("gamma", 4)) if method == "specattn" else 0
+        return self.gammas[plan.key] > 0
+
+    def run(self, runner: Any, plan: StepPlan) -> None:
+        import ray
+
+        from raysparse.orchestration.replica import ShardLostError
+
+        t0 = time.perf_counter()
+        free = list(plan.free)
+        seqs = runner._seqs(plan)
+        try:
+            if plan.prefill:
+                items = [(s.seq_id, s.request.max_tokens, list(s.request.prompt_ids)) for s in seqs]
+                draft_ref = self.actor.prefill.remote(plan.key, items, free)
+                res = runner.group.execute(plan)
+                ray.get(draft_ref)
+                new_tokens = None if res["error"] else [[t] for t in res["tokens"]]
+            else:
+                g = self.gammas[plan.key]
+                items = []
+                for s in seqs:
+                    toks = list(s.request.prompt_ids) + s.tokens
+                    items.append((s.seq_id, len(toks), toks[-(g + 2):],
+                                  min(g, s.request.params.max_new_tokens - len(s.tokens))))
+                msg_ref = self.actor.propose.remote(plan.key, items, free)
+                results = runner.group._gather([a.verify.remote(plan, msg_ref) for a in runner.group.actors])
+                res = results[0]
+                errors = [r["error"] for r in results if r["error"]]
+                res["error"] = errors[0] if errors else None
+                new_tokens = res["tokens"]
+        except ray.exceptions.RayActorError as e:  # the draft died: rebuild the replica like a lost shard
+            raise ShardLostError(f"draft actor of replica {runner.index} died: {str(e).splitlines()[0]}") from e
+        runner.steps += 1
+        dt = time.perf_counter() - t0
+        runner.step_wall_s += dt
+        runner.step_forward_s += res.get("forward_s", 0.0)
+        self.round_s += dt
+        self.rounds += 1
+        if res["error"]:
+            runner._fail(plan, res["error"])
+            return
+        runner.emit(plan, new_tokens)
+
+    def free(self, seq_ids: list[int]) -> None:
+        if self.actor is not None and seq_ids:
+            self.actor.free.remote(seq_ids)
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        out = ray.get(self.actor.stats.remote(), timeout=60) if self.actor is not None else {}
+        return {**out, "engine_rounds": self.rounds, "round_s": self.round_s}
+
+
+def attach_spec_steps(engine: Any, spec: ShardSpec) -> None:
+    """One draft actor per replica, started now (each loads its own copy of the model)."""
+    for runner in engine.runners:
+        step = SpecStep(runner, spec, engine.use_gpu, engine.name)
+        step.start(engine.cfg.load_timeout_s)
+        runner.spec_step = step

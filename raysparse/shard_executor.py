@@ -139,6 +139,49 @@ class ShardExecutor:
             self.free(plan.seq_ids)
             return {"tokens": None, "error": f"{type(e).__name__}: {e}", "forward_s": time.perf_counter() - t0}
 
+    def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
+        """One SpecAttn round: the draft's tokens and plans (``specattn.wire``) verified over this shard's
+        heads. Every rank holds the full logits after the last all-reduce, so every rank computes the same
+        greedy acceptance and rolls its cache back to the same length."""
+        from raysparse.specattn.wire import unpack_round
+
+        t0 = time.perf_counter()
+        self.free(plan.free)
+        backend = self.backend(plan.key)
+        try:
+            lo = getattr(self.model, "kv_head_offset", 0)
+            drafts, plans = unpack_round(message, lo, lo + self.cache.num_kv_heads, self.cache.device)
+            for sid, p in zip(plan.seq_ids, plans, strict=True):
+                if p.ctx_len != self.cache.seq_len(sid):
+                    raise RuntimeError(f"sequence {sid}: draft planned after {p.ctx_len} tokens, the verifier "
+                                       f"holds {self.cache.seq_len(sid)}")
+                backend.install(sid, p)  # type: ignore[attr-defined]
+            chunks = [[toks[-1], *d] for toks, d in zip(plan.tokens, drafts, strict=True)]
+            ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.cache.device)
+            batch = self.cache.prepare(plan.seq_ids, [len(c) for c in chunks], True)
+            try:
+                logits = self.model(ids, batch, self.cache, backend, all_logits=True)
+            finally:
+                backend.clear_plans()  # type: ignore[attr-defined]
+            verdict = logits.argmax(-1).tolist()
+            out, o = [], 0
+            for sid, c, d, p in zip(plan.seq_ids, chunks, drafts, plans, strict=True):
+                v = verdict[o: o + len(c)]
+                o += len(c)
+                n_acc = 0
+                while n_acc < len(d) and d[n_acc] == v[n_acc]:
+                    n_acc += 1
+                self.cache.truncate(sid, p.ctx_len + n_acc + 1)
+                out.append(d[:n_acc] + [v[n_acc]])
+                if self.rank == 0:
+                    st = backend.stats  # type: ignore[attr-defined]
+                    st.rounds, st.drafted, st.accepted = st.rounds + 1, st.drafted + len(d), st.accepted + n_acc
+            self._sync()
+            return {"tokens": out, "error": None, "forward_s": time.perf_counter() - t0}
+        except Exception as e:
+            self.free(plan.seq_ids)
+            return {"tokens": None, "error": f"{type(e).__name__}: {e}", "forward_s": time.perf_counter() - t0}
+
     def record_selections(self, key: str) -> None:
         """From now on, keeps every sparse selection of ``key``'s backend (tests compare shards with them)."""
         self.selections: list[tuple[int, int, torch.Tensor]] = []
@@ -152,7 +195,8 @@ class ShardExecutor:
     def stats(self, reset: bool = False) -> dict[str, Any]:
         out = {"coord_s": self.coord_s, "kv_free_pages": self.cache.free_pages, "kv_pages": self.cache.num_pages,
                "density": {k: b.meter.overall() for k, b in self.backends.items()},
-               "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()}}
+               "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()},
+               "specattn": {k: b.stats.to_dict() for k, b in self.backends.items() if hasattr(b, "stats")}}
         if reset:
             self.coord_s = 0.0
         return out

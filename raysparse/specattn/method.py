@@ -29,8 +29,9 @@ Choices where SPEC is silent:
   layers) are reported apart as ``draft_kv_read_fraction`` (relative to one full-depth dense pass per step).
 - Host syncs: the verifier reference builds padded index lists (one sync per sequence and draft layer);
   acceptance needs one sync per round. The fast path (Triton block-sparse over 16-token chunks) is not here.
-- The fidelity tracer sees verification calls as prefill calls (q_len = gamma + 1) with a TokenSelection
-  shared by the rows.
+- The fidelity tracer sees each sparse verification call as a decode step of gamma + 1 rows
+  (``phase="decode"``) with a TokenSelection shared by the rows: every row is measured against dense
+  attention over the same keys (its own causal prefix).
 """
 
 from __future__ import annotations
@@ -223,6 +224,10 @@ class SpecAttn(SparseMethod):
         self._plans[seq_id] = plan
         return plan
 
+    def install(self, seq_id: int, plan: VerifyPlan) -> None:
+        """A plan made elsewhere (the engine's draft actor plans; the verifier shards install)."""
+        self._plans[seq_id] = plan
+
     def clear_plans(self) -> None:
         self._plans.clear()
 
@@ -251,7 +256,7 @@ class SpecAttn(SparseMethod):
                 if self.tracer is not None:
                     ctx = SeqContext(layer, sid, n - n_q, n, cache.metadata[layer].setdefault(sid, {}),
                                      self._seq_state.setdefault(sid, {}))
-                    self.tracer(ctx, q[lo:hi], k, v, TokenSelection(tok), out[lo:hi])
+                    self.tracer(ctx, q[lo:hi], k, v, TokenSelection(tok), out[lo:hi], phase="decode")
             if plan is not None:
                 self.stats.kv_read[layer] += read
                 self.stats.kv_held[layer] += float(n - n_q) * h_kv

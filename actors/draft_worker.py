@@ -1,0 +1,161 @@
+"""The SpecAttn draft actor: the draft model on its own device, proposing tokens and verification plans.
+
+The draft is self-speculative (the verifier's weights, a subset of its layers: ``specattn.draft``), with its
+own KV cache. Its prompt prefill runs the full model once, beside the verifier's own prefill, so the
+prompt's K/V in the draft layers are the verifier's. Each round it drafts gamma tokens per sequence,
+turns its attention rows into the verifier's plan (top-p, union over steps, 16-token chunks, through the
+layer map) and returns one msgpack message (``specattn.wire``) that the verifier shards read directly
+from Ray's object store.
+
+Keeping its cache in step with the verifier needs no acceptance message: each round the engine sends
+the sequence's last tokens; the draft keeps the K/V of the tokens it fed that match them (the accepted
+ones), drops the rest, and feeds the verified tokens it never saw before drafting from the newest one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from raysparse.actors.shard_worker import ShardSpec
+from raysparse.attention import DenseAttention
+from raysparse.config import parse_dtype
+from raysparse.kv_cache import KVCache
+
+
+class DraftWorker:
+    def __init__(self, spec: ShardSpec) -> None:
+        self.spec = spec
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 2) // 2))
+        self.backends: dict[str, Any] = {}
+        self._fed: dict[int, tuple[int, list[int]]] = {}  # seq -> (position of the first fed token, tokens fed)
+        self.bytes_sent = 0
+        self.rounds = 0
+        self.propose_s = 0.0
+
+    def setup(self) -> dict[str, Any]:
+        from raysparse.loader import build_model, load_hf_config, load_model, load_tokenizer, resolve_source
+
+        spec, dtype = self.spec, parse_dtype(self.spec.dtype)
+        src = resolve_source(spec.model)
+        hf_config = load_hf_config(src)
+        if spec.random_weights:
+            torch.manual_seed(spec.seed)
+            self.model = build_model(hf_config, dtype=dtype, device=self.device)
+        else:
+            self.model = load_model(src, dtype=dtype, device=self.device, hf_config=hf_config)
+        try:
+            self.tokenizer = load_tokenizer(src)
+        except Exception:
+            self.tokenizer = None  # the layer map then falls back to nearest-below
+        self.model_dir = str(src.directory)
+        pages = -(-spec.kv_cache_tokens // spec.page_size)
+        self.cache = KVCache(self.model.cfg, pages, spec.page_size, dtype, self.device)
+        self.dense = DenseAttention(self.model.cfg.num_layers)
+        return {"device": self.device, "kv_pages": pages}
+
+    def backend(self, key: str) -> Any:
+        from raysparse.methods.registry import create_backend
+        from raysparse.shard_executor import parse_key
+        from raysparse.specattn.layer_map import resolve_layer_map
+
+        b = self.backends.get(key)
+        if b is None:
+            method, params = parse_key(key)
+            b = create_backend(method, self.model.cfg, **params)
+            b.set_layer_map(resolve_layer_map(self.model, self.model_dir, b.draft_layers, self.tokenizer))
+            self.backends[key] = b
+        return b
+
+    def free(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.cache.free(sid)
+            self._fed.pop(sid, None)
+
+    def prefill(self, key: str, items: list[tuple[int, int, list[int]]], free: list[int]) -> int:
+        """items: (seq id, reserved tokens, prompt). Full-depth dense prefill into the draft's own cache."""
+        self.free(free)
+        for sid, max_tokens, _ in items:
+            self.cache.allocate(sid, max_tokens)
+        ids = torch.tensor([t for _, _, p in items for t in p], dtype=torch.long, device=self.device)
+        batch = self.cache.prepare([s for s, _, _ in items], [len(p) for _, _, p in items], True)
+        self.model(ids, batch, self.cache, self.dense)
+        for sid, _, p in items:
+            self._fed[sid] = (len(p), [])
+        return len(items)
+
+    def _sync_seq(self, sid: int, total: int, tail: list[int]) -> list[int]:
+        """Rolls the cache back to the tokens confirmed by ``tail`` (the sequence's last tokens, of ``total``);
+        returns the verified tokens still to feed, newest (not yet verified into any cache) last."""
+        start, fed = self._fed[sid]
+        first = total - len(tail)
+        if start < first:
+            raise RuntimeError(f"sequence {sid}: the draft is behind by more than the tail it was sent")
+        true = tail[start - first:]
+        keep = 0
+        while keep < len(fed) and keep < len(true) - 1 and fed[keep] == true[keep]:
+            keep += 1
+        self.cache.truncate(sid, start + keep)
+        return true[keep:]
+
+    @torch.inference_mode()
+    def propose(self, key: str, items: list[tuple[int, int, list[int], int]], free: list[int]) -> bytes:
+        """items: (seq id, tokens in the sequence, its last tokens, lookahead). Returns the round's message."""
+        from raysparse.specattn.draft import AttentionProbe, draft_forward
+        from raysparse.specattn.wire import pack_round
+
+        t0 = time.perf_counter()
+        self.free(free)
+        b = self.backend(key)
+        layers, needed = b.draft_layers, b.needed_draft_layers()
+        pending = [self._sync_seq(sid, total, tail) for sid, total, tail, _ in items]
+        sids = [it[0] for it in items]
+        catch = [i for i, p in enumerate(pending) if len(p) > 1]
+        if catch:  # verified tokens the draft never fed (it stopped short of the accepted ones)
+            ids = torch.tensor([t for i in catch for t in pending[i][:-1]], dtype=torch.long, device=self.device)
+            batch = self.cache.prepare([sids[i] for i in catch], [len(pending[i]) - 1 for i in catch], True)
+            draft_forward(self.model, layers, ids, batch, self.cache, self.dense)
+        ctx = [self.cache.seq_len(s) for s in sids]
+        gam = [it[3] for it in items]
+        probe = AttentionProbe(self.model.cfg.num_layers, needed)
+        drafts: list[list[int]] = [[] for _ in items]
+        rows: list[dict[int, list[torch.Tensor]]] = [{d: [] for d in needed} for _ in items]
+        fed: list[list[int]] = [[p[-1]] for p in pending]
+        active = list(range(len(items)))
+        cur = [p[-1] for p in pending]
+        for s in range(max(gam)):
+            active = [i for i in active if gam[i] > s]
+            batch = self.cache.prepare([sids[i] for i in active], [1] * len(active), False)
+            ids = torch.tensor([cur[i] for i in active], dtype=torch.long, device=self.device)
+            nxt = draft_forward(self.model, layers, ids, batch, self.cache, probe).argmax(-1).tolist()
+            for pos, i in enumerate(active):
+                drafts[i].append(nxt[pos])
+                cur[i] = nxt[pos]
+                if s + 1 < gam[i]:
+                    fed[i].append(nxt[pos])
+                for d in needed:
+                    rows[i][d].append(probe.take(d, sids[i]))
+        plans = []
+        for i, sid in enumerate(sids):
+            self._fed[sid] = (ctx[i], fed[i])
+            plans.append(b.plan(sid, ctx[i], gam[i] + 1, rows[i]))
+        b.clear_plans()
+        sparse_map = {j: b.layer_map.mapping[j] for j in b.stats.sparse_layers}
+        msg = pack_round(drafts, plans, sparse_map)
+        self.bytes_sent += len(msg)
+        self.rounds += 1
+        self.propose_s += time.perf_counter() - t0
+        return msg
+
+    def stats(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "bytes_sent": self.bytes_sent,
+                "bytes_per_round": self.bytes_sent / self.rounds if self.rounds else 0.0,
+                "propose_s": self.propose_s}
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,191 @@
+"""The distributed engine on a local Ray instance (gloo, CPU): TP=2 against TP=1 for every method, the walk
+coordinator's agreement across shards, admission, abort, bad requests, and a killed shard."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import random_state, tiny_hf_config
+
+from raysparse.methods.registry import method_names
+from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
+from raysparse.orchestration.engine_api import CapacityExceededError, InvalidRequestError, RequestHandle
+from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
+from raysparse.sampling import SamplingParams
+from raysparse.shard_executor import method_key
+
+pytestmark = pytest.mark.timeout(600)
+
+# Every method that runs through plain engine steps; specattn has its own test (draft actor).
+METHODS = [m for m in method_names() if m != "specattn"]
+PARAMS = {"density": 0.3}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    cfg = tiny_hf_config(num_kv_heads=3, group=2, layers=5)
+    model = random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir):
+    import ray
+
+    from raysparse.orchestration.local_job import start_ray
+
+    owns = start_ray(None, num_cpus=4)
+    common = dict(model=tiny_dir, kv_cache_tokens=4096, page_size=64, cpus_per_shard=0.5, draft=False)
+    e1 = Engine(EngineConfig(tp=1, **common)).start()
+    e2 = Engine(EngineConfig(tp=2, **common)).start()
+    yield e1, e2
+    e1.shutdown()
+    e2.shutdown()
+    if owns:
+        ray.shutdown()
+
+
+def prompts(n: int = 2) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    lens = [300, 197, 130][:n]
+    return [tuple(torch.randint(0, 97, (n_,), generator=g).tolist()) for n_ in lens]
+
+
+def run(engine: Engine, method: str, ps: list[tuple[int, ...]], new: int = 6) -> list[tuple[int, ...]]:
+    out = []
+    for p in ps:  # one at a time: identical batches on both engines, so identical traces
+        params = {} if method == "dense" else PARAMS
+        fin = engine.submit(EngineRequest(p, SamplingParams(max_new_tokens=new, ignore_eos=True), method,
+                                          params)).result(120)
+        assert fin.finish_reason == "length", fin.error
+        out.append(fin.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tp2_matches_tp1_with_identical_selections(engines, method):
+    e1, e2 = engines
+    key = method_key(method, {} if method == "dense" else PARAMS)
+    if method != "dense":
+        for e in engines:
+            e.runners[0].group.call("record_selections", key)
+    ps = prompts()
+    assert run(e2, method, ps) == run(e1, method, ps)
+    if method == "dense":
+        return
+    (one,) = e1.runners[0].group.call("selections")
+    shards = e2.runners[0].group.call("selections")
+    assert len(one) > 0 and all(len(s) == len(one) for s in shards)
+    heads = [info["kv_heads"] for info in e2.runners[0].group.info]
+    for i, (layer, _, full) in enumerate(one):
+        parts = [s[i][2] for s in shards]
+        assert all(s[i][0] == layer for s in shards)
+        if method in ("sketch_walk", "delta"):  # one selection per layer, expanded over the KV heads
+            for p in parts:
+                assert torch.equal(p[0], full[0]), f"{method}: shards disagree with TP=1 at layer {layer}"
+        else:  # per-KV-head selections: the shards' heads, in rank order, are TP=1's heads
+            assert [p.shape[0] for p in parts] == heads
+            width = max(p.shape[-1] for p in parts + [full])
+            pad = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts]
+            full = torch.nn.functional.pad(full, (0, width - full.shape[-1]), value=-1)
+            assert torch.equal(torch.cat(pad), full), f"{method}: selections differ at layer {layer}"
+
+
+def test_walk_coordinator_time_is_measured(engines):
+    _, e2 = engines
+    run(e2, "sketch_walk", prompts(1), new=2)
+    stats = e2.shard_stats()[0]
+    assert all(s["coord_s"] > 0 for s in stats)
+
+
+def test_bad_requests_are_refused_up_front(engines):
+    e1, _ = engines
+    p = prompts(1)[0]
+    with pytest.raises(InvalidRequestError, match="unknown attention method"):
+        e1.submit(EngineRequest(p, method="nope"))
+    with pytest.raises(InvalidRequestError, match="density"):
+        e1.submit(EngineRequest(p, method="quest", method_params={"density": 7.0}))
+    with pytest.raises(InvalidRequestError, match="positions"):
+        e1.submit(EngineRequest(p, SamplingParams(max_new_tokens=400)))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        e1.submit(EngineRequest((5, 1000)))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        EngineRequest(())
+    sched = Scheduler(SchedulerConfig(4, 64))  # admission alone: 256 KV tokens
+    with pytest.raises(CapacityExceededError, match="KV tokens"):
+        sched.make_sequence(RequestHandle(EngineRequest(p, SamplingParams(max_new_tokens=8)), print), "k",
+                            frozenset(), 0.0)
+    # the engine still serves after all of that
+    assert run(e1, "dense", prompts(1), new=3)[0]
+
+
+def test_concurrent_requests_match_one_at_a_time(engines):
+    e1, _ = engines
+    ps = prompts(3)
+    alone = run(e1, "dense", ps, new=5)
+    handles = [e1.submit(EngineRequest(p, SamplingParams(max_new_tokens=5, ignore_eos=True))) for p in ps]
+    together = [h.result(120).token_ids for h in handles]
+    assert together == alone
+    info = e1.server_info()
+    assert info["running"] == 0 and info["kv_used_tokens"] == 0
+
+
+def test_abort_frees_the_request(engines):
+    e1, _ = engines
+    h = e1.submit(EngineRequest(prompts(1)[0], SamplingParams(max_new_tokens=150, ignore_eos=True)))
+    h.get(60)  # the first token: the request is running
+    h.abort()
+    fin = h.result(60)
+    assert fin.finish_reason == "abort" and len(fin.token_ids) < 150
+    deadline = time.time() + 30
+    while e1.server_info()["kv_used_tokens"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert e1.server_info()["kv_used_tokens"] == 0
+
+
+def test_killed_shard_fails_its_request_and_the_group_is_rebuilt(engines):
+    import ray
+
+    _, e2 = engines
+    h = e2.submit(EngineRequest(prompts(1)[0], SamplingParams(max_new_tokens=200, ignore_eos=True)))
+    h.get(60)
+    victim = e2.server_info()["replicas"][0]["shards"][1]["name"]
+    ray.kill(ray.get_actor(victim))
+    fin = h.result(120)
+    assert fin.finish_reason == "error" and "died" in fin.error and victim in fin.error
+    deadline = time.time() + 240
+    while e2.server_info()["replicas"][0]["state"] != "ready" and time.time() < deadline:
+        time.sleep(0.5)
+    rep = e2.server_info()["replicas"][0]
+    assert rep["state"] == "ready" and rep["rebuilds"] == 1
+    assert victim not in [s["name"] for s in rep["shards"]]
+    assert len(run(e2, "dense", prompts(1), new=3)[0]) == 3
+
+
+def test_specattn_through_the_draft_actor_matches_greedy(tiny_dir):
+    """The draft actor proposes, the TP=2 shards verify: p = 1 must be plain greedy decoding, and p < 1 runs
+    sparse verification end to end with acceptance statistics and bytes per round reported."""
+    eng = Engine(EngineConfig(model=tiny_dir, tp=2, kv_cache_tokens=4096, cpus_per_shard=0.5)).start()
+    try:
+        ps = prompts(2)
+        greedy = run(eng, "dense", ps, new=9)
+        outs = []
+        for p in ps:
+            fin = eng.submit(EngineRequest(p, SamplingParams(max_new_tokens=9, ignore_eos=True), "specattn",
+                                           {"top_p": 1.0})).result(120)
+            assert fin.finish_reason == "length", fin.error
+            outs.append(fin.token_ids)
+        assert outs == greedy
+        fin = eng.submit(EngineRequest(ps[0], SamplingParams(max_new_tokens=9, ignore_eos=True), "specattn",
+                                       {"top_p": 0.9})).result(120)
+        assert fin.finish_reason == "length" and len(fin.token_ids) == 9, fin.error
+        st = eng.runners[0].spec_step.stats()
+        assert st["rounds"] > 0 and st["bytes_per_round"] > 0
+        shard = eng.shard_stats()[0][0]["specattn"]
+        assert sum(s["rounds"] for s in shard.values()) >= st["rounds"] - 0  # rank 0 counts every round
+    finally:
+        eng.shutdown()
