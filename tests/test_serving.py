@@ -1,0 +1,252 @@
+"""The gRPC server against a real engine on 127.0.0.1 (a tiny random Llama with a character tokenizer, CPU)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from raysparse.serving.client import RaySparseClient
+from raysparse.serving.proto import raysparse_pb2 as pb
+
+KV_TOKENS = 768  # below the model's 1024 positions, so a request can fit the context but not the cache
+MAX_POS = 1024
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from raysparse.orchestration.engine import Engine, EngineConfig
+    from raysparse.serving.server import InferenceServer, ServerConfig
+    from raysparse.serving.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), max_positions=MAX_POS)
+    eng = Engine(EngineConfig(model=str(model_dir), num_cpus=2, cpus_per_shard=0.5, kv_cache_tokens=KV_TOKENS,
+                              page_size=16, draft=False, load_timeout_s=120))
+    srv = InferenceServer(eng, ServerConfig(port=0, metrics_port=0, poll_s=0.05, density_poll_s=0.3)).start()
+    client = RaySparseClient(f"127.0.0.1:{srv.port}")
+    try:
+        assert client.health() == "NOT_SERVING"  # the port answers before the engine has loaded
+        srv.start_engine()
+        client.wait_serving(60)
+        yield srv, client, model_dir
+    finally:
+        client.close()
+        srv.stop()
+
+
+def _reference_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
+    """Plain transformers forward passes, argmax, no cache: the oracle of the served tokens."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _wait_kv_free(client: RaySparseClient, timeout: float = 15.0) -> pb.ServerInfo:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = client.server_info()
+        if info.kv_used_tokens == 0 and info.running == 0 and info.waiting == 0:
+            return info
+        time.sleep(0.05)
+    raise AssertionError(f"KV not freed: {client.server_info()}")
+
+
+def test_streaming_generate_matches_reference(served):
+    srv, client, model_dir = served
+    g = torch.Generator().manual_seed(int(time.time()))
+    text = "".join(chr(c) for c in torch.randint(ord("a"), ord("z") + 1, (int(torch.randint(5, 40, ())),),
+                                                 generator=g).tolist())
+    n = 12
+    chunks = list(client.stream(text=text, max_new_tokens=n, ignore_eos=True))
+    deltas, fin = chunks[:-1], chunks[-1].finish
+    assert fin is not None and all(c.finish is None for c in deltas) and len(deltas) >= 2  # it streamed
+    ids = [t for c in deltas for t in c.token_ids]
+    prompt = [ord(ch) - ord("a") + 12 for ch in text]  # the tiny tokenizer: 'a' is id 12, in order
+    assert fin.usage.prompt_tokens == len(prompt)
+    assert ids == _reference_greedy(model_dir, prompt, n)
+    assert fin.finish_reason == "length" and fin.usage.completion_tokens == n
+    assert "".join(c.text for c in deltas) == fin.text
+    assert fin.timings.ttft_s > 0 and fin.timings.e2e_s >= fin.timings.ttft_s
+    assert len({c.request_id for c in chunks}) == 1
+
+
+def test_bad_inputs_get_their_status_codes(served):
+    _, client, _ = served
+    bad = [
+        (dict(token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3] * (MAX_POS - 10), max_new_tokens=20), grpc.StatusCode.INVALID_ARGUMENT),  # context
+        (dict(token_ids=[3], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], method="no_such_method"), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], method="psaw", method_params={"bogus": 1}), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], method="psaw", method_params={"density": 2.0}), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[10_000]), grpc.StatusCode.INVALID_ARGUMENT),  # outside the vocabulary
+        (dict(token_ids=[3] * (KV_TOKENS - 8), max_new_tokens=40), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ]
+    for kwargs, code in bad:
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(max_new_tokens=kwargs.pop("max_new_tokens", 4), timeout=30, **kwargs)
+        assert e.value.code() == code, (kwargs, e.value.details())
+        assert e.value.details()
+        ok = client.generate(token_ids=[5, 6, 7], max_new_tokens=3, ignore_eos=True, timeout=30)
+        assert ok.finish_reason == "length" and len(ok.token_ids) == 3  # still serving
+    assert client.health() == "SERVING"
+    _wait_kv_free(client)
+
+
+def test_unavailable_while_the_engine_is_not_ready():
+    from raysparse.orchestration.engine import Engine, EngineConfig
+    from raysparse.serving.server import InferenceServer, ServerConfig
+
+    srv = InferenceServer(Engine(EngineConfig()), ServerConfig(port=0, metrics_port=None)).start()
+    try:
+        with RaySparseClient(f"127.0.0.1:{srv.port}") as c:
+            assert c.health() == "NOT_SERVING"
+            assert c.health("raysparse.v1.RaySparse") == "NOT_SERVING"
+            for call in (lambda: c.generate(token_ids=[1, 2]), c.model_info):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop(shutdown_engine=False)
+
+
+def test_32_concurrent_streams_match_sequential_greedy(served):
+    _, client, _ = served
+    g = torch.Generator().manual_seed(int(time.time()) + 1)
+    prompts = [torch.randint(2, 100, (int(torch.randint(3, 48, (), generator=g)),), generator=g).tolist()
+               for _ in range(32)]
+    n = 10
+    sequential = [client.generate(token_ids=p, max_new_tokens=n, ignore_eos=True, timeout=60).token_ids
+                  for p in prompts]
+    results: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        chunks = list(client.stream(token_ids=prompts[i], max_new_tokens=n, ignore_eos=True, timeout=120))
+        results[i] = chunks
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert len({tuple(s) for s in sequential}) > 1  # the prompts really lead to different outputs
+    for i, chunks in enumerate(results):
+        assert chunks is not None, f"stream {i} did not finish"
+        fin = chunks[-1].finish
+        streamed = [t for c in chunks[:-1] for t in c.token_ids]
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == n
+        assert streamed == sequential[i], i  # nothing lost, duplicated or crossed between streams
+    _wait_kv_free(client)
+
+
+def test_cancel_and_deadline_free_the_kv(served):
+    _, client, _ = served
+    _wait_kv_free(client)
+    long = dict(token_ids=[7, 8, 9], max_new_tokens=KV_TOKENS - 16, ignore_eos=True)
+    # cancel: the client stops reading after the first chunk (the client cancels the call)
+    stream = client.stream(timeout=120, **long)
+    first = next(stream)
+    assert first.token_ids
+    busy = client.server_info()
+    assert busy.running == 1 and busy.kv_used_tokens >= KV_TOKENS - 16
+    stream.close()
+    _wait_kv_free(client)
+    # deadline: the server aborts the request when the client's deadline passes
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(timeout=0.5, **long)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 5
+    _wait_kv_free(client)
+    # Abort by id from a second call
+    rid = f"abort-me-{time.time_ns()}"
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("c", client.generate(request_id=rid, timeout=120, **long)))
+    th.start()
+    deadline = time.monotonic() + 30
+    while client.server_info().running == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.abort(rid)
+    th.join(timeout=30)
+    assert out["c"].finish_reason == "abort" and out["c"].request_id == rid
+    assert len(out["c"].token_ids) < KV_TOKENS - 16
+    _wait_kv_free(client)
+    assert not client.abort(rid)  # finished: nothing to abort
+
+
+def test_model_info_reflection_and_metrics(served):
+    srv, client, _ = served
+    info = client.model_info()
+    assert info.vocab_size == 128 and info.max_positions == MAX_POS and info.has_tokenizer
+    assert "dense" in info.methods and "psaw" in info.methods
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    services = ProtoReflectionDescriptorDatabase(client.channel).get_services()
+    assert "raysparse.v1.RaySparse" in services and "grpc.health.v1.Health" in services
+    before = _metric(srv, 'raysparse_requests_total{method="psaw",outcome="length"}') or 0.0
+    for _ in range(2):
+        client.generate(token_ids=list(range(5, 90)), method="psaw", method_params={"density": 0.3},
+                        max_new_tokens=4, ignore_eos=True, timeout=60)
+    assert _metric(srv, 'raysparse_requests_total{method="psaw",outcome="length"}') == before + 2
+    assert _metric(srv, 'raysparse_generation_tokens_total{method="psaw"}') >= 8
+    assert _metric(srv, 'raysparse_kv_cache_capacity_tokens') == KV_TOKENS
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        dens = _metric(srv, 'raysparse_attention_density{method="psaw{density=0.3}",phase="all"}')
+        if dens is not None:
+            break
+        time.sleep(0.1)
+    assert dens is not None and 0.0 < dens <= 1.0
+
+
+def _metric(srv, name: str) -> float | None:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_health_goes_not_serving_while_a_killed_shard_is_rebuilt(served):
+    import ray
+
+    srv, client, _ = served
+    shard = srv.engine.server_info()["replicas"][0]["shards"][0]["name"]
+    ray.kill(ray.get_actor(shard))
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(client.health())
+            time.sleep(0.02)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    try:
+        # the replica notices the dead shard at its next step
+        lost = client.generate(token_ids=[4, 5, 6], max_new_tokens=4, timeout=60)
+        assert lost.finish_reason == "error" and "died" in lost.error
+        client.wait_serving(120, poll_s=0.05)
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        w.join()
+    assert "NOT_SERVING" in seen and seen[-1] == "SERVING"
+    last_down = len(seen) - 1 - seen[::-1].index("NOT_SERVING")
+    assert all(s == "SERVING" for s in seen[last_down + 1:])
+    ok = client.generate(token_ids=[4, 5, 6], max_new_tokens=4, ignore_eos=True, timeout=60)
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 4
+    assert srv.engine.server_info()["replicas"][0]["rebuilds"] == 1
