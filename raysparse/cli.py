@@ -19,6 +19,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _non_negative_int(s: str) -> int:
+    if not s.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
+    return int(s)
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -124,6 +130,12 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--rows", type=_positive_int, default=64,
                     help="query rows sampled per traced prefill call (default: 64)")
     ev.add_argument("--no-perplexity", action="store_true", help="skip the perplexity windows")
+    ev.add_argument("--method-params", action="append", default=[], metavar="METHOD:KEY=V[,V...]",
+                    help="sweep a method parameter, one setting per value (repeatable), e.g. "
+                         "specattn:top_p=0.95,0.97,0.99 or cis:threshold=0.8,2")
+    ev.add_argument("--decode-ppl-tokens", type=_non_negative_int, default=256, metavar="N",
+                    help="tokens at the end of each perplexity window scored by teacher-forced decode steps, "
+                         "so decode-time methods change the scored logits (0: skip; default: 256)")
     ev.add_argument("--text", metavar="PATH", help="haystack text file or directory of .txt files "
                     "(default: ../shared/data/text/, else a generated haystack)")
     ev.add_argument("--out", metavar="DIR", default="results/eval",
@@ -192,6 +204,7 @@ def _run(args: argparse.Namespace) -> int:
 def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Validates every flag before any model loads, then runs the harness in this process (no Ray)."""
     from raysparse.eval.harness import EvalConfig
+    from raysparse.eval.settings import parse_method_params
     from raysparse.eval.tasks import TASK_NAMES
     from raysparse.methods.registry import get_method, method_names
     from raysparse.workload import MIN_CONTEXT_TOKENS
@@ -220,9 +233,11 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if value is not None and not Path(value).expanduser().exists():
             usage(f"{flag} {value!r}: no such file or directory")
     try:
+        sweeps = parse_method_params(args.method_params)
         cfg = EvalConfig(methods=tuple(methods), densities=args.densities, tasks=args.tasks, samples=args.samples,
                          context_tokens=args.context_tokens, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                         perplexity=not args.no_perplexity, rows=args.rows)
+                         perplexity=not args.no_perplexity, rows=args.rows, method_params=sweeps,
+                         decode_ppl_tokens=min(args.decode_ppl_tokens, max(args.context_tokens - 2, 0)))
     except ValueError as e:
         usage(str(e))
     if args.context_tokens < MIN_CONTEXT_TOKENS:

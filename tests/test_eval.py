@@ -13,8 +13,9 @@ import pytest
 import torch
 from helpers import random_state, tiny_hf_config
 
-from raysparse.attention import dense_attention
+from raysparse.attention import DenseAttention, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.eval.decode_ppl import decode_nll, scored_span
 from raysparse.eval.harness import EvalConfig, Harness, run_eval
 from raysparse.eval.metrics import (
     FidelityTracer,
@@ -25,13 +26,16 @@ from raysparse.eval.metrics import (
     sample_rows,
     selection_fidelity,
 )
-from raysparse.eval.report import plot, summary_line, table, write_json
+from raysparse.eval.report import method_columns, plot, summary_line, table, write_json
+from raysparse.eval.settings import Setting, param_combinations, parse_method_params, parse_value, plan_settings
 from raysparse.eval.tasks import TASK_NAMES, EvalTask, build_task, perplexity_windows
+from raysparse.kv_cache import KVCache
 from raysparse.loader import model_from_state
 from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, row_budget
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 from raysparse.methods.sparse_attention import block_sparse_attention
+from raysparse.specattn.method import SpecAttn, SpecAttnConfig
 from raysparse.workload import load_haystack_text, synthetic_haystack
 
 
@@ -328,7 +332,7 @@ def tiny_model():
 def test_tiny_end_to_end_report(tiny_model, tmp_path, one_thread):
     tok = CharTokenizer()
     cfg = EvalConfig(methods=("test_window", "test_broken"), densities=(0.3, 1.0), samples=1, context_tokens=768,
-                     max_new_tokens=2, rows=16)
+                     max_new_tokens=2, rows=16, decode_ppl_tokens=24)
     report = run_eval(tiny_model, tok, cfg, synthetic_haystack(400), "synthetic", backend_factory=_factory,
                       model_name="tiny")
     runs = report["runs"]
@@ -342,6 +346,9 @@ def test_tiny_end_to_end_report(tiny_model, tmp_path, one_thread):
     # Full density selects every causal block: exactly dense, so the same perplexity and zero output error.
     assert w10["density"] == pytest.approx(1.0)
     assert w10["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-4)
+    assert w10["decode_perplexity"] == pytest.approx(dense["decode_perplexity"], rel=1e-4)
+    assert w03["decode_perplexity"] != pytest.approx(dense["decode_perplexity"], rel=1e-4)
+    assert w03["density_decode"] < 0.9 and dense["density_decode"] == 1.0
     assert w10["fidelity"]["out_err"]["overall"] < 1e-4
     assert w10["fidelity"]["retained"]["prefill"] == pytest.approx(1.0, abs=1e-5)
     # A window keeps less: real density below 1, mass below 1, a measurable output error; dense layers 0, 1.
@@ -362,9 +369,118 @@ def test_tiny_end_to_end_report(tiny_model, tmp_path, one_thread):
     assert "error: NotImplementedError" in summary_line(broken) and "accuracy" in summary_line(w03)
 
 
+def test_decode_time_methods_report_their_own_columns(tiny_model, one_thread):
+    """SpecAttn swept over top_p runs once per value (no density) through the speculative generator; CIS
+    reports rho (1 when it never shares: threshold > 1); PSAW, whose budget is its schedule, runs once."""
+    cfg = EvalConfig(methods=("specattn", "cis", "psaw"), densities=(0.3,), tasks=("single_needle",), samples=1,
+                     context_tokens=512, max_new_tokens=2, rows=8, decode_ppl_tokens=12,
+                     method_params=parse_method_params(["specattn:top_p=0.5,1.0", "specattn:chunk_size=1",
+                                                        "cis:threshold=0.8,2"]))
+    report = run_eval(tiny_model, CharTokenizer(), cfg, synthetic_haystack(300), "synthetic", model_name="tiny")
+    runs = report["runs"]
+    assert [(r["label"], r["density_target"]) for r in runs] == [
+        ("dense", None), ("specattn (top_p=0.5, chunk_size=1)", None), ("specattn (top_p=1, chunk_size=1)", None),
+        ("cis (threshold=0.8)", 0.3), ("cis (threshold=2)", 0.3), ("psaw", None)]
+    assert all(r["status"] == "ok" for r in runs), [r["error"] for r in runs]
+    dense, sparse_spec, full_spec, cis, cis_oracle, _ = runs
+    # p = 1: exact verification, so dense's tokens and decode perplexity; p = 0.5 reads part of the context.
+    assert full_spec["samples"][0]["output"] == dense["samples"][0]["output"]
+    assert full_spec["decode_perplexity"] == pytest.approx(dense["decode_perplexity"], rel=1e-4)
+    cols = method_columns(sparse_spec)
+    assert 0 <= cols["accept"] <= 1 and 1 <= cols["tok/step"] <= 5 and 0 < cols["KV red"] < 1
+    assert sparse_spec["fidelity"]["retained"]["decode"] is not None and sparse_spec["density_decode"] < 1
+    assert method_columns(full_spec)["KV red"] == 0.0
+    assert 0 < cis["extras"]["cis"]["retrieval_ratio"] <= 1 and cis_oracle["extras"]["cis"]["retrieval_ratio"] == 1
+    assert method_columns(dense) == {"rho": None, "accept": None, "tok/step": None, "KV red": None}
+    assert table(report).row_count == len(runs)
+
+
 def test_harness_rejects_a_context_past_the_model(tiny_model):
     with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
         Harness(tiny_model, CharTokenizer(), EvalConfig(context_tokens=2000))
+
+
+def test_multi_row_decode_trace_equals_one_decode_row_at_a_time():
+    """A verification step traced as decode (q [r, h, d]) sums exactly what r single-row decode calls over
+    each row's own causal prefix would: retained, attention mass and output error."""
+    h_kv, g, d, n, r = 2, 2, 8, int(torch.randint(40, 70, ())), 4
+    q, k, v, out = torch.randn(r, h_kv * g, d), torch.randn(h_kv, n, d), torch.randn(h_kv, n, d), \
+        torch.randn(r, h_kv * g, d)
+    keep = torch.rand(h_kv, n) < 0.4
+    keep[:, n - r:] = True  # the new rows themselves, as SpecAttn's plan
+    sel = TokenSelection(indices_from_mask(keep))
+    multi = FidelityTracer(1)
+    multi(SeqContext(0, 1, n - r, n, {}), q, k, v, sel, out, phase="decode")
+    single = FidelityTracer(1)
+    for i in range(r):
+        m = n - r + i + 1
+        single(SeqContext(0, 1, m - 1, m, {}), q[i], k[:, :m], v[:, :m], sel, out[i])
+    a, b = multi.sums[("decode", 0)], single.sums[("decode", 0)]
+    assert a.pairs == b.pairs == r * h_kv
+    for f in ("retained", "mass", "err_sq", "ref_sq"):
+        assert getattr(a, f) == pytest.approx(getattr(b, f), rel=1e-5), f
+
+
+# ---- settings and method parameters --------------------------------------------------------------------
+
+def test_method_params_parse_and_sweep_every_combination():
+    assert parse_value("0.97") == 0.97 and parse_value("2") == 2 and parse_value("False") is False
+    assert parse_value("none") is None and parse_value("mean") == "mean"
+    sweeps = parse_method_params(["specattn:top_p=0.95,0.97,0.99", "cis:threshold=0.8,2", "cis:radius=0,1"])
+    assert sweeps[0] == ("specattn", "top_p", (0.95, 0.97, 0.99))
+    assert param_combinations(sweeps, "cis") == [
+        (("threshold", 0.8), ("radius", 0)), (("threshold", 0.8), ("radius", 1)),
+        (("threshold", 2), ("radius", 0)), (("threshold", 2), ("radius", 1))]
+    assert param_combinations(sweeps, "socket") == [()]
+    plan = plan_settings(["socket", "specattn", "dense", "psaw"], [0.1, 0.2], sweeps, lambda m: m == "socket")
+    assert plan == [Setting("dense"), Setting("socket", 0.1), Setting("socket", 0.2),
+                    Setting("specattn", None, (("top_p", 0.95),)), Setting("specattn", None, (("top_p", 0.97),)),
+                    Setting("specattn", None, (("top_p", 0.99),)), Setting("psaw")]
+    assert plan[4].label == "specattn (top_p=0.97)" and plan[4].backend_params() == {"top_p": 0.97}
+    assert Setting("cis", 0.2, (("threshold", 2),)).backend_params() == {"threshold": 2, "density": 0.2}
+    for bad, needle in ((["cis"], "METHOD:KEY"), (["cis:threshold"], "METHOD:KEY"), (["cis:threshold="], "METHOD"),
+                        (["cis:density=0.1"], "--densities"), (["cis:k=1", "cis:k=2"], "twice")):
+        with pytest.raises(ValueError, match=needle):
+            parse_method_params(bad)
+    with pytest.raises(ValueError, match="not among the methods"):
+        EvalConfig(methods=("socket",), method_params=parse_method_params(["cis:threshold=2"]))
+
+
+# ---- teacher-forced decode perplexity ----------------------------------------------------------------------
+
+def _window_nll_by_prefill(model, ids: list[int], p: int) -> float:
+    """Independent reference: the model's prefill logits over the whole window, scored on ids[p + 1:]."""
+    cache = KVCache(model.cfg, -(-len(ids) // 16), 16, torch.float32, "cpu", model.num_kv_heads)
+    cache.allocate(0, len(ids))
+    logits = model(torch.tensor(ids), cache.prepare([0], [len(ids)], True), cache, DenseAttention(model.cfg.num_layers),
+                   all_logits=True)
+    return float(torch.nn.functional.cross_entropy(logits[p:-1], torch.tensor(ids[p + 1:]), reduction="sum"))
+
+
+def test_decode_perplexity_exact_backends_match_the_prefill_reference(tiny_model, one_thread):
+    n, m = int(torch.randint(60, 90, ())), int(torch.randint(9, 20, ()))
+    ids = torch.randint(0, 97, (n,)).tolist()
+    p, count = scored_span(n, m)
+    assert (p, count) == (n - 1 - m, m)
+    want = _window_nll_by_prefill(tiny_model, ids, p)
+    cache = KVCache(tiny_model.cfg, -(-n // 16) + 1, 16, torch.float32, "cpu", tiny_model.num_kv_heads)
+    exact = {"dense": DenseAttention(tiny_model.cfg.num_layers),
+             "window at density 1": WindowMethod(tiny_model.cfg, MethodConfig(density=1.0)),
+             "specattn p=1": SpecAttn(tiny_model.cfg, SpecAttnConfig(top_p=1.0, gamma=int(torch.randint(2, 5, ()))))}
+    for name, backend in exact.items():
+        got, c = decode_nll(tiny_model, cache, backend, ids, m, 7)
+        assert c == m and got == pytest.approx(want, rel=1e-4), name
+        assert cache.free_pages == cache.num_pages, name  # the window's pages were released
+    # A sparse decode changes the scored logits; its decode steps are metered as decode.
+    sparse = WindowMethod(tiny_model.cfg, MethodConfig(density=0.2))
+    got, _ = decode_nll(tiny_model, cache, sparse, ids, m, 8)
+    assert abs(got - want) > 1e-3 and sparse.meter.decode_overall() < 0.8  # 2 of 3 layers are dense
+    spec = SpecAttn(tiny_model.cfg, SpecAttnConfig(top_p=0.5, gamma=3, chunk_size=4))
+    tracer = FidelityTracer(tiny_model.cfg.num_layers)
+    spec.tracer = tracer
+    got, _ = decode_nll(tiny_model, cache, spec, ids, m, 9)
+    assert math.isfinite(got) and 0 < spec.stats.kv_read_fraction < 1 and spec.stats.rounds == 0
+    assert tracer.summary()["retained"]["decode"] is not None and tracer.summary()["retained"]["prefill"] is None
 
 
 # ---- the command line ------------------------------------------------------------------------------------
@@ -380,6 +496,9 @@ def test_harness_rejects_a_context_past_the_model(tiny_model):
     (["--text", "/nonexistent/haystack.txt"], "no such file"),
     (["--model", "/nonexistent/model.gguf"], "no such file"),
     (["--device", "nodevice"], "not a torch device"),
+    (["--method-params", "cis"], "METHOD:KEY"),
+    (["--method-params", "cis:threshold=2"], "not among the methods"),
+    (["--decode-ppl-tokens", "-3"], "non-negative integer"),
     (["--no-such-flag"], "unrecognized arguments"),
 ])
 def test_eval_bad_input_is_one_line_and_exit_2(capsys, args, needle):
@@ -398,5 +517,6 @@ def test_eval_help_lists_the_flags(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--methods", "--densities", "--samples", "--context-tokens", "--text", "--model", "--out"):
+    for flag in ("--methods", "--densities", "--samples", "--context-tokens", "--text", "--model", "--out",
+                 "--method-params", "--decode-ppl-tokens"):
         assert flag in out

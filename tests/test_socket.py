@@ -92,7 +92,7 @@ def brute_scores(m: Socket, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
         for j in range(k.shape[1]):
             kj = k[h, j].double().tolist()
             s = sum(probs[tbl][explicit_bucket(w[h][tbl], kj)] for tbl in range(c.tables))
-            row.append(s if c.hard else s * float(v[h, j].double().norm()))
+            row.append(s if c.hard or not c.value_norm else s * float(v[h, j].double().norm()))
         out.append(row)
     return out
 
@@ -166,10 +166,11 @@ def test_appended_and_rolled_back_keys_hash_like_a_rebuild_from_scratch():
 
 
 # ---- scores ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("planes,reduce,hard", [(4, "mean", False), (4, "max", False), (3, "mean", True),
-                                                (4, "max", True), (8, "mean", False)])
-def test_scores_match_the_loop_formula(planes, reduce, hard):
-    m = method(planes=planes, tables=3 if planes == 8 else 5, group_reduce=reduce, hard=hard,
+@pytest.mark.parametrize("planes,reduce,hard,vnorm", [(4, "mean", False, True), (4, "max", False, True),
+                                                      (3, "mean", True, True), (4, "max", True, True),
+                                                      (8, "mean", False, True), (4, "mean", False, False)])
+def test_scores_match_the_loop_formula(planes, reduce, hard, vnorm):
+    m = method(planes=planes, tables=3 if planes == 8 else 5, group_reduce=reduce, hard=hard, value_norm=vnorm,
                tau=float(torch.empty(()).uniform_(0.1, 1.0)))
     n = rand_int(20, 45)
     q, k, v, state = indexed(m, n)

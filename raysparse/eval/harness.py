@@ -1,12 +1,20 @@
 """The fidelity harness: every method and density against dense, on the same tasks and text, in one process.
 
-For each setting (dense first, as the reference row, then every method at every density) it creates a fresh
-backend, hooks a ``FidelityTracer`` into it when it is a ``SparseMethod``, and runs
+For each setting (``settings.py``: dense first, as the reference row, then every method at every density
+and swept parameter) it creates a fresh backend, hooks a ``FidelityTracer`` into it when it is a
+``SparseMethod``, and runs
 1. each task sample: greedy generation through ``Generator`` (prefill + a few decode steps), scored exactly;
-2. each perplexity window: one prefill with all logits, NLL of the last ``PPL_SCORED_FRACTION`` of it.
+   a speculative backend (SpecAttn) generates through ``SpecAttnGenerator`` with the model's layer map;
+2. each perplexity window: one prefill with all logits, NLL of the last ``PPL_SCORED_FRACTION`` of it
+   (``perplexity``: what a prefill method changes);
+3. each perplexity window again, teacher-forced by decode steps over its last ``decode_ppl_tokens`` tokens
+   (``decode_perplexity``, ``decode_ppl.py``: what a decode method changes; dense scores the same targets).
 The backend's density meter covers all of it (dense layers included), so the density reported is the one
-the method really used over the whole run. A setting that raises (a method that does not implement a phase,
-a bad parameter) becomes an error row; the other settings still run.
+the method really used over the whole run, and ``density_decode`` that of its decode steps (generation and
+teacher-forced). Method statistics go to ``extras``: SpecAttn's (``generation``: after the tasks; ``total``:
+KV reads over every verification step, teacher-forced included, acceptance still over generation only, as
+teacher-forced rounds are not speculation) and CIS / CPE's retrieval ratio rho. A setting that raises
+(a method that does not implement a phase, a bad parameter) becomes an error row; the others still run.
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ from typing import Any
 import torch
 
 from raysparse.attention import AttentionBackend, DenseAttention
+from raysparse.eval.decode_ppl import decode_nll
 from raysparse.eval.metrics import DEFAULT_ROWS, FidelityTracer
+from raysparse.eval.settings import ParamSweep, Setting, backend_takes_density, plan_settings
 from raysparse.eval.tasks import PPL_SCORED_FRACTION, TASK_NAMES, EvalTask, build_tasks, perplexity_windows
 from raysparse.generate import FinishEvent, GenerationRequest, Generator
 from raysparse.kv_cache import KVCache
@@ -31,6 +41,7 @@ from raysparse.sampling import SamplingParams
 
 SCHEMA = "raysparse.eval/1"
 DEFAULT_DENSITIES = (0.05, 0.1, 0.2, 0.3)
+DECODE_PPL_TOKENS = 256  # scored by decode steps: enough for a stable mean, ~1 min per window on the CPU
 ANSWER_ROOM = 64  # generation room reserved for a task's expected answer, on top of max_new_tokens
 BackendFactory = Callable[..., AttentionBackend]  # (name, model config, **params), like create_backend
 
@@ -46,6 +57,8 @@ class EvalConfig:
     seed: int = 0
     perplexity: bool = True
     rows: int = DEFAULT_ROWS  # query rows sampled per traced prefill call
+    method_params: tuple[ParamSweep, ...] = ()  # (method, key, values): settings.parse_method_params
+    decode_ppl_tokens: int = DECODE_PPL_TOKENS  # scored by teacher-forced decode steps; 0: no decode perplexity
 
     def __post_init__(self) -> None:
         if not self.densities or any(not 0.0 < d <= 1.0 for d in self.densities):
@@ -56,13 +69,13 @@ class EvalConfig:
         for name in ("samples", "context_tokens", "max_new_tokens", "rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if not 0 <= self.decode_ppl_tokens <= self.context_tokens - 2:
+            raise ValueError(f"decode_ppl_tokens must be in [0, context_tokens - 2], got {self.decode_ppl_tokens}")
         if not self.tasks and not self.perplexity:
             raise ValueError("nothing to evaluate: no tasks and no perplexity")
-
-    def settings(self) -> list[tuple[str, float | None]]:
-        """(method, density) pairs in run order; dense once, with no density."""
-        others = [m for m in dict.fromkeys(self.methods) if m != "dense"]
-        return [("dense", None)] + [(m, d) for m in others for d in dict.fromkeys(self.densities)]
+        unused = sorted({m for m, _, _ in self.method_params} - set(self.methods))
+        if unused:
+            raise ValueError(f"method parameters given for {', '.join(unused)}, which is not among the methods")
 
 
 @dataclass
@@ -80,25 +93,29 @@ class Workload:
             if cfg.perplexity else []
         return cls(tasks, windows, source)
 
-    @property
-    def units(self) -> int:  # progress steps per setting
-        return len(self.tasks) + len(self.windows)
+    def units(self, cfg: EvalConfig) -> int:  # progress steps per setting
+        return len(self.tasks) + len(self.windows) * (1 + (cfg.decode_ppl_tokens > 0))
 
 
 @dataclass
 class RunResult:
     method: str
     density_target: float | None
+    params: dict[str, Any] = field(default_factory=dict)  # swept method parameters (--method-params)
+    label: str = ""  # the method with its swept parameters, for tables
     status: str = "ok"  # "ok" or "error"
     error: str | None = None
     accuracy: float | None = None  # mean task score over every sample of every task
     accuracy_per_task: dict[str, float] = field(default_factory=dict)
     perplexity: float | None = None
     nll: float | None = None  # mean NLL (nats) of the scored tokens
+    decode_perplexity: float | None = None  # teacher-forced decode over the last decode_ppl_tokens of each window
+    decode_nll: float | None = None
     density: float | None = None  # backend.meter.overall(): attended / causal pairs, all layers, whole run
     density_per_layer: list[float] = field(default_factory=list)
     density_decode: float | None = None  # the decode steps alone (decode-only methods prefill densely)
     fidelity: dict[str, dict[str, Any]] = field(default_factory=dict)  # FidelityTracer.summary()
+    extras: dict[str, Any] = field(default_factory=dict)  # method statistics: "specattn", "cis" (see module doc)
     samples: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -107,17 +124,20 @@ class RunResult:
 
 
 class Harness:
-    """Runs settings on one model; ``backend_factory`` defaults to the registry's ``create_backend``."""
+    """Runs settings on one model; ``backend_factory`` defaults to the registry's ``create_backend``.
+    ``model_dir`` is where SpecAttn's saved layer map is looked up (None: the nearest-below fallback map)."""
 
     _seq_ids = itertools.count(1 << 40)  # perplexity prefills: ids far from the Generator's own counter
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig,
-                 backend_factory: BackendFactory | None = None) -> None:
+                 backend_factory: BackendFactory | None = None, model_dir: str | None = None) -> None:
         if backend_factory is None:
             from raysparse.methods.registry import create_backend
 
             backend_factory = create_backend
         self.model, self.tokenizer, self.cfg, self.factory = model, tokenizer, cfg, backend_factory
+        self.model_dir = model_dir
+        self._layer_maps: dict[tuple[int, ...], Any] = {}
         limit = model.cfg.max_position_embeddings
         # The longest answer (multi_value's four numbers, or variable_tracking's names) stays under 64 tokens.
         self.max_total = cfg.context_tokens + cfg.max_new_tokens + ANSWER_ROOM
@@ -129,20 +149,48 @@ class Harness:
         pages = -(-self.max_total // page)
         self.cache = KVCache(model.cfg, pages, page, model.lm_head.weight.dtype, device, model.num_kv_heads)
 
-    def run_setting(self, method: str, density: float | None, work: Workload,
-                    step: Callable[[], None] = lambda: None) -> RunResult:
-        res = RunResult(method, density)
+    def settings(self) -> list[Setting]:
+        """The run order; whether a method takes a density is asked of a default instance of it."""
+        def takes_density(method: str) -> bool:
+            try:
+                return backend_takes_density(self.factory(method, self.model.cfg))
+            except Exception:  # its real settings will fail and be reported as error rows
+                return True
+
+        return plan_settings(self.cfg.methods, self.cfg.densities, self.cfg.method_params, takes_density)
+
+    def layer_map(self, backend: Any) -> Any:
+        """SpecAttn's verifier-to-draft map for this draft: the saved one (measured and saved if missing)."""
+        key = tuple(backend.draft_layers)
+        if key not in self._layer_maps:
+            from raysparse.specattn.layer_map import nearest_below_map, resolve_layer_map
+
+            self._layer_maps[key] = (resolve_layer_map(self.model, self.model_dir, key, self.tokenizer)
+                                     if self.model_dir is not None else nearest_below_map(self.model.cfg.num_layers,
+                                                                                          key))
+        return self._layer_maps[key]
+
+    def run_setting(self, setting: Setting, work: Workload, step: Callable[[], None] = lambda: None) -> RunResult:
+        res = RunResult(setting.method, setting.density, dict(setting.params), setting.label)
         t0 = time.perf_counter()
         try:
-            params = {} if density is None else {"density": density}
-            backend = self.factory(method, self.model.cfg, **params)
+            backend = self.factory(setting.method, self.model.cfg, **setting.backend_params())
             tracer = None
             if hasattr(backend, "tracer"):  # a SparseMethod: measure what it attends
                 tracer = FidelityTracer(self.model.cfg.num_layers, self.cfg.rows)
                 backend.tracer = tracer
+            if getattr(backend, "speculative", False):
+                backend.set_layer_map(self.layer_map(backend))
             backend.meter.reset()
             self._tasks(backend, work.tasks, res, step)
+            if hasattr(backend, "stats"):  # SpecAttn: acceptance and KV reads of real speculative generation
+                res.extras["specattn"] = {"generation": backend.stats.to_dict()}
             self._perplexity(backend, work.windows, res, step)
+            if hasattr(backend, "stats"):  # acceptance counts only generation rounds; KV reads count every step
+                res.extras["specattn"]["total"] = backend.stats.to_dict()
+            if getattr(backend, "use_cis", False):
+                res.extras["cis"] = {"retrieval_ratio": backend.retrieval_ratio,
+                                     "retrieval_ratio_per_layer": backend.retrieval_ratio_per_layer()}
             res.density, res.density_per_layer = backend.meter.overall(), backend.meter.per_layer()
             res.density_decode = backend.meter.decode_overall()
             layers = self.model.cfg.num_layers
@@ -157,7 +205,12 @@ class Harness:
 
     def _tasks(self, backend: AttentionBackend, tasks: Sequence[EvalTask], res: RunResult,
                step: Callable[[], None]) -> None:
-        gen = Generator(self.model, self.cache, backend, self.tokenizer)
+        if getattr(backend, "speculative", False):
+            from raysparse.specattn.decode import SpecAttnGenerator
+
+            gen: Generator = SpecAttnGenerator(self.model, self.cache, backend, self.tokenizer)  # type: ignore
+        else:
+            gen = Generator(self.model, self.cache, backend, self.tokenizer)
         per_task: dict[str, list[float]] = {}
         for task in tasks:
             params = SamplingParams(max_new_tokens=self.max_new_tokens(task))
@@ -190,6 +243,16 @@ class Harness:
         if count:
             res.nll = total / count
             res.perplexity = math.exp(res.nll)
+        if self.cfg.decode_ppl_tokens <= 0 or not windows:
+            return
+        total, count = 0.0, 0
+        for ids in windows:
+            total_w, count_w = decode_nll(self.model, self.cache, backend, ids, self.cfg.decode_ppl_tokens,
+                                          next(self._seq_ids))
+            total, count = total + total_w, count + count_w
+            step()
+        res.decode_nll = total / count
+        res.decode_perplexity = math.exp(res.decode_nll)
 
     def window_nll(self, backend: AttentionBackend, ids: list[int]) -> tuple[float, int]:
         """Summed NLL (nats) of the scored last part of one window under ``backend``, and its token count."""
@@ -222,22 +285,26 @@ def _constant_fidelity(num_layers: int, exact: bool) -> dict[str, dict[str, Any]
 
 def run_eval(model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig, text: str, source: str,
              backend_factory: BackendFactory | None = None, model_name: str = "",
-             on_setting: Callable[[str, float | None, int], None] | None = None,
+             on_setting: Callable[[str, int, int, int], None] | None = None,
              step: Callable[[], None] = lambda: None,
-             on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+             on_result: Callable[[dict[str, Any]], None] | None = None,
+             model_dir: str | None = None) -> dict[str, Any]:
     """Every setting of ``cfg`` on ``model``; returns the JSON report (see ``report.py`` for its fields).
 
-    For progress display, ``on_setting(method, density, units)`` is called before each setting, ``step``
-    after each task sample or perplexity window and ``on_result(run)`` with each finished setting's row.
+    For progress display, ``on_setting(label, index, count, units)`` is called before each setting (label
+    with its density, its index and the number of settings), ``step`` after each task sample or perplexity
+    window and ``on_result(run)`` with each finished setting's row.
     """
     t0 = time.perf_counter()
-    harness = Harness(model, tokenizer, cfg, backend_factory)
+    harness = Harness(model, tokenizer, cfg, backend_factory, model_dir)
     work = Workload.build(cfg, tokenizer, text, source)
+    settings = harness.settings()
     runs = []
-    for method, density in cfg.settings():
+    for i, setting in enumerate(settings):
         if on_setting is not None:
-            on_setting(method, density, work.units)
-        runs.append(harness.run_setting(method, density, work, step).to_json())
+            label = setting.label if setting.density is None else f"{setting.label} @ {setting.density:g}"
+            on_setting(label, i, len(settings), work.units(cfg))
+        runs.append(harness.run_setting(setting, work, step).to_json())
         if on_result is not None:
             on_result(runs[-1])
     mc = model.cfg
@@ -246,9 +313,12 @@ def run_eval(model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig, text: str
         "model": {"name": model_name, "layers": mc.num_layers, "heads": mc.num_heads, "kv_heads": mc.num_kv_heads,
                   "head_dim": mc.head_dim, "dtype": str(model.lm_head.weight.dtype).replace("torch.", "")},
         "haystack": source,
-        "config": {**asdict(cfg), "settings": [list(s) for s in cfg.settings()]},
+        "config": {**asdict(cfg), "settings": [s.to_json() for s in settings]},
         "perplexity_scored": f"last {PPL_SCORED_FRACTION:.0%} of each {cfg.context_tokens}-token window "
                              "(next-token NLL of those positions)",
+        "decode_perplexity_scored": f"last {cfg.decode_ppl_tokens} tokens of each window, each predicted by a "
+                                    "teacher-forced decode step (SpecAttn: verification chunks of gamma + 1 true "
+                                    "tokens)" if cfg.decode_ppl_tokens else None,
         "prompt_tokens": [len(t.prompt_ids) for t in work.tasks],
         "device": str(harness.cache.device),
         "host": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},

@@ -22,8 +22,9 @@ class EvalOptions:
     dtype: str = "float32"
 
 
-def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str]:
-    """(our model, tokenizer, model name); a GGUF source is converted once into the cache."""
+def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str, str]:
+    """(our model, tokenizer, model name, model directory); a GGUF source is converted once into the cache.
+    The directory is where SpecAttn's layer map is kept."""
     from raysparse.config import parse_dtype
     from raysparse.loader import load_hf_config, load_model, load_tokenizer, materialize, resolve_source
 
@@ -31,7 +32,7 @@ def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str
     name = src.name
     src = materialize(src)
     hf_config = load_hf_config(src)
-    return load_model(src, parse_dtype(dtype), device, hf_config), load_tokenizer(src), name
+    return load_model(src, parse_dtype(dtype), device, hf_config), load_tokenizer(src), name, str(src.directory)
 
 
 def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict[str, Any]:
@@ -48,19 +49,17 @@ def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     text, source = load_haystack_text(opts.text)
-    model, tokenizer, name = load(opts.model, opts.device, opts.dtype)
+    model, tokenizer, name, model_dir = load(opts.model, opts.device, opts.dtype)
     err.print(f"[bold]model[/]: {name} loaded in {time.perf_counter() - t0:.1f} s; [bold]haystack[/]: {source}")
-    settings = cfg.settings()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as progress:
-        overall = progress.add_task("settings", total=len(settings))
+        overall = progress.add_task("settings", total=None)
         current: list[Any] = []
 
-        def on_setting(method: str, density: float | None, units: int) -> None:
+        def on_setting(label: str, index: int, count: int, units: int) -> None:
+            progress.update(overall, total=count, completed=index)
             if current:
-                progress.update(overall, advance=1)
                 progress.remove_task(current.pop())
-            label = method if density is None else f"{method} @ {density:g}"
             current.append(progress.add_task(f"  {label}", total=units))
 
         def step() -> None:
@@ -70,7 +69,7 @@ def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict
             progress.console.print(summary_line(run))
 
         report = run_eval(model, tokenizer, cfg, text, source, model_name=name, on_setting=on_setting, step=step,
-                          on_result=on_result)
+                          on_result=on_result, model_dir=model_dir)
         progress.update(overall, advance=1)
     print_table(report, console)
     if opts.out is not None:

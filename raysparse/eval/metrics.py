@@ -111,14 +111,18 @@ class FidelityTracer:
     sums: dict[tuple[str, int], _Sums] = field(default_factory=dict)
 
     def __call__(self, ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 selection: BlockSelection | TokenSelection | None, out: torch.Tensor) -> None:
+                 selection: BlockSelection | TokenSelection | None, out: torch.Tensor,
+                 phase: str | None = None) -> None:
         """``selection`` None (a method that cannot name its keys) measures the output error only. A
         selection with a ``dense_rows`` bool [n_q] attribute (Delta's) marks rows computed over every causal
-        key: those count as a full selection."""
+        key: those count as a full selection. ``phase="decode"`` with q [n_q, h, d] is a multi-token decode
+        step (SpecAttn's verification): every row is measured, as a decode row."""
         n = ctx.n
         with torch.no_grad():
             if q.dim() == 2:  # decode: one row, the newest position
                 phase, pos, qr, outr = "decode", torch.tensor([n - 1], device=q.device), q[None], out[None]
+            elif phase == "decode":  # a few new positions at once, all measured
+                pos, qr, outr = torch.arange(ctx.q_start, n, device=q.device), q, out
             else:
                 phase = "prefill"
                 unit = selection.block_size if selection is not None else 1
@@ -127,7 +131,7 @@ class FidelityTracer:
             s = self.sums.setdefault((phase, ctx.layer), _Sums())
             if selection is not None:
                 dense_rows = getattr(selection, "dense_rows", None)
-                full = None if dense_rows is None or q.dim() == 2 else dense_rows[pos - ctx.q_start]
+                full = None if dense_rows is None or phase == "decode" else dense_rows[pos - ctx.q_start]
                 retained, mass = selection_fidelity(selection, qr, k, pos, ctx.q_start, full)
                 s.retained += float(retained.sum())
                 s.mass += float(mass.sum())

@@ -1,13 +1,20 @@
 """The eval report: the JSON file, a PNG plot and the terminal table.
 
 JSON (``eval.json``, schema ``raysparse.eval/1``): ``model`` (name, layers, heads, kv_heads, head_dim, dtype),
-``haystack``, ``config`` (the ``EvalConfig`` fields plus the ``settings`` run), ``perplexity_scored``,
-``prompt_tokens``, ``device``, ``host``, ``elapsed_s`` and ``runs``: one object per setting with ``method``,
-``density_target`` (null for dense), ``status`` ("ok" | "error"), ``error``, ``accuracy``,
-``accuracy_per_task``, ``perplexity``, ``nll``, ``density``, ``density_per_layer``, ``fidelity``
+``haystack``, ``config`` (the ``EvalConfig`` fields plus the ``settings`` run, each [method, density,
+params]), ``perplexity_scored``, ``decode_perplexity_scored``, ``prompt_tokens``, ``device``, ``host``,
+``elapsed_s`` and ``runs``: one object per setting with ``method``, ``density_target`` (null for dense and
+for methods without a density budget), ``params`` (swept method parameters), ``label``, ``status``
+("ok" | "error"), ``error``, ``accuracy``, ``accuracy_per_task``, ``perplexity``, ``nll``,
+``decode_perplexity``, ``decode_nll``, ``density``, ``density_per_layer``, ``density_decode``, ``fidelity``
 (``retained`` / ``attn_mass`` / ``out_err``, each with ``overall``, ``prefill``, ``decode``,
-``prefill_per_layer``, ``decode_per_layer``), ``samples`` (task, seed, prompt_tokens, expected, output,
-score) and ``seconds``.
+``prefill_per_layer``, ``decode_per_layer``), ``extras`` (``specattn``: ``generation`` and
+``total`` ``SpecAttnStats.to_dict()``, see harness.py; ``cis``: ``retrieval_ratio`` and its per-layer list),
+``samples`` (task, seed, prompt_tokens, expected, output, score) and ``seconds``.
+
+The table's method-specific columns: ``rho`` (CIS / CPE retrieval ratio), ``accept`` (SpecAttn's accepted
+draft tokens / drafted, over the generation tasks), ``tok/step`` (tokens per verifier step) and ``KV red``
+(1 - context keys the verifier read / held, over every verifier layer, teacher-forced decode included).
 """
 
 from __future__ import annotations
@@ -33,34 +40,51 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def method_columns(run: dict[str, Any]) -> dict[str, float | None]:
+    """rho, acceptance, tokens per verifier step and KV reduction of a run (None where they do not apply)."""
+    ex = run.get("extras") or {}
+    cis, spec = ex.get("cis") or {}, ex.get("specattn") or {}
+    gen, total = spec.get("generation") or {}, spec.get("total") or spec.get("generation") or {}
+    return {"rho": cis.get("retrieval_ratio"), "accept": gen.get("acceptance_rate") if gen.get("drafted") else None,
+            "tok/step": gen.get("tokens_per_round") if gen.get("rounds") else None,
+            "KV red": total.get("kv_reduction")}
+
+
 def table(report: dict[str, Any]) -> Table:
     tasks = report["config"]["tasks"]
     t = Table(title=f"raysparse eval: {report['model']['name'] or 'model'}, "
                     f"{report['config']['context_tokens']} tokens, {report['config']['samples']} sample(s)/task")
-    for col in ("method", "target", "density", "acc", *(TASK_ABBREV.get(x, x) for x in tasks), "ppl",
-                "retained", "attn mass", "out err", "time s"):
+    for col in ("method", "target", "density", "dec dens", "acc", *(TASK_ABBREV.get(x, x) for x in tasks), "ppl",
+                "dec ppl", "retained", "attn mass", "out err", "rho", "accept", "tok/step", "KV red", "time s"):
         t.add_column(col, justify="left" if col == "method" else "right")
     for run in report["runs"]:
         target = _fmt(run["density_target"], ".2f")
+        label = run.get("label") or run["method"]
         if run["status"] != "ok":
-            t.add_row(run["method"], target, f"[red]error: {run['error']}[/]")
+            t.add_row(label, target, f"[red]error: {run['error']}[/]")
             continue
-        fid = run["fidelity"]
-        t.add_row(run["method"], target, _fmt(run["density"]), _fmt(run["accuracy"], ".2f"),
+        fid, extra = run["fidelity"], method_columns(run)
+        t.add_row(label, target, _fmt(run["density"]), _fmt(run.get("density_decode")), _fmt(run["accuracy"], ".2f"),
                   *(_fmt(run["accuracy_per_task"].get(x), ".2f") for x in tasks), _fmt(run["perplexity"], ".2f"),
-                  _fmt(fid["retained"]["overall"]), _fmt(fid["attn_mass"]["overall"]), _fmt(fid["out_err"]["overall"]),
-                  f"{run['seconds']:.1f}")
+                  _fmt(run.get("decode_perplexity"), ".2f"), _fmt(fid["retained"]["overall"]),
+                  _fmt(fid["attn_mass"]["overall"]), _fmt(fid["out_err"]["overall"]),
+                  _fmt(extra["rho"]), _fmt(extra["accept"], ".2f"), _fmt(extra["tok/step"], ".2f"),
+                  _fmt(extra["KV red"]), f"{run['seconds']:.1f}")
     return t
 
 
 def summary_line(run: dict[str, Any]) -> str:
     """One line for a finished setting (rich markup)."""
-    label = run["method"] if run["density_target"] is None else f"{run['method']} @ {run['density_target']:g}"
+    name = run.get("label") or run["method"]
+    label = name if run["density_target"] is None else f"{name} @ {run['density_target']:g}"
     if run["status"] != "ok":
         return f"[red]{label}: error: {run['error']}[/]"
+    extra = ", ".join(f"{k} {_fmt(v)}" for k, v in method_columns(run).items() if v is not None)
     return (f"{label}: accuracy {_fmt(run['accuracy'], '.2f')}, ppl {_fmt(run['perplexity'], '.2f')}, "
-            f"density {_fmt(run['density'])}, retained {_fmt(run['fidelity']['retained']['overall'])}, "
-            f"out err {_fmt(run['fidelity']['out_err']['overall'])} ({run['seconds']:.1f} s)")
+            f"decode ppl {_fmt(run.get('decode_perplexity'), '.2f')}, density {_fmt(run['density'])} "
+            f"(decode {_fmt(run.get('density_decode'))}), retained {_fmt(run['fidelity']['retained']['overall'])}, "
+            f"out err {_fmt(run['fidelity']['out_err']['overall'])}{', ' + extra if extra else ''} "
+            f"({run['seconds']:.1f} s)")
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
@@ -69,9 +93,12 @@ def print_table(report: dict[str, Any], console: Console) -> None:
         console = Console(file=console.file, width=220)
     console.print(table(report))
     console.print("density: attended / causal (query, key) pairs over the whole run, dense layers included; "
+                  "dec dens: the decode steps alone; "
                   "retained: dense attention mass on the selected keys / that of the oracle top-k of the same size "
                   "(1 = oracle); attn mass: dense mass on the selected keys; out err: ||O - O_dense|| / ||O_dense||; "
-                  f"ppl: {report['perplexity_scored']}.")
+                  f"ppl: {report['perplexity_scored']}; dec ppl: {report.get('decode_perplexity_scored')}; "
+                  "rho: CIS retrievals / (KV head, step); accept: accepted / drafted tokens; tok/step: tokens per "
+                  "verifier step; KV red: 1 - context keys the verifier read / held.")
 
 
 def plot(report: dict[str, Any], out_dir: Path) -> Path:
@@ -86,13 +113,14 @@ def plot(report: dict[str, Any], out_dir: Path) -> Path:
     panels = [("task accuracy", True, lambda r: r["accuracy"]),
               ("retained attention mass (vs oracle top-k)", True, lambda r: r["fidelity"]["retained"]["overall"]),
               ("perplexity", False, lambda r: r["perplexity"])]
-    methods = list(dict.fromkeys(r["method"] for r in ok if r["method"] != "dense"))
+    methods = list(dict.fromkeys(r.get("label") or r["method"] for r in ok if r["method"] != "dense"))
     # A dozen methods outrun the default 10-colour cycle: 20 colours and a marker cycle keep each one distinct.
     colors, markers = plt.get_cmap("tab20").colors, "osD^vP*Xph"
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 2, 4), squeeze=False)
     for ax, (label, unit_range, get) in zip(axes[0], panels, strict=True):
         for i, method in enumerate(methods):
-            pts = sorted((r["density"], get(r)) for r in ok if r["method"] == method and get(r) is not None)
+            pts = sorted((r["density"], get(r)) for r in ok
+                         if (r.get("label") or r["method"]) == method and get(r) is not None)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)],
                         color=colors[i % len(colors)], label=method)

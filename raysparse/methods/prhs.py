@@ -18,7 +18,9 @@ dense layers for the base class (``is_dense_layer``: no tracer). Elsewhere the t
 the covering BlockSelection of psaw.py (all causal blocks where rows attend densely, e.g. ``cis``; frozen
 rows select nothing and their output is zero, which is what was computed for them: the effect of freezing
 on the model shows in perplexity and accuracy) and, in decode, the exact TokenSelection; a decode that
-runs dense (ETF) calls no tracer. The retrieval ratio rho is ``retrieval_ratio``
+runs dense (ETF) calls no tracer. ``psaw`` and ``etf`` have ``density_budget = False``: ``--density`` is
+accepted and ignored (only CIS's k follows it), so the eval runs them once and reports the density their
+schedule amounts to. The retrieval ratio rho is ``retrieval_ratio``
 (overall) and ``retrieval_ratio_per_layer()`` on ``cis`` and ``cpe`` backends (``None`` before any step).
 """
 
@@ -170,12 +172,14 @@ class PSAW(PrHSMethod):
     name = "psaw"
     config_cls = PSAWConfig
     use_psaw = True
+    density_budget = False  # the depth schedule (phi, alpha, l_s) is the budget: --density does not apply
 
 
 class ETF(PrHSMethod):
     name = "etf"
     config_cls = ETFConfig
     use_etf = True
+    density_budget = False  # the depth schedule (psi, gamma, l_s) is the budget: --density does not apply
 
 
 class CPE(PrHSMethod):
