@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="address of an existing Ray cluster (default: a local instance)")
     run.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     _add_eval_parser(sub)
+    from raysparse.serving.commands import add_parsers as add_serving_parsers
+
+    add_serving_parsers(sub)  # serve, generate, bench
     return parser
 
 
@@ -163,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "eval":
         return _eval(parser, args)
+    from raysparse.serving import commands as serving_commands
+
+    if args.command in serving_commands.COMMANDS:
+        return serving_commands.run(parser, args)
     if args.command != "run":
         parser.print_help()
         return EXIT_USAGE

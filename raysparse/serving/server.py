@@ -60,9 +60,16 @@ class InferenceServer:
         self._server: grpc.Server | None = None
         self._http: Any = None
         self._stop = threading.Event()
+        self._owns_ray = False
         self._poller = threading.Thread(target=self._poll, name="raysparse-health", daemon=True)
 
     def start(self) -> InferenceServer:
+        if self.engine.state == "created":
+            # Ray forks its daemons when it starts: do it before gRPC has threads (its fork handlers then
+            # stay out of the way); the engine joins this instance and the server stops it at the end.
+            from raysparse.orchestration.local_job import start_ray
+
+            self._owns_ray = start_ray(self.engine.cfg.address, self.engine.cfg.num_cpus)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.max_workers),
                              options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_RaySparseServicer_to_server(self.servicer, server)
@@ -129,3 +136,8 @@ class InferenceServer:
             self._http = None
         if shutdown_engine:
             self.engine.shutdown()
+            if self._owns_ray:
+                import ray
+
+                ray.shutdown()
+                self._owns_ray = False

@@ -1,0 +1,224 @@
+"""``raysparse serve``, ``raysparse generate`` and ``raysparse bench``: their parsers and handlers.
+
+``cli.py`` calls ``add_parsers`` to register them and ``run`` to dispatch; ``bench`` lives in
+``raysparse.bench.command``. Handlers return the exit status and print one clear line on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+from typing import Any
+
+EXIT_USAGE, EXIT_FAILURE = 2, 1
+COMMANDS = ("serve", "generate", "bench")
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if not 0 <= v < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {s!r}")
+    return v
+
+
+def rate(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a rate > 0 (or inf), got {s!r}")
+    return v
+
+
+def param(s: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE parsed as JSON when it can be (numbers, lists), else kept as text."""
+    key, sep, value = s.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file (default: SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards per replica")
+    p.add_argument("--replicas", type=positive_int, default=1, help="data-parallel replicas over the nodes")
+    p.add_argument("--address", help="an existing Ray cluster (default: a local instance)")
+    p.add_argument("--kv-cache-tokens", type=positive_int, default=16384, help="KV cache per replica, in tokens")
+    p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--num-cpus", type=positive_int, default=None, help="CPUs of the local Ray instance")
+    p.add_argument("--cpus-per-shard", type=float, default=1.0)
+    p.add_argument("--no-draft", action="store_true", help="no SpecAttn draft actor (specattn is then refused)")
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from raysparse.orchestration.engine_config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, tp=args.tp, replicas=args.replicas, address=args.address,
+                        kv_cache_tokens=args.kv_cache_tokens, max_batch=args.max_batch, device=args.device,
+                        num_cpus=args.num_cpus, cpus_per_shard=args.cpus_per_shard, draft=not args.no_draft)
+
+
+def add_method_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="dense", help="attention method (see `raysparse run --help`)")
+    p.add_argument("--density", type=float, default=None, help="attention budget of methods that have one")
+    p.add_argument("--param", type=param, action="append", default=[], metavar="KEY=VALUE",
+                   help="another method parameter (repeatable), e.g. --param block_size=32")
+
+
+def method_params(args: argparse.Namespace) -> dict[str, Any]:
+    out = dict(args.param)
+    if args.density is not None:
+        out["density"] = args.density
+    return out
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    from raysparse.bench.command import add_bench_parser
+
+    s = sub.add_parser("serve", help="serve the gRPC inference API (raysparse.v1) over the engine",
+                       description="Starts the gRPC server (raysparse.v1.RaySparse, grpc.health.v1, reflection) "
+                                   "and a Prometheus /metrics endpoint, then loads the engine on Ray.")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    s.add_argument("--port", type=port, default=50051)
+    s.add_argument("--metrics-port", type=port, default=9400, help="Prometheus port")
+    s.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
+    s.add_argument("--grace", type=float, default=5.0, help="seconds streams get to finish on shutdown")
+    add_engine_args(s)
+    g = sub.add_parser("generate", help="stream a completion from a running raysparse server",
+                       description="A gRPC client: sends one prompt (text or token ids) and streams the text.")
+    g.add_argument("prompt", nargs="?", help="prompt text (or use --token-ids)")
+    g.add_argument("--token-ids", metavar="I,J,...", help="prompt as comma-separated token ids")
+    g.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default: {DEFAULT_TARGET})")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to the text")
+    add_method_args(g)
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
+    g.add_argument("--json", action="store_true", help="print one JSON line instead of streaming text")
+    add_bench_parser(sub)
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return _serve(parser, args)
+    if args.command == "generate":
+        return _generate(parser, args)
+    from raysparse.bench.command import run_bench
+
+    return run_bench(parser, args)
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from raysparse.orchestration.engine import Engine
+    from raysparse.serving.server import InferenceServer, ServerConfig
+
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        parser.exit(EXIT_USAGE, f"raysparse: error: --model {args.model!r}: no such file or directory\n")
+    try:
+        cfg = engine_config(args)
+        scfg = ServerConfig(host=args.host, port=args.port, metrics_port=None if args.no_metrics else args.metrics_port,
+                            grace_s=args.grace)
+    except ValueError as e:
+        parser.exit(EXIT_USAGE, f"raysparse: error: {e}\n")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        server = InferenceServer(Engine(cfg), scfg).start()
+    except (OSError, RuntimeError) as e:
+        print(f"raysparse: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+
+    def stop(signum: int, _frame: Any) -> None:
+        print(f"raysparse: signal {signum}: draining", file=sys.stderr, flush=True)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    print(f"raysparse: listening on {args.host}:{server.port}{metrics}; loading the engine", flush=True)
+    try:
+        server.start_engine()
+        print(f"raysparse: serving {server.engine.source_name} ({args.replicas} x tp={args.tp})", flush=True)
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop()
+    except Exception as e:
+        print(f"raysparse: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        server.stop()
+        return EXIT_FAILURE
+    return 0
+
+
+def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import grpc
+
+    from raysparse.serving.client import RaySparseClient, build_request
+
+    if (args.prompt is None) == (args.token_ids is None):
+        parser.exit(EXIT_USAGE, "raysparse: error: give a prompt or --token-ids (not both)\n")
+    ids = None
+    if args.token_ids is not None:
+        try:
+            ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
+        except ValueError:
+            parser.exit(EXIT_USAGE, f"raysparse: error: --token-ids {args.token_ids!r} is not a list of integers\n")
+    try:
+        req = build_request(args.prompt, ids, chat=args.chat, method=args.method, method_params=method_params(args),
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        parser.exit(EXIT_USAGE, f"raysparse: error: {e}\n")
+    try:
+        with RaySparseClient(args.target) as client:
+            if args.json:
+                c = client.generate_request(req, timeout=args.timeout)
+                print(json.dumps(c.as_dict()))
+                return 0 if c.finish_reason != "error" else EXIT_FAILURE
+            fin, ids_out = None, []
+            for ch in client.stream_request(req, timeout=args.timeout):
+                if ch.finish is not None:
+                    fin = ch.finish
+                else:
+                    ids_out.extend(ch.token_ids)
+                    print(ch.text, end="", flush=True)
+            if fin is not None and not fin.text and ids_out:  # a model without a tokenizer: show the ids
+                print(" ".join(map(str, ids_out)), end="")
+            print()
+            if fin is not None:
+                print(f"[{fin.finish_reason}: {fin.usage.prompt_tokens} prompt + {fin.usage.completion_tokens} "
+                      f"tokens, TTFT {fin.timings.ttft_s * 1000:.0f} ms, {fin.timings.e2e_s:.2f} s]"
+                      + (f" error: {fin.error}" if fin.error else ""), file=sys.stderr)
+            return 0 if fin is not None and fin.finish_reason != "error" else EXIT_FAILURE
+    except grpc.RpcError as e:
+        print(f"raysparse: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("raysparse: interrupted", file=sys.stderr)
+        return 130
