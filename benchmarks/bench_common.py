@@ -1,4 +1,4 @@
-"""Timing, bookkeeping and output shared by the kernel benchmarks (GPU only)."""
+"""Timing, bookkeeping and output shared by the kernel benchmarks (GPU; ``wall_ms`` times CPU smoke runs)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,17 @@ def time_ms(fn: Callable[[], Any], graph: bool = False, budget_ms: float = 400.0
     return statistics.median(times)
 
 
+def wall_ms(fn: Callable[[], Any], reps: int = 3) -> float:
+    """Median wall time of ``fn`` in ms after one warm-up call: CPU smoke runs, where no CUDA events exist."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
 def _once(run: Callable[[], Any]) -> float:
     _flush_l2()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -89,13 +100,17 @@ def guarded(record: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: An
         record.setdefault("errors", []).append(f"{type(e).__name__}: {e}"[:500])
         traceback.print_exc(limit=3)
     finally:
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return record
 
 
 def environment() -> dict[str, Any]:
     import triton
 
+    if not torch.cuda.is_available():
+        return {"gpu": None, "torch": torch.__version__, "triton": triton.__version__,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
