@@ -27,7 +27,6 @@ from raysparse.kernels.block_sparse_prefill import block_sparse_prefill  # noqa:
 from raysparse.kernels.formats import PackedKV, PagedKV, pack_block_selections, pack_token_selections  # noqa: E402
 from raysparse.kernels.sparse_decode import sparse_decode  # noqa: E402
 from raysparse.kernels.strided_dense import strided_dense, strided_rows  # noqa: E402
-
 from raysparse.methods import sparse_attention as ref  # noqa: E402
 from raysparse.methods.delta import strided_dense_attention as strided_ref  # noqa: E402
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask  # noqa: E402
