@@ -110,7 +110,9 @@ def test_unavailable_while_the_engine_is_not_ready():
     from raysparse.orchestration.engine import Engine, EngineConfig
     from raysparse.serving.server import InferenceServer, ServerConfig
 
-    srv = InferenceServer(Engine(EngineConfig()), ServerConfig(port=0, metrics_port=None)).start()
+    eng = Engine(EngineConfig())
+    eng.state = "loading"  # as while a replica loads its weights (nothing is started here)
+    srv = InferenceServer(eng, ServerConfig(port=0, metrics_port=None)).start()
     try:
         with RaySparseClient(f"127.0.0.1:{srv.port}") as c:
             assert c.health() == "NOT_SERVING"

@@ -1,0 +1,151 @@
+"""raysparse bench: the vLLM metric math against hand-computed values, arrivals, prompts, and end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+
+import pytest
+
+from raysparse.bench.loadgen import PromptSampler, arrival_offsets
+from raysparse.bench.metrics import RequestRecord, compute_metrics, parse_slos
+
+
+def _records() -> list[RequestRecord]:
+    return [
+        # 4 tokens in 3 chunks (the last carries two): TTFT 100 ms, E2EL 400 ms, TPOT 300/3 = 100 ms, ITL 200, 50
+        RequestRecord(prompt_len=10, t_send=0.0, chunk_times=[0.1, 0.3, 0.35], output_len=4, t_end=0.4, success=True),
+        # one token: TTFT 500 ms, no TPOT and no ITL
+        RequestRecord(prompt_len=20, t_send=1.0, chunk_times=[1.5], output_len=1, t_end=1.5, success=True),
+        RequestRecord(prompt_len=30, t_send=1.0, t_end=1.2, success=False, error="UNAVAILABLE"),
+    ]
+
+
+def test_metrics_match_hand_computed_values():
+    m = compute_metrics(_records(), duration_s=2.0)
+    assert (m["completed"], m["failed"], m["total_input_tokens"], m["total_output_tokens"]) == (2, 1, 30, 5)
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(2.5)
+    assert m["total_token_throughput"] == pytest.approx(17.5)
+    expect = {
+        "ttft": (300.0, 300.0, 200.0, 100 + 0.99 * 400),  # mean, median, std (population), p99 (linear)
+        "tpot": (100.0, 100.0, 0.0, 100.0),
+        "itl": (125.0, 125.0, 75.0, 50 + 0.99 * 150),
+        "e2el": (450.0, 450.0, 50.0, 400 + 0.99 * 100),
+    }
+    for name, (mean, median, std, p99) in expect.items():
+        got = (m[f"mean_{name}_ms"], m[f"median_{name}_ms"], m[f"std_{name}_ms"], m[f"p99_{name}_ms"])
+        assert got == pytest.approx((mean, median, std, p99)), name
+    assert m["request_goodput"] is None
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    recs = _records()
+    assert compute_metrics(recs, 2.0, {"ttft": 200})["request_goodput"] == pytest.approx(0.5)  # the first only
+    # the second has one token, so its TPOT counts as 0 and only its TTFT (500 ms) matters
+    assert compute_metrics(recs, 2.0, {"ttft": 600, "tpot": 50})["request_goodput"] == pytest.approx(0.5)
+    assert compute_metrics(recs, 2.0, {"ttft": 600, "tpot": 150, "e2el": 500})["request_goodput"] == 1.0
+    assert compute_metrics(recs, 2.0, {"e2el": 399})["request_goodput"] == 0.0
+    with pytest.raises(ValueError):
+        compute_metrics(recs, 2.0, {"latency": 1})
+    with pytest.raises(ValueError):
+        compute_metrics(recs, 0.0)
+
+
+def _percentile(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100
+    lo = math.floor(k)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
+
+
+def test_metrics_match_a_plain_python_reference_on_random_records():
+    rng = random.Random()
+    recs = []
+    for _ in range(rng.randint(5, 40)):
+        t0 = rng.uniform(0, 5)
+        times = sorted(t0 + rng.uniform(0.01, 3) for _ in range(rng.randint(1, 12)))
+        n = len(times) + rng.randint(0, 3)
+        recs.append(RequestRecord(rng.randint(1, 4096), t0, times, n, times[-1] + rng.uniform(0, 0.1),
+                                  success=rng.random() > 0.1))
+    recs.append(RequestRecord(7, 0.0, [0.5, 0.9], 2, 1.0, success=True))
+    dur = rng.uniform(5, 10)
+    m = compute_metrics(recs, dur, percentiles=(50, 90, 99))
+    ok = [r for r in recs if r.success]
+    ttft = [(r.chunk_times[0] - r.t_send) * 1000 for r in ok]
+    tpot = [((r.t_end - r.t_send) - (r.chunk_times[0] - r.t_send)) / (r.output_len - 1) * 1000
+            for r in ok if r.output_len > 1]
+    itl = [(b - a) * 1000 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    e2el = [(r.t_end - r.t_send) * 1000 for r in ok]
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl or [0.0]), ("e2el", e2el)):
+        assert m[f"mean_{name}_ms"] == pytest.approx(statistics.fmean(xs))
+        assert m[f"median_{name}_ms"] == pytest.approx(statistics.median(xs))
+        assert m[f"std_{name}_ms"] == pytest.approx(statistics.pstdev(xs))
+        for p in (50, 90, 99):
+            assert m[f"p{p}_{name}_ms"] == pytest.approx(_percentile(xs, p))
+    assert m["output_throughput"] == pytest.approx(sum(r.output_len for r in ok) / dur)
+
+
+def test_arrivals_are_poisson_at_the_requested_rate():
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    seed = random.randrange(1 << 30)
+    for burstiness, cv in ((1.0, 1.0), (4.0, 0.5)):
+        t = arrival_offsets(20000, 8.0, burstiness, seed)
+        gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
+        assert t[0] == 0.0 and all(g >= 0 for g in gaps)
+        assert statistics.fmean(gaps) == pytest.approx(1 / 8.0, rel=0.05)
+        assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(cv, rel=0.06)
+    assert arrival_offsets(10, 3.0, seed=seed) == arrival_offsets(10, 3.0, seed=seed)
+
+
+def test_prompts_have_exact_lengths_and_come_from_the_text(real_text):
+    ids = {c: i for i, c in enumerate(sorted(set(real_text)))}
+    sampler = PromptSampler(real_text, lambda s: [ids[c] for c in s], seed=random.randrange(1000))
+    inverse = {i: c for c, i in ids.items()}
+    for n in (1, 17, 300, 2048):
+        p = sampler.sample(n)
+        assert len(p) == n and "".join(inverse[i] for i in p) in real_text
+    with pytest.raises(ValueError):
+        PromptSampler("short", list)
+
+
+def test_parse_slos():
+    assert parse_slos(["ttft:500", "tpot:50.5", "e2el:2000"]) == {"ttft": 500.0, "tpot": 50.5, "e2el": 2000.0}
+    for bad in ("ttft", "itl:5", "ttft:x", "tpot:0", "tpot:-3"):
+        with pytest.raises(ValueError):
+            parse_slos([bad])
+
+
+def test_bench_command_end_to_end(tmp_path):
+    from raysparse.cli import main
+    from raysparse.serving.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "bench"
+    lens, n, output_len = (24, 96), 6, 5
+    rc = main(["bench", "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5", "--no-draft",
+               "--kv-cache-tokens", "2048", "--num-prompts", str(n), "--prompt-lens", ",".join(map(str, lens)),
+               "--output-len", str(output_len), "--request-rate", "50", "--max-concurrency", "4",
+               "--slo", "ttft:60000", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["schema"] == "raysparse.bench/1" and [r["prompt_len"] for r in report["sweep"]] == list(lens)
+    for row in report["sweep"]:
+        assert row["completed"] == n and row["failed"] == 0 and not row["errors"]
+        assert row["total_input_tokens"] == n * row["prompt_len"] and row["total_output_tokens"] == n * output_len
+        assert row["request_goodput"] == pytest.approx(row["request_throughput"])
+        assert 0 < row["mean_ttft_ms"] <= row["mean_e2el_ms"] and row["mean_tpot_ms"] > 0
+    assert (out / "bench_sweep.png").stat().st_size > 10_000
+
+
+def test_bench_usage_errors(capsys):
+    from raysparse.cli import main
+
+    for argv in (["bench", "--slo", "itl:3", "--target", "127.0.0.1:1"], ["bench", "--local-nodes", "2"],
+                 ["bench", "--request-rate", "0"], ["bench", "--prompt-lens", "0,5"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "error" in capsys.readouterr().err
