@@ -1,4 +1,4 @@
-"""The main job: a long-context retrieval question answered by a model worker actor on Ray.
+"""The main job: a long-context retrieval question answered by the engine's shard actors on Ray.
 
 With no ``--address`` it starts a local Ray instance inside this process (bound to 127.0.0.1) and stops
 it at the end; with an address it joins that cluster and leaves it running.
@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from raysparse.shard_executor import method_key
 
 LOCAL_RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -39,6 +42,9 @@ class RunOptions:
     dtype: str = "float32"
     address: str | None = None
     num_cpus: int | None = None
+    tp: int = 1
+    replicas: int = 1
+    cpus_per_shard: float = 1.0
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
@@ -58,90 +64,73 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
     return False
 
 
-def _unwrap(err: Exception) -> str:
-    """The root cause of a Ray task error, without the remote traceback."""
-    cause = getattr(err, "cause", None)
-    return f"{type(cause).__name__}: {cause}" if cause is not None else str(err).splitlines()[0]
-
-
 def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:
-    import ray
-
-    from raysparse.actors.model_worker import ModelWorker
+    from raysparse.orchestration.engine import Engine, EngineConfig
+    from raysparse.orchestration.engine_api import EngineError, EngineRequest
+    from raysparse.sampling import SamplingParams
+    from raysparse.workload import build_retrieval_task, load_haystack_text
 
     console = console or Console()
-    started = start_ray(opts.address, opts.num_cpus)
+    kv_tokens = opts.context_tokens + opts.max_new_tokens + 256  # the chat template adds a few tokens
+    cfg = EngineConfig(model=opts.model, dtype=opts.dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
+                       kv_cache_tokens=kv_tokens, num_cpus=opts.num_cpus, cpus_per_shard=opts.cpus_per_shard,
+                       draft=opts.method == "specattn")
+    engine = Engine(cfg)
     try:
-        kv_tokens = opts.context_tokens + opts.max_new_tokens + 64
-        worker = ray.remote(ModelWorker).options(name="raysparse-model-worker-0", num_cpus=1).remote(
-            opts.model, opts.dtype, kv_tokens)
-        info = _load(worker, console)
+        with console.status(f"starting {opts.replicas} replica(s) of {opts.tp} shard actor(s)"):
+            t0 = time.perf_counter()
+            engine.start()
+        info = engine.model_info()
+        console.print(f"[bold]model[/]: {info['model']} ({info['layers']} layers, {info['heads']} heads, "
+                      f"{info['kv_heads']} KV heads, {info['dtype']}, TP={opts.tp} x {opts.replicas} replica(s) "
+                      f"on {info['device']}) ready in {time.perf_counter() - t0:.1f} s")
         if opts.context_tokens + opts.max_new_tokens > info["max_positions"]:
             raise JobError(f"--context-tokens {opts.context_tokens} plus {opts.max_new_tokens} new tokens exceeds "
                            f"the model's {info['max_positions']} positions")
-        try:
-            task = ray.get(worker.retrieval_task.remote(opts.text, opts.context_tokens, opts.depth, opts.seed))
-        except ray.exceptions.RayTaskError as e:
-            raise JobError(_unwrap(e)) from None
+        if engine.tokenizer is None:
+            raise JobError("the model has no tokenizer; the retrieval job needs one")
+        text, source = load_haystack_text(opts.text)
+        task = build_retrieval_task(engine.tokenizer, text, source, context_tokens=opts.context_tokens,
+                                    depth=opts.depth, seed=opts.seed)
         console.print(f"[bold]haystack[/]: {task.source}; needle at depth {task.needle_depth:.2f}")
         console.print(f"[bold]question[/]: {task.question}")
-        final = _generate(worker, task.prompt_ids, opts, console)
-        result = {"answer": final["text"], "expected": task.answer, "correct": task.is_correct(final["text"]),
-                  "prompt_tokens": final["prompt_tokens"], "ttft_s": final["ttft_s"],
-                  "decode_tokens_per_s": final["decode_tokens_per_s"], "new_tokens": len(final["token_ids"]),
-                  "method": final["method"], "density": final["density"], "model": info["model"]}
+        req = EngineRequest(tuple(task.prompt_ids), SamplingParams(max_new_tokens=opts.max_new_tokens),
+                            opts.method, opts.method_params)
+        try:
+            final = _generate(engine, req, console)
+        except EngineError as e:
+            raise JobError(str(e)) from None
+        stats = engine.shard_stats()
+        key = method_key(opts.method, opts.method_params)
+        density = stats[0][0]["density"].get(key, 1.0) if stats else 1.0
+        result = {"answer": final.text, "expected": task.answer, "correct": task.is_correct(final.text),
+                  "prompt_tokens": final.prompt_tokens, "ttft_s": final.ttft_s,
+                  "decode_tokens_per_s": final.decode_tokens_per_s, "new_tokens": len(final.token_ids),
+                  "method": opts.method, "density": density, "model": info["model"], "tp": opts.tp,
+                  "replicas": opts.replicas}
         _report(result, console)
         return result
     finally:
-        if started:
-            ray.shutdown()
+        engine.shutdown()
 
 
-def _load(worker: Any, console: Console) -> dict[str, Any]:
-    import ray
+def _generate(engine: Any, req: Any, console: Console) -> Any:
+    from raysparse.generate import FinishEvent
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
                   transient=True) as progress:
-        bar = progress.add_task("starting the model worker", total=None)
-        try:
-            for ref in worker.load.options(num_returns="streaming").remote():
-                ev = ray.get(ref)
-                if ev["type"] == "progress":
-                    progress.update(bar, description=ev["stage"])
-                elif ev["type"] == "ready":
-                    info = ev
-        except ray.exceptions.RayTaskError as e:
-            raise JobError(_unwrap(e)) from None
-    console.print(f"[bold]model[/]: {info['model']} ({info['layers']} layers, {info['heads']} heads, "
-                  f"{info['kv_heads']} KV heads, {info['dtype']}) loaded in {info['seconds']:.1f} s")
-    return info
-
-
-def _generate(worker: Any, prompt_ids: tuple[int, ...], opts: RunOptions, console: Console) -> dict[str, Any]:
-    import ray
-
-    params = {"max_new_tokens": opts.max_new_tokens, "temperature": 0.0}
-    stream = worker.generate.options(num_returns="streaming").remote(
-        list(prompt_ids), params, opts.method, dict(opts.method_params))
-    final: dict[str, Any] | None = None
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        bar = progress.add_task(f"prefill of {len(prompt_ids)} tokens ({opts.method}), layer", total=None)
-        n_tokens = 0
-        for ref in stream:
-            ev = ray.get(ref)
-            if ev["type"] == "prefill":
-                progress.update(bar, total=ev["layers"], completed=ev["layer"])
-            elif ev["type"] == "token":
-                n_tokens += 1
-                progress.update(bar, description="decoding", total=opts.max_new_tokens, completed=n_tokens)
-            elif ev["type"] == "finish":
-                final = ev
-            elif ev["type"] == "error":
-                raise JobError(ev["error"])
-    if final is None:
-        raise JobError("the model worker ended the request without a result")
-    return final
+        bar = progress.add_task(f"prefill of {len(req.prompt_ids)} tokens ({req.method})", total=None)
+        handle = engine.submit(req)
+        n = 0
+        for ev in handle:
+            if isinstance(ev, FinishEvent):
+                if ev.finish_reason in ("error", "abort"):
+                    raise JobError(ev.error or f"the request ended with {ev.finish_reason}")
+                return ev
+            n += 1
+            progress.update(bar, description="decoding", total=req.params.max_new_tokens, completed=n)
+    raise JobError("the engine ended the request without a result")
 
 
 def _report(r: dict[str, Any], console: Console) -> None:

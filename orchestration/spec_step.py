@@ -34,7 +34,10 @@ class SpecStep:
         self.generation += 1
         gpu = 1 if self.use_gpu and ray.available_resources().get("GPU", 0) >= 1 else 0
         opts: dict[str, Any] = {"name": f"{self.prefix}-replica{self.runner.index}-draft-g{self.generation}",
-                                "num_cpus": self.runner.group.cpus_per_shard, "num_gpus": gpu, "max_restarts": 0}
+                                "num_gpus": gpu, "max_restarts": 0,
+                                # No CPU reserved: drafting and verification alternate, and a reservation
+                                # would make a TP group that fills the machine wait forever for its draft.
+                                "num_cpus": 0}
         if self.runtime_env:
             opts["runtime_env"] = self.runtime_env
         self.actor = ray.remote(DraftWorker).options(**opts).remote(self.spec)

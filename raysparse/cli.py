@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="seed of the haystack offset and the needle value")
     run.add_argument("--max-new-tokens", type=_positive_int, default=24)
     run.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    run.add_argument("--address", help="address of an existing Ray cluster (default: a local instance)")
+    _add_cluster_args(run)
     run.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     _add_eval_parser(sub)
     from raysparse.serving.commands import add_parsers as add_serving_parsers
@@ -147,6 +147,15 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
 
 
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """The flags of every command that runs the model on the engine."""
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel shards per replica (default: 1)")
+    p.add_argument("--replicas", type=_positive_int, default=1, help="data-parallel replicas (default: 1)")
+    p.add_argument("--address", help="address of an existing Ray cluster (default: a local instance)")
+    p.add_argument("--cpus-per-shard", type=float, default=1.0, metavar="N",
+                   help="CPUs Ray reserves per shard actor (default: 1)")
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     for flag, value in (("--model", args.model), ("--text", args.text)):
         if value is not None and not Path(value).expanduser().exists():
@@ -194,10 +203,11 @@ def _run(args: argparse.Namespace) -> int:
     method_params = (("density", args.density),) if args.density is not None else ()
     opts = RunOptions(model=args.model, method=args.method, method_params=method_params, text=args.text,
                       context_tokens=args.context_tokens, depth=args.depth, seed=args.seed,
-                      max_new_tokens=args.max_new_tokens, dtype=args.dtype, address=args.address)
+                      max_new_tokens=args.max_new_tokens, dtype=args.dtype, address=args.address, tp=args.tp,
+                      replicas=args.replicas, cpus_per_shard=args.cpus_per_shard)
     try:
         result = run_retrieval(opts, console)
-    except (JobError, ValueError, FileNotFoundError, ConnectionError) as e:
+    except (JobError, ValueError, FileNotFoundError, ConnectionError, TimeoutError) as e:
         print(f"raysparse: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

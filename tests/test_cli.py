@@ -34,6 +34,9 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -
     (["run", "--context-tokens", "-5"], "positive integer"),
     (["run", "--depth", "1.5"], "[0, 1]"),
     (["run", "--no-such-flag"], "unrecognized arguments"),
+    (["run", "--tp", "0"], "positive integer"),
+    (["run", "--replicas", "two"], "positive integer"),
+    (["run", "--cpus-per-shard", "0"], "cpus_per_shard must be > 0"),
 ])
 def test_bad_input_exits_with_one_clear_line(args, needle):
     assert_one_line_error(raysparse(*args, timeout=60), needle)
