@@ -93,8 +93,10 @@ def brute_scores(q: torch.Tensor, k: torch.Tensor, H: torch.Tensor, b: int):
     return torch.stack(qt), torch.stack(kt), a
 
 
-def brute_walk(scores: list[torch.Tensor], s: float) -> list[torch.Tensor]:
-    """R per layer from block scores: per-row causal softmax, ** s, product, rows renormalised."""
+def brute_walk(scores: list[torch.Tensor], s: float, walk: str = "rollout", alpha: float = 0.5) -> list[torch.Tensor]:
+    """R per layer from block scores: per-row causal softmax, ** s, then
+    product: R = R W (W = P ** s); one-hop: R = W; rollout: R = R (alpha I + (1 - alpha) W / rowsum(W));
+    rows renormalised after every layer."""
     out, rw = [], None
     for a in scores:
         nb = a.shape[0]
@@ -102,15 +104,18 @@ def brute_walk(scores: list[torch.Tensor], s: float) -> list[torch.Tensor]:
         for i in range(nb):
             p = torch.softmax(a[i, : i + 1].double(), 0)
             w[i, : i + 1] = p**s
-        rw = w if rw is None else rw @ w
+            if walk == "rollout":
+                w[i] = (1 - alpha) * w[i] / w[i].sum()
+                w[i, i] += alpha
+        rw = w if rw is None or walk == "one-hop" else rw @ w
         rw = rw / rw.sum(1, keepdim=True)
         out.append(rw)
     return out
 
 
-def brute_select(row: torch.Tensor, qi: int, density: float) -> list[int]:
+def brute_select(row: torch.Tensor, qi: int, density: float, local: int = 1) -> list[int]:
     tau = max(1, round(density * (qi + 1)))
-    forced = {0, qi}
+    forced = {0} | set(range(max(0, qi - local + 1), qi + 1))
     rest = sorted(set(range(qi + 1)) - forced, key=lambda j: (-float(row[j]), j))
     return sorted(forced | set(rest[: max(0, tau - len(forced))]))
 
@@ -201,11 +206,13 @@ def test_srht_is_fixed_per_model_and_seed():
 
 
 # ---- 3. the walk in prefill --------------------------------------------------------------------
-def test_prefill_walk_selection_matches_brute_force_over_three_layers():
+@pytest.mark.parametrize("walk,local", [("rollout", 1), ("product", 1), ("one-hop", 1), ("rollout", 3)])
+def test_prefill_walk_selection_matches_brute_force_over_three_layers(walk, local):
     b, density = 8, 0.375  # exact in binary: Python and torch round the budgets identically
     n = rand_int(6 * b + 1, 10 * b)
     cfg = model_cfg(layers=4)
-    m = method(cfg, density=density)
+    alpha = 0.25 * rand_int(0, 3)
+    m = method(cfg, density=density, walk=walk, residual=alpha, local_blocks=local)
     h_mat = explicit_srht(m.srht)
     seq_state: dict = {}
     stored, walks, sels = [], [], []
@@ -218,12 +225,12 @@ def test_prefill_walk_selection_matches_brute_force_over_three_layers():
         stored.append(st["a_hat"].double())
         walks.append(seq_state["walk"][1].clone())
         sels.append(sel)
-    for rw, sel, ref in zip(walks, sels, brute_walk(stored, 8.0), strict=True):
+    for rw, sel, ref in zip(walks, sels, brute_walk(stored, 8.0, walk, alpha), strict=True):
         torch.testing.assert_close(rw.double(), ref, rtol=2e-3, atol=1e-30)
         assert sel.block_size == b and sel.indices.shape[0] == cfg.num_kv_heads
         assert (sel.indices == sel.indices[:1]).all()  # one selection shared by every KV head
         for qi, got in enumerate(rows_of(sel.indices[0])):
-            assert_same_choice(got, brute_select(ref[qi], qi, density), ref[qi])
+            assert_same_choice(got, brute_select(ref[qi], qi, density, local), ref[qi])
 
 
 # ---- 4. decode's incremental state ---------------------------------------------------------------
@@ -367,8 +374,12 @@ def test_config_validation_and_registry():
         SketchWalkConfig(density=0.0)
     with pytest.raises(ValueError):
         SketchWalkConfig(block_size=48)
+    for bad in ({"walk": "random"}, {"residual": 1.0}, {"residual": -0.1}, {"local_blocks": 0}):
+        with pytest.raises(ValueError):
+            SketchWalkConfig(**bad)
     c = SketchWalkConfig()
     assert (c.block_size, c.sketch_dim, c.exponent, c.density, c.dense_layers) == (64, 64, 8.0, 0.2, (0, 1))
+    assert (c.walk, c.residual, c.local_blocks) == ("rollout", 0.5, 1)
     from raysparse.methods.registry import get_method
 
     backend = get_method("sketch_walk").factory(model_cfg(), density=0.3, sketch_dim=32)

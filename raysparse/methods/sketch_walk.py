@@ -15,14 +15,26 @@ Choices where SPEC and paper are silent:
 - r is min(sketch_dim, d') with d' = head_dim padded to a power of two; the scale is 1/sqrt(r) of that r.
 - A_hat is cached in bf16 (entries above the block diagonal are stored as 0 and masked). The walk always
   reads the bf16 values, in prefill too, so decode reproduces prefill on the same sequence.
-- Walk: W = exp(s * log_softmax(A_hat)) (= P**s without underflowing P first), fp32. Rows of R are
+- The walk (``walk``). ``product`` is SPEC's literal R^k = R^{k-1} W^k with W = P**s, computed as
+  exp(s * log_softmax(A_hat)) (no underflow of P first). On the default model it loses to selecting by
+  W^k alone (benchmarks/probe_sketch_walk.py, 2048 tokens, density 0.2: dense mass kept 0.72 vs 0.78,
+  perplexity 54.3 vs 27.9, dense 26.5): W's rows are not normalised, and under the block-causal mask the
+  early rows have few causal entries, so P**s there is near 1 while a late row's P**s is tiny. Paths
+  through early blocks then dominate every product, and over 28 sparse layers R drifts away from the
+  local blocks toward the start of the sequence. The default ``rollout`` makes the walk a random walk
+  that also follows the residual stream (as attention rollout does): each step is the row-stochastic
+  alpha I + (1 - alpha) row-softmax(s * A_hat) (P**s rescaled to sum 1: the same ranking per row as P**s),
+  alpha = ``residual`` = 0.5, so R^k keeps this layer's W^k row as a term and adds the blocks that the
+  blocks it reached at earlier layers attend now. ``one-hop`` (W^k alone) is the ablation. Rows of R are
   renormalised after every layer, R^0 included (a row scale changes no ranking). Row i of R^k depends only
   on row i of R^{k-1}, so ``ctx.seq_state`` carries only the rows of the current call's query blocks from
   one sparse layer to the next (one row in decode), tagged with (q_start, n) to catch a stale walk.
 - Dense layers run plain SDPA, record nothing and are not part of the walk (also dense layers listed
   after the first sparse one). With no sparse layer nothing is sketched at all.
 - Budget: query block i keeps tau_i = row_budget(density, i + 1) blocks in total, forced blocks included
-  (block 0 as sink, block i as diagonal); where the forced blocks exceed tau_i (short rows) they win.
+  (block 0 as sink, and the last ``local_blocks`` blocks up to the diagonal i; default 1, the diagonal
+  alone: 2 measured 27.6 vs 27.8 perplexity for 7% more density); where the forced blocks exceed tau_i
+  (short rows) they win.
   The diagonal block is causally about half full, which roughly offsets that excess, so the metered
   density lands near the budget. Decode: top-(tau - forced) blocks by R plus the current block and sink.
 - Decode row: the current query block's row of A_hat uses the running mean of that (possibly partial)
@@ -61,12 +73,17 @@ from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 
+WALKS = ("rollout", "product", "one-hop")
+
 
 @dataclass(frozen=True)
 class SketchWalkConfig(MethodConfig):
     sketch_dim: int = 64  # r
     exponent: float = 8.0  # s, the sparsity exponent of W = P ** s
     seed: int = 0  # the SRHT draw (combined with head_dim)
+    walk: str = "rollout"  # rollout (default), product (SPEC's literal R^{k-1} W^k), one-hop (W^k alone)
+    residual: float = 0.5  # rollout: weight alpha of the identity (the residual stream) in each step
+    local_blocks: int = 1  # trailing blocks always kept, the diagonal included (besides the sink block)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,6 +94,12 @@ class SketchWalkConfig(MethodConfig):
             raise ValueError(f"exponent must be a finite number > 0, got {self.exponent!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
+        if self.walk not in WALKS:
+            raise ValueError(f"walk must be one of {WALKS}, got {self.walk!r}")
+        if not (isinstance(self.residual, int | float) and 0.0 <= self.residual < 1.0):
+            raise ValueError(f"residual must be in [0, 1), got {self.residual!r}")
+        if isinstance(self.local_blocks, bool) or not isinstance(self.local_blocks, int) or self.local_blocks < 1:
+            raise ValueError(f"local_blocks must be an integer >= 1, got {self.local_blocks!r}")
 
 
 def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -84,12 +107,21 @@ def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device)
     return (n - torch.arange(num_blocks, device=device) * block_size).clamp(max=block_size).float()
 
 
-def walk_weights(a_hat: torch.Tensor, exponent: float) -> torch.Tensor:
-    """W = row-softmax(A_hat over causal blocks) ** s, fp32 [b, b], zero above the block diagonal."""
+def walk_weights(a_hat: torch.Tensor, exponent: float, stochastic: bool = False) -> torch.Tensor:
+    """W = row-softmax(A_hat over causal blocks) ** s, fp32 [b, b], zero above the block diagonal.
+    ``stochastic``: rows rescaled to sum 1, i.e. W = row-softmax(s * A_hat) (same ranking in each row)."""
     b = a_hat.shape[0]
     causal = torch.ones(b, b, dtype=torch.bool, device=a_hat.device).tril()
-    logp = torch.log_softmax(a_hat.float().masked_fill(~causal, float("-inf")), dim=-1)
-    return torch.exp(exponent * logp)
+    logits = a_hat.float().masked_fill(~causal, float("-inf"))
+    if stochastic:
+        return torch.softmax(exponent * logits, dim=-1)
+    return torch.exp(exponent * torch.log_softmax(logits, dim=-1))
+
+
+def rollout_step(a_hat: torch.Tensor, exponent: float, residual: float) -> torch.Tensor:
+    """One rollout transition: alpha I + (1 - alpha) row-softmax(s * A_hat), fp32 [b, b], rows sum to 1."""
+    w = walk_weights(a_hat, exponent, stochastic=True) * (1.0 - residual)
+    return w + residual * torch.eye(w.shape[0], device=w.device)
 
 
 def renormalise(rows: torch.Tensor) -> torch.Tensor:
@@ -164,9 +196,13 @@ class SketchWalk(SparseMethod):
     # ---- the walk -------------------------------------------------------------------------------
     def _walk(self, ctx: SeqContext, qb0: int, nb: int) -> torch.Tensor:
         """Rows qb0..nb-1 of R^k for this layer (fp32 [nb - qb0, nb]), carried in ``ctx.seq_state``."""
-        w = walk_weights(ctx.state["a_hat"], self.config.exponent)
+        cfg = self.config
+        if cfg.walk == "rollout":
+            w = rollout_step(ctx.state["a_hat"], cfg.exponent, cfg.residual)
+        else:
+            w = walk_weights(ctx.state["a_hat"], cfg.exponent)
         step = (ctx.q_start, ctx.n)
-        if ctx.layer == self.first_sparse:
+        if ctx.layer == self.first_sparse or cfg.walk == "one-hop":
             rows = w[qb0:nb]
         else:
             prev = ctx.seq_state.get("walk")
@@ -179,18 +215,19 @@ class SketchWalk(SparseMethod):
         return rows
 
     def _choose(self, scores: torch.Tensor, qb0: int, nb: int) -> tuple[torch.Tensor, int]:
-        """Per query block qb0..nb-1: forced sink + diagonal plus the top blocks by ``scores`` up to the row
-        budget. Returns the boolean mask [rows, nb] and the widest row (host int, no device sync)."""
+        """Per query block qb0..nb-1: forced sink + local blocks plus the top blocks by ``scores`` up to the
+        row budget. Returns the boolean mask [rows, nb] and the widest row (host int, no device sync)."""
         rows_cpu = torch.arange(qb0, nb)
+        local = self.config.local_blocks
         budget = row_budget(self.config.density, rows_cpu + 1)
-        forced_n = torch.where(rows_cpu == 0, 1, 2)  # block 0 is both sink and diagonal of row 0
+        forced_n = torch.minimum(rows_cpu + 1, torch.tensor(local + 1))  # block 0 may also be a local one
         extra = (budget - forced_n).clamp(min=0)
         width = int(torch.maximum(budget, forced_n).max())  # a CPU tensor: no device sync
         dev = scores.device
         qblk = torch.arange(qb0, nb, device=dev)[:, None]
         cols = torch.arange(nb, device=dev)
         allowed = cols <= qblk
-        forced = (cols == 0) | (cols == qblk)
+        forced = (cols == 0) | ((cols > qblk - local) & allowed)
         # One row (decode): an int budget keeps topk_mask free of host syncs. Several rows (prefill): a
         # per-row tensor, for which topk_mask does one .item() to size its sort.
         k: int | torch.Tensor = int(extra[0]) if nb - qb0 == 1 else extra.to(dev)
