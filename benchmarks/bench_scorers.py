@@ -117,7 +117,7 @@ def _finish(rec: dict[str, Any], ref_ms: float, fast_ms: float | None, attn_ms: 
 
 # ---- the sparse attention each scorer serves ------------------------------------------------------------
 
-def prefill_attention(b: Bench, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+def prefill_attention(b: Bench, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
     """Block-sparse prefill at DENSITY: sink + diagonal + random causal blocks per row and KV head."""
     nb = -(-n // BLOCK)
     r = torch.arange(nb, device=b.dev)
@@ -125,8 +125,9 @@ def prefill_attention(b: Bench, n: int, q: torch.Tensor, k: torch.Tensor, v: tor
     keep = torch.rand(b.h_kv, nb, nb, device=b.dev, generator=b.gen) < DENSITY
     mask = (keep & causal) | (r[None, :] == 0) | (r[None, :] == r[:, None])
     sel = BlockSelection(indices_from_mask(mask), BLOCK)
-    rec: dict[str, Any] = {}
-    return b.time(lambda: dispatch.block_sparse_attention(q, k, v, sel), rec, "ms")
+    rec: dict[str, Any] = {"density": float(mask.sum() / (causal.sum() * b.h_kv))}  # block level
+    b.time(lambda: dispatch.block_sparse_attention(q, k, v, sel), rec, "ms")
+    return rec
 
 
 def decode_attention(b: Bench, n: int, unit: int) -> tuple[float, dict[str, Any]]:
@@ -183,7 +184,9 @@ def sketch_walk_case(b: Bench, n: int) -> dict[str, Any]:
             os.environ[dispatch.ENV] = saved
     if fast_ms is not None:
         rec["rel_err"] = rel_err(outs["triton"], outs["torch"])
-    rec["ms_attn"] = attn = prefill_attention(b, n, q, k, v)
+    attn_rec = prefill_attention(b, n, q, k, v)
+    rec["ms_attn"] = attn = attn_rec["ms"]
+    rec["attn_density"] = attn_rec["density"]
     rec["min_frac"] = None  # compute-bound attention; the sketch reads Q and K once (~1/(density * n / 64) of it)
     return _finish(rec, ref_ms, fast_ms, attn)
 

@@ -34,9 +34,8 @@ if triton is not None:
     def fwht_tile(x, BM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr):
         """Unnormalised Walsh-Hadamard transform (Sylvester order) of every row of x [BM, DP]: stage s
         turns entries j and j + 2**s of each 2**(s+1)-long segment into (a + b, a - b)."""
-        for s in tl.static_range(LOG_DP):
-            HALF: tl.constexpr = 1 << s
-            y = tl.permute(tl.reshape(x, [BM, DP // (2 * HALF), 2, HALF]), [0, 1, 3, 2])
+        for s in tl.static_range(LOG_DP):  # stage s pairs entries 2**s apart
+            y = tl.permute(tl.reshape(x, [BM, DP >> (s + 1), 2, 1 << s]), [0, 1, 3, 2])
             a, b = tl.split(y)
             x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [BM, DP])
         return x
