@@ -117,12 +117,18 @@ def srht_apply(x: torch.Tensor, signs: torch.Tensor, slots: torch.Tensor, r: int
 
 
 def block_plan(q_starts: list[int], q_lens: list[int], block: int, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """(blk_seq, blk_start, blocks per sequence) of the packed block layout, from host-side lengths."""
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(q_starts, blk_seq, blk_start) as int32 device tensors and the blocks per sequence, from host-side
+    lengths. One sequence (a decode step) is built with device fills only: no host-to-device copy, so the
+    step stays CUDA-graph capturable."""
     nblk = [(s + n - 1) // block - s // block + 1 if n else 0 for s, n in zip(q_starts, q_lens, strict=True)]
+    i32 = dict(dtype=torch.int32, device=device)
+    if len(nblk) == 1:
+        return (torch.full((1,), q_starts[0], **i32), torch.zeros(nblk[0], **i32), torch.arange(2, **i32) * nblk[0],
+                nblk)
     seq = torch.repeat_interleave(torch.arange(len(nblk), dtype=torch.int32), torch.tensor(nblk, dtype=torch.long))
     start = torch.tensor([0, *nblk], dtype=torch.int64).cumsum(0).to(torch.int32)
-    return seq.to(device), start.to(device), nblk
+    return torch.tensor(q_starts, dtype=torch.int32).to(device), seq.to(device), start.to(device), nblk
 
 
 def block_sketch(x: torch.Tensor, cu_seqlens: torch.Tensor, q_starts: list[int], q_lens: list[int], block: int,
@@ -130,18 +136,17 @@ def block_sketch(x: torch.Tensor, cu_seqlens: torch.Tensor, q_starts: list[int],
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Sketched per-block sums of the head mean of packed x [T, heads, d] -> fp32 [total_blocks, r],
     sequence i's blocks from ``sum(blocks[:i])`` on (``block_plan``). ``head_count`` divides the head sum
-    (default: x's head count)."""
+    (default: x's head count). The lengths are host ints, as in ``BatchMeta``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     dp, log_dp = _check(signs, slots)
     _, heads, dim = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    blk_seq, blk_start, nblk = block_plan(q_starts, q_lens, block, x.device)
+    qs, blk_seq, blk_start, nblk = block_plan(q_starts, q_lens, block, x.device)
     total = sum(nblk)
     out = torch.empty(total, r, dtype=torch.float32, device=x.device) if out is None else out
     if total:
-        qs = torch.tensor(q_starts, dtype=torch.int32).to(x.device)
         _block_sketch_kernel[(total,)](
             x, out, signs.float(), slots, cu_seqlens.to(torch.int32), qs, blk_seq, blk_start, x.stride(0),
             x.stride(1), out.stride(0), heads, dim, 1.0 / (head_count or heads), scale / math.sqrt(dp), BLOCK=block,

@@ -73,7 +73,7 @@ def test_block_sketch_ragged(g: int, d: int, dtype: torch.dtype) -> None:
     cu = torch.tensor([0, *lens]).cumsum(0).to(DEV, torch.int32)
     q = _rand(sum(lens), H_KV * g, d, gen=gen, dtype=dtype)
     k = _rand(H_KV, sum(lens), d, gen=gen, dtype=dtype)
-    _, _, nblk = block_plan(starts, lens, block, DEV)
+    *_, nblk = block_plan(starts, lens, block, DEV)
     for x, heads in ((q, H_KV * g), (k.transpose(0, 1), H_KV)):
         out = torch.full((sum(nblk), s.sketch_dim), float("nan"), device=DEV)
         block_sketch(x, cu, starts, lens, block, signs, slots, s.sketch_dim, s.scale, head_count=heads + 1, out=out)
