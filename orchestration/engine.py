@@ -52,7 +52,7 @@ class Engine:
         import ray
 
         from raysparse.loader import load_hf_config, load_tokenizer, materialize, resolve_source
-        from raysparse.orchestration.local_job import start_ray
+        from raysparse.orchestration.ray_env import start_ray
 
         self.state = "loading"
         self._owns_ray = start_ray(self.cfg.address, self.cfg.num_cpus)

@@ -6,8 +6,6 @@ it at the end; with an address it joins that cluster and leaves it running.
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,14 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from raysparse.orchestration.ray_env import LOCAL_RAY_ENV, WORKER_ENV, start_ray  # noqa: F401 - re-exported
 from raysparse.shard_executor import method_key
-
-LOCAL_RAY_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",  # the in-process instance listens on 127.0.0.1 only
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-}
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
 
 
 class JobError(RuntimeError):
@@ -45,23 +37,6 @@ class RunOptions:
     tp: int = 1
     replicas: int = 1
     cpus_per_shard: float = 1.0
-
-
-def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
-    """Connects to Ray; returns True when this call started a local instance (so the caller stops it)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    runtime_env = {"env_vars": WORKER_ENV}
-    if address is None:
-        for k, v in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(k, v)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env=runtime_env, log_to_driver=True)
-        return True
-    ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
-    return False
 
 
 def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:

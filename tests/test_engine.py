@@ -36,7 +36,7 @@ def tiny_dir(tmp_path_factory):
 def engines(tiny_dir):
     import ray
 
-    from raysparse.orchestration.local_job import start_ray
+    from raysparse.orchestration.ray_env import start_ray
 
     owns = start_ray(None, num_cpus=4)
     common = dict(model=tiny_dir, kv_cache_tokens=4096, page_size=64, cpus_per_shard=0.5, draft=False)

@@ -1,0 +1,116 @@
+"""Tensor parallelism through the engine: TP=1 against TP=2, dense against Sketch&Walk, at long context.
+
+For each TP size an engine is started on the local Ray instance (random weights in the given config, e.g.
+Llama-3.1-8B's, built on the GPUs), warmed up, and then for each method and context length one request
+of random token ids is run alone: prefill time (time to first token), decode tokens/s over the new
+tokens, the walk coordinator's share of the shards' forward time (Sketch&Walk's per-layer all-reduce of
+block sums), and the control plane's share of a decode step (driver round trip minus the shards' own
+execute time, over the decode steps only).
+
+Usage (the GPU machine, two GPUs):  python benchmarks/bench_tp.py --model configs/llama-3.1-8b
+CPU smoke run:  python benchmarks/bench_tp.py --smoke
+Prints a table last and writes JSON to $OUT/bench_tp.json (default ./results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def measure(eng: Any, method: str, params: dict[str, Any], n: int, new: int, seed: int) -> dict[str, Any]:
+    from raysparse.orchestration.engine_api import EngineRequest
+    from raysparse.sampling import SamplingParams
+    from raysparse.shard_executor import method_key
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = eng.model_cfg.vocab_size
+    prompt = tuple(torch.randint(100, vocab - 100, (n,), generator=g).tolist())
+    runner = eng.runners[0]
+    eng.shard_stats(reset=True)
+    s0 = (runner.steps, runner.step_wall_s, runner.step_forward_s)
+    t0 = time.perf_counter()
+    h = eng.submit(EngineRequest(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), method, params))
+    h.get(3600)  # first token: prefill done
+    s1 = (runner.steps, runner.step_wall_s, runner.step_forward_s)
+    fin = h.result(3600)
+    wall = time.perf_counter() - t0
+    s2 = (runner.steps, runner.step_wall_s, runner.step_forward_s)
+    shards = eng.shard_stats()[0]
+    dec_steps, dec_wall, dec_fwd = (s2[i] - s1[i] for i in range(3))
+    fwd_total = s2[2] - s0[2]
+    coord = max(s["coord_s"] for s in shards)
+    key = method_key(method, params)
+    return {
+        "method": method, "params": params, "context": n, "new_tokens": len(fin.token_ids),
+        "finish": fin.finish_reason, "error": fin.error, "prefill_s": fin.ttft_s,
+        "decode_tok_s": fin.decode_tokens_per_s, "wall_s": wall,
+        "decode_steps": dec_steps, "decode_step_ms": 1e3 * dec_wall / max(dec_steps, 1),
+        "control_share": (dec_wall - dec_fwd) / dec_wall if dec_wall else 0.0,
+        "coord_s": coord, "coord_share": coord / fwd_total if fwd_total else 0.0,
+        "density": shards[0]["density"].get(key, 1.0),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="configs/llama-3.1-8b", help="model directory (config only is enough)")
+    ap.add_argument("--contexts", default="32768,65536")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--density", type=float, default=0.1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the default model, 512 tokens")
+    args = ap.parse_args()
+    from raysparse.orchestration.engine import Engine, EngineConfig
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    tps = [int(t) for t in args.tp.split(",")]
+    model, random_weights, dtype = args.model, True, args.dtype
+    if args.smoke:
+        contexts, model, random_weights, dtype, args.new_tokens = [512], None, False, "float32", 6
+    methods = [("dense", {}), ("sketch_walk", {"density": args.density})]
+    rows: list[dict[str, Any]] = []
+    from raysparse.orchestration.ray_env import start_ray
+
+    start_ray(None)  # one Ray instance for every engine of the run
+    for tp in tps:
+        kv = max(contexts) + args.new_tokens + 256
+        cfg = EngineConfig(model=model, dtype=dtype, tp=tp, random_weights=random_weights, kv_cache_tokens=kv,
+                           max_prefill_tokens=max(contexts) + 64, draft=False,
+                           cpus_per_shard=0.5 if args.smoke else 1.0, name=f"bench-tp{tp}")
+        t0 = time.perf_counter()
+        with Engine(cfg) as eng:
+            start_s = time.perf_counter() - t0
+            for m, p in methods:  # warm-up: kernels compiled, allocator grown
+                measure(eng, m, p, min(contexts[0], 4096), 4, seed=1)
+            for n in contexts:
+                for m, p in methods:
+                    r = measure(eng, m, p, n - args.new_tokens, args.new_tokens, seed=n)
+                    r.update(tp=tp, engine_start_s=start_s, device=eng.model_info()["device"])
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    out = Path(os.environ.get("OUT", "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "torch": torch.__version__, "model": args.model if not args.smoke else "default", "dtype": dtype}
+    (out / "bench_tp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    base = {(r["method"], r["context"]): r for r in rows if r["tp"] == tps[0]}
+    print(f"\n{'tp':>3} {'method':>12} {'ctx':>7} {'prefill s':>10} {'decode tok/s':>13} {'vs tp1':>7} "
+          f"{'step ms':>8} {'ctrl %':>7} {'coord %':>8} {'density':>8}")
+    for r in rows:
+        b = base[(r["method"], r["context"])]
+        ratio = r["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else 0.0
+        print(f"{r['tp']:>3} {r['method']:>12} {r['context']:>7} {r['prefill_s']:>10.3f} {r['decode_tok_s']:>13.1f} "
+              f"{ratio:>6.2f}x {r['decode_step_ms']:>8.2f} {100 * r['control_share']:>6.1f}% "
+              f"{100 * r['coord_share']:>7.1f}% {r['density']:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

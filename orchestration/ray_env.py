@@ -1,0 +1,35 @@
+"""Joining or starting Ray with the environment every raysparse process needs."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+LOCAL_RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",  # the in-process instance listens on 127.0.0.1 only
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
+# Every worker process: no hub access, quiet tokenizers and progress bars, and NVLink multicast off (it can
+# take a shared multi-GPU host's GPUs out of service).
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
+              "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
+    """Connects to Ray; returns True when this call started a local instance (so the caller stops it)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(k, WORKER_ENV[k])
+    runtime_env = {"env_vars": WORKER_ENV}
+    if address is None:
+        for k, v in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(k, v)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                 runtime_env=runtime_env, log_to_driver=True)
+        return True
+    ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
+    return False
