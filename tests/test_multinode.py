@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import random_state, tiny_hf_config
+
 from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
 from raysparse.sampling import SamplingParams
 
