@@ -32,13 +32,15 @@ def local_cluster(nodes: int, cpus_per_node: float = 1, dashboard: bool = False)
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     for k, v in LOCAL_RAY_ENV.items():
         os.environ.setdefault(k, v)
-    head: dict[str, Any] = {"num_cpus": cpus_per_node, "include_dashboard": dashboard}
+    # each node's agent takes its own free port (the default, 52365, is one per host)
+    head: dict[str, Any] = {"num_cpus": cpus_per_node, "include_dashboard": dashboard,
+                            "dashboard_agent_listen_port": free_port()}
     if dashboard:
         head["dashboard_host"] = "127.0.0.1"
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(nodes - 1):
-            cluster.add_node(num_cpus=cpus_per_node)
+            cluster.add_node(num_cpus=cpus_per_node, dashboard_agent_listen_port=free_port())
         cluster.wait_for_nodes(timeout=120)
         yield cluster.address
     finally:
@@ -47,6 +49,14 @@ def local_cluster(nodes: int, cpus_per_node: float = 1, dashboard: bool = False)
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def nodes_used(server_info: dict[str, Any]) -> int:

@@ -1,0 +1,1 @@
+"""Batch workloads for ``ray job submit``."""
