@@ -149,3 +149,23 @@ def test_bench_usage_errors(capsys):
             main(argv)
         assert e.value.code == 2
         assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_scaling_mode_spreads_replicas_over_a_local_cluster(tmp_path):
+    from raysparse.cli import main
+    from raysparse.serving.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "scaling"
+    rc = main(["bench", "--model", str(model), "--cpus-per-shard", "0.5", "--no-draft", "--kv-cache-tokens", "2048",
+               "--num-prompts", "8", "--prompt-lens", "48", "--output-len", "4", "--max-concurrency", "4",
+               "--scaling", "1,2", "--local-nodes", "2", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "bench.json").read_text())["scaling"]
+    assert [(r["replicas"], r["nodes"]) for r in rows] == [(1, 1), (2, 2)]  # one replica per node
+    assert all(r["completed"] == 8 and r["failed"] == 0 for r in rows)
+    assert rows[0]["scaling_efficiency"] == 1.0
+    assert rows[1]["scaling_efficiency"] == pytest.approx(rows[1]["output_throughput"]
+                                                          / (2 * rows[0]["output_throughput"]))
+    assert (out / "bench_scaling.png").is_file()

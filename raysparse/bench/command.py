@@ -104,7 +104,7 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         sampler = PromptSampler(text, lambda s: tok(s, add_special_tokens=False)["input_ids"], args.seed)
     except (ValueError, FileNotFoundError, OSError) as e:
         return usage(str(e).splitlines()[0])
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)  # logs: no truncated columns
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "raysparse " + " ".join(sys.argv[1:]),
