@@ -35,12 +35,18 @@ def rope_parameters(hf_config: Any, seq_len: int | None = None) -> tuple[torch.T
 class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # Not a buffer: ``model.to(dtype=bf16)`` would round the frequencies, which shifts long positions'
+        # angles. Kept fp32 and copied to whichever device the positions are on.
+        self.inv_freq = inv_freq.float().cpu()
+        self._per_device: dict[torch.device, torch.Tensor] = {}
         self.attention_scaling = attention_scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, head_dim] for integer positions [T]."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        inv = self._per_device.get(positions.device)
+        if inv is None:
+            inv = self._per_device[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
