@@ -1,0 +1,66 @@
+"""Where a decode step's time goes on one GPU: the model and a backend in-process (no Ray), profiled.
+
+Usage (the GPU machine): python benchmarks/profile_decode.py [--layers 8] [--context 32768] [--method dense]
+Prints the step time and the top host-side operators by self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="configs/llama-3.1-8b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--methods", default="dense,sketch_walk")
+    ap.add_argument("--steps", type=int, default=16)
+    args = ap.parse_args()
+    from raysparse.kv_cache import KVCache
+    from raysparse.loader import build_model, load_hf_config, resolve_source
+    from raysparse.methods.registry import create_backend
+
+    hf = load_hf_config(resolve_source(args.model))
+    hf.num_hidden_layers = args.layers
+    torch.manual_seed(0)
+    model = build_model(hf, dtype=torch.bfloat16, device="cuda")
+    for method in args.methods.split(","):
+        backend = create_backend(method, model.cfg, **({} if method == "dense" else {"density": 0.1}))
+        cache = KVCache(model.cfg, -(-(args.context + 256) // 64), 64, torch.bfloat16, "cuda")
+        cache.allocate(0, args.context + 200)
+        ids = torch.randint(100, 1000, (args.context,), device="cuda")
+        batch = cache.prepare([0], [args.context], True)
+        logits = model(ids, batch, cache, backend)
+        tok = logits.argmax(-1)
+        torch.cuda.synchronize()
+
+        def step() -> None:
+            nonlocal tok
+            b = cache.prepare([0], [1], False)
+            tok = model(tok, b, cache, backend).argmax(-1)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        ms = 1e3 * (time.perf_counter() - t) / args.steps
+        print(f"\n=== {method}: {ms:.2f} ms per decode step, {args.layers} layers, {args.context} context "
+              f"({ms / args.layers:.3f} ms per layer)")
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48))
+
+
+if __name__ == "__main__":
+    main()
