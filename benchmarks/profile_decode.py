@@ -38,7 +38,7 @@ def main() -> None:
         tok = logits.argmax(-1)
         torch.cuda.synchronize()
 
-        def step() -> None:
+        def step(cache: KVCache = cache, backend=backend) -> None:
             nonlocal tok
             b = cache.prepare([0], [1], False)
             tok = model(tok, b, cache, backend).argmax(-1)
