@@ -68,12 +68,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
+    """The served model's tokenizer; for a config-only model (``--random-weights``) the default model's, which
+    only cuts the text into token ids (every id is inside a larger model's vocabulary)."""
     from raysparse.loader import load_tokenizer, materialize, resolve_source
 
-    src = resolve_source(args.tokenizer or args.model)
-    if src.gguf_file is not None:
-        src = materialize(src)
-    return load_tokenizer(src)
+    def load(path: str | None) -> Any:
+        src = resolve_source(path)
+        return load_tokenizer(materialize(src) if src.gguf_file is not None else src)
+
+    if args.tokenizer is None and args.random_weights:
+        try:
+            return load(args.model)
+        except (OSError, ValueError):
+            return load(None)
+    return load(args.tokenizer or args.model)
 
 
 def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
