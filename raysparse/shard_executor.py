@@ -81,15 +81,33 @@ class ShardExecutor:
         self._reduce = self._timed(reduce) if reduce is not None else None
 
     def _timed(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The coordinator's collective, timed without stalling the stream: CUDA events on GPUs (read at
+        ``stats``), wall time on CPU where gloo runs synchronously anyway."""
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
         def timed(x: torch.Tensor) -> torch.Tensor:
-            self._sync()  # so the time is the collective's, not the queued work before it
-            t = time.perf_counter()
+            if not x.is_cuda:
+                t = time.perf_counter()
+                out = reduce(x)
+                self.coord_s += time.perf_counter() - t
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             out = reduce(x)
-            self._sync()
-            self.coord_s += time.perf_counter() - t
+            end.record()
+            self._events.append((start, end))
+            if len(self._events) >= 4096:  # bounded: fold the finished ones in
+                self._fold_events()
             return out
 
         return timed
+
+    def _fold_events(self) -> None:
+        events = getattr(self, "_events", [])
+        if events:
+            events[-1][1].synchronize()
+            self.coord_s += sum(a.elapsed_time(b) for a, b in events) / 1e3
+            events.clear()
 
     def backend(self, key: str) -> AttentionBackend:
         b = self.backends.get(key)
@@ -193,6 +211,7 @@ class ShardExecutor:
         backend.tracer = tracer  # type: ignore[attr-defined]
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
+        self._fold_events()
         out = {"coord_s": self.coord_s, "kv_free_pages": self.cache.free_pages, "kv_pages": self.cache.num_pages,
                "density": {k: b.meter.overall() for k, b in self.backends.items()},
                "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()},
