@@ -137,4 +137,14 @@ class DenseAttention(AttentionBackend):
         return out
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        return self.prefill(layer, q, cache, batch)
+        if not q.is_cuda:
+            return self.prefill(layer, q, cache, batch)
+        # GPUs: one split-K kernel over every sequence's pages, read in place (no gather, no per-sequence
+        # loop); a decode step's host time is what bounds it.
+        from raysparse.kernels.dispatch import sparse_decode_attention_varlen
+
+        kv, blocks = cache.paged(layer, batch)
+        out, _ = sparse_decode_attention_varlen(q, kv, blocks, unit=cache.page_size)
+        for n in batch.ctx_lens:
+            self.meter.add(layer, n * cache.num_kv_heads, n * cache.num_kv_heads, decode=True)
+        return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from raysparse.config import ModelConfig
 
@@ -41,6 +42,7 @@ class BatchMeta:
     page_tables: list[torch.Tensor]  # per sequence, int64 page ids
     is_prefill: bool
     cu_q: list[int] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)  # per-step tensors built once, shared by the layers
 
     def __post_init__(self) -> None:
         if not self.cu_q:
@@ -187,6 +189,25 @@ class KVCache:
         """k, v: [T, num_kv_heads, head_dim] for the step's new tokens."""
         self.k[layer][batch.slot_pages, :, batch.slot_offsets, :] = k.to(self.dtype)
         self.v[layer][batch.slot_pages, :, batch.slot_offsets, :] = v.to(self.dtype)
+
+    def paged(self, layer: int, batch: BatchMeta) -> tuple[Any, torch.Tensor]:
+        """This layer's cache as the kernels' ``PagedKV`` for the batch, and every sequence's full block list
+        per KV head ([batch, h_kv, max_pages] int32, -1 past a sequence's last page): dense attention as a
+        block selection. Built once per step."""
+        from raysparse.kernels.formats import PagedKV
+
+        if "paged" not in batch.extras:
+            n_pages = [self.pages_needed(n) for n in batch.ctx_lens]
+            width = max(n_pages)
+            table = torch.stack([F.pad(t[:width], (0, width - min(width, t.numel()))) for t in batch.page_tables])
+            dev = self.device
+            seqlens = torch.tensor(batch.ctx_lens, dtype=torch.int32, device=dev)
+            cols = torch.arange(width, dtype=torch.int32, device=dev)
+            blocks = torch.where(cols < torch.tensor(n_pages, device=dev)[:, None], cols, -1)
+            batch.extras["paged"] = (table.to(torch.int32), seqlens,
+                                     blocks[:, None, :].expand(-1, self.num_kv_heads, -1).contiguous())
+        table, seqlens, blocks = batch.extras["paged"]
+        return PagedKV(self.k[layer], self.v[layer], table, seqlens), blocks
 
     def gather(self, layer: int, batch: BatchMeta, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K, V of sequence ``i`` of the batch: [num_kv_heads, ctx_len, head_dim]."""

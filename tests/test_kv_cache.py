@@ -72,3 +72,28 @@ def test_density_meter_counts_decode_on_its_own():
     assert m.per_layer() == [102.0 / 110.0, 0.3]
     m.reset()
     assert m.decode_overall() is None
+
+
+def test_paged_view_gives_dense_decode_through_the_kernel_entry_point():
+    """``KVCache.paged`` (the GPU dense-decode path) attends exactly the keys ``gather`` returns."""
+    from raysparse.attention import dense_attention
+    from raysparse.config import ModelConfig
+    from raysparse.kernels.dispatch import sparse_decode_attention_varlen
+
+    cfg = ModelConfig(vocab_size=10, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=8,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    cache = KVCache(cfg, 40, 64, torch.float32)
+    lens = [int(x) for x in torch.randint(1, 400, (3,))]
+    for i, n in enumerate(lens):
+        cache.allocate(i, n + 5)
+    b = cache.prepare([0, 1, 2], lens, True)
+    cache.write(0, torch.randn(sum(lens), 2, 64), torch.randn(sum(lens), 2, 64), b)
+    step = cache.prepare([0, 1, 2], [1, 1, 1], False)
+    cache.write(0, torch.randn(3, 2, 64), torch.randn(3, 2, 64), step)
+    q = torch.randn(3, 8, 64)
+    kv, blocks = cache.paged(0, step)
+    out, _ = sparse_decode_attention_varlen(q, kv, blocks, unit=64)
+    for i in range(3):
+        k, v = cache.gather(0, step, i)
+        torch.testing.assert_close(out[i], dense_attention(q[i: i + 1], k, v)[0], rtol=1e-5, atol=1e-5)
