@@ -252,3 +252,51 @@ def test_health_goes_not_serving_while_a_killed_shard_is_rebuilt(served):
     ok = client.generate(token_ids=[4, 5, 6], max_new_tokens=4, ignore_eos=True, timeout=60)
     assert ok.finish_reason == "length" and len(ok.token_ids) == 4
     assert srv.engine.server_info()["replicas"][0]["rebuilds"] == 1
+
+
+def test_serve_and_generate_commands(tmp_path):
+    """`raysparse serve` in its own process, `raysparse generate` against it, SIGTERM drains and exits 0."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from raysparse.serving.tiny import write_tiny_model
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    model = write_tiny_model(tmp_path / "tiny", max_positions=MAX_POS)
+    port, mport = free_port(), free_port()
+    cli = [sys.executable, "-m", "raysparse.cli"]
+    server = subprocess.Popen([*cli, "serve", "--model", str(model), "--port", str(port), "--metrics-port", str(mport),
+                               "--num-cpus", "2", "--cpus-per-shard", "0.5", "--no-draft", "--kv-cache-tokens", "1024"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    try:
+        with RaySparseClient(f"127.0.0.1:{port}") as c:
+            c.wait_serving(120)
+            ref = c.generate(token_ids=[9, 8, 7, 6], max_new_tokens=6, ignore_eos=True)
+        out = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "9,8,7,6",
+                              "--max-new-tokens", "6", "--ignore-eos", "--json"], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        res = json.loads(out.stdout)
+        assert res["token_ids"] == ref.token_ids and res["finish_reason"] == "length"
+        streamed = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--max-new-tokens", "5",
+                                   "--ignore-eos", "Hello"], capture_output=True, text=True, timeout=120)
+        assert streamed.returncode == 0 and "[length: 5 prompt + 5 tokens" in streamed.stderr
+        bad = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "1",
+                              "--method", "no_such_method"], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and bad.stderr.startswith("raysparse: error: INVALID_ARGUMENT")
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)
+    log = server.stdout.read() if server.stdout else ""
+    assert f"listening on 127.0.0.1:{port}" in log and "draining" in log
