@@ -145,6 +145,8 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
                     help="where eval.json and eval.png go (default: results/eval)")
     ev.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
     ev.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ev.add_argument("--threads", type=_positive_int, default=None,
+                    help="torch CPU threads (default: every core)")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -264,7 +266,8 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from raysparse.eval.job import EvalOptions, run_job
 
-    opts = EvalOptions(model=args.model, text=args.text, out=args.out, device=args.device, dtype=args.dtype)
+    opts = EvalOptions(model=args.model, text=args.text, out=args.out, device=args.device, dtype=args.dtype,
+                       threads=args.threads)
     try:
         run_job(cfg, opts, Console())
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:

@@ -518,5 +518,5 @@ def test_eval_help_lists_the_flags(capsys):
         main(["eval", "--help"])
     out = capsys.readouterr().out
     for flag in ("--methods", "--densities", "--samples", "--context-tokens", "--text", "--model", "--out",
-                 "--method-params", "--decode-ppl-tokens"):
+                 "--method-params", "--decode-ppl-tokens", "--threads"):
         assert flag in out

@@ -20,6 +20,7 @@ class EvalOptions:
     out: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    threads: int | None = None  # torch intra-op threads; None: every core
 
 
 def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str, str]:
@@ -45,7 +46,9 @@ def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict
 
     console = console or Console()
     err = Console(stderr=True)
-    torch.set_num_threads(os.cpu_count() or 1)  # in-process: every core goes to the forward passes
+    # In-process: every core goes to the forward passes, unless told otherwise (on a machine shared with other
+    # work, one thread avoids the spinning hand-offs that made decode steps ~10x slower with two).
+    torch.set_num_threads(opts.threads or os.cpu_count() or 1)
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     text, source = load_haystack_text(opts.text)
