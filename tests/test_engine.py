@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+from engine_helpers import SHARED_SELECTION, assert_same_selections
+from engine_helpers import run as run_one_at_a_time
 from helpers import random_state, tiny_hf_config
 
 from raysparse.methods.registry import method_names
@@ -55,44 +57,28 @@ def prompts(n: int = 2) -> list[tuple[int, ...]]:
     return [tuple(torch.randint(0, 97, (n_,), generator=g).tolist()) for n_ in lens]
 
 
-def run(engine: Engine, method: str, ps: list[tuple[int, ...]], new: int = 6) -> list[tuple[int, ...]]:
-    out = []
-    for p in ps:  # one at a time: identical batches on both engines, so identical traces
-        params = {} if method == "dense" else PARAMS
-        fin = engine.submit(EngineRequest(p, SamplingParams(max_new_tokens=new, ignore_eos=True), method,
-                                          params)).result(120)
-        assert fin.finish_reason == "length", fin.error
-        out.append(fin.token_ids)
-    return out
+def run(engine: Engine, method: str, ps: list[tuple[int, ...]], new: int = 6,
+        params: dict | None = None) -> list[tuple[int, ...]]:
+    return run_one_at_a_time(engine, method, ({} if method == "dense" else PARAMS) if params is None else params,
+                             ps, new)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_tp2_matches_tp1_with_identical_selections(engines, method):
+CASES = [(m, {} if m == "dense" else PARAMS) for m in METHODS] + [
+    ("delta", {**PARAMS, "base": "sketch_walk"})]  # the coordinator reaches a wrapped base too
+
+
+@pytest.mark.parametrize("method, params", CASES, ids=[f"{m}-{p.get('base', '')}".rstrip("-") for m, p in CASES])
+def test_tp2_matches_tp1_with_identical_selections(engines, method, params):
     e1, e2 = engines
-    key = method_key(method, {} if method == "dense" else PARAMS)
     if method != "dense":
         for e in engines:
-            e.runners[0].group.call("record_selections", key)
+            e.runners[0].group.call("record_selections", method_key(method, params))
     ps = prompts()
-    assert run(e2, method, ps) == run(e1, method, ps)
-    if method == "dense":
-        return
-    (one,) = e1.runners[0].group.call("selections")
-    shards = e2.runners[0].group.call("selections")
-    assert len(one) > 0 and all(len(s) == len(one) for s in shards)
-    heads = [info["kv_heads"] for info in e2.runners[0].group.info]
-    for i, (layer, _, full) in enumerate(one):
-        parts = [s[i][2] for s in shards]
-        assert all(s[i][0] == layer for s in shards)
-        if method in ("sketch_walk", "delta"):  # one selection per layer, expanded over the KV heads
-            for p in parts:
-                assert torch.equal(p[0], full[0]), f"{method}: shards disagree with TP=1 at layer {layer}"
-        else:  # per-KV-head selections: the shards' heads, in rank order, are TP=1's heads
-            assert [p.shape[0] for p in parts] == heads
-            width = max(p.shape[-1] for p in parts + [full])
-            pad = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts]
-            full = torch.nn.functional.pad(full, (0, width - full.shape[-1]), value=-1)
-            assert torch.equal(torch.cat(pad), full), f"{method}: selections differ at layer {layer}"
+    assert run(e2, method, ps, params=params) == run(e1, method, ps, params=params)
+    if method != "dense":
+        shared = method in SHARED_SELECTION or (method == "delta" and params.get("base", "streaming")
+                                                 in SHARED_SELECTION)
+        assert_same_selections(e1, e2, shared)
 
 
 def test_walk_coordinator_time_is_measured(engines):

@@ -1,0 +1,46 @@
+"""Shared by the engine tests: run requests one at a time, and compare shards' selections with TP=1's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from raysparse.orchestration.engine import Engine, EngineRequest
+from raysparse.sampling import SamplingParams
+
+# Methods that make one selection per layer and expand it over the KV heads (Sketch&Walk's walk, the
+# positional baselines), so every shard must hold exactly TP=1's list.
+SHARED_SELECTION = ("sketch_walk", "streaming", "psaw", "etf")
+
+
+def run(engine: Engine, method: str, params: dict[str, Any], ps: list[tuple[int, ...]],
+        new: int = 6) -> list[tuple[int, ...]]:
+    out = []
+    for p in ps:  # one at a time: identical batches on both engines, so identical traces
+        fin = engine.submit(EngineRequest(p, SamplingParams(max_new_tokens=new, ignore_eos=True), method,
+                                          params)).result(300)
+        assert fin.finish_reason == "length", fin.error
+        out.append(fin.token_ids)
+    return out
+
+
+def assert_same_selections(e1: Engine, e2: Engine, shared: bool) -> None:
+    """Shards of e2 (TP=2) against e1 (TP=1), call by call: the same list on every shard when the method
+    shares one selection across heads, else the shards' heads in rank order are TP=1's heads."""
+    (one,) = e1.runners[0].group.call("selections")
+    shards = e2.runners[0].group.call("selections")
+    assert len(one) > 0 and all(len(s) == len(one) for s in shards)
+    heads = [info["kv_heads"] for info in e2.runners[0].group.info]
+    for i, (layer, _, full) in enumerate(one):
+        parts = [s[i][2] for s in shards]
+        assert all(s[i][0] == layer for s in shards)
+        if shared:
+            for p in parts:
+                assert torch.equal(p[0], full[0]), f"shards disagree with TP=1 at layer {layer}"
+        else:
+            assert [p.shape[0] for p in parts] == heads
+            width = max(p.shape[-1] for p in parts + [full])
+            pad = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts]
+            full = torch.nn.functional.pad(full, (0, width - full.shape[-1]), value=-1)
+            assert torch.equal(torch.cat(pad), full), f"selections differ at layer {layer}"

@@ -1,0 +1,49 @@
+"""The engine with the default model (SmolLM2-135M: 3 KV heads, so TP=2 splits them 2 + 1): TP=2 greedy
+outputs and selections equal TP=1's on a real-text prompt, and the main job's flags reach the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import SHARED_SELECTION, assert_same_selections, run
+
+from raysparse.orchestration.engine import Engine, EngineConfig
+from raysparse.shard_executor import method_key
+
+pytestmark = pytest.mark.timeout(900)
+CASES = [("dense", {}), ("sketch_walk", {"density": 0.2}), ("quest", {"density": 0.2})]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    import ray
+
+    from raysparse.loader import resolve_source
+    from raysparse.orchestration.ray_env import start_ray
+
+    try:
+        resolve_source(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    owns = start_ray(None, num_cpus=4)
+    common = dict(kv_cache_tokens=2048, cpus_per_shard=0.5, draft=False)
+    e1 = Engine(EngineConfig(tp=1, **common)).start()
+    e2 = Engine(EngineConfig(tp=2, **common)).start()
+    yield e1, e2
+    e1.shutdown()
+    e2.shutdown()
+    if owns:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("method, params", CASES)
+def test_default_model_tp2_matches_tp1(engines, real_text, method, params):
+    e1, e2 = engines
+    start = int(torch.randint(0, len(real_text) - 20000, ()))
+    prompt = tuple(e1.tokenizer(real_text[start: start + 20000])["input_ids"][:600])
+    if method != "dense":
+        for e in engines:
+            e.runners[0].group.call("record_selections", method_key(method, params))
+    assert run(e2, method, params, [prompt], new=8) == run(e1, method, params, [prompt], new=8)
+    if method != "dense":
+        assert_same_selections(e1, e2, method in SHARED_SELECTION)
