@@ -241,7 +241,14 @@ def test_health_goes_not_serving_while_a_killed_shard_is_rebuilt(served):
         # the replica notices the dead shard at its next step
         lost = client.generate(token_ids=[4, 5, 6], max_new_tokens=4, timeout=60)
         assert lost.finish_reason == "error" and "died" in lost.error
-        client.wait_serving(120, poll_s=0.05)
+        with pytest.raises(grpc.RpcError) as e:  # the only replica is rebuilding (it takes seconds)
+            client.generate(token_ids=[4, 5, 6], max_new_tokens=4, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 10
+        while client.health() != "NOT_SERVING":  # the poller mirrors the engine within poll_s
+            assert time.monotonic() < deadline, "health never went NOT_SERVING"
+            time.sleep(0.01)
+        client.wait_serving(180, poll_s=0.05)
         time.sleep(0.2)
     finally:
         stop.set()
