@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +68,15 @@ def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict
         def step() -> None:
             progress.update(current[-1], advance=1)
 
+        finished: list[dict[str, Any]] = []
+
         def on_result(run: dict[str, Any]) -> None:  # a line per setting: long runs show results as they come
             progress.console.print(summary_line(run))
+            finished.append(run)
+            if opts.out is not None:  # an interrupted run keeps the settings it finished
+                write_json({"schema": "raysparse.eval/partial", "model": {"name": name}, "haystack": source,
+                            "config": asdict(cfg), "elapsed_s": time.perf_counter() - t0, "runs": finished},
+                           Path(opts.out), "eval.partial.json")
 
         report = run_eval(model, tokenizer, cfg, text, source, model_name=name, on_setting=on_setting, step=step,
                           on_result=on_result, model_dir=model_dir)

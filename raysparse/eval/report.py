@@ -29,9 +29,9 @@ from rich.table import Table
 TASK_ABBREV = {"single_needle": "1N", "multi_key": "MK", "multi_value": "MV", "variable_tracking": "VT"}
 
 
-def write_json(report: dict[str, Any], out_dir: Path) -> Path:
+def write_json(report: dict[str, Any], out_dir: Path, name: str = "eval.json") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "eval.json"
+    path = out_dir / name
     path.write_text(json.dumps(report, indent=1) + "\n")
     return path
 
