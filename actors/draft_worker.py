@@ -146,7 +146,7 @@ class DraftWorker:
             plans.append(b.plan(sid, ctx[i], gam[i] + 1, rows[i]))
         b.clear_plans()
         sparse_map = {j: b.layer_map.mapping[j] for j in b.stats.sparse_layers}
-        msg = pack_round(drafts, plans, sparse_map)
+        msg = pack_round(drafts, plans, sparse_map, b.config.chunk_size)
         self.bytes_sent += len(msg)
         self.rounds += 1
         self.propose_s += time.perf_counter() - t0
