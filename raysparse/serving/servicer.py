@@ -101,9 +101,10 @@ class RaySparseServicer(pb_grpc.RaySparseServicer):
                     break
             tokens = [e for e in batch if isinstance(e, TokenEvent)]
             now = time.perf_counter()
-            for _ in tokens:
-                if last is not None:
-                    m.itl.labels(method).observe(now - last)
+            if tokens and last is not None:  # tokens that arrived together share the gap since the last ones
+                for _ in tokens:
+                    m.itl.labels(method).observe((now - last) / len(tokens))
+            if tokens:
                 last = now
             if tokens:
                 m.generation_tokens.labels(method).inc(len(tokens))
