@@ -164,9 +164,15 @@ class ReplicaRunner:
 
     def _fail(self, plan: StepPlan, error: str) -> None:
         with self.cond:
-            for seq in self._seqs(plan):
-                if seq is not None:
-                    self._finish(seq, "error", error)
+            seqs = [s for s in self._seqs(plan) if s is not None]
+            if plan.prefill and len(seqs) > 1:
+                # Which request broke the batch is unknown: each is retried alone, so only it fails.
+                for seq in reversed(seqs):
+                    self.sched.requeue_alone(seq)
+                self.cond.notify()
+                return
+            for seq in seqs:
+                self._finish(seq, "error", error)
 
     def _rebuild(self, error: str) -> None:
         log.error("replica %d lost a shard: %s; rebuilding", self.index, error)

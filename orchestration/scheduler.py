@@ -33,6 +33,7 @@ class Sequence:
     t_submit: float = 0.0
     t_first: float = 0.0
     aborted: bool = False
+    solo: bool = False  # prefill alone: a batch it was in failed, and the culprit is not known yet
 
     @property
     def request(self) -> EngineRequest:
@@ -95,6 +96,16 @@ class Scheduler:
             self._to_free.append(seq.seq_id)
             self.free_pages += seq.pages
 
+    def requeue_alone(self, seq: Sequence) -> None:
+        """A running sequence whose batched prefill failed goes back to the front of the queue, to be
+        prefilled on its own (the shards already freed it), so one bad request fails alone."""
+        group = self.running.get(seq.key, [])
+        if seq in group:
+            group.remove(seq)
+            self.free_pages += seq.pages
+        seq.solo, seq.tokens, seq.text, seq.t_first = True, [], "", 0.0
+        self.waiting.appendleft(seq)
+
     def drop_waiting(self, seq: Sequence) -> bool:
         try:
             self.waiting.remove(seq)
@@ -138,7 +149,8 @@ class Scheduler:
             n = len(seq.request.prompt_ids)
             if seq.key != head.key:
                 continue
-            if chosen and (tokens + n > self.cfg.max_prefill_tokens or len(chosen) >= self.cfg.max_batch):
+            if chosen and (tokens + n > self.cfg.max_prefill_tokens or len(chosen) >= self.cfg.max_batch
+                           or seq.solo or head.solo):
                 break
             if seq.pages > self.free_pages:
                 break  # FIFO within the key: no overtaking a request that waits for pages

@@ -102,6 +102,7 @@ class SpecStep:
         self.round_s += dt
         self.rounds += 1
         if res["error"]:
+            self.free(plan.seq_ids)  # the shards freed them too; a retried prefill starts afresh
             runner._fail(plan, res["error"])
             return
         runner.emit(plan, new_tokens)

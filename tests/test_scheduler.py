@@ -1,0 +1,96 @@
+"""The scheduler and a replica's loop without Ray: an in-process shard group over a tiny random model."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from helpers import random_state, tiny_hf_config
+
+from raysparse.kv_cache import KVCache
+from raysparse.loader import model_from_state
+from raysparse.orchestration.engine_api import EngineRequest, RequestHandle
+from raysparse.orchestration.runner import ReplicaRunner
+from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
+from raysparse.sampling import SamplingParams
+from raysparse.shard_executor import ShardExecutor, StepPlan, method_key
+
+POISON = 13  # a prompt holding this token id makes the fake shard fail its whole step
+
+
+class LocalGroup:
+    """One in-process shard with ReplicaGroup's step interface; steps holding a poisoned prompt fail."""
+
+    def __init__(self, model, pages: int) -> None:
+        self.executor = ShardExecutor(model, KVCache(model.cfg, pages, 64))
+        self.info: list[dict] = []
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> dict:
+        self.plans.append(plan)
+        if plan.prefill and any(POISON in t for t in plan.tokens):
+            self.executor.free(plan.seq_ids)
+            return {"tokens": None, "error": "ValueError: poisoned prompt", "forward_s": 0.0}
+        return self.executor.execute(plan)
+
+    def stop(self) -> None:
+        pass
+
+
+def make_runner(pages: int = 32) -> tuple[ReplicaRunner, LocalGroup]:
+    cfg = tiny_hf_config(layers=2)
+    model = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict())
+    group = LocalGroup(model, pages)
+    runner = ReplicaRunner(0, group, Scheduler(SchedulerConfig(pages, 64, max_batch=8)), None)
+    runner.state = "ready"
+    runner.thread.start()
+    return runner, group
+
+
+def submit(runner: ReplicaRunner, prompt: tuple[int, ...], new: int = 4) -> RequestHandle:
+    h = RequestHandle(EngineRequest(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True)), runner.abort)
+    runner.add(runner.sched.make_sequence(h, method_key("dense"), frozenset(), time.perf_counter()))
+    return h
+
+
+def test_one_bad_request_in_a_batched_prefill_fails_alone():
+    runner, group = make_runner()
+    try:
+        with runner.cond:  # queue all three before the loop looks, so they share one prefill
+            good = [RequestHandle(EngineRequest(tuple(range(20, 60)), SamplingParams(max_new_tokens=4,
+                                                                                    ignore_eos=True)), runner.abort)
+                    for _ in range(2)]
+            bad = RequestHandle(EngineRequest((POISON, 5, 6), SamplingParams(max_new_tokens=4)), runner.abort)
+            for h in (good[0], bad, good[1]):
+                runner.sched.add(runner.sched.make_sequence(h, method_key("dense"), frozenset(), 0.0))
+        results = [h.result(60) for h in good]
+        assert [r.finish_reason for r in results] == ["length", "length"]
+        assert results[0].token_ids == results[1].token_ids and len(results[0].token_ids) == 4
+        fin = bad.result(60)
+        assert fin.finish_reason == "error" and "poisoned" in fin.error
+        assert len(group.plans[0].seq_ids) == 3  # they were batched, then retried one by one
+        deadline = time.time() + 10
+        while runner.info()["kv_used_tokens"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert runner.info()["kv_used_tokens"] == 0 and group.executor.cache.free_pages == 32
+    finally:
+        runner.stop()
+
+
+def test_prefill_and_decode_alternate_and_admission_waits_for_pages():
+    sched = Scheduler(SchedulerConfig(capacity_pages=4, page_size=64, max_batch=8))
+    handles = [RequestHandle(EngineRequest(tuple(range(1, 100)), SamplingParams(max_new_tokens=20)), print)
+               for _ in range(3)]
+    seqs = [sched.make_sequence(h, "k", frozenset(), 0.0) for h in handles]  # 2 pages each
+    for s in seqs:
+        sched.add(s)
+    p1 = sched.next_plan()
+    assert p1.prefill and p1.seq_ids == [seqs[0].seq_id, seqs[1].seq_id]  # the third does not fit yet
+    seqs[0].tokens.append(7)
+    seqs[1].tokens.append(7)
+    p2 = sched.next_plan()
+    assert not p2.prefill and len(p2.seq_ids) == 2
+    assert sched.next_plan().prefill is False  # still no pages for the third: decode again
+    sched.release(seqs[0])
+    p4 = sched.next_plan()  # pages came back: the waiting request is admitted, the finished one freed
+    assert p4.prefill and p4.seq_ids == [seqs[2].seq_id] and p4.free == [seqs[0].seq_id]
