@@ -12,7 +12,9 @@ correction over the error before it (below 1: Delta helps that layer). Two spars
 the registered block-level streaming base (the one Delta wraps) and a token-level sliding window (StreamingLLM
 as the paper runs it: 64 sinks + the last ``window`` tokens of every row; window = the block base's mean).
 
-Usage: python benchmarks/probe_delta.py [--tokens 2048] [--density 0.2|none] [--diagnose] [--no-ppl]
+``--also quest,oracle,sketch_walk`` adds other methods' perplexity at the same density on the same window.
+
+Usage: python benchmarks/probe_delta.py [--tokens 2048] [--density 0.2|none] [--diagnose] [--no-ppl] [--also M,M]
 """
 
 from __future__ import annotations
@@ -110,12 +112,14 @@ def main() -> None:
     ap.add_argument("--density", default="0.2", help="the base's budget, or 'none' for SPEC's default window")
     ap.add_argument("--diagnose", action="store_true", help="also the per-layer test of Delta's reuse assumption")
     ap.add_argument("--no-ppl", action="store_true", help="skip the perplexity part")
+    ap.add_argument("--also", default="", help="comma list of other methods whose perplexity to print at the density")
+    ap.add_argument("--offset", type=int, default=200000, help="character offset of the window into the text")
     args = ap.parse_args()
     src = materialize(resolve_source(None))
     cfg = load_hf_config(src)
     tok, model = load_tokenizer(src), load_model(src, hf_config=cfg)
     text, source = load_haystack_text(None)
-    ids = tok(text[200000:200000 + 40 * args.tokens])["input_ids"][: args.tokens]
+    ids = tok(text[args.offset:args.offset + 40 * args.tokens])["input_ids"][: args.tokens]
     scored = len(ids) * 3 // 4  # perplexity of the last quarter, as the eval harness scores it
     d = None if args.density == "none" else float(args.density)
     base = {} if d is None else {"density": d}
@@ -136,7 +140,8 @@ def main() -> None:
         for name, params in [("dense", {}), ("streaming", base), ("delta", {**base, "mode": "sparse-only"}),
                              ("delta", {**base, "mode": "recompute"}), ("delta", {**base, "mode": "delta"}),
                              ("delta", {**base, "mode": "recompute", "tail": 0}),
-                             ("delta", {**base, "mode": "delta", "tail": 0})]:
+                             ("delta", {**base, "mode": "delta", "tail": 0})] + [
+                                 (m, base) for m in filter(None, args.also.split(","))]:
             p, dens = ppl(name, **params)
             print(f"{name:10s} {str(params):50s} ppl {p:7.2f}  density {dens:.3f}", flush=True)
     if args.diagnose:

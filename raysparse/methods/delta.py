@@ -21,6 +21,13 @@ Choices where SPEC is silent:
   it is the prompt's last), and rows before the chunk's first anchor use the Delta of their anchor from
   the previous chunk, kept in ``ctx.state``; without it they stay uncorrected.
 - The tracer sees a ``DeltaSelection``: the base's BlockSelection plus which rows were computed densely.
+
+Measured on the default model (benchmarks/probe_delta.py --diagnose): Delta rests on the true correction
+D(i) = O_dense(i) - O_sparse(i) of a row being close to its anchor's; on SmolLM2-135M at 2K tokens their
+cosine is ~0.4 and reusing D(anchor) raises the output error of most layers (error after / before: 1.16
+over a token-level sliding window as in the paper, 2.3 over the block-level streaming base, whose anchor
+row i = 64 j is the first row of its query block and so has the smallest window of the block). The
+correction therefore raises perplexity there; this is the formula as specified, not a defect of the code.
 """
 
 from __future__ import annotations
