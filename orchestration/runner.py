@@ -119,7 +119,7 @@ class ReplicaRunner:
         with self.cond:
             seqs = self._seqs(plan)
             for seq, toks in zip(seqs, new_tokens, strict=True):
-                if seq is None:
+                if seq is None or toks == [None]:  # gone, or a prompt's non-final chunk
                     continue
                 if plan.prefill:
                     seq.t_first = now

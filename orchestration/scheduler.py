@@ -34,6 +34,11 @@ class Sequence:
     t_first: float = 0.0
     aborted: bool = False
     solo: bool = False  # prefill alone: a batch it was in failed, and the culprit is not known yet
+    prefilled: int = 0  # prompt tokens already sent to the shards (chunked prefill)
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.prefilled >= len(self.handle.request.prompt_ids)
 
     @property
     def request(self) -> EngineRequest:
@@ -103,7 +108,7 @@ class Scheduler:
         if seq in group:
             group.remove(seq)
             self.free_pages += seq.pages
-        seq.solo, seq.tokens, seq.text, seq.t_first = True, [], "", 0.0
+        seq.solo, seq.tokens, seq.text, seq.t_first, seq.prefilled = True, [], "", 0.0, 0
         self.waiting.appendleft(seq)
 
     def drop_waiting(self, seq: Sequence) -> bool:
@@ -122,17 +127,23 @@ class Scheduler:
         self._to_free.clear()
         self.free_pages = self.cfg.capacity_pages
 
+    def _ready(self, key: str) -> list[Sequence]:
+        return [s for s in self.running.get(key, []) if s.prompt_done]
+
+    def _partial(self) -> list[Sequence]:
+        return [s for g in self.running.values() for s in g if not s.prompt_done]
+
     def next_plan(self) -> StepPlan | None:
-        decode_keys = [k for k, g in self.running.items() if g]
+        decode_keys = [k for k in self.running if self._ready(k)]
         admissible = bool(self.waiting) and self.waiting[0].pages <= self.free_pages
-        if admissible and not (self._last_prefill and decode_keys):
+        if (admissible or self._partial()) and not (self._last_prefill and decode_keys):
             self._last_prefill = True
             return self._prefill_plan()
         if decode_keys:
             self._last_prefill = False
             key = decode_keys[self._rr % len(decode_keys)]
             self._rr += 1
-            group = self.running[key][: self.cfg.max_batch]
+            group = self._ready(key)[: self.cfg.max_batch]
             plan = StepPlan(key, False, [s.seq_id for s in group], [[s.tokens[-1]] for s in group])
         elif self._to_free:
             plan = StepPlan("", False)
@@ -142,27 +153,47 @@ class Scheduler:
         return plan
 
     def _prefill_plan(self) -> StepPlan:
-        head = self.waiting[0]
-        chosen: list[Sequence] = []
-        tokens = 0
+        """Prompts (or their next chunks) up to ``max_prefill_tokens``: sequences part-way through their prompt
+        first, then new admissions of the same method. A prompt longer than what is left of the step's budget
+        is split (chunked prefill), so a long prompt never holds decodes up for more than one budget's worth;
+        SpecAttn, whose draft prefills whole prompts, is never split."""
+        partial = self._partial()
+        key = partial[0].key if partial else self.waiting[0].key
+        chunkable = not key.startswith('["specattn"')
+        budget = self.cfg.max_prefill_tokens
+        rows: list[tuple[Sequence, int]] = []  # (sequence, tokens of it in this step)
+        for seq in [s for s in partial if s.key == key]:
+            if budget <= 0 or len(rows) >= self.cfg.max_batch:
+                break
+            n = min(len(seq.request.prompt_ids) - seq.prefilled, budget)
+            rows.append((seq, n))
+            budget -= n
+        admitted: list[Sequence] = []
+        solo = any(s.solo for s, _ in rows)
         for seq in list(self.waiting):
-            n = len(seq.request.prompt_ids)
-            if seq.key != head.key:
+            if seq.key != key:
                 continue
-            if chosen and (tokens + n > self.cfg.max_prefill_tokens or len(chosen) >= self.cfg.max_batch
-                           or seq.solo or head.solo):
+            if budget <= 0 or len(rows) >= self.cfg.max_batch or solo or (rows and seq.solo):
                 break
             if seq.pages > self.free_pages:
                 break  # FIFO within the key: no overtaking a request that waits for pages
-            chosen.append(seq)
-            tokens += n
+            left = len(seq.request.prompt_ids)
+            if not chunkable and rows and left > budget:
+                break
+            n = left if not chunkable else min(left, budget)
+            rows.append((seq, n))
+            admitted.append(seq)
+            budget -= n
+            solo = seq.solo
             self.free_pages -= seq.pages
             self.waiting.remove(seq)
-        self.running.setdefault(head.key, []).extend(chosen)
-        admit: list[tuple[int, int, dict[str, Any]]] = [
-            (s.seq_id, s.request.max_tokens, _params_dict(s)) for s in chosen]
-        plan = StepPlan(head.key, True, [s.seq_id for s in chosen], [list(s.request.prompt_ids) for s in chosen],
-                        admit)
+        self.running.setdefault(key, []).extend(admitted)
+        plan = StepPlan(key, True, admit=[(s.seq_id, s.request.max_tokens, _params_dict(s)) for s in admitted])
+        for seq, n in rows:
+            plan.seq_ids.append(seq.seq_id)
+            plan.tokens.append(list(seq.request.prompt_ids[seq.prefilled: seq.prefilled + n]))
+            seq.prefilled += n
+            plan.sample.append(seq.prompt_done)  # only a prompt's last chunk yields a token
         plan.free, self._to_free = self._to_free, []
         return plan
 

@@ -51,6 +51,7 @@ class StepPlan:
     tokens: list[list[int]] = field(default_factory=list)
     admit: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
     free: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)  # per sequence; empty = all (a non-final prefill chunk: no)
 
 
 def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -149,8 +150,14 @@ class ShardExecutor:
             ids = torch.tensor([t for toks in plan.tokens for t in toks], dtype=torch.long, device=dev)
             batch = self.cache.prepare(plan.seq_ids, [len(t) for t in plan.tokens], plan.prefill)
             logits = self.model(ids, batch, self.cache, backend)
-            tokens = (self.sampler.sample(logits, plan.seq_ids, [self._params[s] for s in plan.seq_ids])
-                      if self.rank == 0 else None)
+            tokens: list[int | None] | None = None
+            if self.rank == 0:
+                rows = [i for i in range(len(plan.seq_ids)) if not plan.sample or plan.sample[i]]
+                sids = [plan.seq_ids[i] for i in rows]
+                drawn = self.sampler.sample(logits[rows], sids, [self._params[s] for s in sids]) if rows else []
+                tokens = [None] * len(plan.seq_ids)
+                for i, t in zip(rows, drawn, strict=True):
+                    tokens[i] = t
             self._sync()
             return {"tokens": tokens, "error": None, "forward_s": time.perf_counter() - t0}
         except Exception as e:  # the engine fails these sequences and frees them; other work goes on

@@ -37,11 +37,13 @@ class LocalGroup:
         pass
 
 
-def make_runner(pages: int = 32) -> tuple[ReplicaRunner, LocalGroup]:
-    cfg = tiny_hf_config(layers=2)
-    model = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict())
+def make_runner(pages: int = 32, max_prefill_tokens: int = 65536, model=None) -> tuple[ReplicaRunner, LocalGroup]:
+    if model is None:
+        cfg = tiny_hf_config(layers=2)
+        model = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict())
     group = LocalGroup(model, pages)
-    runner = ReplicaRunner(0, group, Scheduler(SchedulerConfig(pages, 64, max_batch=8)), None)
+    sched = Scheduler(SchedulerConfig(pages, 64, max_batch=8, max_prefill_tokens=max_prefill_tokens))
+    runner = ReplicaRunner(0, group, sched, None)
     runner.state = "ready"
     runner.thread.start()
     return runner, group
@@ -94,3 +96,28 @@ def test_prefill_and_decode_alternate_and_admission_waits_for_pages():
     sched.release(seqs[0])
     p4 = sched.next_plan()  # pages came back: the waiting request is admitted, the finished one freed
     assert p4.prefill and p4.seq_ids == [seqs[2].seq_id] and p4.free == [seqs[0].seq_id]
+
+
+def test_chunked_prefill_gives_the_same_tokens_and_lets_decodes_through():
+    cfg = tiny_hf_config(layers=3)
+    model = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict())
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    long_prompt = tuple(torch.randint(POISON + 1, 97, (300,), generator=g).tolist())
+    short = tuple(torch.randint(POISON + 1, 97, (20,), generator=g).tolist())
+    outs = {}
+    for budget in (4096, 64):
+        runner, group = make_runner(max_prefill_tokens=budget, model=model)
+        try:
+            first = submit(runner, short, new=200)
+            first.get(30)  # running: decoding while the long prompt arrives
+            second = submit(runner, long_prompt, new=4)
+            outs[budget] = (first.result(60).token_ids, second.result(60).token_ids)
+            prefills = [p for p in group.plans if p.prefill][1:]  # the first one is the short prompt's
+            if budget == 64:  # 300 tokens in chunks of at most 64, decode steps of the short one in between
+                assert [len(p.tokens[0]) for p in prefills][:5] == [64, 64, 64, 64, 44]
+                assert [p.sample for p in prefills][:5] == [[False]] * 4 + [[True]]
+                i0, i1 = group.plans.index(prefills[0]), group.plans.index(prefills[-1])
+                assert any(not p.prefill and p.seq_ids for p in group.plans[i0:i1])
+        finally:
+            runner.stop()
+    assert outs[64] == outs[4096]
