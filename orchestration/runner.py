@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from raysparse.generate import FinishEvent, TokenEvent
+from raysparse.generate import FinishEvent, TokenEvent, text_delta
 from raysparse.orchestration.replica import ReplicaGroup, ShardLostError
 from raysparse.orchestration.scheduler import Scheduler, Sequence
 from raysparse.shard_executor import StepPlan
@@ -145,12 +145,7 @@ class ReplicaRunner:
         return False
 
     def _detok(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
-        delta, seq.text = text[len(seq.text):], text
+        delta, seq.text = text_delta(self.tokenizer, seq.tokens, seq.text)
         return delta
 
     def _finish(self, seq: Sequence, reason: str, error: str = "") -> None:

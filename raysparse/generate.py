@@ -79,12 +79,7 @@ class Generator:
         self.sampler = Sampler()
 
     def _detok(self, live: _Live) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(live.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
-        delta, live.text = text[len(live.text):], text
+        delta, live.text = text_delta(self.tokenizer, live.tokens, live.text)
         return delta
 
     def _release(self, seq_id: int) -> None:
@@ -166,6 +161,16 @@ class Generator:
             # A consumer that stops early, or an error mid-step, must not leak KV pages.
             for live in lives:
                 self._release(live.seq_id)
+
+
+def text_delta(tokenizer: Any | None, tokens: Sequence[int], text: str) -> tuple[str, str]:
+    """Incremental detokenisation: (new text since ``text``, the full text) after the latest token."""
+    if tokenizer is None:
+        return "", text
+    full = tokenizer.decode(tokens, skip_special_tokens=True)
+    if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        return "", text
+    return full[len(text):], full
 
 
 def chat_prompt_ids(tokenizer: Any, user_message: str, system: str | None = None) -> list[int]:

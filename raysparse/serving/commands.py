@@ -19,13 +19,9 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
+    from raysparse.cli import _positive_int  # one parser of positive integers for every command
+
+    return _positive_int(s)
 
 
 def port(s: str) -> int:
