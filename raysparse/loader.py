@@ -8,10 +8,12 @@ from a hub.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,32 @@ def cache_root() -> Path:
     return Path(os.environ.get("RAYSPARSE_CACHE", Path.home() / ".cache" / "raysparse"))
 
 
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No progress bars from transformers' GGUF conversion and weight loading: the conversion's plain tqdm
+    is given ``disable=True`` (its TQDM_DISABLE setting is read only at import), the rest is transformers'."""
+    import functools
+
+    from transformers.utils import logging as hf_logging
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - older transformers
+        gguf_utils = None
+    saved = getattr(gguf_utils, "tqdm", None)
+    if saved is not None:
+        gguf_utils.tqdm = functools.partial(saved, disable=True)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            gguf_utils.tqdm = saved
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def materialize(src: ModelSource) -> ModelSource:
     """A GGUF source converted once into a plain HF directory (fp32 safetensors, config, tokenizer).
 
@@ -97,8 +125,9 @@ def materialize(src: ModelSource) -> ModelSource:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
-        model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, local_files_only=True,
-                                                     **src.hf_kwargs())
+        with _quiet_progress():  # callers show their own progress; stderr stays for errors
+            model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32,
+                                                         local_files_only=True, **src.hf_kwargs())
         # save_pretrained refuses models loaded from GGUF, so write the dequantized tensors ourselves.
         from safetensors.torch import save_file
 
