@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from raysparse.orchestration.engine import Engine, EngineRequest
+from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
 from raysparse.sampling import SamplingParams
 
 # Methods that make one selection per layer and expand it over the KV heads (Sketch&Walk's walk, the
@@ -44,3 +45,21 @@ def assert_same_selections(e1: Engine, e2: Engine, shared: bool) -> None:
             pad = [torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts]
             full = torch.nn.functional.pad(full, (0, width - full.shape[-1]), value=-1)
             assert torch.equal(torch.cat(pad), full), f"selections differ at layer {layer}"
+
+
+def tp1_and_tp2(**common: Any) -> Iterator[tuple[Engine, Engine]]:
+    """A TP=1 and a TP=2 engine on one local Ray instance (a module fixture's body); stops what it started."""
+    import ray
+
+    from raysparse.orchestration.ray_env import start_ray
+
+    owns = start_ray(None, num_cpus=4)
+    e1 = Engine(EngineConfig(tp=1, **common)).start()
+    e2 = Engine(EngineConfig(tp=2, **common)).start()
+    try:
+        yield e1, e2
+    finally:
+        e1.shutdown()
+        e2.shutdown()
+        if owns:
+            ray.shutdown()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import SHARED_SELECTION, assert_same_selections
+from engine_helpers import SHARED_SELECTION, assert_same_selections, tp1_and_tp2
 from engine_helpers import run as run_one_at_a_time
 from helpers import random_state, tiny_hf_config
 
@@ -36,19 +36,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir):
-    import ray
-
-    from raysparse.orchestration.ray_env import start_ray
-
-    owns = start_ray(None, num_cpus=4)
-    common = dict(model=tiny_dir, kv_cache_tokens=4096, page_size=64, cpus_per_shard=0.5, draft=False)
-    e1 = Engine(EngineConfig(tp=1, **common)).start()
-    e2 = Engine(EngineConfig(tp=2, **common)).start()
-    yield e1, e2
-    e1.shutdown()
-    e2.shutdown()
-    if owns:
-        ray.shutdown()
+    yield from tp1_and_tp2(model=tiny_dir, kv_cache_tokens=4096, page_size=64, cpus_per_shard=0.5, draft=False)
 
 
 def prompts(n: int = 2) -> list[tuple[int, ...]]:

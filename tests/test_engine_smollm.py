@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import SHARED_SELECTION, assert_same_selections, run
+from engine_helpers import SHARED_SELECTION, assert_same_selections, run, tp1_and_tp2
 
-from raysparse.orchestration.engine import Engine, EngineConfig
 from raysparse.shard_executor import method_key
 
 pytestmark = pytest.mark.timeout(900)
@@ -16,24 +15,13 @@ CASES = [("dense", {}), ("sketch_walk", {"density": 0.2}), ("quest", {"density":
 
 @pytest.fixture(scope="module")
 def engines():
-    import ray
-
     from raysparse.loader import resolve_source
-    from raysparse.orchestration.ray_env import start_ray
 
     try:
         resolve_source(None)
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    owns = start_ray(None, num_cpus=4)
-    common = dict(kv_cache_tokens=2048, cpus_per_shard=0.5, draft=False)
-    e1 = Engine(EngineConfig(tp=1, **common)).start()
-    e2 = Engine(EngineConfig(tp=2, **common)).start()
-    yield e1, e2
-    e1.shutdown()
-    e2.shutdown()
-    if owns:
-        ray.shutdown()
+    yield from tp1_and_tp2(kv_cache_tokens=2048, cpus_per_shard=0.5, draft=False)
 
 
 @pytest.mark.parametrize("method, params", CASES)
