@@ -34,11 +34,13 @@ class ShardSpec:
     seed: int = 0
     num_threads: int | None = None
     collective_timeout_s: float = 300.0
+    cuda_graphs: bool = True
+    max_batch: int = 64  # the largest decode batch a captured graph must hold
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.kv_cache_tokens <= 0 or self.page_size <= 0:
-            raise ValueError("kv_cache_tokens and page_size must be positive")
+        if self.kv_cache_tokens <= 0 or self.page_size <= 0 or self.max_batch <= 0:
+            raise ValueError("kv_cache_tokens, page_size and max_batch must be positive")
 
 
 class ShardWorker:
@@ -90,7 +92,12 @@ class ShardWorker:
         cache = KVCache(model.cfg, pages, spec.page_size, dtype, self.device, model.num_kv_heads)
         sync = torch.cuda.synchronize if self.device == "cuda" else None
         reduce = all_reduce_fn(None) if world_size > 1 else None
-        self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync)
+        graphs = None
+        if self.device == "cuda" and spec.cuda_graphs:
+            from raysparse.decode_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(model, cache, spec.max_batch)
+        self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync, graphs)
         return {"rank": rank, "kv_heads": model.num_kv_heads, "kv_offset": getattr(model, "kv_head_offset", 0),
                 "kv_pages": pages, "page_size": spec.page_size, "device": self.device}
 

@@ -71,8 +71,9 @@ class Engine:
                 self.eos = frozenset({int(self.tokenizer.eos_token_id)})
             gpus = ray.cluster_resources().get("GPU", 0)
             self.use_gpu = self.cfg.device == "cuda" or (self.cfg.device == "auto" and gpus >= self.cfg.tp)
-            spec = ShardSpec(str(src.directory), self.cfg.dtype,
-                             self.cfg.kv_cache_tokens, self.cfg.page_size, self.cfg.random_weights, self.cfg.seed)
+            spec = ShardSpec(str(src.directory), self.cfg.dtype, self.cfg.kv_cache_tokens, self.cfg.page_size,
+                             self.cfg.random_weights, self.cfg.seed, cuda_graphs=self.cfg.cuda_graphs,
+                             max_batch=self.cfg.max_batch)
             load: dict[str, int] = {}
             for i in range(self.cfg.replicas):
                 node = choose_node(self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, load)
@@ -82,7 +83,8 @@ class Engine:
                                      prefix=self.name)
                 pages = -(-self.cfg.kv_cache_tokens // self.cfg.page_size)
                 sched = Scheduler(SchedulerConfig(pages, self.cfg.page_size, self.cfg.max_batch,
-                                                  self.cfg.max_prefill_tokens, self.cfg.max_waiting))
+                                                  self.cfg.max_prefill_tokens, self.cfg.max_waiting,
+                                                  self.cfg.decode_steps))
                 self.runners.append(ReplicaRunner(i, group, sched, self.tokenizer))
             with ThreadPoolExecutor(max_workers=len(self.runners)) as pool:
                 list(pool.map(lambda r: r.group.start(self.cfg.load_timeout_s), self.runners))

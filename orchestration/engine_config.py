@@ -27,11 +27,13 @@ class EngineConfig:
     load_timeout_s: float = 900.0
     name: str = ""  # prefix of actor and placement group names; "" = raysparse-<random>
     draft: bool = True  # start the SpecAttn draft actor (one per replica)
+    cuda_graphs: bool = True  # GPUs: replay decode steps from captured CUDA graphs (methods that allow it)
+    decode_steps: int = 1  # decode steps per call to the shards while no prompt waits (multi-step decode)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         for name in ("tp", "replicas", "kv_cache_tokens", "page_size", "max_batch", "max_prefill_tokens",
-                     "max_waiting"):
+                     "max_waiting", "decode_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

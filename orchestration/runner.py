@@ -111,7 +111,7 @@ class ReplicaRunner:
         if res["error"]:
             self._fail(plan, res["error"])
             return
-        self.emit(plan, [[t] for t in res["tokens"]])
+        self.emit(plan, res["tokens"] if plan.steps > 1 else [[t] for t in res["tokens"]])
 
     def emit(self, plan: StepPlan, new_tokens: list[list[int]]) -> None:
         """Delivers each sequence's new tokens (one per step, several per SpecAttn round) in order."""

@@ -52,9 +52,11 @@ class SchedulerConfig:
     max_batch: int = 64
     max_prefill_tokens: int = 65536
     max_waiting: int = 4096
+    decode_steps: int = 1  # consecutive decode steps per plan while no prompt can be admitted or continued
 
     def __post_init__(self) -> None:
-        for name in ("capacity_pages", "page_size", "max_batch", "max_prefill_tokens", "max_waiting"):
+        for name in ("capacity_pages", "page_size", "max_batch", "max_prefill_tokens", "max_waiting",
+                     "decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -145,6 +147,11 @@ class Scheduler:
             self._rr += 1
             group = self._ready(key)[: self.cfg.max_batch]
             plan = StepPlan(key, False, [s.seq_id for s in group], [[s.tokens[-1]] for s in group])
+            if not (admissible or self._partial() or key.startswith('["specattn"')):
+                # Multi-step: fewer round trips while nothing else could run; never past a request's
+                # max_new_tokens (its pages), at most steps - 1 tokens computed after a stop token.
+                left = min(s.request.params.max_new_tokens - len(s.tokens) for s in group)
+                plan.steps = max(1, min(self.cfg.decode_steps, left))
         elif self._to_free:
             plan = StepPlan("", False)
         else:

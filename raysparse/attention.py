@@ -125,6 +125,12 @@ class DenseAttention(AttentionBackend):
     """Exact causal attention (SDPA) over each sequence's cached K/V."""
 
     name = "dense"
+    graph_decode = True  # decode reads lengths and pages from device tensors only (raysparse.decode_graphs)
+
+    def account_graph_decode(self, ctx_lens: list[int], num_kv_heads: int) -> None:
+        keys = float(sum(ctx_lens) * num_kv_heads)
+        for layer in range(self.meter.num_layers):
+            self.meter.add(layer, keys, keys, decode=True)
 
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -78,7 +78,10 @@ class KVCache:
         self.num_pages = num_pages
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, self.num_kv_heads, page_size, cfg.head_dim)
+        # One physical page more than the pool: a scratch page that padded rows of a captured decode step
+        # write to and read from, so padding never touches a sequence's pages.
+        self.scratch_page = num_pages
+        shape = (num_pages + 1, self.num_kv_heads, page_size, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
         self.metadata_bytes_per_token = metadata_bytes_per_token
@@ -153,6 +156,25 @@ class KVCache:
         if not 0 <= new_len <= cur:
             raise ValueError(f"cannot truncate sequence {seq_id} of {cur} tokens to {new_len}")
         self._lens[seq_id] = new_len
+
+    def page_list(self, seq_id: int) -> list[int]:
+        """A sequence's pages in order; fixed for its lifetime (the whole reservation is taken up front)."""
+        return self._pages[seq_id]
+
+    def advance_decode(self, seq_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """One new token per sequence, host side only: (positions, pages, offsets) of the new tokens. For
+        decode paths that build their own device metadata (captured CUDA graphs)."""
+        positions, pages, offsets = [], [], []
+        for sid in seq_ids:
+            pos = self._lens[sid]
+            if pos + 1 > self._reserved[sid]:
+                raise CapacityError(f"sequence {sid} grew past its reservation of {self._reserved[sid]} tokens")
+            positions.append(pos)
+            pages.append(self._pages[sid][pos // self.page_size])
+            offsets.append(pos % self.page_size)
+        for sid in seq_ids:
+            self._lens[sid] += 1
+        return positions, pages, offsets
 
     def page_table(self, seq_id: int) -> torch.Tensor:
         return torch.tensor(self._pages[seq_id], dtype=torch.int64, device=self.device)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from raysparse.attention import AttentionBackend
+from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.model import LlamaForCausalLM
@@ -52,6 +53,7 @@ class StepPlan:
     admit: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
     free: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)  # per sequence; empty = all (a non-final prefill chunk: no)
+    steps: int = 1  # decode: consecutive steps in one call, each feeding back the tokens it sampled
 
 
 def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -71,8 +73,11 @@ def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], tor
 
 class ShardExecutor:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, rank: int = 0, world_size: int = 1,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, sync: Callable[[], None] | None = None):
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, sync: Callable[[], None] | None = None,
+                 graphs: DecodeGraphs | None = None):
         self.model, self.cache, self.rank, self.world_size = model, cache, rank, world_size
+        self.graphs = graphs
+        self._share_reduce = reduce
         self.sampler = Sampler()
         self.backends: dict[str, AttentionBackend] = {}
         self._seq_key: dict[int, str] = {}
@@ -137,8 +142,9 @@ class ShardExecutor:
             self.sampler.add(sid, p)
 
     def execute(self, plan: StepPlan) -> dict[str, Any]:
-        """Runs one step. Returns ``tokens`` (rank 0; None elsewhere), ``error`` (the step's sequences failed;
-        the shard stays usable) and the shard's forward time."""
+        """Runs one step (``plan.steps`` decode steps). Returns ``tokens`` (rank 0; None elsewhere): one per
+        sequence, or a list per sequence when ``steps > 1``; ``error`` (the step's sequences failed; the
+        shard stays usable) and the shard's forward time."""
         t0 = time.perf_counter()
         self.free(plan.free)
         if not plan.seq_ids:
@@ -146,23 +152,56 @@ class ShardExecutor:
         try:
             self.admit(plan.admit, plan.key)
             backend = self.backend(plan.key)
-            dev = self.cache.device
-            ids = torch.tensor([t for toks in plan.tokens for t in toks], dtype=torch.long, device=dev)
-            batch = self.cache.prepare(plan.seq_ids, [len(t) for t in plan.tokens], plan.prefill)
-            logits = self.model(ids, batch, self.cache, backend)
-            tokens: list[int | None] | None = None
-            if self.rank == 0:
-                rows = [i for i in range(len(plan.seq_ids)) if not plan.sample or plan.sample[i]]
-                sids = [plan.seq_ids[i] for i in rows]
-                drawn = self.sampler.sample(logits[rows], sids, [self._params[s] for s in sids]) if rows else []
-                tokens = [None] * len(plan.seq_ids)
-                for i, t in zip(rows, drawn, strict=True):
-                    tokens[i] = t
+            if plan.prefill:
+                tokens: Any = self._sample(plan, self._forward(plan, backend, plan.tokens))
+            else:
+                tokens = self._decode(plan, backend)
             self._sync()
             return {"tokens": tokens, "error": None, "forward_s": time.perf_counter() - t0}
         except Exception as e:  # the engine fails these sequences and frees them; other work goes on
             self.free(plan.seq_ids)
             return {"tokens": None, "error": f"{type(e).__name__}: {e}", "forward_s": time.perf_counter() - t0}
+
+    def _forward(self, plan: StepPlan, backend: AttentionBackend, tokens: list[list[int]]) -> torch.Tensor:
+        if not plan.prefill and self.graphs is not None and DecodeGraphs.supports(backend):
+            return self.graphs.decode(plan.key, backend, plan.seq_ids, [t[-1] for t in tokens])
+        ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long, device=self.cache.device)
+        batch = self.cache.prepare(plan.seq_ids, [len(t) for t in tokens], plan.prefill)
+        return self.model(ids, batch, self.cache, backend)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[int | None] | None:
+        if self.rank != 0:
+            return None
+        rows = [i for i in range(len(plan.seq_ids)) if not plan.sample or plan.sample[i]]
+        sids = [plan.seq_ids[i] for i in rows]
+        drawn = self.sampler.sample(logits[rows], sids, [self._params[s] for s in sids]) if rows else []
+        tokens: list[int | None] = [None] * len(plan.seq_ids)
+        for i, t in zip(rows, drawn, strict=True):
+            tokens[i] = t
+        return tokens
+
+    def _decode(self, plan: StepPlan, backend: AttentionBackend) -> list[int | None] | list[list[int]] | None:
+        """One or more decode steps. Between steps every rank needs rank 0's draw as its next input: it is
+        shared with one all-reduce (rank 0 contributes the tokens, the others zeros)."""
+        if plan.steps == 1:
+            return self._sample(plan, self._forward(plan, backend, plan.tokens))
+        tokens = [[t[-1]] for t in plan.tokens]
+        out: list[list[int]] = [[] for _ in plan.seq_ids]
+        for step in range(plan.steps):
+            drawn = self._sample(plan, self._forward(plan, backend, tokens))
+            if step + 1 < plan.steps and self.world_size > 1:
+                drawn = self._share(drawn, len(plan.seq_ids))
+            if drawn is not None:
+                tokens = [[int(t)] for t in drawn]  # type: ignore[arg-type]
+                for row, t in zip(out, drawn, strict=True):
+                    row.append(int(t))  # type: ignore[arg-type]
+        return out if self.rank == 0 else None
+
+    def _share(self, drawn: list[int | None] | None, n: int) -> list[int | None]:
+        if self._share_reduce is None:
+            raise RuntimeError("multi-step decode over several shards needs the group's all-reduce")
+        t = torch.tensor(drawn if drawn is not None else [0] * n, dtype=torch.long, device=self.cache.device)
+        return self._share_reduce(t).tolist()
 
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
         """One SpecAttn round: the draft's tokens and plans (``specattn.wire``) verified over this shard's

@@ -47,15 +47,16 @@ def assert_same_selections(e1: Engine, e2: Engine, shared: bool) -> None:
             assert torch.equal(torch.cat(pad), full), f"selections differ at layer {layer}"
 
 
-def tp1_and_tp2(**common: Any) -> Iterator[tuple[Engine, Engine]]:
-    """A TP=1 and a TP=2 engine on one local Ray instance (a module fixture's body); stops what it started."""
+def tp1_and_tp2(tp2: dict[str, Any] | None = None, **common: Any) -> Iterator[tuple[Engine, Engine]]:
+    """A TP=1 and a TP=2 engine on one local Ray instance (a module fixture's body); stops what it started.
+    ``tp2``: settings of the TP=2 engine alone (e.g. multi-step decode, checked against TP=1's single steps)."""
     import ray
 
     from raysparse.orchestration.ray_env import start_ray
 
     owns = start_ray(None, num_cpus=4)
     e1 = Engine(EngineConfig(tp=1, **common)).start()
-    e2 = Engine(EngineConfig(tp=2, **common)).start()
+    e2 = Engine(EngineConfig(tp=2, **{**common, **(tp2 or {})})).start()
     try:
         yield e1, e2
     finally:

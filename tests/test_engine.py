@@ -36,7 +36,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir):
-    yield from tp1_and_tp2(model=tiny_dir, kv_cache_tokens=4096, page_size=64, cpus_per_shard=0.5, draft=False)
+    # TP=2 decodes three steps per call (rank 0's draws shared with the other shard between steps)
+    yield from tp1_and_tp2({"decode_steps": 3}, model=tiny_dir, kv_cache_tokens=4096, page_size=64,
+                           cpus_per_shard=0.5, draft=False)
 
 
 def prompts(n: int = 2) -> list[tuple[int, ...]]:

@@ -1,0 +1,179 @@
+"""Decode steps replayed from CUDA graphs: one capture per (method key, batch bucket, page-width bucket).
+
+Why: a decode step issues ~40 kernels per layer, and eager PyTorch spends 20-50 us of host time on each,
+so at batch 1 a decode step is bound by the host, not the GPU (BENCHMARKS.md, "Why decode does not
+scale"); tensor parallelism then cannot help. A replay costs one launch.
+
+How (as vLLM and SGLang do): static input buffers sized for the largest bucket; each graph reads views of
+them. A batch of B sequences runs in the smallest bucket >= B; padded rows decode token 0 at position 0
+into the cache's scratch page with a length of one, and their logits are dropped. The page table rows
+of a batch are rewritten only when its sequences change: pages are reserved for a request's whole life
+at admission, so a running batch's table is constant. Per step the host writes one small pinned buffer
+(ids, positions, slots, lengths) and replays.
+
+A backend opts in with ``graph_decode = True``: its decode must not synchronise with the host, must read
+lengths and page tables from ``batch.extras["paged"]`` (device tensors), and must keep its state in
+tensors of fixed shape; it keeps no host-side accounting during capture (the meter is swapped out) and
+does that in ``account_graph_decode`` after each replay. On the CPU there is nothing to capture: the same
+padded path runs eagerly, which is what the CPU tests check against the plain decode path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from raysparse.attention import AttentionBackend, DensityMeter
+from raysparse.kv_cache import BatchMeta, KVCache
+from raysparse.model import LlamaForCausalLM
+
+MIN_WIDTH = 16  # pages: the narrowest width bucket
+
+
+def bucket(n: int, limit: int) -> int:
+    """The smallest power of two >= n, capped at ``limit`` (which must be >= n)."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, limit)
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int, capture: bool | None = None) -> None:
+        if max_batch <= 0:
+            raise ValueError(f"max_batch must be positive, got {max_batch}")
+        self.model, self.cache = model, cache
+        self.capture = cache.device.type == "cuda" if capture is None else capture
+        if self.capture and cache.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA cache")
+        self.max_batch = max_batch
+        self.max_width = cache.num_pages  # a sequence can hold at most every page
+        dev = cache.device
+        self.host = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.inputs = torch.zeros(5, max_batch, dtype=torch.int64, device=dev)  # ids, pos, page, offset, len
+        self.table = torch.full((max_batch, self.max_width), cache.scratch_page, dtype=torch.int32, device=dev)
+        self.logits: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._table_rows: tuple[tuple[int, ...], int] | None = None
+        self.replays = 0
+        self.captures = 0
+
+    @staticmethod
+    def supports(backend: AttentionBackend) -> bool:
+        return bool(getattr(backend, "graph_decode", False))
+
+    def _batch(self, b: int, w: int, ctx_lens: list[int], seq_ids: list[int]) -> BatchMeta:
+        """The step's metadata over views of the static buffers (the graph reads these addresses)."""
+        ps = self.cache.page_size
+        pos, pages, offs, lens = (self.inputs[i, :b] for i in range(1, 5))
+        seqlens = lens.to(torch.int32)
+        cols = torch.arange(w, dtype=torch.int32, device=self.cache.device)
+        n_pages = (seqlens + ps - 1) // ps
+        blocks = torch.where(cols < n_pages[:, None], cols, -1)[:, None, :].expand(-1, self.cache.num_kv_heads, -1)
+        table = self.table[:b, :w]
+        # Host-side per-sequence tables serve the eager (CPU) path only; a capture must not record them.
+        tables = [] if self.capture else [table[i].long() for i in range(b)]
+        meta = BatchMeta(seq_ids=seq_ids, q_lens=[1] * b, ctx_lens=ctx_lens, positions=pos, slot_pages=pages,
+                         slot_offsets=offs, page_tables=tables, is_prefill=False)
+        meta.extras["paged"] = (table, seqlens, blocks.contiguous())
+        return meta
+
+    def _fill(self, seq_ids: Sequence[int], ids: list[int], b: int, w: int) -> list[int]:
+        """Advances the cache by one token per sequence and writes the step's inputs; returns ctx lens."""
+        positions, pages, offsets = self.cache.advance_decode(seq_ids)
+        n = len(seq_ids)
+        pad = b - n
+        host = self.host[:, :b]
+        host[0, :n] = torch.tensor(ids)
+        host[1, :n] = torch.tensor(positions)
+        host[2, :n] = torch.tensor(pages)
+        host[3, :n] = torch.tensor(offsets)
+        host[4, :n] = host[1, :n] + 1
+        if pad:
+            host[:, n:] = 0
+            host[2, n:] = self.cache.scratch_page
+            host[4, n:] = 1
+        self.inputs[:, :b].copy_(host, non_blocking=True)
+        rows = (tuple(seq_ids), b)
+        if self._table_rows != rows:  # a new batch composition: its (fixed) page tables
+            t = torch.full((b, self.max_width), self.cache.scratch_page, dtype=torch.int32)
+            for i, sid in enumerate(seq_ids):
+                pl = self.cache.page_list(sid)
+                t[i, : len(pl)] = torch.tensor(pl, dtype=torch.int32)
+            self.table[:b].copy_(t)
+            self._table_rows = rows
+        return [p + 1 for p in positions] + [1] * pad
+
+    def decode(self, key: str, backend: AttentionBackend, seq_ids: Sequence[int], ids: list[int]) -> torch.Tensor:
+        """Logits [len(seq_ids), V] fp32 of one decode step (the cache advances by one token each)."""
+        n = len(seq_ids)
+        if not 0 < n <= self.max_batch:
+            raise ValueError(f"decode batch of {n} outside 1..{self.max_batch}")
+        longest = max(self.cache.seq_len(s) for s in seq_ids) + 1
+        b = bucket(n, self.max_batch)
+        w = bucket(max(self.cache.pages_needed(longest), MIN_WIDTH), self.max_width)
+        ctx_lens = self._fill(seq_ids, ids, b, w)
+        if not self.capture:
+            meta = self._batch(b, w, ctx_lens, list(seq_ids) + [-1] * (b - n))
+            with self._no_meter(backend):
+                logits = self.model(self.inputs[0, :b], meta, self.cache, backend, all_logits=True)[:n]
+        else:
+            k = (key, b, w)
+            graph = self.graphs.get(k)
+            if graph is None:
+                graph = self._capture(k, backend, b, w)
+            graph.replay()
+            self.replays += 1
+            logits = self.logits[k][:n]
+        backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)  # type: ignore[attr-defined]
+        return logits
+
+    @contextmanager
+    def _no_meter(self, backend: AttentionBackend) -> Iterator[None]:
+        """Host-side accounting inside the forward is thrown away (it would count padded rows, or be
+        frozen into a capture); ``account_graph_decode`` does it for the real rows."""
+        real = backend.meter
+        backend.meter = DensityMeter(real.num_layers)
+        try:
+            yield
+        finally:
+            backend.meter = real
+
+    def _capture(self, k: tuple[str, int, int], backend: AttentionBackend, b: int, w: int) -> torch.cuda.CUDAGraph:
+        """Warms up (kernels compiled, allocator grown) on an all-padding batch, so no sequence's K/V or
+        method state is touched, then restores the step's inputs and captures."""
+        ids = self.inputs[0, :b]
+        real = self.inputs[:, :b].clone()
+        self.inputs[:, :b] = 0
+        self.inputs[2, :b] = self.cache.scratch_page
+        self.inputs[4, :b] = 1
+        table = self.table[:b].clone()
+        self.table[:b] = self.cache.scratch_page
+        with self._no_meter(backend):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.model(ids, self._batch(b, w, [1] * b, [-1] * b), self.cache, backend, all_logits=True)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.inputs[:, :b] = real
+            self.table[:b] = table
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                meta = self._batch(b, w, [1] * b, [-1] * b)
+                self.logits[k] = self.model(ids, meta, self.cache, backend, all_logits=True)
+        self.graphs[k] = graph
+        self.captures += 1
+        return graph
+
+    def drop(self, key: str) -> None:
+        """Forgets the graphs of one method key (its backend is gone)."""
+        for k in [k for k in self.graphs if k[0] == key]:
+            del self.graphs[k], self.logits[k]
+
+    def stats(self) -> dict[str, Any]:
+        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays}
