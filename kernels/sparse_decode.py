@@ -10,13 +10,20 @@ Grid: (split, KV head, sequence). Each program owns a contiguous range of ``per_
 head's list and processes the g query heads of that head together as the M side of ``tl.dot`` (padded to
 16 rows), so every selected K/V row is read once for the whole group. It counts its valid entries (they are
 a prefix of the range, the list being ascending and padded at the end), loops over exactly those, and
-writes a normalised partial output and its log2-sum-exp. A second kernel combines the splits. The split
-count comes from shapes and the SM count only and nothing is read back to the host, so the whole call can
-be captured in a CUDA graph.
+writes a normalised partial output and its log2-sum-exp.
+
+One launch (``sparse_decode``): after writing its partial, each program bumps an int32 counter of its
+(sequence, KV head) in a small persistent workspace; the program that brings it to ``num_splits`` is the
+last, combines the group's partials into the output and sets the counter back to 0, so the next call (or
+graph replay) finds the workspace clean. With a single split the program writes the output directly.
+``sparse_decode_two_launch`` keeps the former split-then-combine-kernel path for comparison. The split
+count comes from shapes and the SM count only and nothing is read back to the host, so either call can be
+captured in a CUDA graph. Calls sharing a device must be stream-ordered (they share the counters).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,36 +45,107 @@ from .common import (
 from .formats import pack_token_selections  # noqa: F401 - re-exported
 
 _BLOCK_N = 64  # keys per inner step
-_CNT_CHUNK = 64  # entries counted per step
-_MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, pipeline fill, combine) dominates
+_CNT_CHUNK = 256  # entries counted per step: one step for every split the heuristic makes
+_STAGES = 3  # software-pipeline depth of the key loop
 _MAX_SPLITS = 128
+# The split heuristic's cost model, in selected tokens' worth of time: a program's fixed latency chain
+# (q and index loads, the first K/V round trip, the partial store and the counter) and, per split, the
+# last program's share of the combine.
+_FIXED_TOKENS = 64
+_COMBINE_TOKENS = 2
+_SMEM_PER_SM = 200 * 1024  # what the K/V pipeline buffers may use of an H100/H200 SM's 228 KB
+_COMBINE_ELEMS = 8192  # partial-output elements per combine step (64 fp32 registers per thread)
+_WORKSPACE_MIN = 4096
+_workspaces: dict[torch.device, torch.Tensor] = {}
 
 
-def num_splits_for(batch: int, h_kv: int, max_sel: int, unit: int, device: torch.device) -> tuple[int, int]:
-    """(splits, entries per split) from shapes only: enough programs to fill the GPU about four times over,
-    but at least ``_MIN_TOKENS_PER_SPLIT`` selected tokens per split."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    by_work = -(-(max_sel * unit) // _MIN_TOKENS_PER_SPLIT)
-    by_grid = -(-(4 * sms) // max(1, batch * h_kv))
-    splits = max(1, min(by_work, by_grid, _MAX_SPLITS, max_sel))
-    per = -(-max_sel // splits)
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_split(rows: int, max_sel: int, unit: int, slots: int) -> tuple[int, int]:
     step = max(1, _BLOCK_N // unit)  # keep every split's token count a multiple of the inner step
-    per = -(-per // step) * step
-    return -(-max_sel // per), per
+    best: tuple[float, int, int] | None = None
+    for s in range(1, min(_MAX_SPLITS, -(-max_sel // step)) + 1):
+        per = _ceil_div(_ceil_div(max_sel, s), step) * step
+        splits = -(-max_sel // per)
+        waves = -(-(rows * splits) // slots)
+        cost = waves * (_FIXED_TOKENS + per * unit) + (splits > 1) * splits * _COMBINE_TOKENS
+        if best is None or cost < best[0]:
+            best = (cost, splits, per)
+    assert best is not None
+    return best[1], best[2]
+
+
+def num_splits_for(batch: int, h_kv: int, max_sel: int, unit: int, device: torch.device, head_dim: int = 128,
+                   elt_size: int = 2) -> tuple[int, int]:
+    """(splits, entries per split) from shapes only (cached). Picks the split count of least modelled time:
+    the programs run in waves of (SMs x programs that fit an SM's shared memory), each wave as long as its
+    programs' fixed cost plus their tokens, plus the combine's cost per split. Batch 1 thus spreads the few
+    MB of selected KV over the whole GPU in one wave; large batches keep long, well-pipelined loops and
+    avoid a mostly empty last wave."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    per_sm = max(1, min(8, _SMEM_PER_SM // (_STAGES * 2 * _BLOCK_N * head_dim * elt_size)))
+    return _best_split(max(1, batch * h_kv), max(1, max_sel), unit, sms * per_sm)
+
+
+def _workspace(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), kept per device; the kernel leaves them at 0."""
+    ws = _workspaces.get(device)
+    if ws is None or ws.numel() < n:
+        ws = torch.zeros(max(_WORKSPACE_MIN, next_pow2(n)), dtype=torch.int32, device=device)
+        _workspaces[device] = ws
+    return ws
 
 
 if triton is not None:
 
     @triton.jit
-    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT,
+    def _combine_group(PO, PL, Out, LSE, seq, kvh, h, num_splits, stride_ob, stride_oh, stride_lb, stride_lh,
+                       G: tl.constexpr, G_P2: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+        """Merges the ``num_splits`` partials of the g heads of (seq, kvh) into Out / LSE (natural log)."""
+        gi = tl.arange(0, G_P2)
+        g_ok = gi < G
+        head = kvh * G + gi
+        row = (seq * h + head).to(tl.int64) * num_splits
+        sc = tl.arange(0, CHUNK)
+        d = tl.arange(0, HEAD_DIM)
+        m_i = tl.full([G_P2], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_P2], dtype=tl.float32)
+        acc = tl.zeros([G_P2, HEAD_DIM], dtype=tl.float32)
+        for c in range(0, num_splits, CHUNK):
+            ok = g_ok[:, None] & (c + sc < num_splits)[None, :]
+            off = row[:, None] + c + sc[None, :]
+            # .cg: read the other programs' partials from L2, never from a stale L1 line.
+            part_l = tl.load(PL + off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            part_o = tl.load(PO + off[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None], other=0.0,
+                             cache_modifier=".cg")
+            m_new = tl.maximum(m_i, tl.max(part_l, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            w = tl.exp2(part_l - m_ref[:, None])
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part_o, 1)
+            l_i = l_i * alpha + tl.sum(w, 1)
+            m_i = m_new
+        out, lse2 = finish_rows(acc, m_i, l_i)
+        tl.store(Out + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(LSE + seq.to(tl.int64) * stride_lb + head * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
+
+    @triton.jit
+    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT, Out, LSE, CNT,
                              stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                             stride_ib, stride_ih, stride_pt, max_sel, per_split, num_splits, qk_scale,
-                             G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, UNIT: tl.constexpr,
-                             PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-                             CNT_CHUNK: tl.constexpr):
+                             stride_ib, stride_ih, stride_pt, stride_ob, stride_oh, stride_lb, stride_lh,
+                             max_sel, per_split, num_splits, qk_scale,
+                             G: tl.constexpr, G_PAD: tl.constexpr, G_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             UNIT: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
+                             PREC: tl.constexpr, CNT_CHUNK: tl.constexpr, FUSED: tl.constexpr,
+                             COMBINE_CHUNK: tl.constexpr):
         split = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.program_id(2)
+        h_kv = tl.num_programs(1)
         n = tl.load(SEQ_K + seq)
         e0 = split * per_split
         e_end = tl.minimum(e0 + per_split, max_sel)
@@ -94,18 +172,34 @@ if triton is not None:
             tok = ent * UNIT + u % UNIT
             ok = u_ok & (tok < n)  # the last block may run past the sequence's end
             tok = tl.where(ok, tok, 0)
+            # K and V gathers both issued before the first dot: one memory round trip per step, not two.
             k_off = kv_row_offsets(PT, pt_row, CU_K, seq, tok, kvh, stride_kb, stride_kh, stride_kt, PAGE, PAGED)
+            v_off = kv_row_offsets(PT, pt_row, CU_K, seq, tok, kvh, stride_vb, stride_vh, stride_vt, PAGE, PAGED)
             k = tl.load(K + k_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(V + v_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_i, l_i, p, alpha = softmax_update(s, m_i, l_i, True)
-            v_off = kv_row_offsets(PT, pt_row, CU_K, seq, tok, kvh, stride_vb, stride_vh, stride_vt, PAGE, PAGED)
-            v = tl.load(V + v_off[:, None] + d[None, :], mask=ok[:, None], other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         out, lse2 = finish_rows(acc, m_i, l_i)
-        row = (seq * (tl.num_programs(1) * G) + head).to(tl.int64) * num_splits + split  # [batch, h, splits]
-        tl.store(PO + row[:, None] * HEAD_DIM + d[None, :], out, mask=(gi < G)[:, None])
-        tl.store(PL + row, lse2, mask=gi < G)
+        g_ok = gi < G
+        if FUSED & (num_splits == 1):  # the only split: no partials, no counter
+            tl.store(Out + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=g_ok[:, None])
+            tl.store(LSE + seq.to(tl.int64) * stride_lb + head * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
+        else:
+            row = (seq * (h_kv * G) + head).to(tl.int64) * num_splits + split  # [batch, h, splits]
+            tl.store(PO + row[:, None] * HEAD_DIM + d[None, :], out, mask=g_ok[:, None])
+            tl.store(PL + row, lse2, mask=g_ok)
+            if FUSED:
+                # Every thread's partial stores precede the counter's release (one thread does the atomic).
+                tl.debug_barrier()
+                ctr = CNT + seq * h_kv + kvh
+                done = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
+                if done == num_splits - 1:
+                    tl.store(ctr, 0)  # every split has arrived: reset for the next call
+                    _combine_group(PO, PL, Out, LSE, seq, kvh, h_kv * G, num_splits, stride_ob, stride_oh,
+                                   stride_lb, stride_lh, G, G_P2, HEAD_DIM, COMBINE_CHUNK)
 
     @triton.jit
     def _decode_combine_kernel(PO, PL, Out, LSE, stride_ob, stride_oh, num_splits,
@@ -137,7 +231,20 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [batch, h, d]; indices: int32 [batch, h_kv, max_sel]. Returns out [batch, h, d] (q's dtype) and
     lse [batch, h] fp32 (natural log); a query with no valid key gets zeros and lse = -inf. ``out``/``lse``
-    may be preallocated (static buffers for CUDA graphs)."""
+    may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves."""
+    return _decode(q, kv, indices, unit, scale, num_splits, out, lse, fused=True)
+
+
+def sparse_decode_two_launch(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1,
+                             scale: float | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
+                             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_decode`` through the former path: the split kernel, then a separate combine kernel."""
+    return _decode(q, kv, indices, unit, scale, num_splits, out, lse, fused=False)
+
+
+def _decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int, scale: float | None,
+            num_splits: int | None, out: torch.Tensor | None, lse: torch.Tensor | None, fused: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     if triton is None:
         raise RuntimeError("triton is not installed")
     batch, h, d = q.shape
@@ -157,20 +264,28 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     if batch == 0:
         return out, lse
     if num_splits is None:
-        splits, per = num_splits_for(batch, a.h_kv, max(max_sel, 1), unit, q.device)
+        splits, per = num_splits_for(batch, a.h_kv, max(max_sel, 1), unit, q.device, d, q.element_size())
     else:
         per = -(-max(max_sel, 1) // num_splits)
         splits = -(-max(max_sel, 1) // per)
-    part_o = torch.empty(batch, h, splits, d, dtype=torch.float32, device=q.device)
-    part_l = torch.empty(batch, h, splits, dtype=torch.float32, device=q.device)
+    # With one split the fused kernel writes the output directly: no partials to hold.
+    ps = 0 if fused and splits == 1 else splits
+    part_o = torch.empty(max(1, batch * h * ps * d), dtype=torch.float32, device=q.device)  # [batch, h, splits, d]
+    part_l = torch.empty(max(1, batch * h * ps), dtype=torch.float32, device=q.device)  # [batch, h, splits]
+    counters = _workspace(q.device, batch * a.h_kv) if fused else part_l
+    g_p2 = next_pow2(g)
     # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
     page = a.page_size if a.paged else 1
     _decode_split_kernel[(splits, a.h_kv, batch)](
-        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, q.stride(0), q.stride(1),
-        *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride, max_sel, per, splits, scale * LOG2E,
-        G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=_BLOCK_N,
-        PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK, num_warps=4, num_stages=1 if interpreting() else 3)
-    ns_pad = next_pow2(splits)
-    _decode_combine_kernel[(h, batch)](part_o, part_l, out, lse, out.stride(0), out.stride(1), splits,
-                                       HEAD_DIM=d, NS_PAD=ns_pad, CHUNK=min(ns_pad, 16), num_warps=4)
+        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters,
+        q.stride(0), q.stride(1), *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), max_sel, per, splits, scale * LOG2E,
+        G=g, G_PAD=max(16, g_p2), G_P2=g_p2, HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=_BLOCK_N,
+        PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK, FUSED=fused,
+        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), num_warps=4,
+        num_stages=1 if interpreting() else _STAGES)
+    if not fused:
+        ns_pad = next_pow2(splits)
+        _decode_combine_kernel[(h, batch)](part_o, part_l, out, lse, out.stride(0), out.stride(1), splits,
+                                           HEAD_DIM=d, NS_PAD=ns_pad, CHUNK=min(ns_pad, 16), num_warps=4)
     return out, lse
