@@ -8,14 +8,21 @@ query block r is the absolute block ``q_start // B + r``, as in ``BlockSelection
 One program handles one query block of one KV head and ``BLOCK_QT`` of its query tokens for all g heads of
 the group at once, a ``[BLOCK_QT * g, d]`` tile whose row m is token ``m // g``, head ``m % g`` (the g heads
 of a token are adjacent in q, so the tile load is contiguous). K and V blocks are loaded once per tile and
-never repeated per head. Key blocks below the diagonal run unmasked; only the entries at or above the
-query block (the diagonal, normally one) pay for the causal and end-of-sequence masks. Scores are
-pre-multiplied by ``scale * log2(e)`` so the online softmax uses exp2; lse is returned in natural log.
+never repeated per head. Key blocks below the diagonal run unmasked, ``KB_STEP`` (1 or 2) per step, two
+making one gathered 2 * BLOCK key tile; only the entries at or above the query block (the diagonal,
+normally one) pay for the causal and end-of-sequence masks. The online softmax works in log2 units with
+``scale * log2(e)`` folded into exp2's argument; lse is returned in natural log.
+
+The grid runs the latest (longest) query blocks first, KV head by KV head, so concurrently running
+programs share one head's K/V in L2. Tile rows, KB_STEP, warps and pipeline stages are autotuned over
+``CONFIGS``, keyed on static things only (group size, head dim, paged or not, dtypes);
+``block_sparse_prefill_config`` pins one config instead (sweeps, tests).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +30,7 @@ from .common import (
     LOG2E,
     KVSource,
     attend_block,
+    attend_rows,
     check_head_dim,
     dot_precision,
     finish_rows,
@@ -48,7 +56,7 @@ if triton is not None:
                         stride_ih, stride_iq, stride_pt, total_qblocks, max_sel, qk_scale,
                         G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                         BLOCK_QT: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-                        CNT_CHUNK: tl.constexpr):
+                        CNT_CHUNK: tl.constexpr, KB_STEP: tl.constexpr):
         TILES: tl.constexpr = BLOCK // BLOCK_QT
         ROWS: tl.constexpr = BLOCK_QT * G_PAD
         pid = tl.program_id(0)
@@ -88,12 +96,33 @@ if triton is not None:
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-        for j in range(0, n_full):
+        # Fully visible blocks, KB_STEP per step: no mask work at all. Two blocks make one [2 * BLOCK] key
+        # tile gathered from two pages (bigger MMAs, half the per-step softmax and rescale overhead).
+        n_main = n_full - n_full % KB_STEP
+        kr = tl.arange(0, KB_STEP * BLOCK)
+        second = kr >= BLOCK
+        for j in range(0, n_main, KB_STEP):
             kb = tl.load(idx_row + j)
-            k_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
-            v_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
-            m_i, l_i, acc = attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
-                                         qpos, kb * BLOCK + kn, n, BLOCK, HEAD_DIM, False, PREC)
+            k_rows = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
+            v_rows = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
+            if KB_STEP == 2:
+                kb2 = tl.load(idx_row + j + 1)
+                k2 = kv_block_offset(PT, pt_row, CU_K, seq, kb2, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
+                v2 = kv_block_offset(PT, pt_row, CU_K, seq, kb2, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
+                k_rows = tl.where(second, k2, k_rows)
+                v_rows = tl.where(second, v2, v_rows)
+            kr_t = (kr % BLOCK).to(tl.int64)
+            m_i, l_i, acc = attend_rows(q, K, V, k_rows + kr_t * stride_kt, v_rows + kr_t * stride_vt, m_i, l_i, acc,
+                                        qk_scale, qpos, kr, n, KB_STEP * BLOCK, HEAD_DIM, False, PREC)
+        if KB_STEP == 2:
+            for j in range(n_main, n_full):  # the odd one out of the pairs: still unmasked
+                kb = tl.load(idx_row + j)
+                k_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK,
+                                         PAGED)
+                v_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK,
+                                         PAGED)
+                m_i, l_i, acc = attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
+                                             qpos, kb * BLOCK + kn, n, BLOCK, HEAD_DIM, False, PREC)
         for j in range(n_full, n_valid):
             kb = tl.load(idx_row + j)
             kpos = kb * BLOCK + kn
@@ -110,21 +139,48 @@ if triton is not None:
         lse_off = tok.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
         tl.store(LSE + lse_off, lse2 * 0.6931471805599453, mask=row_ok)
 
-    # (query tokens per tile as rows = tokens * g, num_warps, num_stages); the tile's row count decides
-    # register pressure, so configs are given in rows and converted per GQA group size.
-    _CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 8, 2), (128, 8, 3), (128, 8, 4), (128, 8, 5)]
-    _tuned: dict[tuple[int, int], object] = {}
 
-    def _kernel_for(g_pad: int, block: int):
-        key = (g_pad, block)
-        if key not in _tuned:
-            configs = []
-            for rows, warps, stages in _CONFIGS:
-                qt = min(block, max(1, rows // g_pad))
-                configs.append(triton.Config({"BLOCK_QT": qt}, num_warps=warps, num_stages=stages))
-            uniq = {(c.kwargs["BLOCK_QT"], c.num_warps, c.num_stages): c for c in configs}
-            _tuned[key] = triton.autotune(list(uniq.values()), key=["G", "HEAD_DIM", "PAGED"])(_prefill_kernel)
-        return _tuned[key]
+@dataclass(frozen=True)
+class PrefillConfig:
+    """One launch configuration: query rows per tile (tokens x padded group size, so register pressure is
+    the same for every g), key blocks per inner step, warps and software-pipeline stages."""
+
+    rows: int
+    kb_step: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        if self.rows < 16 or self.rows & (self.rows - 1) or self.kb_step not in (1, 2):
+            raise ValueError(f"bad prefill config {self}")
+        if self.num_warps not in (4, 8, 16) or not 1 <= self.num_stages <= 5:
+            raise ValueError(f"bad prefill config {self}")
+
+    def block_qt(self, g_pad: int, block: int) -> int:
+        return min(block, max(1, self.rows // g_pad))
+
+
+# The autotune space, keyed on static things only (G, HEAD_DIM, PAGED and the dtypes Triton adds), so it
+# tunes once per model layout and never inside a CUDA-graph capture or per request. The first entry is the
+# config the tuning settled on before the two-block steps existed (64 rows, 4 warps, 3 stages).
+CONFIGS = (
+    PrefillConfig(64, 1, 4, 3), PrefillConfig(64, 1, 4, 4), PrefillConfig(64, 2, 4, 3),
+    PrefillConfig(128, 1, 8, 2), PrefillConfig(128, 1, 8, 3), PrefillConfig(128, 2, 8, 2), PrefillConfig(128, 2, 8, 3),
+    PrefillConfig(128, 1, 4, 3), PrefillConfig(256, 1, 16, 2), PrefillConfig(256, 2, 16, 2),
+)
+_tuned: dict[tuple[int, int], object] = {}
+
+
+def _kernel_for(g_pad: int, block: int):
+    key = (g_pad, block)
+    if key not in _tuned:
+        uniq = {}
+        for c in CONFIGS:
+            qt = c.block_qt(g_pad, block)
+            uniq[(qt, c.kb_step, c.num_warps, c.num_stages)] = triton.Config(
+                {"BLOCK_QT": qt, "KB_STEP": c.kb_step}, num_warps=c.num_warps, num_stages=c.num_stages)
+        _tuned[key] = triton.autotune(list(uniq.values()), key=["G", "HEAD_DIM", "PAGED"])(_prefill_kernel)
+    return _tuned[key]
 
 
 def block_sparse_prefill(q: torch.Tensor, kv: KVSource, sel: PackedBlockSelection, cu_seqlens_q: torch.Tensor,
@@ -135,6 +191,20 @@ def block_sparse_prefill(q: torch.Tensor, kv: KVSource, sel: PackedBlockSelectio
     ``out``/``lse`` may be given (preallocated buffers, e.g. views into a larger output); ``block_qt`` pins
     the query tokens per tile and skips autotuning (the interpreter uses one tile per query block).
     """
+    return _prefill(q, kv, sel, cu_seqlens_q, scale, out, lse, None, block_qt)
+
+
+def block_sparse_prefill_config(q: torch.Tensor, kv: KVSource, sel: PackedBlockSelection,
+                                cu_seqlens_q: torch.Tensor, config: PrefillConfig, scale: float | None = None,
+                                out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_sparse_prefill`` with one pinned ``PrefillConfig`` (no autotuning): config sweeps and tests."""
+    return _prefill(q, kv, sel, cu_seqlens_q, scale, out, lse, config, None)
+
+
+def _prefill(q: torch.Tensor, kv: KVSource, sel: PackedBlockSelection, cu_seqlens_q: torch.Tensor,
+             scale: float | None, out: torch.Tensor | None, lse: torch.Tensor | None, config: PrefillConfig | None,
+             block_qt: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     if triton is None:
         raise RuntimeError("triton is not installed")
     T, h, d = q.shape
@@ -150,6 +220,8 @@ def block_sparse_prefill(q: torch.Tensor, kv: KVSource, sel: PackedBlockSelectio
     g = h // a.h_kv
     g_pad = next_pow2(g)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")  # the unmasked softmax scales inside exp2
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(T, h, dtype=torch.float32, device=q.device) if lse is None else lse
     idx = sel.indices
@@ -165,11 +237,15 @@ def block_sparse_prefill(q: torch.Tensor, kv: KVSource, sel: PackedBlockSelectio
             total_qb, max_sel, scale * LOG2E)
     meta = dict(G=g, G_PAD=g_pad, HEAD_DIM=d, BLOCK=b, PAGED=a.paged, PREC=dot_precision(q.dtype),
                 CNT_CHUNK=_CNT_CHUNK)
-    if block_qt is None and interpreting():
+    if config is None and block_qt is None and interpreting():
         block_qt = b  # one program per query block: the interpreter pays per program
-    if block_qt is not None:
-        grid = (total_qb * (b // block_qt), a.h_kv)
-        _prefill_kernel[grid](*args, BLOCK_QT=block_qt, **meta, num_warps=4, num_stages=3)
+    if config is None and block_qt is not None:
+        config = PrefillConfig(max(16, block_qt * g_pad), 1, 4, 3)
+        meta["BLOCK_QT"] = block_qt
+    if config is not None:
+        qt = meta.setdefault("BLOCK_QT", config.block_qt(g_pad, b))
+        _prefill_kernel[(total_qb * (b // qt), a.h_kv)](*args, KB_STEP=config.kb_step, **meta,
+                                                        num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         def grid(meta_: dict) -> tuple[int, int]:
             return (total_qb * (b // meta_["BLOCK_QT"]), a.h_kv)

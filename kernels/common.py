@@ -168,28 +168,40 @@ if HAS_TRITON:
         return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
 
     @triton.jit
-    def attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale, qpos, kpos, n,
-                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
-        """Folds one contiguous key block (rows at ``k_base`` / ``v_base``, ``stride_*t`` apart) into the
-        running (m_i, l_i, acc) of the query tile q. ``MASKED`` applies the causal mask (key ``kpos`` <= query
-        ``qpos``) and the end of the sequence (``kpos < n``); unmasked blocks lie wholly below every row."""
-        kn = tl.arange(0, BLOCK)
+    def attend_rows(q, K, V, k_rows, v_rows, m_i, l_i, acc, qk_scale, qpos, kpos, n,
+                    N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+        """Folds N keys, row i at element offsets ``k_rows[i]`` / ``v_rows[i]`` (one contiguous block or
+        several gathered ones), into the running (m_i, l_i, acc) of the query tile q. ``MASKED`` applies the
+        causal mask (key ``kpos`` <= query ``qpos``) and the end of the sequence (``kpos < n``); unmasked keys
+        lie wholly below every row. ``qk_scale`` (> 0, log2 units) is applied inside the exponent's FMA."""
         d = tl.arange(0, HEAD_DIM)
         if MASKED:
             k_ok = kpos < n  # a partial last block: rows past n are not this sequence's keys
-            k = tl.load(K + k_base + kn[:, None] * stride_kt + d[None, :], mask=k_ok[:, None], other=0.0)
-        else:
-            k = tl.load(K + k_base + kn[:, None] * stride_kt + d[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if MASKED:
+            k = tl.load(K + k_rows[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + v_rows[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s, float("-inf"))
-        m_i, l_i, p, alpha = softmax_update(s, m_i, l_i, MASKED)
-        if MASKED:
-            v = tl.load(V + v_base + kn[:, None] * stride_vt + d[None, :], mask=k_ok[:, None], other=0.0)
+            m_i, l_i, p, alpha = softmax_update(s, m_i, l_i, True)
         else:
-            v = tl.load(V + v_base + kn[:, None] * stride_vt + d[None, :])
+            k = tl.load(K + k_rows[:, None] + d[None, :])
+            v = tl.load(V + v_rows[:, None] + d[None, :])
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+            # max(qk) * scale == max(qk * scale) for scale > 0; exp2(qk * scale - m) is one FMA per score.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         return m_i, l_i, acc
+
+    @triton.jit
+    def attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale, qpos, kpos, n,
+                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+        """``attend_rows`` over one contiguous key block (rows at ``k_base`` / ``v_base``, ``stride_*t`` apart)."""
+        kn = tl.arange(0, BLOCK)
+        return attend_rows(q, K, V, k_base + kn * stride_kt, v_base + kn * stride_vt, m_i, l_i, acc, qk_scale,
+                           qpos, kpos, n, BLOCK, HEAD_DIM, MASKED, PREC)
 
     @triton.jit
     def finish_rows(acc, m_i, l_i):
@@ -198,4 +210,5 @@ if HAS_TRITON:
         l_safe = tl.where(empty, 1.0, l_i)
         return acc / l_safe[:, None], tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
 else:  # pragma: no cover - keeps the kernel modules importable (and their wrappers raising) without triton
-    kv_row_offsets = kv_block_offset = group_tile_offsets = softmax_update = attend_block = finish_rows = None
+    kv_row_offsets = kv_block_offset = group_tile_offsets = softmax_update = None
+    attend_rows = attend_block = finish_rows = None

@@ -23,9 +23,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from raysparse.kernels import dispatch  # noqa: E402
-from raysparse.kernels.block_sparse_prefill import block_sparse_prefill  # noqa: E402
+from raysparse.kernels import sparse_decode as decode_mod  # noqa: E402
+from raysparse.kernels.block_sparse_prefill import (  # noqa: E402
+    CONFIGS,
+    PrefillConfig,
+    block_sparse_prefill,
+    block_sparse_prefill_config,
+)
 from raysparse.kernels.formats import PackedKV, PagedKV, pack_block_selections, pack_token_selections  # noqa: E402
-from raysparse.kernels.sparse_decode import sparse_decode  # noqa: E402
+from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode, sparse_decode_two_launch  # noqa: E402
 from raysparse.kernels.strided_dense import strided_dense, strided_rows  # noqa: E402
 from raysparse.methods import sparse_attention as ref  # noqa: E402
 from raysparse.methods.delta import strided_dense_attention as strided_ref  # noqa: E402
@@ -99,9 +105,8 @@ PREFILL_CASES = [  # (g, d, dtype, layout, block_qt)
 ]
 
 
-@pytest.mark.parametrize("g,d,dtype,layout,block_qt", PREFILL_CASES)
-def test_block_sparse_prefill(g: int, d: int, dtype: torch.dtype, layout: str, block_qt: int | None) -> None:
-    gen = torch.Generator().manual_seed(g * 1000 + d)
+def _check_prefill(g: int, d: int, dtype: torch.dtype, layout: str, launch, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
     seqs = _seqs(PREFILL_LENS, g, d, dtype, gen)
     sels = [_block_sel(n, nq, gen) for n, nq in PREFILL_LENS]
     q = torch.cat([s[0] for s in seqs])
@@ -109,12 +114,41 @@ def test_block_sparse_prefill(g: int, d: int, dtype: torch.dtype, layout: str, b
     cu_q = torch.tensor([0] + [nq for _, nq in PREFILL_LENS]).cumsum(0).to(DEV, torch.int32)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=DEV)
-    block_sparse_prefill(q, kv, pack_block_selections(sels), cu_q, block_qt=block_qt, out=out, lse=lse)
+    launch(q, kv, pack_block_selections(sels), cu_q, out=out, lse=lse)
     refs = [ref.block_sparse_attention(qi.float(), ki.float(), vi.float(), s)
             for (qi, ki, vi), s in zip(seqs, sels, strict=True)]
     torch.testing.assert_close(out.float(), torch.cat([r[0] for r in refs]), **_tol(dtype))
     torch.testing.assert_close(lse, torch.cat([r[1] for r in refs]), **_tol(dtype))
     assert torch.isneginf(lse).any()  # the empty row was exercised
+
+
+@pytest.mark.parametrize("g,d,dtype,layout,block_qt", PREFILL_CASES)
+def test_block_sparse_prefill(g: int, d: int, dtype: torch.dtype, layout: str, block_qt: int | None) -> None:
+    _check_prefill(g, d, dtype, layout, lambda *a, **kw: block_sparse_prefill(*a, block_qt=block_qt, **kw),
+                   g * 1000 + d)
+
+
+PREFILL_CONFIG_CASES = [  # (g, d, dtype, layout, config): two key blocks per step, odd and even counts
+    (4, 128, torch.float16, "paged", PrefillConfig(256, 2, 16, 2)),
+    (8, 64, torch.float32, "packed", PrefillConfig(512, 2, 8, 3)),
+]
+
+
+@pytest.mark.parametrize("g,d,dtype,layout,config", PREFILL_CONFIG_CASES)
+def test_block_sparse_prefill_two_block_steps(g: int, d: int, dtype: torch.dtype, layout: str,
+                                              config: PrefillConfig) -> None:
+    _check_prefill(g, d, dtype, layout, lambda *a, **kw: block_sparse_prefill_config(*a, config=config, **kw),
+                   g * 100 + d)
+
+
+def test_prefill_configs_fit_every_group() -> None:
+    """Every autotune config gives whole tiles per query block for every padded group size."""
+    for c in CONFIGS:
+        for g_pad in (1, 2, 4, 8, 16):
+            qt = c.block_qt(g_pad, B)
+            assert 1 <= qt <= B and B % qt == 0, (c, g_pad)
+    with pytest.raises(ValueError):
+        PrefillConfig(96, 1, 4, 3)
 
 
 DECODE_CASES = [  # (g, d, unit, layout, dtype, num_splits)
@@ -123,12 +157,11 @@ DECODE_CASES = [  # (g, d, unit, layout, dtype, num_splits)
     (8, 128, 64, "paged", torch.float16, None),
     (4, 64, 1, "paged", torch.float16, 5),  # token gathers through the page table; some splits empty
     (3, 64, 16, "packed", torch.float32, None),  # blocks smaller than pages, odd group size
+    (4, 128, 16, "paged", torch.float16, 1),  # one split: the single-launch kernel writes the output itself
 ]
 
 
-@pytest.mark.parametrize("g,d,unit,layout,dtype,num_splits", DECODE_CASES)
-def test_sparse_decode(g: int, d: int, unit: int, layout: str, dtype: torch.dtype, num_splits: int | None) -> None:
-    gen = torch.Generator().manual_seed(7 * g + d + unit)
+def _decode_case(g: int, d: int, unit: int, layout: str, dtype: torch.dtype, gen: torch.Generator):
     seqs = _seqs([(n, 1) for n in DECODE_LENS], g, d, dtype, gen)
     sels = []
     for i, n in enumerate(DECODE_LENS):
@@ -140,14 +173,58 @@ def test_sparse_decode(g: int, d: int, unit: int, layout: str, dtype: torch.dtyp
         sels.append(TokenSelection(indices_from_mask(mask, width=units + i).to(DEV), unit))
     q = torch.stack([s[0][0] for s in seqs])
     kv = _kv([s[1] for s in seqs], [s[2] for s in seqs], layout, gen)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"), device=DEV)
-    sparse_decode(q, kv, pack_token_selections(sels), unit, num_splits=num_splits, out=out, lse=lse)
     refs = [ref.sparse_decode_attention(qi[0].float(), ki.float(), vi.float(), s)
             for (qi, ki, vi), s in zip(seqs, sels, strict=True)]
-    torch.testing.assert_close(out.float(), torch.stack([r[0] for r in refs]), **_tol(dtype))
-    torch.testing.assert_close(lse, torch.stack([r[1] for r in refs]), **_tol(dtype))
+    return q, kv, pack_token_selections(sels), torch.stack([r[0] for r in refs]), torch.stack([r[1] for r in refs])
+
+
+def _nan_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full_like(q, float("nan")), torch.full(q.shape[:2], float("nan"), device=DEV)
+
+
+@pytest.mark.parametrize("single_launch", [True, False], ids=["one-launch", "two-launch"])
+@pytest.mark.parametrize("g,d,unit,layout,dtype,num_splits", DECODE_CASES)
+def test_sparse_decode(g: int, d: int, unit: int, layout: str, dtype: torch.dtype, num_splits: int | None,
+                       single_launch: bool) -> None:
+    q, kv, idx, ref_o, ref_l = _decode_case(g, d, unit, layout, dtype, torch.Generator().manual_seed(7 * g + d + unit))
+    fn = sparse_decode if single_launch else sparse_decode_two_launch
+    out, lse = _nan_outputs(q)
+    fn(q, kv, idx, unit, num_splits=num_splits, out=out, lse=lse)
+    torch.testing.assert_close(out.float(), ref_o, **_tol(dtype))
+    torch.testing.assert_close(lse, ref_l, **_tol(dtype))
     assert torch.isneginf(lse[2, :g]).all()
+
+
+def test_single_launch_decode_repeats_on_one_workspace() -> None:
+    """The counters are reset by the kernel: a second call on the same workspace (a graph replay) gives
+    bit-identical results, the two-launch path agrees, and the workspace is left zeroed. Many splits, so
+    several programs race for the last-arrival role."""
+    q, kv, idx, ref_o, ref_l = _decode_case(4, 128, 1, "paged", torch.float16, torch.Generator().manual_seed(21))
+    runs = []
+    for _ in range(2):
+        out, lse = _nan_outputs(q)
+        sparse_decode(q, kv, idx, 1, num_splits=7, out=out, lse=lse)
+        runs.append((out, lse))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert not bool(decode_mod._workspace(q.device, q.shape[0] * H_KV).any())
+    torch.testing.assert_close(runs[0][0].float(), ref_o, **_tol(torch.float16))
+    torch.testing.assert_close(runs[0][1], ref_l, **_tol(torch.float16))
+    two = sparse_decode_two_launch(q, kv, idx, 1, num_splits=7)
+    torch.testing.assert_close(two[0], runs[0][0], atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(two[1], runs[0][1], atol=1e-5, rtol=1e-5)
+
+
+def test_split_heuristic_fills_the_gpu() -> None:
+    """Every split has work and the splits cover the selection; on an H100-sized GPU (132 SMs, 2 programs
+    each) batch 1 spreads its few selected tokens over many programs and big batches keep few, long ones."""
+    for batch, h_kv, max_sel, unit in [(1, 8, 32, 64), (1, 8, 2048, 1), (8, 8, 128, 64), (64, 8, 8192, 1),
+                                       (1, 2, 5, 1), (3, 1, 1, 64)]:
+        splits, per = num_splits_for(batch, h_kv, max_sel, unit, torch.device("cpu"))
+        assert 1 <= splits <= 128 and (splits - 1) * per < max_sel <= splits * per
+    slots = 132 * 2
+    one, per_one = decode_mod._best_split(8, 2048, 1, slots)
+    many, _ = decode_mod._best_split(64, 2048, 1, slots)
+    assert one * 8 <= slots < 2 * one * 8 and many < one and per_one % 64 == 0
 
 
 STRIDED_CASES = [  # (g, d, gamma, layout, dtype, block_qt)
