@@ -1,80 +1,341 @@
 """Benchmarks the Triton sparse-attention kernels against SDPA on one GPU (prefill, then decode).
 
 Usage (after ``pip install -e .``, on a CUDA machine):
-    python benchmarks/bench_kernels.py            # full run, about 5-8 minutes on an H100/H200
-    python benchmarks/bench_kernels.py --quick    # smoke run, well under a minute after compilation
+    python benchmarks/bench_kernels.py            # 16K-128K prefill, 32K-128K decode, a few minutes
+    python benchmarks/bench_kernels.py --quick    # 64K and 128K only, fewer repeats: under 4 minutes
     python benchmarks/bench_kernels.py --only prefill|decode
-Writes ``$OUT/bench_kernels.json`` (``OUT`` defaults to ./results) with every measurement, the chosen
-autotune configs and the environment, and prints a short table per part last. A configuration that fails
-(an SDPA out of memory at 128K, say) is recorded with its error and the run goes on.
+    TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --smoke   # tiny shapes on the CPU: plumbing only
+Llama-3.1-8B's head layout (32 query heads, 8 KV heads, dim 128) in bf16, K/V in shuffled pages.
+
+Prefill: causal SDPA, then the autotuned block-sparse kernel at each density (speedup, fraction of the
+ideal 1/density, error against the reference), then a sweep of every autotune config at two points, so
+one run shows which tile shape wins at long context. Decode (budget 1/16 of the context, CUDA-graph
+replay): the one-launch kernel (splits combine themselves) beside the former path (split kernel plus
+combine kernel, former split rule) and the one-launch kernel with the former split rule, so the gain of
+each change is visible; a split-count sweep; the replay floor of a one-kernel graph for scale.
+Writes ``$OUT/bench_kernels.json`` (``OUT`` defaults to ./results) after each part; a failing
+configuration is recorded with its error and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported by the kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common & co. when run from elsewhere
 
 import bench_decode  # noqa: E402
 import bench_prefill  # noqa: E402
-from bench_common import environment, table, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    BLOCK,
+    DTYPE,
+    H_KV,
+    D,
+    H,
+    copy_bandwidth_gbs,
+    environment,
+    guarded,
+    rel_err,
+    table,
+    time_ms,
+    wall_ms,
+    write_json,
+)
+
+from raysparse.attention import causal_pairs  # noqa: E402
+from raysparse.kernels.block_sparse_prefill import (  # noqa: E402
+    CONFIGS,
+    _tuned,
+    block_sparse_prefill,
+    block_sparse_prefill_config,
+)
+from raysparse.kernels.formats import PackedBlockSelection, PagedKV  # noqa: E402
+from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode, sparse_decode_two_launch  # noqa: E402
+from raysparse.methods.selection import TokenSelection, indices_from_mask  # noqa: E402
+from raysparse.methods.sparse_attention import sparse_decode_attention  # noqa: E402
 
 # The issue's targets, printed next to the measurements.
 PREFILL_TARGET_FRAC = 0.7  # of the ideal 1/density speedup, from 64K up
 DECODE_TARGET_FRAC = 0.6  # of the copy bandwidth, on the selected K/V
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="Triton sparse-attention kernels vs SDPA")
-    ap.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
-    ap.add_argument("--only", choices=("prefill", "decode"), help="run one part only")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_kernels.py needs a CUDA GPU")
-    t0 = time.time()
-    payload: dict = {"env": environment(), "quick": args.quick, "prefill": [], "decode": [], "errors": []}
-    parts = [("prefill", bench_prefill), ("decode", bench_decode)]
-    for name, module in parts:
-        if args.only and args.only != name:
-            continue
-        t = time.time()
-        try:
-            payload[name] = module.run(args.quick)
-        except Exception as e:  # noqa: BLE001 - keep the other part and whatever was measured
-            traceback.print_exc()
-            payload["errors"].append(f"{name}: {type(e).__name__}: {e}"[:500])
-        payload[f"{name}_seconds"] = round(time.time() - t, 1)
-        write_json("bench_kernels.json", payload)  # after each part: a later crash keeps the earlier one
-    payload["seconds"] = round(time.time() - t0, 1)
-    path = write_json("bench_kernels.json", payload)
+@dataclass(frozen=True)
+class Plan:
+    prefill_lengths: tuple[int, ...]
+    densities: tuple[float, ...]
+    sweep_points: tuple[tuple[int, float], ...]  # (n, density) where every prefill config is timed
+    sweep_configs: tuple[int, ...]  # which of CONFIGS the sweep times
+    decode_lengths: tuple[int, ...]
+    batches: tuple[int, ...]
+    split_sweep: tuple[int, ...]
+    budget_ms: float  # per timing: repeats stop at this much GPU time or max_reps
+    max_reps: int
+    device: str
 
+
+SWEEP = ((65536, 0.05), (131072, 0.1))
+ALL_CONFIGS = tuple(range(len(CONFIGS)))
+PLANS = {
+    "full": Plan((16384, 32768, 65536, 131072), (0.05, 0.1, 0.2), SWEEP, ALL_CONFIGS, (32768, 65536, 131072),
+                 (1, 8), (1, 2, 4, 8, 16, 32, 64, 128), 400.0, 100, "cuda"),
+    "quick": Plan((65536, 131072), (0.05, 0.1, 0.2), SWEEP, ALL_CONFIGS, (65536, 131072), (1, 8),
+                  (2, 4, 8, 16, 32, 64), 150.0, 30, "cuda"),
+    "smoke": Plan((192,), (0.5,), ((192, 0.5),), (0, 2), (256,), (1, 2), (1, 3), 0.0, 1,
+                  "cuda" if torch.cuda.is_available() else "cpu"),
+}
+
+
+def timer(plan: Plan, fn, graph: bool = False) -> float:
+    if plan.device != "cuda":
+        return wall_ms(fn, reps=1)
+    return time_ms(fn, graph=graph, budget_ms=plan.budget_ms, max_reps=plan.max_reps)
+
+
+# ---- prefill ----------------------------------------------------------------------------------------
+
+def prefill_row(plan: Plan, n: int, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: PagedKV, sdpa_ms: float | None, launch) -> dict[str, Any]:
+    nb = idx.shape[1]
+    pairs = bench_prefill.attended_pairs(idx)
+    rec: dict[str, Any] = {"density": pairs / (H_KV * causal_pairs(n, n)), "max_sel": idx.shape[2]}
+    sel = PackedBlockSelection(idx, torch.zeros(nb, dtype=torch.int32, device=q.device),
+                               torch.tensor([0, nb], dtype=torch.int32, device=q.device), BLOCK)
+    cu_q = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+    rec["ms"] = ms = timer(plan, lambda: launch(q, kv, sel, cu_q))
+    rec["tflops"] = 4 * D * pairs * (H // H_KV) / (ms * 1e-3) / 1e12
+    if sdpa_ms is not None:
+        rec.update(speedup=sdpa_ms / ms, ideal=1.0 / rec["density"])
+        rec["frac_ideal"] = rec["speedup"] / rec["ideal"]
+    out, lse = launch(q, kv, sel, cu_q)
+    rec.update(bench_prefill.check_rows(q, k, v, idx, out, lse))
+    return rec
+
+
+def run_prefill(plan: Plan) -> dict[str, list[dict[str, Any]]]:
+    dev = plan.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    sweep: list[dict[str, Any]] = []
+    for n in plan.prefill_lengths:
+        q = torch.randn(n, H, D, device=dev, generator=gen).to(DTYPE if dev == "cuda" else torch.float16)
+        k = torch.randn(H_KV, n, D, device=dev, generator=gen).to(q.dtype)
+        v = torch.randn(H_KV, n, D, device=dev, generator=gen).to(q.dtype)
+        sdpa = {"kind": "prefill", "n": n, "impl": "sdpa", "density": 1.0}
+        if dev == "cuda":
+            sdpa = guarded(sdpa, bench_prefill.dense_case, n, q, k, v)
+        rows.append(sdpa)
+        kv = bench_prefill.paged_cache(k, v, gen)
+        for density in plan.densities:
+            idx = bench_prefill.random_selection(n, density, gen, dev)
+            rec = {"kind": "prefill", "n": n, "impl": "triton", "density_target": density}
+            rows.append(guarded(rec, prefill_row, plan, n, idx, q, k, v, kv, sdpa.get("ms"), block_sparse_prefill))
+            if (n, density) not in plan.sweep_points:
+                continue
+            for cfg in (CONFIGS[i] for i in plan.sweep_configs):
+                rec = {"kind": "prefill-sweep", "n": n, "density_target": density, "rows": cfg.rows,
+                       "kb_step": cfg.kb_step, "warps": cfg.num_warps, "stages": cfg.num_stages}
+                launch = functools.partial(block_sparse_prefill_config, config=cfg)
+                sweep.append(guarded(rec, prefill_row, plan, n, idx, q, k, v, kv, sdpa.get("ms"), launch))
+        del q, k, v, kv
+    for key, kernel in _tuned.items():
+        best = getattr(kernel, "best_config", None)
+        if best is not None:
+            rows.append({"kind": "prefill-config", "g_pad_block": key, "best_config": str(best)})
+    return {"prefill": rows, "prefill_sweep": sweep}
+
+
+# ---- decode -----------------------------------------------------------------------------------------
+
+def paged_batch(batch: int, n: int, gen: torch.Generator, dtype: torch.dtype, dev: str) -> PagedKV:
+    per = -(-n // BLOCK)
+    shape = (batch * per, H_KV, BLOCK, D)
+    k = torch.randn(shape, device=dev, generator=gen).to(dtype)
+    v = torch.randn(shape, device=dev, generator=gen).to(dtype)
+    table_ = torch.randperm(batch * per, device=dev, generator=gen).int().view(batch, per)
+    return PagedKV(k, v, table_, torch.full((batch,), n, dtype=torch.int32, device=dev))
+
+
+def selection(batch: int, units: int, budget: int, gen: torch.Generator, dev: str) -> torch.Tensor:
+    """int32 [batch, h_kv, budget]: first and last unit (sink, local) plus random others, ascending."""
+    scores = torch.rand(batch, H_KV, units, device=dev, generator=gen)
+    scores[..., 0] = scores[..., -1] = 2.0
+    top = scores.topk(budget, dim=-1).indices
+    mask = torch.zeros(batch, H_KV, units, dtype=torch.bool, device=dev).scatter_(-1, top, True)
+    return indices_from_mask(mask, width=budget)
+
+
+def old_splits(batch: int, max_sel: int, unit: int, sms: int) -> int:
+    """The former split rule: fill the GPU four times over, at least 256 selected tokens per split."""
+    by_work, by_grid = -(-(max_sel * unit) // 256), -(-(4 * sms) // (batch * H_KV))
+    splits = max(1, min(by_work, by_grid, 128, max_sel))
+    per = -(-max_sel // splits)
+    per = -(-per // max(1, 64 // unit)) * max(1, 64 // unit)
+    return -(-max_sel // per)
+
+
+def decode_rows(plan: Plan, n: int, batch: int, unit: int, q: torch.Tensor, kv: PagedKV, gen: torch.Generator,
+                sdpa_ms: float | None, copy_gbs: float | None, sms: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    units = -(-n // unit)
+    budget = max(2, int(units * bench_decode.BUDGET))
+    idx = selection(batch, units, budget, gen, plan.device)
+    nbytes = batch * H_KV * budget * unit * D * 2 * q.element_size()
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    new_s = num_splits_for(batch, H_KV, budget, unit, q.device, D, q.element_size())[0]
+    old_s = old_splits(batch, budget, unit, sms)
+
+    def measure(fn, splits: int) -> dict[str, Any]:
+        call = lambda: fn(q, kv, idx, unit, num_splits=splits, out=out, lse=lse)  # noqa: E731
+        m: dict[str, Any] = {"splits": splits, "ms_launch": timer(plan, call)}
+        m["ms"] = timer(plan, call, graph=True) if plan.device == "cuda" else m["ms_launch"]
+        call()
+        errs = []
+        for i in sorted({0, batch - 1}):
+            k, v = bench_decode.seq_kv(kv, i, n)
+            errs.append(rel_err(out[i], sparse_decode_attention(q[i], k, v, TokenSelection(idx[i], unit))[0]))
+        m["rel_err"] = max(errs)
+        return m
+
+    rec: dict[str, Any] = {"kind": "decode", "n": n, "batch": batch, "unit": unit, "max_sel": budget,
+                           "sdpa_ms": sdpa_ms}
+    for name, fn, splits in (("new", sparse_decode, new_s), ("old", sparse_decode_two_launch, old_s),
+                             ("new_oldsplits", sparse_decode, old_s)):
+        try:
+            rec[name] = measure(fn, splits)
+        except Exception as e:  # noqa: BLE001 - keep the other variants
+            rec.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}"[:300])
+            traceback.print_exc(limit=3)
+    new, old = rec.get("new", {}), rec.get("old", {})
+    if "ms" in new:
+        rec.update(ms=new["ms"], splits=new["splits"], gbs=nbytes / (new["ms"] * 1e-3) / 1e9, rel_err=new["rel_err"])
+        rec["frac_copy_bw"] = rec["gbs"] / copy_gbs if copy_gbs else None
+        rec["speedup"] = sdpa_ms / new["ms"] if sdpa_ms else None
+    if "ms" in old:
+        rec.update(ms_old=old["ms"], splits_old=old["splits"])
+        rec["gain"] = old["ms"] / new["ms"] if "ms" in new else None
+        rec["ms_new_oldsplits"] = rec.get("new_oldsplits", {}).get("ms")
+    sweep = []
+    if unit == BLOCK:
+        for s in plan.split_sweep:
+            if s <= budget:
+                r = {"kind": "decode-sweep", "n": n, "batch": batch, "unit": unit, "splits": s}
+                sweep.append(guarded(r, lambda s=s: {"ms": timer(plan, lambda: sparse_decode(
+                    q, kv, idx, unit, num_splits=s, out=out, lse=lse), graph=plan.device == "cuda")}))
+    return rec, sweep
+
+
+def run_decode(plan: Plan) -> dict[str, Any]:
+    dev = plan.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    dtype = DTYPE if dev == "cuda" else torch.float16
+    cuda = dev == "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
+    res: dict[str, Any] = {"decode": [], "decode_sweep": [], "copy_gbs": copy_bandwidth_gbs() if cuda else None}
+    if cuda:  # what a one-kernel graph replay costs in this timing: the floor under batch-1 decode
+        x = torch.zeros(1024, device=dev)
+        res["graph_floor_ms"] = timer(plan, lambda: x.add_(1.0), graph=True)
+    for n in plan.decode_lengths:
+        for batch in plan.batches:
+            kv = paged_batch(batch, n, gen, dtype, dev)
+            q = torch.randn(batch, H, D, device=dev, generator=gen).to(dtype)
+            sdpa = guarded({"n": n, "batch": batch}, bench_decode.dense_case, n, batch, q, kv) if cuda else {}
+            for unit in (BLOCK, 1):
+                try:
+                    rec, sweep = decode_rows(plan, n, batch, unit, q, kv, gen, sdpa.get("ms"), res["copy_gbs"], sms)
+                except Exception as e:  # noqa: BLE001 - one failing configuration must not end the run
+                    traceback.print_exc(limit=3)
+                    rec, sweep = {"kind": "decode", "n": n, "batch": batch, "unit": unit,
+                                  "errors": [f"{type(e).__name__}: {e}"[:300]]}, []
+                res["decode"].append(rec)
+                res["decode_sweep"] += sweep
+            del kv, q
+            if cuda:
+                torch.cuda.empty_cache()
+    return res
+
+
+PREFILL_COLS = [("n", "n"), ("impl", "impl"), ("density", "density"), ("ms", "ms"), ("tflops", "TFLOP/s"),
+                ("speedup", "speedup"), ("ideal", "1/density"), ("frac_ideal", "frac"), ("rel_err", "rel_err")]
+SWEEP_COLS = [("n", "n"), ("density", "density"), ("rows", "rows"), ("kb_step", "kb_step"), ("warps", "warps"),
+              ("stages", "stages"), ("ms", "ms"), ("tflops", "TFLOP/s"), ("frac_ideal", "frac"), ("rel_err", "rel_err")]
+DECODE_COLS = [("n", "n"), ("batch", "batch"), ("unit", "unit"), ("sdpa_ms", "SDPA ms"), ("ms", "1-launch ms"),
+               ("splits", "splits"), ("ms_old", "2-launch ms (old)"), ("splits_old", "old splits"),
+               ("ms_new_oldsplits", "1-launch old splits"), ("gain", "old/new"), ("speedup", "vs SDPA"),
+               ("gbs", "GB/s"), ("frac_copy_bw", "frac_copy"), ("rel_err", "rel_err")]
+
+
+def report(payload: dict[str, Any]) -> None:
     env = payload["env"]
-    print(f"\n{env['gpu']}  torch {env['torch']}  triton {env['triton']}  ({payload['seconds']} s)")
-    pre = [r for r in payload["prefill"] if r.get("kind") == "prefill"]
+    print(f"\n{env['gpu']}  torch {env['torch']}  triton {env['triton']}  ({payload.get('seconds')} s, "
+          f"{payload['mode']})")
+    pre = [r for r in payload.get("prefill", []) if r.get("kind") == "prefill"]
     if pre:
-        print(f"\nprefill, bf16, h=32 h_kv=8 d=128 (target: frac >= {PREFILL_TARGET_FRAC} from 64K up)")
-        print(table(pre, bench_prefill.COLUMNS))
+        print(f"\nprefill, h=32 h_kv=8 d=128 (target: frac >= {PREFILL_TARGET_FRAC} from 64K up)")
+        print(table(pre, PREFILL_COLS))
         for r in payload["prefill"]:
             if r.get("kind") == "prefill-config":
                 print(f"  autotuned {r['g_pad_block']}: {r['best_config']}")
-    dec = [r for r in payload["decode"] if r.get("kind") == "decode"]
+    if payload.get("prefill_sweep"):
+        print("\nprefill config sweep (rows = query rows per tile, kb_step = key blocks per step)")
+        print(table(payload["prefill_sweep"], SWEEP_COLS))
+    dec = payload.get("decode", [])
     if dec:
-        copy = next((r["gbs"] for r in payload["decode"] if r.get("kind") == "copy"), None)
-        copy_s = f"{copy:.0f} GB/s" if copy else "not measured"
-        print(f"\ndecode, bf16, budget 1/16 of the context (copy bandwidth {copy_s}; "
-              f"target: frac_copy >= {DECODE_TARGET_FRAC})")
-        print(table(dec, bench_decode.COLUMNS))
-    failed = [r for r in pre + dec if r.get("errors")]
-    for r in failed:
-        print(f"  FAILED n={r.get('n')} {r.get('impl')} batch={r.get('batch', '-')}: {r['errors'][0][:160]}")
+        copy, floor = payload.get("copy_gbs"), payload.get("graph_floor_ms")
+        print(f"\ndecode, budget 1/16 of the context, graph replay (copy bandwidth "
+              f"{f'{copy:.0f} GB/s' if copy else '-'}, one-kernel graph floor "
+              f"{f'{floor * 1e3:.1f} us' if floor else '-'}; target: frac_copy >= {DECODE_TARGET_FRAC})")
+        print(table(dec, DECODE_COLS))
+    by_case: dict[tuple[int, int], list[str]] = {}
+    for r in payload.get("decode_sweep", []):
+        if "ms" in r:
+            by_case.setdefault((r["n"], r["batch"]), []).append(f"{r['splits']}:{r['ms'] * 1e3:.1f}")
+    for (n, b), cells in by_case.items():
+        print(f"  split sweep n={n} batch={b} (splits:us): {'  '.join(cells)}")
+    for r in pre + dec + payload.get("prefill_sweep", []):
+        for e in r.get("errors", []):
+            print(f"  FAILED n={r.get('n')} {r.get('impl', r.get('unit', ''))} batch={r.get('batch', '-')}: {e[:160]}")
     for e in payload["errors"]:
         print(f"  FAILED {e[:160]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Triton sparse-attention kernels vs SDPA")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="64K and 128K only, fewer repeats (under 4 minutes)")
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes, also on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--only", choices=("prefill", "decode"), help="run one part only")
+    args = ap.parse_args()
+    name = "quick" if args.quick else "smoke" if args.smoke else "full"
+    plan = PLANS[name]
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
+    t0 = time.time()
+    payload: dict[str, Any] = {"env": environment(), "mode": name, "quick": args.quick, "errors": []}
+    for part, fn in (("prefill", run_prefill), ("decode", run_decode)):
+        if args.only and args.only != part:
+            continue
+        t = time.time()
+        try:
+            payload.update(fn(plan))
+        except Exception as e:  # noqa: BLE001 - keep the other part and whatever was measured
+            traceback.print_exc()
+            payload["errors"].append(f"{part}: {type(e).__name__}: {e}"[:500])
+        payload[f"{part}_seconds"] = round(time.time() - t, 1)
+        write_json("bench_kernels.json", payload)  # after each part: a later crash keeps the earlier one
+    payload["seconds"] = round(time.time() - t0, 1)
+    path = write_json("bench_kernels.json", payload)
+    report(payload)
     print(f"\nfull results: {path}")
 
 
