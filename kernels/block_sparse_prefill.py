@@ -171,11 +171,18 @@ CONFIGS = (
 _tuned: dict[tuple[int, int], object] = {}
 
 
+def configs_for(g_pad: int, block: int) -> list[PrefillConfig]:
+    """The configs whose row count a group of ``g_pad`` heads reaches with at most ``block`` query tokens per
+    tile (a 256-row config means 64 rows for g = 1: a warp count meant for a bigger tile); all if none does."""
+    fit = [c for c in CONFIGS if c.block_qt(g_pad, block) * g_pad == c.rows]
+    return fit or list(CONFIGS)
+
+
 def _kernel_for(g_pad: int, block: int):
     key = (g_pad, block)
     if key not in _tuned:
         uniq = {}
-        for c in CONFIGS:
+        for c in configs_for(g_pad, block):
             qt = c.block_qt(g_pad, block)
             uniq[(qt, c.kb_step, c.num_warps, c.num_stages)] = triton.Config(
                 {"BLOCK_QT": qt, "KB_STEP": c.kb_step}, num_warps=c.num_warps, num_stages=c.num_stages)

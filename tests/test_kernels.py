@@ -29,6 +29,7 @@ from raysparse.kernels.block_sparse_prefill import (  # noqa: E402
     PrefillConfig,
     block_sparse_prefill,
     block_sparse_prefill_config,
+    configs_for,
 )
 from raysparse.kernels.formats import PackedKV, PagedKV, pack_block_selections, pack_token_selections  # noqa: E402
 from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode, sparse_decode_two_launch  # noqa: E402
@@ -130,7 +131,7 @@ def test_block_sparse_prefill(g: int, d: int, dtype: torch.dtype, layout: str, b
 
 PREFILL_CONFIG_CASES = [  # (g, d, dtype, layout, config): two key blocks per step, odd and even counts
     (4, 128, torch.float16, "paged", PrefillConfig(256, 2, 16, 2)),
-    (8, 64, torch.float32, "packed", PrefillConfig(512, 2, 8, 3)),
+    (8, 64, torch.float32, "packed", PrefillConfig(256, 2, 16, 2)),  # two tiles per query block
 ]
 
 
@@ -142,11 +143,17 @@ def test_block_sparse_prefill_two_block_steps(g: int, d: int, dtype: torch.dtype
 
 
 def test_prefill_configs_fit_every_group() -> None:
-    """Every autotune config gives whole tiles per query block for every padded group size."""
-    for c in CONFIGS:
-        for g_pad in (1, 2, 4, 8, 16):
+    """Every autotune config gives whole tiles per query block; each group size tunes over the configs whose
+    row count it reaches, and the autotuner gets them without duplicates."""
+    for g_pad in (1, 2, 4, 8, 16, 128):
+        fit = configs_for(g_pad, B)
+        assert fit
+        for c in fit:
             qt = c.block_qt(g_pad, B)
             assert 1 <= qt <= B and B % qt == 0, (c, g_pad)
+            assert qt * g_pad == c.rows or len(fit) == len(CONFIGS), (c, g_pad)
+    assert {c.rows for c in configs_for(1, B)} == {64}
+    assert len(configs_for(4, B)) == len(CONFIGS)
     with pytest.raises(ValueError):
         PrefillConfig(96, 1, 4, 3)
 
