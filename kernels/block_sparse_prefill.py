@@ -44,7 +44,7 @@ from .common import (
 )
 from .formats import PackedBlockSelection, pack_block_selections  # noqa: F401 - re-exported
 
-_CNT_CHUNK = 128  # selection entries counted per step
+_CNT_CHUNK = 512  # selection entries counted per step: one step up to 128K tokens at density 0.25
 
 
 if triton is not None:
@@ -164,7 +164,7 @@ class PrefillConfig:
 # tunes once per model layout and never inside a CUDA-graph capture or per request. The first entry is the
 # config the tuning settled on before the two-block steps existed (64 rows, 4 warps, 3 stages).
 CONFIGS = (
-    PrefillConfig(64, 1, 4, 3), PrefillConfig(64, 1, 4, 4), PrefillConfig(64, 2, 4, 3),
+    PrefillConfig(64, 1, 4, 3), PrefillConfig(64, 1, 4, 4), PrefillConfig(64, 2, 4, 2), PrefillConfig(64, 2, 4, 3),
     PrefillConfig(128, 1, 8, 2), PrefillConfig(128, 1, 8, 3), PrefillConfig(128, 2, 8, 2), PrefillConfig(128, 2, 8, 3),
     PrefillConfig(128, 1, 4, 3), PrefillConfig(256, 1, 16, 2), PrefillConfig(256, 2, 16, 2),
 )

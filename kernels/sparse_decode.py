@@ -57,6 +57,7 @@ _SMEM_PER_SM = 200 * 1024  # what the K/V pipeline buffers may use of an H100/H2
 _COMBINE_ELEMS = 8192  # partial-output elements per combine step (64 fp32 registers per thread)
 _WORKSPACE_MIN = 4096
 _workspaces: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown workspaces stay allocated: a captured graph may still use one
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -94,6 +95,8 @@ def _workspace(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (sequence, KV head), kept per device; the kernel leaves them at 0."""
     ws = _workspaces.get(device)
     if ws is None or ws.numel() < n:
+        if ws is not None:
+            _retired.append(ws)
         ws = torch.zeros(max(_WORKSPACE_MIN, next_pow2(n)), dtype=torch.int32, device=device)
         _workspaces[device] = ws
     return ws
