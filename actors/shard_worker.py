@@ -121,5 +121,13 @@ class ShardWorker:
         assert self.executor is not None, "setup first"
         return getattr(self.executor, "selections", [])
 
+    def warm_graphs(self, key: str, batch_sizes: list[int], context: int) -> int:
+        assert self.executor is not None, "setup first"
+        return self.executor.warm_graphs(key, batch_sizes, context)
+
+    def set_cuda_graphs(self, on: bool) -> bool:
+        assert self.executor is not None, "setup first"
+        return self.executor.set_cuda_graphs(on)
+
     def ping(self) -> bool:
         return True

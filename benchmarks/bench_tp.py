@@ -9,12 +9,15 @@ execute time, over the decode steps only).
 
 Usage (the GPU machine, two GPUs):  python benchmarks/bench_tp.py --model configs/llama-3.1-8b
 CPU smoke run:  python benchmarks/bench_tp.py --smoke
+Each TP size runs every mode (eager or CUDA-graph decode) and multi-step setting on one engine; graphs for
+the measured contexts are captured ahead of the timed requests.
 Prints a table last and writes JSON to $OUT/bench_tp.json (default ./results).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -63,19 +66,25 @@ def main() -> None:
     ap.add_argument("--model", default="configs/llama-3.1-8b", help="model directory (config only is enough)")
     ap.add_argument("--contexts", default="32768,65536")
     ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--methods", default="dense,sketch_walk")
+    ap.add_argument("--modes", default="eager,graphs", help="decode steps run eagerly and/or from CUDA graphs")
+    ap.add_argument("--decode-steps", default="1,8", help="decode steps per shard call (multi-step decode)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the default model, 512 tokens")
     args = ap.parse_args()
     from raysparse.orchestration.engine import Engine, EngineConfig
+    from raysparse.shard_executor import method_key
 
     contexts = [int(c) for c in args.contexts.split(",")]
     tps = [int(t) for t in args.tp.split(",")]
+    modes = args.modes.split(",")
+    steps_list = [int(s) for s in args.decode_steps.split(",")]
     model, random_weights, dtype = args.model, True, args.dtype
     if args.smoke:
         contexts, model, random_weights, dtype, args.new_tokens = [512], None, False, "float32", 6
-    methods = [("dense", {}), ("sketch_walk", {"density": args.density})]
+    methods = [(m, {} if m == "dense" else {"density": args.density}) for m in args.methods.split(",")]
     rows: list[dict[str, Any]] = []
     from raysparse.orchestration.ray_env import start_ray
 
@@ -83,33 +92,46 @@ def main() -> None:
     for tp in tps:
         kv = max(contexts) + args.new_tokens + 256
         cfg = EngineConfig(model=model, dtype=dtype, tp=tp, random_weights=random_weights, kv_cache_tokens=kv,
-                           max_prefill_tokens=max(contexts) + 64, draft=False,
+                           max_prefill_tokens=max(contexts) + 64, draft=False, max_batch=8,
                            cpus_per_shard=0.5 if args.smoke else 1.0, name=f"bench-tp{tp}")
         t0 = time.perf_counter()
         with Engine(cfg) as eng:
             start_s = time.perf_counter() - t0
-            for m, p in methods:  # warm-up: kernels compiled, allocator grown
+            group, sched = eng.runners[0].group, eng.runners[0].sched
+            for m, p in methods:  # warm-up: kernels compiled, allocator grown, graphs captured
                 measure(eng, m, p, min(contexts[0], 4096), 4, seed=1)
-            for n in contexts:
-                for m, p in methods:
-                    r = measure(eng, m, p, n - args.new_tokens, args.new_tokens, seed=n)
-                    r.update(tp=tp, engine_start_s=start_s, device=eng.model_info()["device"])
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
+                for n in contexts:
+                    group.call("warm_graphs", method_key(m, p), [1], n)
+            for mode in modes:
+                on = group.call("set_cuda_graphs", mode == "graphs")[0]
+                for steps in steps_list:
+                    # a benchmark-only switch of the scheduler's multi-step setting on a running engine
+                    sched.cfg = dataclasses.replace(sched.cfg, decode_steps=steps)
+                    for n in contexts:
+                        for m, p in methods:
+                            r = measure(eng, m, p, n - args.new_tokens, args.new_tokens, seed=n)
+                            r.update(tp=tp, mode=mode if on else "eager", decode_steps=steps,
+                                     engine_start_s=start_s, device=eng.model_info()["device"])
+                            rows.append(r)
+                            print(json.dumps(r), flush=True)
     out = Path(os.environ.get("OUT", "results"))
     out.mkdir(parents=True, exist_ok=True)
     meta = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
             "torch": torch.__version__, "model": args.model if not args.smoke else "default", "dtype": dtype}
     (out / "bench_tp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    base = {(r["method"], r["context"]): r for r in rows if r["tp"] == tps[0]}
-    print(f"\n{'tp':>3} {'method':>12} {'ctx':>7} {'prefill s':>10} {'decode tok/s':>13} {'vs tp1':>7} "
-          f"{'step ms':>8} {'ctrl %':>7} {'coord %':>8} {'density':>8}")
+    base = {(r["method"], r["context"], r["mode"], r["decode_steps"]): r for r in rows if r["tp"] == tps[0]}
+    eager = {(r["method"], r["context"], r["tp"]): r for r in rows if r["mode"] == "eager" and r["decode_steps"] == 1}
+    print(f"\n{'tp':>3} {'mode':>6} {'steps':>5} {'method':>12} {'ctx':>7} {'prefill s':>10} {'tok/s':>8} "
+          f"{'vs tp1':>7} {'vs eager':>8} {'call ms':>8} {'ctrl %':>7} {'coord %':>8} {'density':>8}")
     for r in rows:
-        b = base[(r["method"], r["context"])]
+        b = base.get((r["method"], r["context"], r["mode"], r["decode_steps"]), r)
+        e = eager.get((r["method"], r["context"], r["tp"]), r)
         ratio = r["decode_tok_s"] / b["decode_tok_s"] if b["decode_tok_s"] else 0.0
-        print(f"{r['tp']:>3} {r['method']:>12} {r['context']:>7} {r['prefill_s']:>10.3f} {r['decode_tok_s']:>13.1f} "
-              f"{ratio:>6.2f}x {r['decode_step_ms']:>8.2f} {100 * r['control_share']:>6.1f}% "
-              f"{100 * r['coord_share']:>7.1f}% {r['density']:>8.3f}")
+        vs_eager = r["decode_tok_s"] / e["decode_tok_s"] if e["decode_tok_s"] else 0.0
+        print(f"{r['tp']:>3} {r['mode']:>6} {r['decode_steps']:>5} {r['method']:>12} {r['context']:>7} "
+              f"{r['prefill_s']:>10.3f} {r['decode_tok_s']:>8.1f} {ratio:>6.2f}x {vs_eager:>7.2f}x "
+              f"{r['decode_step_ms']:>8.2f} {100 * r['control_share']:>6.1f}% {100 * r['coord_share']:>7.1f}% "
+              f"{r['density']:>8.3f}")
 
 
 if __name__ == "__main__":

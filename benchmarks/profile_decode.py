@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--methods", default="dense,sketch_walk")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--graphs", action="store_true", help="decode steps replayed from CUDA graphs")
     args = ap.parse_args()
     from raysparse.kv_cache import KVCache
     from raysparse.loader import build_model, load_hf_config, resolve_source
@@ -38,8 +39,20 @@ def main() -> None:
         tok = logits.argmax(-1)
         torch.cuda.synchronize()
 
-        def step(cache: KVCache = cache, backend=backend) -> None:
+        graphs = None
+        if args.graphs:
+            from raysparse.decode_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(model, cache, max_batch=1)
+            if not DecodeGraphs.supports(backend):
+                print(f"{method}: no graph decode path; eager")
+                graphs = None
+
+        def step(cache: KVCache = cache, backend=backend, graphs=graphs, method=method) -> None:
             nonlocal tok
+            if graphs is not None:
+                tok = graphs.decode(method, backend, [0], [int(tok.view(-1)[0])]).argmax(-1)
+                return
             b = cache.prepare([0], [1], False)
             tok = model(tok, b, cache, backend).argmax(-1)
 
@@ -52,14 +65,23 @@ def main() -> None:
         torch.cuda.synchronize()
         ms = 1e3 * (time.perf_counter() - t) / args.steps
         print(f"\n=== {method}: {ms:.2f} ms per decode step, {args.layers} layers, {args.context} context "
-              f"({ms / args.layers:.3f} ms per layer)")
+              f"({ms / args.layers:.3f} ms per layer){' graphs' if graphs is not None else ''}")
+        if graphs is not None:  # the GPU work alone: back-to-back replays of the captured step
+            (graph,) = graphs.graphs.values()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                graph.replay()
+            torch.cuda.synchronize()
+            print(f"    replay only: {1e3 * (time.perf_counter() - t) / args.steps:.2f} ms per step")
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(4):
                 step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48))
+        sort = "self_cuda_time_total" if graphs is not None else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=22, max_name_column_width=48))
 
 
 if __name__ == "__main__":

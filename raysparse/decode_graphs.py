@@ -170,6 +170,20 @@ class DecodeGraphs:
         self.captures += 1
         return graph
 
+    def warm(self, key: str, backend: AttentionBackend, batch_sizes: Sequence[int], context: int) -> int:
+        """Captures ahead of time the graphs that batches of these sizes will use at ``context`` tokens
+        (as servers capture at start-up, so no request pays for a capture). Returns the number captured."""
+        if not self.capture:
+            return 0
+        w = bucket(max(self.cache.pages_needed(context), MIN_WIDTH), self.max_width)
+        done = 0
+        for n in batch_sizes:
+            k = (key, bucket(n, self.max_batch), w)
+            if k not in self.graphs:
+                self._capture(k, backend, k[1], w)
+                done += 1
+        return done
+
     def drop(self, key: str) -> None:
         """Forgets the graphs of one method key (its backend is gone)."""
         for k in [k for k in self.graphs if k[0] == key]:

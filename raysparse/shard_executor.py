@@ -77,6 +77,7 @@ class ShardExecutor:
                  graphs: DecodeGraphs | None = None):
         self.model, self.cache, self.rank, self.world_size = model, cache, rank, world_size
         self.graphs = graphs
+        self.use_graphs = graphs is not None  # benchmarks compare eager and captured decode on one engine
         self._share_reduce = reduce
         self.sampler = Sampler()
         self.backends: dict[str, AttentionBackend] = {}
@@ -163,7 +164,7 @@ class ShardExecutor:
             return {"tokens": None, "error": f"{type(e).__name__}: {e}", "forward_s": time.perf_counter() - t0}
 
     def _forward(self, plan: StepPlan, backend: AttentionBackend, tokens: list[list[int]]) -> torch.Tensor:
-        if not plan.prefill and self.graphs is not None and DecodeGraphs.supports(backend):
+        if not plan.prefill and self.use_graphs and self.graphs is not None and DecodeGraphs.supports(backend):
             return self.graphs.decode(plan.key, backend, plan.seq_ids, [t[-1] for t in tokens])
         ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long, device=self.cache.device)
         batch = self.cache.prepare(plan.seq_ids, [len(t) for t in tokens], plan.prefill)
@@ -256,12 +257,25 @@ class ShardExecutor:
 
         backend.tracer = tracer  # type: ignore[attr-defined]
 
+    def warm_graphs(self, key: str, batch_sizes: list[int], context: int) -> int:
+        """Captures the decode graphs of ``key`` for these batch sizes at ``context`` tokens ahead of use."""
+        backend = self.backend(key)
+        if self.graphs is None or not DecodeGraphs.supports(backend):
+            return 0
+        return self.graphs.warm(key, backend, batch_sizes, context)
+
+    def set_cuda_graphs(self, on: bool) -> bool:
+        """Turns graph replay of decode steps on or off; returns whether it is on (off without graphs)."""
+        self.use_graphs = bool(on) and self.graphs is not None
+        return self.use_graphs
+
     def stats(self, reset: bool = False) -> dict[str, Any]:
         self._fold_events()
         out = {"coord_s": self.coord_s, "kv_free_pages": self.cache.free_pages, "kv_pages": self.cache.num_pages,
                "density": {k: b.meter.overall() for k, b in self.backends.items()},
                "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()},
-               "specattn": {k: b.stats.to_dict() for k, b in self.backends.items() if hasattr(b, "stats")}}
+               "specattn": {k: b.stats.to_dict() for k, b in self.backends.items() if hasattr(b, "stats")},
+               "graphs": self.graphs.stats() if self.graphs is not None else None}
         if reset:
             self.coord_s = 0.0
         return out
