@@ -73,8 +73,17 @@ def random_qk(n: int, h: int, h_kv: int, d: int, b: int) -> tuple[torch.Tensor, 
     return q, k
 
 
-def brute_scores(q: torch.Tensor, k: torch.Tensor, H: torch.Tensor, b: int):
-    """Sketched block means and block-causal A_hat by explicit loops (float64)."""
+def head_query(q_t: torch.Tensor, h_kv: int, kv: int | None) -> torch.Tensor:
+    """One token's query [h, d] averaged over every head (kv None) or over KV head kv's query group."""
+    if kv is None:
+        return q_t.double().mean(0)
+    g = q_t.shape[0] // h_kv
+    return q_t[kv * g: (kv + 1) * g].double().mean(0)
+
+
+def brute_scores(q: torch.Tensor, k: torch.Tensor, H: torch.Tensor, b: int, kv: int | None = None):
+    """Sketched block means and block-causal A_hat by explicit loops (float64); heads averaged (kv None) or
+    KV head kv and its query group alone."""
     n, d, r = q.shape[0], q.shape[-1], H.shape[1]
     nb = -(-n // b)
     qt, kt = [], []
@@ -82,8 +91,8 @@ def brute_scores(q: torch.Tensor, k: torch.Tensor, H: torch.Tensor, b: int):
         lo, hi = i * b, min(n, (i + 1) * b)
         qbar, kbar = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
         for t in range(lo, hi):
-            qbar += q[t].double().mean(0)
-            kbar += k[:, t].double().mean(0)
+            qbar += head_query(q[t], k.shape[0], kv)
+            kbar += k[:, t].double().mean(0) if kv is None else k[kv, t].double()
         qt.append(qbar / (hi - lo) @ H)
         kt.append(kbar / (hi - lo) @ H)
     a = torch.zeros(nb, nb, dtype=torch.float64)
@@ -239,7 +248,7 @@ def test_decode_incremental_updates_equal_recompute_from_scratch():
     n0 = rand_int(2 * b + 1, 3 * b - 1)  # the prompt ends inside a block
     total = n0 + 2 * b + 3  # decode crosses two block boundaries
     cfg = model_cfg(layers=4)
-    m = method(cfg, density=density)
+    m = method(cfg, density=density, token_query="none")  # selection rows from the block means, as prefill
     h_mat = explicit_srht(m.srht)
     layers = (1, 2, 3)
     qk = {layer: random_qk(total, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in layers}
@@ -282,6 +291,75 @@ def test_decode_incremental_updates_equal_recompute_from_scratch():
         fresh.select_prefill(SeqContext(layer, 0, 0, total, st, fresh_seq), q, k, k)
         torch.testing.assert_close(st["qs"], states[layer]["qs"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(st["a_hat"].double(), states[layer]["a_hat"].double(), **BF16)
+
+
+# ---- 4b. the token's own query row, and per-KV-head sketches ----------------------------------------
+@pytest.mark.parametrize("token_query,heads", [("decode", "mean"), ("last", "mean"), ("decode", "kv"),
+                                               ("last", "kv"), ("none", "kv")])
+def test_token_rows_and_kv_heads_match_brute_force(token_query, heads):
+    """Prefill then decode across a block boundary: the state stays the block means (per KV head with
+    heads="kv"), the last row the walk reads is the last token's query against the key blocks where
+    ``token_query`` says so, and the walk and selection follow, per score head."""
+    b, density = 8, 0.375
+    n0 = rand_int(3 * b + 1, 4 * b - 1)
+    total = n0 + b + 1
+    cfg = model_cfg(layers=4)
+    m = method(cfg, density=density, token_query=token_query, heads=heads)
+    h_mat = explicit_srht(m.srht)
+    layers = (1, 2, 3)
+    score_heads = list(range(cfg.num_kv_heads)) if heads == "kv" else [None]
+    qk = {layer: random_qk(total, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in layers}
+    states: dict = {layer: {} for layer in layers}
+    seq_state: dict = {}
+    seen: dict = {}
+    walk = m._walk
+
+    def spy(ctx, qb0, nb, token_row=None):
+        seen[ctx.layer] = token_row
+        return walk(ctx, qb0, nb, token_row)
+
+    m._walk = spy
+    for t in [n0 - 1, *range(n0, total)]:
+        prefill = t == n0 - 1
+        sels, rows = [], []
+        for layer in layers:
+            q, k = qk[layer]
+            kv = k[:, : t + 1]
+            if prefill:
+                sels.append(m.select_prefill(SeqContext(layer, 0, 0, n0, states[layer], seq_state), q[:n0], kv, kv))
+            else:
+                sels.append(m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv))
+            rows.append(seq_state["walk"][1])
+        token = token_query == "last" or (token_query == "decode" and not prefill)
+        nb = t // b + 1
+        cnt = block_counts(t + 1, b)[:, None]
+        scores: dict = {h: [] for h in score_heads}
+        for layer in layers:
+            st, (q, k) = states[layer], qk[layer]
+            assert st["n"] == t + 1 and (seen[layer] is not None) == token
+            for i, h in enumerate(score_heads):
+                qt, kt, a = brute_scores(q[: t + 1], k[:, : t + 1], h_mat, b, h)
+                got_qs = st["qs"] if h is None else st["qs"][:, h]
+                got_a = st["a_hat"] if h is None else st["a_hat"][h]
+                torch.testing.assert_close(got_qs.double() / cnt, qt, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got_a.double(), a, **BF16)
+                a = got_a.double().clone()  # the walk oracle reads the method's bf16 scores (checked above)
+                if token:
+                    want = head_query(q[t], cfg.num_kv_heads, h) @ h_mat @ kt.T / math.sqrt(h_mat.shape[1])
+                    torch.testing.assert_close(seen[layer][i, 0].double(), want, **BF16)
+                    a[nb - 1] = seen[layer][i, 0].double()
+                scores[h].append(a)
+        for i, h in enumerate(score_heads):
+            for row, sel, ref in zip(rows, sels, brute_walk(scores[h], 8.0), strict=True):
+                got = (row if h is None else row[i]).double()
+                want = ref if prefill else ref[nb - 1:]
+                torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-30)
+                idx = sel.indices[0 if h is None else h]
+                assert sel.indices.shape[0] == cfg.num_kv_heads
+                picked = rows_of(idx) if prefill else [rows_of(idx[None])[0]]
+                for j, chosen in enumerate(picked):
+                    qi = j if prefill else nb - 1
+                    assert_same_choice(chosen, brute_select(ref[qi], qi, density), ref[qi])
 
 
 # ---- 5. selection invariants, chunked prefill, density -------------------------------------------
@@ -374,7 +452,8 @@ def test_config_validation_and_registry():
         SketchWalkConfig(density=0.0)
     with pytest.raises(ValueError):
         SketchWalkConfig(block_size=48)
-    for bad in ({"walk": "random"}, {"residual": 1.0}, {"residual": -0.1}, {"local_blocks": 0}):
+    for bad in ({"walk": "random"}, {"residual": 1.0}, {"residual": -0.1}, {"local_blocks": 0},
+                {"token_query": "all"}, {"heads": "q"}):
         with pytest.raises(ValueError):
             SketchWalkConfig(**bad)
     c = SketchWalkConfig()

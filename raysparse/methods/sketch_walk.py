@@ -74,6 +74,8 @@ from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 
 WALKS = ("rollout", "product", "one-hop")
+TOKEN_QUERIES = ("decode", "last", "none")
+HEADS = ("mean", "kv")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ class SketchWalkConfig(MethodConfig):
     walk: str = "rollout"  # rollout (default), product (SPEC's literal R^{k-1} W^k), one-hop (W^k alone)
     residual: float = 0.5  # rollout: weight alpha of the identity (the residual stream) in each step
     local_blocks: int = 1  # trailing blocks always kept, the diagonal included (besides the sink block)
+    # Whose query scores the last query block's selection row: "decode" (default): in decode the new token's
+    # alone (Algorithm 2); "last": also at the end of a prefill, its last token's; "none": the block mean.
+    token_query: str = "decode"
+    heads: str = "mean"  # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,6 +106,10 @@ class SketchWalkConfig(MethodConfig):
             raise ValueError(f"residual must be in [0, 1), got {self.residual!r}")
         if isinstance(self.local_blocks, bool) or not isinstance(self.local_blocks, int) or self.local_blocks < 1:
             raise ValueError(f"local_blocks must be an integer >= 1, got {self.local_blocks!r}")
+        if self.token_query not in TOKEN_QUERIES:
+            raise ValueError(f"token_query must be one of {TOKEN_QUERIES}, got {self.token_query!r}")
+        if self.heads not in HEADS:
+            raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
 
 
 def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -108,9 +118,9 @@ def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device)
 
 
 def walk_weights(a_hat: torch.Tensor, exponent: float, stochastic: bool = False) -> torch.Tensor:
-    """W = row-softmax(A_hat over causal blocks) ** s, fp32 [b, b], zero above the block diagonal.
+    """W = row-softmax(A_hat over causal blocks) ** s, fp32 [..., b, b], zero above the block diagonal.
     ``stochastic``: rows rescaled to sum 1, i.e. W = row-softmax(s * A_hat) (same ranking in each row)."""
-    b = a_hat.shape[0]
+    b = a_hat.shape[-1]
     causal = torch.ones(b, b, dtype=torch.bool, device=a_hat.device).tril()
     logits = a_hat.float().masked_fill(~causal, float("-inf"))
     if stochastic:
@@ -119,9 +129,9 @@ def walk_weights(a_hat: torch.Tensor, exponent: float, stochastic: bool = False)
 
 
 def rollout_step(a_hat: torch.Tensor, exponent: float, residual: float) -> torch.Tensor:
-    """One rollout transition: alpha I + (1 - alpha) row-softmax(s * A_hat), fp32 [b, b], rows sum to 1."""
+    """One rollout transition: alpha I + (1 - alpha) row-softmax(s * A_hat), fp32 [..., b, b], rows sum to 1."""
     w = walk_weights(a_hat, exponent, stochastic=True) * (1.0 - residual)
-    return w + residual * torch.eye(w.shape[0], device=w.device)
+    return w + residual * torch.eye(w.shape[-1], device=w.device)
 
 
 def renormalise(rows: torch.Tensor) -> torch.Tensor:
@@ -144,79 +154,109 @@ class SketchWalk(SparseMethod):
         self.head_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # ---- sketches and block scores --------------------------------------------------------------
-    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    # Internally every tensor carries a leading score-head axis H: 1 for heads="mean" (whose state keeps
+    # SPEC's layout: qs, ks [b, r], a_hat [b, b], walk rows [rows, b]), h_kv for heads="kv" (qs, ks
+    # [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]).
+    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor
+                       ) -> tuple[int, int, torch.Tensor | None]:
         """Folds the new tokens (q: [n_q, h, d], k: [h_kv, n, d]) into this layer's block sketches and
-        recomputes the A_hat rows of the query blocks they touch. Returns (first query block, b)."""
-        B, st = self.config.block_size, ctx.state
+        recomputes the A_hat rows of the query blocks they touch. Returns (first query block, b, and with
+        ``token_query`` the last query block's row of A_hat scored by the last token's query alone, bf16
+        [H, 1, b], else None)."""
+        B, st, cfg = self.config.block_size, ctx.state, self.config
         q0, n = ctx.q_start, ctx.n
         qb0, nb = q0 // B, -(-n // B)
         dev = q.device
         r = self.srht.sketch_dim
+        per_kv = cfg.heads == "kv"
+        hs = k.shape[0] if per_kv else 1
         if q0 == 0:  # a new sequence (or a re-prefill): start this layer's sketches afresh
-            st.update(qs=torch.zeros(0, r, device=dev), ks=torch.zeros(0, r, device=dev),
-                      a_hat=torch.zeros(0, 0, dtype=torch.bfloat16, device=dev), n=0)
+            shape = (0, hs, r) if per_kv else (0, r)
+            st.update(qs=torch.zeros(shape, device=dev), ks=torch.zeros(shape, device=dev),
+                      a_hat=torch.zeros((hs, 0, 0) if per_kv else (0, 0), dtype=torch.bfloat16, device=dev), n=0)
         elif st.get("n") != q0:
             raise NotImplementedError(
                 f"sketch_walk: layer {ctx.layer} has sketches of {st.get('n', 0)} tokens but the step starts at "
                 f"position {q0}; prefill must start at 0 or continue a sequence this backend has seen")
         grow = nb - st["qs"].shape[0]
         if grow > 0:  # a new block: exact growth, an O(b^2) copy at most once every B tokens
-            st["qs"], st["ks"] = F.pad(st["qs"], (0, 0, 0, grow)), F.pad(st["ks"], (0, 0, 0, grow))
+            pad = (0, 0) * (st["qs"].dim() - 1) + (0, grow)
+            st["qs"], st["ks"] = F.pad(st["qs"], pad), F.pad(st["ks"], pad)
             st["a_hat"] = F.pad(st["a_hat"], (0, grow, 0, grow))
 
-        # Head sums over the heads held here, divided by the model's head counts when shards reduce.
-        hq = self.model_cfg.num_heads if self.head_reduce is not None else q.shape[1]
-        hk = self.model_cfg.num_kv_heads if self.head_reduce is not None else k.shape[0]
-        q_avg = q.float().sum(1) / hq  # [n_q, d]
-        k_avg = k[:, q0:n].float().sum(0) / hk  # [n_q, d]
+        n_q = n - q0
+        if per_kv:  # each KV head's query group averaged; a shard holds whole KV groups, so nothing to reduce
+            q_avg = q.float().view(n_q, hs, -1, q.shape[-1]).mean(2)  # [n_q, H, d]
+            k_avg = k[:, q0:n].float().transpose(0, 1)
+        else:  # head sums over the heads held here, divided by the model's head counts when shards reduce
+            hq = self.model_cfg.num_heads if self.head_reduce is not None else q.shape[1]
+            hk = self.model_cfg.num_kv_heads if self.head_reduce is not None else k.shape[0]
+            q_avg = q.float().sum(1, keepdim=True) / hq
+            k_avg = k[:, q0:n].float().sum(0)[:, None] / hk
+        want_token = n_q == 1 and cfg.token_query != "none" or cfg.token_query == "last"
         # Sum per block first, then sketch the few block sums (linear): O(b d log d), not O(n d log d).
-        if n - q0 == 1:  # decode: one token, one block
+        # The last token's own query rides along as one more row of sums[0], through the same reduce.
+        extra = int(want_token and n_q > 1)
+        if n_q == 1:  # decode: one token, one block
             sums = torch.stack((q_avg, k_avg))
         else:
             blk = torch.arange(q0, n, device=dev) // B - qb0
-            sums = torch.zeros(2, nb - qb0, q.shape[-1], device=dev)
+            sums = torch.zeros(2, nb - qb0 + extra, hs, q.shape[-1], device=dev)
             sums[0].index_add_(0, blk, q_avg)
             sums[1].index_add_(0, blk, k_avg)
-        new = self.srht.apply(sums)  # [2, nb - qb0, r]
-        if self.head_reduce is not None:
+            if extra:
+                sums[0, -1] = q_avg[-1]
+        new = self.srht.apply(sums)  # [2, nb - qb0 (+ 1), H, r]
+        if self.head_reduce is not None and not per_kv:
             new = self.head_reduce(new)
-        st["qs"][qb0:nb] += new[0]
-        st["ks"][qb0:nb] += new[1]
+        qs, ks = st["qs"].view(-1, hs, r), st["ks"].view(-1, hs, r)  # views: in-place writes reach the state
+        qs[qb0:nb] += new[0, : nb - qb0]
+        ks[qb0:nb] += new[1, : nb - qb0]
         st["n"] = n
 
         # Rows qb0.. of A_hat; rows above qb0 cannot see the key blocks that changed (block causality).
-        cnt = block_counts(n, nb, B, dev)
-        q_mean = st["qs"][qb0:nb] / cnt[qb0:, None]
-        k_mean = st["ks"][:nb] / cnt[:, None]
-        rows = q_mean @ k_mean.T / math.sqrt(r)  # [nb - qb0, nb]
+        cnt = block_counts(n, nb, B, dev)[:, None, None]
+        q_mean = qs[qb0:nb] / cnt[qb0:]
+        k_mean = ks[:nb] / cnt
+        rows = torch.einsum("ihr,jhr->hij", q_mean, k_mean) / math.sqrt(r)  # [H, nb - qb0, nb]
         causal = torch.arange(nb, device=dev) <= torch.arange(qb0, nb, device=dev)[:, None]
-        st["a_hat"][qb0:nb] = rows.masked_fill(~causal, 0.0).to(torch.bfloat16)
-        return qb0, nb
+        st["a_hat"].view(hs, nb, nb)[:, qb0:nb] = rows.masked_fill(~causal, 0.0).to(torch.bfloat16)
+        if not want_token:
+            return qb0, nb, None
+        # The last row nb - 1 sees every key block, so the token's row needs no mask.
+        token_row = torch.einsum("hr,jhr->hj", new[0, -1], k_mean) / math.sqrt(r)
+        return qb0, nb, token_row[:, None].to(torch.bfloat16)
 
     # ---- the walk -------------------------------------------------------------------------------
-    def _walk(self, ctx: SeqContext, qb0: int, nb: int) -> torch.Tensor:
-        """Rows qb0..nb-1 of R^k for this layer (fp32 [nb - qb0, nb]), carried in ``ctx.seq_state``."""
+    def _walk(self, ctx: SeqContext, qb0: int, nb: int, token_row: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows qb0..nb-1 of R^k for this layer (fp32 [H, nb - qb0, nb]), carried in ``ctx.seq_state``.
+        ``token_row`` replaces the last row of A_hat for this call only: the state keeps the block mean's row,
+        which the rows of later query blocks walk through."""
         cfg = self.config
+        a_hat = ctx.state["a_hat"].view(-1, nb, nb)
+        if token_row is not None:
+            a_hat = torch.cat((a_hat[:, : nb - 1], token_row), 1)
         if cfg.walk == "rollout":
-            w = rollout_step(ctx.state["a_hat"], cfg.exponent, cfg.residual)
+            w = rollout_step(a_hat, cfg.exponent, cfg.residual)
         else:
-            w = walk_weights(ctx.state["a_hat"], cfg.exponent)
+            w = walk_weights(a_hat, cfg.exponent)
         step = (ctx.q_start, ctx.n)
         if ctx.layer == self.first_sparse or cfg.walk == "one-hop":
-            rows = w[qb0:nb]
+            rows = w[:, qb0:nb]
         else:
             prev = ctx.seq_state.get("walk")
             if prev is None or prev[0] != step:
                 raise RuntimeError(f"sketch_walk: layer {ctx.layer} found no walk state from an earlier sparse "
                                    f"layer of this step; layers must run in order from layer {self.first_sparse}")
-            rows = prev[1] @ w
+            rows = prev[1].view(w.shape[0], nb - qb0, nb) @ w
         rows = renormalise(rows)
-        ctx.seq_state["walk"] = (step, rows)
+        ctx.seq_state["walk"] = (step, rows if cfg.heads == "kv" else rows[0])
         return rows
 
     def _choose(self, scores: torch.Tensor, qb0: int, nb: int) -> tuple[torch.Tensor, int]:
-        """Per query block qb0..nb-1: forced sink + local blocks plus the top blocks by ``scores`` up to the
-        row budget. Returns the boolean mask [rows, nb] and the widest row (host int, no device sync)."""
+        """Per score head and query block qb0..nb-1: forced sink + local blocks plus the top blocks by
+        ``scores`` [H, rows, nb] up to the row budget. Returns the boolean mask [H, rows, nb] and the widest
+        row (host int, no device sync)."""
         rows_cpu = torch.arange(qb0, nb)
         local = self.config.local_blocks
         budget = row_budget(self.config.density, rows_cpu + 1)
@@ -231,27 +271,28 @@ class SketchWalk(SparseMethod):
         # One row (decode): an int budget keeps topk_mask free of host syncs. Several rows (prefill): a
         # per-row tensor, for which topk_mask does one .item() to size its sort.
         k: int | torch.Tensor = int(extra[0]) if nb - qb0 == 1 else extra.to(dev)
-        return topk_mask(scores, k, allowed, forced), width
+        return topk_mask(scores, k, allowed.expand_as(scores), forced.expand_as(scores)), width
 
     # ---- SparseMethod ---------------------------------------------------------------------------
     def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
-        qb0, nb = self._update_sketch(ctx, q, k)
-        mask, width = self._choose(self._walk(ctx, qb0, nb), qb0, nb)
-        idx = indices_from_mask(mask, width)  # [nqb, width]
-        return BlockSelection(idx.unsqueeze(0).expand(k.shape[0], -1, -1), self.config.block_size)
+        qb0, nb, token_row = self._update_sketch(ctx, q, k)
+        mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb)
+        idx = indices_from_mask(mask, width)  # [H, nqb, width]
+        return BlockSelection(idx.expand(k.shape[0], -1, -1), self.config.block_size)
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
-        qb0, nb = self._update_sketch(ctx, q.unsqueeze(0), k)  # qb0 == nb - 1: the new token's block
-        mask, width = self._choose(self._walk(ctx, qb0, nb), qb0, nb)
-        idx = indices_from_mask(mask, width)  # [1, width] block indices
-        return TokenSelection(idx.expand(k.shape[0], -1), self.config.block_size)
+        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k)  # qb0 == nb - 1: the new token's block
+        mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb)
+        idx = indices_from_mask(mask, width)  # [H, 1, width] block indices
+        return TokenSelection(idx[:, 0].expand(k.shape[0], -1), self.config.block_size)
 
     def state_bytes(self, n: int) -> dict[str, int]:
         """Bytes of Sketch&Walk state per sequence of n tokens (all sparse layers), for capacity planning."""
         b = -(-n // self.config.block_size)
         layers = sum(not self.is_dense_layer(i) for i in range(self.model_cfg.num_layers))
-        return {"a_hat": 2 * b * b * layers, "sketch_sums": 8 * self.srht.sketch_dim * b * layers,
-                "decode_walk_row": 4 * b}
+        hs = self.model_cfg.num_kv_heads if self.config.heads == "kv" else 1
+        return {"a_hat": 2 * b * b * layers * hs, "sketch_sums": 8 * self.srht.sketch_dim * b * layers * hs,
+                "decode_walk_row": 4 * b * hs}
 
 
 register(method_spec(SketchWalk, "Sketch&Walk: SRHT-sketched block scores walked across layers (prefill + decode)"))
