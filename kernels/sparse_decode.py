@@ -8,9 +8,10 @@ table. ``q``: ``[batch, h, d]``, one new query per sequence, the newest of its `
 
 Grid: (split, KV head, sequence). Each program owns a contiguous range of ``per_split`` entries of one KV
 head's list and processes the g query heads of that head together as the M side of ``tl.dot`` (padded to
-16 rows), so every selected K/V row is read once for the whole group. It counts its valid entries (they are
-a prefix of the range, the list being ascending and padded at the end), loops over exactly those, and
-writes a normalised partial output and its log2-sum-exp.
+16 rows), so every selected K/V row is read once for the whole group. Its valid entries are a prefix of
+the range (the list is ascending and padded at the end): one load of the range's last entry shows whether
+all are valid, else it counts them; it loops over exactly those and writes a normalised partial output
+and its log2-sum-exp.
 
 One launch (``sparse_decode``): after writing its partial, each program bumps an int32 counter of its
 (sequence, KV head) in a small persistent workspace; the program that brings it to ``num_splits`` is the
@@ -45,7 +46,7 @@ from .common import (
 from .formats import pack_token_selections  # noqa: F401 - re-exported
 
 _BLOCK_N = 64  # keys per inner step
-_CNT_CHUNK = 256  # entries counted per step: one step for every split the heuristic makes
+_CNT_CHUNK = 256  # entries counted per step (only splits that reach the padding count)
 _STAGES = 3  # software-pipeline depth of the key loop
 _MAX_SPLITS = 128
 # The split heuristic's cost model, in selected tokens' worth of time: a program's fixed latency chain
@@ -158,11 +159,15 @@ if triton is not None:
         q = tl.load(Q + seq.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :],
                     mask=(gi < G)[:, None], other=0.0)  # issued before the count: overlaps its latency
         idx_row = IDX + seq.to(tl.int64) * stride_ib + kvh.to(tl.int64) * stride_ih
-        cnt = tl.zeros((), dtype=tl.int32)
-        for c in range(e0, e_end, CNT_CHUNK):
-            e_off = c + tl.arange(0, CNT_CHUNK)
-            e = tl.load(idx_row + e_off, mask=e_off < e_end, other=-1)
-            cnt += tl.sum((e >= 0).to(tl.int32))
+        # Valid entries are a prefix: if the range's last one is valid (the usual case) all are, and one
+        # scalar load replaces the count; otherwise count them.
+        last = tl.load(idx_row + tl.maximum(e_end - 1, 0), mask=e_end > e0, other=-1)
+        cnt = tl.where(last >= 0, e_end - e0, 0)
+        if last < 0:
+            for c in range(e0, e_end, CNT_CHUNK):
+                e_off = c + tl.arange(0, CNT_CHUNK)
+                e = tl.load(idx_row + e_off, mask=e_off < e_end, other=-1)
+                cnt += tl.sum((e >= 0).to(tl.int32))
         units = cnt * UNIT
         pt_row = seq.to(tl.int64) * stride_pt
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
