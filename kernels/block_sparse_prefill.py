@@ -166,7 +166,8 @@ class PrefillConfig:
 CONFIGS = (
     PrefillConfig(64, 1, 4, 3), PrefillConfig(64, 1, 4, 4), PrefillConfig(64, 2, 4, 2), PrefillConfig(64, 2, 4, 3),
     PrefillConfig(128, 1, 8, 2), PrefillConfig(128, 1, 8, 3), PrefillConfig(128, 2, 8, 2), PrefillConfig(128, 2, 8, 3),
-    PrefillConfig(128, 1, 4, 3), PrefillConfig(256, 1, 16, 2), PrefillConfig(256, 2, 16, 2),
+    PrefillConfig(128, 1, 4, 3), PrefillConfig(256, 1, 8, 2), PrefillConfig(256, 1, 16, 2),
+    PrefillConfig(256, 2, 16, 2),
 )
 _tuned: dict[tuple[int, int], object] = {}
 
