@@ -35,33 +35,15 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported by the kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common & co. when run from elsewhere
 
+import bench_common as bc  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_prefill  # noqa: E402
-from bench_common import (  # noqa: E402
-    BLOCK,
-    DTYPE,
-    H_KV,
-    D,
-    H,
-    copy_bandwidth_gbs,
-    environment,
-    guarded,
-    rel_err,
-    table,
-    time_ms,
-    wall_ms,
-    write_json,
-)
+from bench_common import BLOCK, DTYPE, H_KV, D, H  # noqa: E402
 
 from raysparse.attention import causal_pairs  # noqa: E402
-from raysparse.kernels.block_sparse_prefill import (  # noqa: E402
-    CONFIGS,
-    _tuned,
-    block_sparse_prefill,
-    block_sparse_prefill_config,
-)
+from raysparse.kernels import block_sparse_prefill as bsp  # noqa: E402
+from raysparse.kernels import sparse_decode as sd  # noqa: E402
 from raysparse.kernels.formats import PackedBlockSelection, PagedKV  # noqa: E402
-from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode, sparse_decode_two_launch  # noqa: E402
 from raysparse.methods.selection import TokenSelection, indices_from_mask  # noqa: E402
 from raysparse.methods.sparse_attention import sparse_decode_attention  # noqa: E402
 
@@ -85,7 +67,7 @@ class Plan:
 
 
 SWEEP = ((65536, 0.05), (131072, 0.1))
-ALL_CONFIGS = tuple(range(len(CONFIGS)))
+ALL_CONFIGS = tuple(range(len(bsp.CONFIGS)))
 PLANS = {
     "full": Plan((16384, 32768, 65536, 131072), (0.05, 0.1, 0.2), SWEEP, ALL_CONFIGS, (32768, 65536, 131072),
                  (1, 8), (1, 2, 4, 8, 16, 32, 64, 128), 400.0, 100, "cuda"),
@@ -98,8 +80,8 @@ PLANS = {
 
 def timer(plan: Plan, fn, graph: bool = False) -> float:
     if plan.device != "cuda":
-        return wall_ms(fn, reps=1)
-    return time_ms(fn, graph=graph, budget_ms=plan.budget_ms, max_reps=plan.max_reps)
+        return bc.wall_ms(fn, reps=1)
+    return bc.time_ms(fn, graph=graph, budget_ms=plan.budget_ms, max_reps=plan.max_reps)
 
 
 # ---- prefill ----------------------------------------------------------------------------------------
@@ -133,22 +115,23 @@ def run_prefill(plan: Plan) -> dict[str, list[dict[str, Any]]]:
         v = torch.randn(H_KV, n, D, device=dev, generator=gen).to(q.dtype)
         sdpa = {"kind": "prefill", "n": n, "impl": "sdpa", "density": 1.0}
         if dev == "cuda":
-            sdpa = guarded(sdpa, bench_prefill.dense_case, n, q, k, v)
+            sdpa = bc.guarded(sdpa, bench_prefill.dense_case, n, q, k, v)
         rows.append(sdpa)
         kv = bench_prefill.paged_cache(k, v, gen)
         for density in plan.densities:
             idx = bench_prefill.random_selection(n, density, gen, dev)
             rec = {"kind": "prefill", "n": n, "impl": "triton", "density_target": density}
-            rows.append(guarded(rec, prefill_row, plan, n, idx, q, k, v, kv, sdpa.get("ms"), block_sparse_prefill))
+            auto = bsp.block_sparse_prefill
+            rows.append(bc.guarded(rec, prefill_row, plan, n, idx, q, k, v, kv, sdpa.get("ms"), auto))
             if (n, density) not in plan.sweep_points:
                 continue
-            for cfg in (CONFIGS[i] for i in plan.sweep_configs):
+            for cfg in (bsp.CONFIGS[i] for i in plan.sweep_configs):
                 rec = {"kind": "prefill-sweep", "n": n, "density_target": density, "rows": cfg.rows,
                        "kb_step": cfg.kb_step, "warps": cfg.num_warps, "stages": cfg.num_stages}
-                launch = functools.partial(block_sparse_prefill_config, config=cfg)
-                sweep.append(guarded(rec, prefill_row, plan, n, idx, q, k, v, kv, sdpa.get("ms"), launch))
+                launch = functools.partial(bsp.block_sparse_prefill_config, config=cfg)
+                sweep.append(bc.guarded(rec, prefill_row, plan, n, idx, q, k, v, kv, sdpa.get("ms"), launch))
         del q, k, v, kv
-    for key, kernel in _tuned.items():
+    for key, kernel in bsp._tuned.items():
         best = getattr(kernel, "best_config", None)
         if best is not None:
             rows.append({"kind": "prefill-config", "g_pad_block": key, "best_config": str(best)})
@@ -192,7 +175,7 @@ def decode_rows(plan: Plan, n: int, batch: int, unit: int, q: torch.Tensor, kv: 
     nbytes = batch * H_KV * budget * unit * D * 2 * q.element_size()
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    new_s = num_splits_for(batch, H_KV, budget, unit, q.device, D, q.element_size())[0]
+    new_s = sd.num_splits_for(batch, H_KV, budget, unit, q.device, D, q.element_size())[0]
     old_s = old_splits(batch, budget, unit, sms)
 
     def measure(fn, splits: int) -> dict[str, Any]:
@@ -203,14 +186,14 @@ def decode_rows(plan: Plan, n: int, batch: int, unit: int, q: torch.Tensor, kv: 
         errs = []
         for i in sorted({0, batch - 1}):
             k, v = bench_decode.seq_kv(kv, i, n)
-            errs.append(rel_err(out[i], sparse_decode_attention(q[i], k, v, TokenSelection(idx[i], unit))[0]))
+            errs.append(bc.rel_err(out[i], sparse_decode_attention(q[i], k, v, TokenSelection(idx[i], unit))[0]))
         m["rel_err"] = max(errs)
         return m
 
     rec: dict[str, Any] = {"kind": "decode", "n": n, "batch": batch, "unit": unit, "max_sel": budget,
                            "sdpa_ms": sdpa_ms}
-    for name, fn, splits in (("new", sparse_decode, new_s), ("old", sparse_decode_two_launch, old_s),
-                             ("new_oldsplits", sparse_decode, old_s)):
+    for name, fn, splits in (("new", sd.sparse_decode, new_s), ("old", sd.sparse_decode_two_launch, old_s),
+                             ("new_oldsplits", sd.sparse_decode, old_s)):
         try:
             rec[name] = measure(fn, splits)
         except Exception as e:  # noqa: BLE001 - keep the other variants
@@ -230,7 +213,7 @@ def decode_rows(plan: Plan, n: int, batch: int, unit: int, q: torch.Tensor, kv: 
         for s in plan.split_sweep:
             if s <= budget:
                 r = {"kind": "decode-sweep", "n": n, "batch": batch, "unit": unit, "splits": s}
-                sweep.append(guarded(r, lambda s=s: {"ms": timer(plan, lambda: sparse_decode(
+                sweep.append(bc.guarded(r, lambda s=s: {"ms": timer(plan, lambda: sd.sparse_decode(
                     q, kv, idx, unit, num_splits=s, out=out, lse=lse), graph=plan.device == "cuda")}))
     return rec, sweep
 
@@ -241,7 +224,7 @@ def run_decode(plan: Plan) -> dict[str, Any]:
     dtype = DTYPE if dev == "cuda" else torch.float16
     cuda = dev == "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
-    res: dict[str, Any] = {"decode": [], "decode_sweep": [], "copy_gbs": copy_bandwidth_gbs() if cuda else None}
+    res: dict[str, Any] = {"decode": [], "decode_sweep": [], "copy_gbs": bc.copy_bandwidth_gbs() if cuda else None}
     if cuda:  # what a one-kernel graph replay costs in this timing: the floor under batch-1 decode
         x = torch.zeros(1024, device=dev)
         res["graph_floor_ms"] = timer(plan, lambda: x.add_(1.0), graph=True)
@@ -249,7 +232,7 @@ def run_decode(plan: Plan) -> dict[str, Any]:
         for batch in plan.batches:
             kv = paged_batch(batch, n, gen, dtype, dev)
             q = torch.randn(batch, H, D, device=dev, generator=gen).to(dtype)
-            sdpa = guarded({"n": n, "batch": batch}, bench_decode.dense_case, n, batch, q, kv) if cuda else {}
+            sdpa = bc.guarded({"n": n, "batch": batch}, bench_decode.dense_case, n, batch, q, kv) if cuda else {}
             for unit in (BLOCK, 1):
                 try:
                     rec, sweep = decode_rows(plan, n, batch, unit, q, kv, gen, sdpa.get("ms"), res["copy_gbs"], sms)
@@ -282,20 +265,20 @@ def report(payload: dict[str, Any]) -> None:
     pre = [r for r in payload.get("prefill", []) if r.get("kind") == "prefill"]
     if pre:
         print(f"\nprefill, h=32 h_kv=8 d=128 (target: frac >= {PREFILL_TARGET_FRAC} from 64K up)")
-        print(table(pre, PREFILL_COLS))
+        print(bc.table(pre, PREFILL_COLS))
         for r in payload["prefill"]:
             if r.get("kind") == "prefill-config":
                 print(f"  autotuned {r['g_pad_block']}: {r['best_config']}")
     if payload.get("prefill_sweep"):
         print("\nprefill config sweep (rows = query rows per tile, kb_step = key blocks per step)")
-        print(table(payload["prefill_sweep"], SWEEP_COLS))
+        print(bc.table(payload["prefill_sweep"], SWEEP_COLS))
     dec = payload.get("decode", [])
     if dec:
         copy, floor = payload.get("copy_gbs"), payload.get("graph_floor_ms")
         print(f"\ndecode, budget 1/16 of the context, graph replay (copy bandwidth "
               f"{f'{copy:.0f} GB/s' if copy else '-'}, one-kernel graph floor "
               f"{f'{floor * 1e3:.1f} us' if floor else '-'}; target: frac_copy >= {DECODE_TARGET_FRAC})")
-        print(table(dec, DECODE_COLS))
+        print(bc.table(dec, DECODE_COLS))
     by_case: dict[tuple[int, int], list[str]] = {}
     for r in payload.get("decode_sweep", []):
         if "ms" in r:
@@ -321,7 +304,7 @@ def main() -> None:
     if plan.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)")
     t0 = time.time()
-    payload: dict[str, Any] = {"env": environment(), "mode": name, "quick": args.quick, "errors": []}
+    payload: dict[str, Any] = {"env": bc.environment(), "mode": name, "quick": args.quick, "errors": []}
     for part, fn in (("prefill", run_prefill), ("decode", run_decode)):
         if args.only and args.only != part:
             continue
@@ -332,9 +315,9 @@ def main() -> None:
             traceback.print_exc()
             payload["errors"].append(f"{part}: {type(e).__name__}: {e}"[:500])
         payload[f"{part}_seconds"] = round(time.time() - t, 1)
-        write_json("bench_kernels.json", payload)  # after each part: a later crash keeps the earlier one
+        bc.write_json("bench_kernels.json", payload)  # after each part: a later crash keeps the earlier one
     payload["seconds"] = round(time.time() - t0, 1)
-    path = write_json("bench_kernels.json", payload)
+    path = bc.write_json("bench_kernels.json", payload)
     report(payload)
     print(f"\nfull results: {path}")
 
