@@ -17,7 +17,8 @@ One launch (``sparse_decode``): after writing its partial, each program bumps an
 (sequence, KV head) in a small persistent workspace; the program that brings it to ``num_splits`` is the
 last, combines the group's partials into the output and sets the counter back to 0, so the next call (or
 graph replay) finds the workspace clean. With a single split the program writes the output directly.
-``sparse_decode_two_launch`` keeps the former split-then-combine-kernel path for comparison. The split
+``sparse_decode_two_launch`` keeps the former split-then-combine-kernel path for comparison (and as a
+fallback: ``RAYSPARSE_DECODE_TWO_LAUNCH=1`` makes ``sparse_decode`` use it). The split
 count comes from shapes and the SM count only and nothing is read back to the host, so either call can be
 captured in a CUDA graph. Calls sharing a device must be stream-ordered (they share the counters).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -57,6 +59,7 @@ _COMBINE_TOKENS = 2
 _SMEM_PER_SM = 200 * 1024  # what the K/V pipeline buffers may use of an H100/H200 SM's 228 KB
 _COMBINE_ELEMS = 8192  # partial-output elements per combine step (64 fp32 registers per thread)
 _WORKSPACE_MIN = 4096
+TWO_LAUNCH = os.environ.get("RAYSPARSE_DECODE_TWO_LAUNCH", "0") not in ("", "0")  # fallback switch
 _workspaces: dict[torch.device, torch.Tensor] = {}
 _retired: list[torch.Tensor] = []  # outgrown workspaces stay allocated: a captured graph may still use one
 
@@ -239,8 +242,9 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [batch, h, d]; indices: int32 [batch, h_kv, max_sel]. Returns out [batch, h, d] (q's dtype) and
     lse [batch, h] fp32 (natural log); a query with no valid key gets zeros and lse = -inf. ``out``/``lse``
-    may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves."""
-    return _decode(q, kv, indices, unit, scale, num_splits, out, lse, fused=True)
+    may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves (unless
+    ``RAYSPARSE_DECODE_TWO_LAUNCH=1`` selects the former path, read at import)."""
+    return _decode(q, kv, indices, unit, scale, num_splits, out, lse, fused=not TWO_LAUNCH)
 
 
 def sparse_decode_two_launch(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1,
