@@ -80,6 +80,7 @@ class DecodeGraphs:
         meta = BatchMeta(seq_ids=seq_ids, q_lens=[1] * b, ctx_lens=ctx_lens, positions=pos, slot_pages=pages,
                          slot_offsets=offs, page_tables=tables, is_prefill=False)
         meta.extras["paged"] = (table, seqlens, blocks.contiguous())
+        meta.extras["graph"] = True
         return meta
 
     def _fill(self, seq_ids: Sequence[int], ids: list[int], b: int, w: int) -> list[int]:
@@ -117,6 +118,7 @@ class DecodeGraphs:
         b = bucket(n, self.max_batch)
         w = bucket(max(self.cache.pages_needed(longest), MIN_WIDTH), self.max_width)
         ctx_lens = self._fill(seq_ids, ids, b, w)
+        self._prepare(backend, list(seq_ids) + [-1] * (b - n))
         if not self.capture:
             meta = self._batch(b, w, ctx_lens, list(seq_ids) + [-1] * (b - n))
             with self._no_meter(backend):
@@ -125,12 +127,18 @@ class DecodeGraphs:
             k = (key, b, w)
             graph = self.graphs.get(k)
             if graph is None:
-                graph = self._capture(k, backend, b, w)
+                graph = self._capture(k, backend, b, w, list(seq_ids) + [-1] * (b - n))
             graph.replay()
             self.replays += 1
             logits = self.logits[k][:n]
         backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)  # type: ignore[attr-defined]
         return logits
+
+    def _prepare(self, backend: AttentionBackend, rows: list[int]) -> None:
+        """The backend's own static inputs for these rows (e.g. Sketch&Walk's state slots)."""
+        prep = getattr(backend, "graph_prepare", None)
+        if prep is not None:
+            prep(rows, self.cache)
 
     @contextmanager
     def _no_meter(self, backend: AttentionBackend) -> Iterator[None]:
@@ -143,7 +151,8 @@ class DecodeGraphs:
         finally:
             backend.meter = real
 
-    def _capture(self, k: tuple[str, int, int], backend: AttentionBackend, b: int, w: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, k: tuple[str, int, int], backend: AttentionBackend, b: int, w: int,
+                 rows: list[int] | None = None) -> torch.cuda.CUDAGraph:
         """Warms up (kernels compiled, allocator grown) on an all-padding batch, so no sequence's K/V or
         method state is touched, then restores the step's inputs and captures."""
         ids = self.inputs[0, :b]
@@ -153,6 +162,7 @@ class DecodeGraphs:
         self.inputs[4, :b] = 1
         table = self.table[:b].clone()
         self.table[:b] = self.cache.scratch_page
+        self._prepare(backend, [-1] * b)
         with self._no_meter(backend):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -162,6 +172,8 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             self.inputs[:, :b] = real
             self.table[:b] = table
+            if rows is not None:
+                self._prepare(backend, rows)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 meta = self._batch(b, w, [1] * b, [-1] * b)

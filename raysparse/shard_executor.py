@@ -93,6 +93,8 @@ class ShardExecutor:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
         def timed(x: torch.Tensor) -> torch.Tensor:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return reduce(x)  # a captured graph replays it: no timing events inside a graph
             if not x.is_cuda:
                 t = time.perf_counter()
                 out = reduce(x)
@@ -123,6 +125,11 @@ class ShardExecutor:
             b = create_backend(method, self.model.cfg, **params)
             if self._reduce is not None and self.world_size > 1:
                 attach_group(b, self._reduce)
+            if self.graphs is not None:
+                from raysparse.methods.sketch_walk_graph import attach_graph_decode
+
+                attach_graph_decode(b, self.cache, self.graphs.max_batch,
+                                    max_positions=self.model.cfg.max_position_embeddings)
             self.backends[key] = b
         return b
 

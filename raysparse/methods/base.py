@@ -69,6 +69,19 @@ class SparseMethod(AttentionBackend):
         # Set by the fidelity harness: called as tracer(ctx, q, k, v, selection, out) after each sparse
         # attention, so metrics see exactly what the method attended.
         self.tracer: Callable[..., None] | None = None
+        # A fixed-shape batched decode for CUDA graphs (``sketch_walk_graph``), attached by the shard when
+        # the method has one; the eager per-sequence path below stays the reference.
+        self.graph_path: Any = None
+
+    @property
+    def graph_decode(self) -> bool:
+        return self.graph_path is not None and self.tracer is None  # a tracer needs the eager path
+
+    def graph_prepare(self, rows: list[int], cache: KVCache) -> None:
+        self.graph_path.prepare(rows, cache)
+
+    def account_graph_decode(self, ctx_lens: list[int], num_kv_heads: int) -> None:
+        self.graph_path.account(ctx_lens, num_kv_heads)
 
     # ---- to implement ------------------------------------------------------------------------
     def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
@@ -129,10 +142,14 @@ class SparseMethod(AttentionBackend):
         return self._run(layer, q, cache, batch, decode=False)
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        if batch.extras.get("graph") and self.graph_path is not None:
+            return self.graph_path.decode(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=True)
 
     def release(self, seq_id: int) -> None:
         self._seq_state.pop(seq_id, None)
+        if self.graph_path is not None:
+            self.graph_path.release(seq_id)
 
 
 def row_budget(density: float, causal_units: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""Sketch&Walk's decode for a whole batch in fixed-shape tensors: its CUDA-graph path (``decode_graphs``).
+
+The reference decode (``sketch_walk.py``) keeps per-sequence state of growing size in the cache's metadata
+and runs one sequence at a time, which a captured graph cannot do. Here every running sequence owns a slot
+of static buffers:
+- the sketched block sums ``qs``/``ks`` [slots, sparse layers, Bmax, r] (fp32), as in the reference;
+- the walk's transition matrix ``w`` [slots, sparse layers, Bmax, Bmax] (fp32) instead of A_hat: row i of
+  W depends only on row i of A_hat, which is final once query block i is complete, so each step recomputes
+  only the current block's A_hat row (rounded to bf16 as the reference caches it) and its W row. As in
+  the reference, the step's own walk uses the row scored by the new token's query (``token_query``) in
+  place of the block mean's, which is what the state keeps.
+Only the default head-averaged sketches (``heads="mean"``) have this path.
+Lengths, slots and budgets are device tensors; the top-k is a stable sort of each row (ties toward lower
+blocks, as ``topk_mask``), so one step is the same kernels whatever the lengths. Tensors are cut to the
+graph's page-width bucket (a block is a page). A sequence enters on its first graph step: its prefill
+state (the reference's qs, ks and A_hat) is copied into a free slot and W built from A_hat; from then on
+the slot is its state (the reference path refuses it). Padded rows use a scratch slot.
+
+Memory per slot: 4 * L_s * Bmax^2 + 8 * L_s * Bmax * r bytes (Bmax = blocks of the longest sequence the
+cache can hold); the path is not attached when ``max_batch + 1`` slots exceed ``state_budget_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from raysparse.kv_cache import BatchMeta, KVCache
+from raysparse.methods.base import row_budget
+from raysparse.methods.sketch_walk import SketchWalk, rollout_step, walk_weights
+
+
+class SketchWalkGraphDecode:
+    def __init__(self, method: SketchWalk, cache: KVCache, max_batch: int, max_blocks: int) -> None:
+        cfg = method.config
+        if cache.page_size != cfg.block_size:
+            raise ValueError(f"the graph path needs page size == block size, got {cache.page_size} and "
+                             f"{cfg.block_size}")
+        self.m, self.cfg = method, cfg
+        sparse = [i for i in range(method.model_cfg.num_layers) if not method.is_dense_layer(i)]
+        self.index = {layer: i for i, layer in enumerate(sparse)}
+        self.first = sparse[0] if sparse else None
+        slots, r, dev = max_batch + 1, method.srht.sketch_dim, cache.device
+        self.qs = torch.zeros(slots, len(sparse), max_blocks, r, device=dev)
+        self.ks = torch.zeros_like(self.qs)
+        self.w = torch.zeros(slots, len(sparse), max_blocks, max_blocks, device=dev)
+        self.scratch = slots - 1
+        self.row_slot = torch.full((max_batch,), self.scratch, dtype=torch.long, device=dev)
+        self.slot_of: dict[int, int] = {}
+        self._free = list(range(slots - 1))
+        self._rows: torch.Tensor | None = None  # the walk's rows, carried from one sparse layer to the next
+
+    @staticmethod
+    def state_bytes(method: SketchWalk, max_blocks: int) -> int:
+        layers = sum(not method.is_dense_layer(i) for i in range(method.model_cfg.num_layers))
+        return layers * (4 * max_blocks**2 + 8 * max_blocks * method.srht.sketch_dim)
+
+    # ---- host side, before each step --------------------------------------------------------------
+    def prepare(self, rows: list[int], cache: KVCache) -> None:
+        """``rows``: the sequence of each row of the padded batch (-1 for padding)."""
+        for sid in rows:
+            if sid >= 0 and sid not in self.slot_of:
+                self._enter(sid, cache)
+        slots = [self.slot_of[s] if s >= 0 else self.scratch for s in rows]
+        self.row_slot[: len(rows)].copy_(torch.tensor(slots), non_blocking=True)
+
+    def _enter(self, sid: int, cache: KVCache) -> None:
+        if not self._free:
+            raise RuntimeError("sketch_walk graph decode: every state slot is taken")
+        slot = self._free.pop()
+        cfg = self.cfg
+        for layer, li in self.index.items():
+            st = cache.metadata[layer].get(sid)
+            if st is None or "qs" not in st:
+                raise RuntimeError(f"sketch_walk: sequence {sid} has no sketches at layer {layer}; prefill first")
+            nb = st["qs"].shape[0]
+            for buf, src in ((self.qs, st["qs"]), (self.ks, st["ks"])):
+                buf[slot, li].zero_()
+                buf[slot, li, :nb] = src
+            w = (rollout_step(st["a_hat"], cfg.exponent, cfg.residual) if cfg.walk == "rollout"
+                 else walk_weights(st["a_hat"], cfg.exponent))
+            self.w[slot, li].zero_()
+            self.w[slot, li, :nb, :nb] = w
+            st.clear()  # the slot is the state now; the reference path would find it gone
+            st["graph_slot"] = slot
+        self.slot_of[sid] = slot
+
+    def release(self, sid: int) -> None:
+        slot = self.slot_of.pop(sid, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def account(self, ctx_lens: list[int], num_kv_heads: int) -> None:
+        """The density a replayed step used (host arithmetic: forced blocks + budget, last block partial)."""
+        B, local, meter = self.cfg.block_size, self.cfg.local_blocks, self.m.meter
+        attended = 0.0
+        for n in ctx_lens:
+            cb = (n - 1) // B
+            tau = int(row_budget(self.cfg.density, torch.tensor([cb + 1]))[0])
+            count = max(tau, min(cb + 1, local + 1))
+            attended += (count - 1) * B + (n - cb * B)
+        dense = float(sum(ctx_lens))
+        for layer in range(meter.num_layers):
+            a = dense if layer not in self.index else attended
+            meter.add(layer, a * num_kv_heads, dense * num_kv_heads, decode=True)
+
+    # ---- one layer, captured ------------------------------------------------------------------------
+    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        from raysparse.kernels.dispatch import sparse_decode_attention_varlen
+        from raysparse.kernels.formats import PagedKV
+
+        table, seqlens, dense_blocks = batch.extras["paged"]
+        kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
+        if layer not in self.index:
+            return sparse_decode_attention_varlen(q, kv, dense_blocks, unit=cache.page_size)[0]
+        idx = self._select(layer, q, cache, batch, seqlens.long(), table.shape[1])
+        blocks = idx[:, None, :].expand(-1, cache.num_kv_heads, -1).contiguous()
+        return sparse_decode_attention_varlen(q, kv, blocks, unit=cache.page_size)[0]
+
+    def _select(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,
+                w: int) -> torch.Tensor:
+        cfg, m, li = self.cfg, self.m, self.index[layer]
+        B, dev = cfg.block_size, q.device
+        bsz = q.shape[0]
+        slots = self.row_slot[:bsz]
+        cb = (n - 1) // B  # the current (query and key) block of each row
+        k_new = cache.k[layer][batch.slot_pages, :, batch.slot_offsets, :]  # [bsz, h_kv, d]
+        hq = m.model_cfg.num_heads if m.head_reduce is not None else q.shape[1]
+        hk = m.model_cfg.num_kv_heads if m.head_reduce is not None else k_new.shape[1]
+        new = m.srht.apply(torch.stack((q.float().sum(1) / hq, k_new.float().sum(1) / hk)))  # [2, bsz, r]
+        if m.head_reduce is not None:
+            new = m.head_reduce(new)
+        qs, ks = self.qs[:, li, :w], self.ks[:, li, :w]
+        qs.index_put_((slots, cb), new[0], accumulate=True)
+        ks.index_put_((slots, cb), new[1], accumulate=True)
+
+        cols = torch.arange(w, device=dev)
+        cnt = (n[:, None] - cols * B).clamp(min=1, max=B).float()  # [bsz, w]; past-the-end blocks masked below
+        q_mean = qs[slots, cb] / cnt.gather(1, cb[:, None])  # [bsz, r]
+        k_mean = ks[slots] / cnt[:, :, None]  # [bsz, w, r]
+        causal = cols <= cb[:, None]
+        # q_mean @ k_mean^T in the reference's operand order, so rounding (and bf16 ties) agree
+        mean_row = self._w_row(torch.matmul(q_mean[:, None, :], k_mean.transpose(1, 2)).squeeze(1), causal, cols, cb)
+        W = self.w[:, li, :w, :w]
+        if cfg.token_query == "none":
+            call_row = mean_row
+        else:  # Algorithm 2: this step's row scored by the new token's own query; the state keeps the mean's
+            call_row = self._w_row(torch.einsum("br,bjr->bj", new[0], k_mean), causal, cols, cb)
+        if layer == self.first or cfg.walk == "one-hop" or self._rows is None:
+            rows = call_row
+        else:
+            wg = W[slots]  # [bsz, w, w], a copy: its current row takes this call's row
+            wg[torch.arange(bsz, device=dev), cb] = call_row
+            rows = torch.bmm(self._rows[:, None, :], wg).squeeze(1)
+        W[slots, cb] = mean_row
+        rows = rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        self._rows = rows
+        return self._choose(rows, cb, cols)
+
+    def _w_row(self, scores: torch.Tensor, causal: torch.Tensor, cols: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
+        """The current block's row of W from raw A_hat scores [bsz, w] (rounded to bf16 as A_hat is cached)."""
+        cfg = self.cfg
+        a_row = (scores / math.sqrt(self.m.srht.sketch_dim)).masked_fill(~causal, 0.0)
+        logits = a_row.to(torch.bfloat16).float().masked_fill(~causal, float("-inf"))
+        if cfg.walk == "rollout":
+            walked = torch.softmax(cfg.exponent * logits, -1) * (1.0 - cfg.residual)
+            return walked + cfg.residual * (cols == cb[:, None])
+        return torch.exp(cfg.exponent * torch.log_softmax(logits, -1))
+
+    def _choose(self, rows: torch.Tensor, cb: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Ascending block list per row, -1 padded: sink + local blocks + the top-(tau - forced) by ``rows``."""
+        cfg, w = self.cfg, cols.numel()
+        local = cfg.local_blocks
+        tau = (cfg.density * (cb + 1).float()).round().clamp(min=1).long()  # row_budget, on the device
+        extra = (tau - torch.clamp(cb + 1, max=local + 1)).clamp(min=0)
+        allowed = cols <= cb[:, None]
+        forced = ((cols == 0) | (cols > cb[:, None] - local)) & allowed
+        cand = allowed & ~forced
+        k = min(w, int(round(cfg.density * w)) + 1)  # static: at least any row's extra in this bucket
+        s = torch.where(cand, rows, torch.finfo(torch.float32).min)
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+        take = (torch.arange(k, device=rows.device) < extra[:, None]) & cand.gather(1, order)
+        chosen = torch.zeros_like(cand).scatter(1, order, take) | forced
+        width = min(w, k + local + 1)
+        srt = torch.sort(torch.where(chosen, cols, w), dim=-1).values[:, :width]
+        return torch.where(srt < w, srt, -1).to(torch.int32)
+
+
+def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budget_bytes: int = 8 << 30,
+                        max_positions: int | None = None) -> bool:
+    """Gives a backend that has a graph path its fixed-shape state; returns whether it now has one."""
+    if (not isinstance(backend, SketchWalk) or cache.page_size != backend.config.block_size
+            or getattr(backend.config, "heads", "mean") != "mean"):
+        return False
+    limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
+    if (max_batch + 1) * SketchWalkGraphDecode.state_bytes(backend, limit) > state_budget_bytes:
+        return False
+    backend.graph_path = SketchWalkGraphDecode(backend, cache, max_batch, limit)
+    return True
