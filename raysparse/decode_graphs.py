@@ -61,6 +61,7 @@ class DecodeGraphs:
         self._table_rows: tuple[tuple[int, ...], int] | None = None
         self.replays = 0
         self.captures = 0
+        self._copied: torch.cuda.Event | None = None
 
     @staticmethod
     def supports(backend: AttentionBackend) -> bool:
@@ -86,6 +87,8 @@ class DecodeGraphs:
     def _fill(self, seq_ids: Sequence[int], ids: list[int], b: int, w: int) -> list[int]:
         """Advances the cache by one token per sequence and writes the step's inputs; returns ctx lens."""
         positions, pages, offsets = self.cache.advance_decode(seq_ids)
+        if self._copied is not None:  # the pinned buffer is reused: the last step's copy must have left it
+            self._copied.synchronize()
         n = len(seq_ids)
         pad = b - n
         host = self.host[:, :b]
@@ -99,6 +102,9 @@ class DecodeGraphs:
             host[2, n:] = self.cache.scratch_page
             host[4, n:] = 1
         self.inputs[:, :b].copy_(host, non_blocking=True)
+        if self.capture:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         rows = (tuple(seq_ids), b)
         if self._table_rows != rows:  # a new batch composition: its (fixed) page tables
             t = torch.full((b, self.max_width), self.cache.scratch_page, dtype=torch.int32)
