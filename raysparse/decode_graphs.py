@@ -102,7 +102,7 @@ class DecodeGraphs:
             host[2, n:] = self.cache.scratch_page
             host[4, n:] = 1
         self.inputs[:, :b].copy_(host, non_blocking=True)
-        if self.capture:
+        if self.host.is_pinned():
             self._copied = torch.cuda.Event()
             self._copied.record()
         rows = (tuple(seq_ids), b)
