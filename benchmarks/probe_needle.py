@@ -11,8 +11,10 @@ Per layer and answer step it reports, averaged over samples, steps and the answe
 of every expected answer in the haystack):
 - ``hit_prefill`` / ``hit_decode``: the fraction of KV heads whose selection holds the needle's value tokens (all
   of them), at the prompt's last position (the prefill's last query block) / at the decode steps;
+- ``cover_prefill`` / ``cover_decode``: the dense attention mass on the value tokens that the selection keeps,
+  over all of it (summed over query heads: the heads that do attend the needle weigh most);
 - for Sketch&Walk settings, ``rank``: the needle block's rank in the walk row the method selected by (1 = best,
-  among the non-forced causal blocks; the budget takes the top tau - forced);
+  among the non-forced causal blocks; the budget takes the top tau - forced; with ``heads=kv`` the best KV head);
 - the ``true`` ranks of the needle block by the dense attention mass at that query position: of the mass
   averaged over all query heads (one selection per layer, as Sketch&Walk makes) and the best rank over KV heads
   of the mass averaged over each KV group (per-KV-head selection, as Quest makes); and ``mass``, the dense
@@ -32,7 +34,7 @@ import torch
 from probe_sketch_walk import Recorder
 
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import SeqContext
+from raysparse.methods.base import SeqContext, row_budget
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL
 
@@ -82,7 +84,7 @@ def rank_of(scores: torch.Tensor, blocks: list[int], exclude: set[int]) -> int:
 
 def run_setting(name: str, params: dict, mcfg, qk: dict, prompt_len: int, steps: list[int], density: float,
                 needles: list[tuple[int, int]]) -> dict[int, dict[str, list[float]]]:
-    """Per layer: ``hit`` (and ``rank`` for Sketch&Walk) at each answer step and needle."""
+    """Per layer: ``hit_*`` and ``cover_*`` (and ``rank`` for Sketch&Walk) at each answer step and needle."""
     backend = create_backend(name, mcfg, **{"density": density, **params})
     states: dict[int, dict] = {}
     seq_state: dict = {}
@@ -93,16 +95,24 @@ def run_setting(name: str, params: dict, mcfg, qk: dict, prompt_len: int, steps:
     def record(layer: int, t: int, sel_idx: torch.Tensor, unit: int) -> None:
         covered = selected_tokens(sel_idx, unit, t + 1)
         row = out.setdefault(layer, {})
+        q, k = qk[layer]
+        g = q.shape[1] // k.shape[0]
+        p = (torch.einsum("hd,hnd->hn", q[t], k[:, : t + 1].repeat_interleave(g, 0)) / math.sqrt(q.shape[-1]))
+        p = p.softmax(-1)  # dense attention of every query head at step t
+        phase = "prefill" if t == prompt_len - 1 else "decode"
         for start, length in needles:
             hit = float(covered[:, start: start + length].all(1).float().mean())
-            row.setdefault("hit", []).append(hit)
-            row.setdefault("hit_prefill" if t == prompt_len - 1 else "hit_decode", []).append(hit)
+            row.setdefault(f"hit_{phase}", []).append(hit)
+            on = p[:, start: start + length]
+            kept = (on * covered.repeat_interleave(g, 0)[:, start: start + length]).sum()
+            row.setdefault(f"cover_{phase}", []).append(float(kept / on.sum()))
             if name == "sketch_walk":
-                scores = seq_state["walk"][1][-1]
+                walk = seq_state["walk"][1]  # heads=kv: one walk per KV head, of which the best rank counts
+                scores = walk[..., -1, :].reshape(-1, walk.shape[-1])
                 qb = t // block
                 forced = {0, *range(max(0, qb - backend.config.local_blocks + 1), qb + 1)}
                 blocks = sorted({p // block for p in range(start, start + length)})
-                row.setdefault("rank", []).append(float(rank_of(scores, blocks, forced)))
+                row.setdefault("rank", []).append(float(min(rank_of(x, blocks, forced) for x in scores)))
 
     for layer in layers:  # prefill of the prompt
         q, k = qk[layer]
@@ -121,26 +131,44 @@ def run_setting(name: str, params: dict, mcfg, qk: dict, prompt_len: int, steps:
     return out
 
 
-def true_ranks(qk: dict, layers: list[int], steps: list[int], needles: list[tuple[int, int]],
-               block: int) -> dict[int, dict[str, list[float]]]:
-    """Per layer: the needle block's rank by dense mass (head mean; best KV head) and the mass on the value."""
+def true_ranks(qk: dict, layers: list[int], steps: list[int], needles: list[tuple[int, int]], block: int,
+               density: float) -> dict[int, dict[str, list[float]]]:
+    """Per layer: the needle block's rank by dense mass (head mean; best KV head), the dense mass on the value,
+    and ``in <form>``: whether the needle block ranks within the budget's free slots (tau - sink - diagonal)
+    under one-hop block scores of each form, exact (no sketch; r = d on the default model):
+    ``blockq``: head-mean block-mean query . head-mean block-mean key (SPEC's A_hat row); ``tokq``: the
+    token's head-mean query instead (Algorithm 2's decode row); ``tokq kv-pair``: the mean over KV heads of
+    the group-mean query . that head's block-mean key; ``tokq kv-best``: the best KV head of those; ``tokq
+    token-max``: the head mean of the largest token logit in each block."""
     out: dict[int, dict[str, list[float]]] = {}
     for layer in layers:
         q, k = qk[layer]
         h, h_kv = q.shape[1], k.shape[0]
+        g = h // h_kv
         row = out.setdefault(layer, {})
         for t in steps:
-            logits = torch.einsum("hd,hnd->hn", q[t], k.repeat_interleave(h // h_kv, 0)[:, : t + 1])
-            p = (logits / math.sqrt(q.shape[-1])).softmax(-1)  # [h, t + 1]
-            nb = -(-(t + 1) // block)
-            bm = torch.nn.functional.pad(p, (0, nb * block - t - 1)).view(h, nb, block).sum(-1)
-            qb = t // block
+            nb, qb = t // block + 1, t // block
+            kpad = torch.nn.functional.pad(k[:, : t + 1], (0, 0, 0, nb * block - t - 1))
+            cnt = (t + 1 - torch.arange(nb) * block).clamp(max=block).float()
+            kbar = kpad.view(h_kv, nb, block, -1).sum(2) / cnt[None, :, None]  # [h_kv, nb, d]
+            logits = torch.einsum("hd,hnd->hn", q[t], kpad.repeat_interleave(g, 0)) / math.sqrt(q.shape[-1])
+            logits[:, t + 1:] = -math.inf
+            p = logits.softmax(-1)  # [h, nb * block]
+            bm = p.view(h, nb, block).sum(-1)
+            pair = torch.einsum("kgd,knd->kn", q[t].view(h_kv, g, -1), kbar) / g  # [h_kv, nb]
+            forms = {"blockq": (q[qb * block: t + 1].mean((0, 1)) @ kbar.mean(0).T)[None],
+                     "tokq": (q[t].mean(0) @ kbar.mean(0).T)[None], "tokq kv-pair": pair.mean(0)[None],
+                     "tokq kv-best": pair, "tokq token-max": logits.view(h, nb, block).amax(-1).mean(0)[None]}
+            free = int(row_budget(density, torch.tensor(nb))) - 2
             for start, length in needles:
                 blocks = sorted({pos // block for pos in range(start, start + length)})
                 row.setdefault("true_rank_mean", []).append(float(rank_of(bm.mean(0), blocks, {0, qb})))
-                per_kv = bm.view(h_kv, h // h_kv, nb).mean(1)
+                per_kv = bm.view(h_kv, g, nb).mean(1)
                 row.setdefault("true_rank_kv", []).append(float(min(rank_of(r, blocks, {0, qb}) for r in per_kv)))
                 row.setdefault("mass", []).append(float(p[:, start: start + length].sum(-1).mean()))
+                for name, sc in forms.items():
+                    rank = min(rank_of(x, blocks, {0, qb}) for x in sc)
+                    row.setdefault(f"in {name}", []).append(float(rank <= free))
     return out
 
 
@@ -202,7 +230,7 @@ def main() -> None:
         with torch.no_grad():
             model(torch.tensor(ids), cache.prepare([0], [len(ids)], True), cache, rec, all_logits=False)
             layers = sorted(rec.qk)
-            for layer, row in true_ranks(rec.qk, layers[2:], steps, needles, 64).items():
+            for layer, row in true_ranks(rec.qk, layers[2:], steps, needles, 64, args.density).items():
                 for key, vals in row.items():
                     truth.setdefault(layer, {}).setdefault(key, []).extend(vals)
             for setting in settings:
@@ -218,10 +246,10 @@ def main() -> None:
         return sum(v) / len(v)
 
     cols: dict[str, dict[int, float]] = {}
-    for key in ("mass", "true_rank_mean", "true_rank_kv"):
+    for key in next(iter(truth.values())):
         cols[key] = {layer: mean(row[key]) for layer, row in truth.items()}
     for setting, rows in per_setting.items():
-        for key in ("hit_prefill", "hit_decode", "rank"):
+        for key in ("hit_prefill", "hit_decode", "cover_prefill", "cover_decode", "rank"):
             if all(key in row for row in rows.values()):
                 cols[f"{key} {setting}"] = {layer: mean(row[key]) for layer, row in rows.items()}
     layers = sorted(truth)
