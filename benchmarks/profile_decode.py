@@ -43,6 +43,9 @@ def main() -> None:
         if args.graphs:
             from raysparse.decode_graphs import DecodeGraphs
 
+            from raysparse.methods.sketch_walk_graph import attach_graph_decode
+
+            attach_graph_decode(backend, cache, 1)
             graphs = DecodeGraphs(model, cache, max_batch=1)
             if not DecodeGraphs.supports(backend):
                 print(f"{method}: no graph decode path; eager")

@@ -55,8 +55,8 @@ class DecodeGraphs:
         self.host = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.inputs = torch.zeros(5, max_batch, dtype=torch.int64, device=dev)  # ids, pos, page, offset, len
         self.table = torch.full((max_batch, self.max_width), cache.scratch_page, dtype=torch.int32, device=dev)
-        self.logits: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[str, int, int, bool], torch.Tensor] = {}
+        self.graphs: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._table_rows: tuple[tuple[int, ...], int] | None = None
         self.replays = 0
@@ -130,7 +130,7 @@ class DecodeGraphs:
             with self._no_meter(backend):
                 logits = self.model(self.inputs[0, :b], meta, self.cache, backend, all_logits=True)[:n]
         else:
-            k = (key, b, w)
+            k = (key, b, w, False)
             graph = self.graphs.get(k)
             if graph is None:
                 graph = self._capture(k, backend, b, w, list(seq_ids) + [-1] * (b - n))
@@ -139,6 +139,60 @@ class DecodeGraphs:
             logits = self.logits[k][:n]
         backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)  # type: ignore[attr-defined]
         return logits
+
+    def decode_greedy(self, key: str, backend: AttentionBackend, seq_ids: Sequence[int], ids: list[int],
+                      steps: int) -> list[list[int]]:
+        """``steps`` greedy decode steps without a host round trip between them: the captured step ends by
+        writing its argmax as the next input and advancing positions, slots and lengths on the device, so
+        the replays run back to back and the tokens are read once at the end. Every shard of a group computes
+        the same argmax from the same all-reduced logits, so nothing is exchanged. Returns tokens per sequence."""
+        n = len(seq_ids)
+        if not 0 < n <= self.max_batch or steps < 1:
+            raise ValueError(f"decode batch of {n} outside 1..{self.max_batch} or steps {steps} < 1")
+        longest = max(self.cache.seq_len(s) for s in seq_ids) + steps
+        b = bucket(n, self.max_batch)
+        w = bucket(max(self.cache.pages_needed(longest), MIN_WIDTH), self.max_width)
+        rows = list(seq_ids) + [-1] * (b - n)
+        if not self.capture:  # the same steps eagerly, one host round trip each
+            out, toks = [], list(ids)
+            for _ in range(steps):
+                ctx_lens = self._fill(seq_ids, toks, b, w)
+                self._prepare(backend, rows)
+                with self._no_meter(backend):
+                    logits = self.model(self.inputs[0, :b], self._batch(b, w, ctx_lens, rows), self.cache, backend,
+                                        all_logits=True)
+                backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)  # type: ignore[attr-defined]
+                toks = logits[:n].argmax(-1).tolist()
+                out.append(toks)
+            return [list(t) for t in zip(*out, strict=True)]
+        ctx_lens = self._fill(seq_ids, ids, b, w)
+        self._prepare(backend, rows)
+        k = (key, b, w, True)
+        graph = self.graphs.get(k)
+        if graph is None:
+            graph = self._capture(k, backend, b, w, rows)
+        drawn = torch.empty(steps, b, dtype=torch.long, device=self.cache.device)
+        lens = ctx_lens[:n]
+        for s in range(steps):
+            if s:  # the device advanced itself; the host's bookkeeping follows
+                self.cache.advance_decode(seq_ids)
+                lens = [x + 1 for x in lens]
+            graph.replay()
+            drawn[s].copy_(self.inputs[0, :b])
+            backend.account_graph_decode(lens, self.cache.num_kv_heads)  # type: ignore[attr-defined]
+        self.replays += steps
+        return [list(t) for t in zip(*drawn[:, :n].tolist(), strict=True)]
+
+    def _advance(self, logits: torch.Tensor, b: int, w: int) -> None:
+        """The chained step's epilogue (captured): argmax as the next input, one position further."""
+        ps = self.cache.page_size
+        self.inputs[0, :b].copy_(logits.argmax(-1))
+        pos = self.inputs[1, :b] + 1
+        page = self.table[:b, :w].gather(1, (pos // ps).clamp(max=w - 1)[:, None]).squeeze(1)
+        self.inputs[1, :b].copy_(pos)
+        self.inputs[2, :b].copy_(page)
+        self.inputs[3, :b].copy_(pos % ps)
+        self.inputs[4, :b].copy_(pos + 1)
 
     def _prepare(self, backend: AttentionBackend, rows: list[int]) -> None:
         """The backend's own static inputs for these rows (e.g. Sketch&Walk's state slots)."""
@@ -157,7 +211,7 @@ class DecodeGraphs:
         finally:
             backend.meter = real
 
-    def _capture(self, k: tuple[str, int, int], backend: AttentionBackend, b: int, w: int,
+    def _capture(self, k: tuple[str, int, int, bool], backend: AttentionBackend, b: int, w: int,
                  rows: list[int] | None = None) -> torch.cuda.CUDAGraph:
         """Warms up (kernels compiled, allocator grown) on an all-padding batch, so no sequence's K/V or
         method state is touched, then restores the step's inputs and captures."""
@@ -174,7 +228,9 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.model(ids, self._batch(b, w, [1] * b, [-1] * b), self.cache, backend, all_logits=True)
+                    out = self.model(ids, self._batch(b, w, [1] * b, [-1] * b), self.cache, backend, all_logits=True)
+                    if k[3]:
+                        self._advance(out, b, w)
             torch.cuda.current_stream().wait_stream(stream)
             self.inputs[:, :b] = real
             self.table[:b] = table
@@ -184,6 +240,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 meta = self._batch(b, w, [1] * b, [-1] * b)
                 self.logits[k] = self.model(ids, meta, self.cache, backend, all_logits=True)
+                if k[3]:
+                    self._advance(self.logits[k], b, w)
         self.graphs[k] = graph
         self.captures += 1
         return graph
@@ -196,10 +254,11 @@ class DecodeGraphs:
         w = bucket(max(self.cache.pages_needed(context), MIN_WIDTH), self.max_width)
         done = 0
         for n in batch_sizes:
-            k = (key, bucket(n, self.max_batch), w)
-            if k not in self.graphs:
-                self._capture(k, backend, k[1], w)
-                done += 1
+            for chain in (False, True):
+                k = (key, bucket(n, self.max_batch), w, chain)
+                if k not in self.graphs:
+                    self._capture(k, backend, k[1], w)
+                    done += 1
         return done
 
     def drop(self, key: str) -> None:

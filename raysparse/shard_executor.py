@@ -193,6 +193,14 @@ class ShardExecutor:
         shared with one all-reduce (rank 0 contributes the tokens, the others zeros)."""
         if plan.steps == 1:
             return self._sample(plan, self._forward(plan, backend, plan.tokens))
+        if (self.use_graphs and self.graphs is not None and DecodeGraphs.supports(backend)
+                and all(self._params[s].greedy for s in plan.seq_ids)):
+            # greedy: the steps chain on the device, no round trip or token exchange between them
+            chained = self.graphs.decode_greedy(plan.key, backend, plan.seq_ids, [t[-1] for t in plan.tokens],
+                                                plan.steps)
+            if self.world_size > 1:
+                self._check_agreement(chained)
+            return chained if self.rank == 0 else None
         tokens = [[t[-1]] for t in plan.tokens]
         out: list[list[int]] = [[] for _ in plan.seq_ids]
         for step in range(plan.steps):
@@ -204,6 +212,15 @@ class ShardExecutor:
                 for row, t in zip(out, drawn, strict=True):
                     row.append(int(t))  # type: ignore[arg-type]
         return out if self.rank == 0 else None
+
+    def _check_agreement(self, tokens: list[list[int]]) -> None:
+        """Each shard drew its own greedy tokens; one small all-reduce proves they are the same everywhere
+        (sum of h and of h^2 equal to world * h and world * h^2 only if every shard's h is equal)."""
+        h = float(hash(tuple(map(tuple, tokens))) % 1_000_003)
+        t = torch.tensor([h, h * h], dtype=torch.float64, device=self.cache.device)
+        s = self._share_reduce(t).tolist()  # type: ignore[misc]
+        if s != [self.world_size * h, self.world_size * h * h]:
+            raise RuntimeError("tensor-parallel shards drew different greedy tokens")
 
     def _share(self, drawn: list[int | None] | None, n: int) -> list[int | None]:
         if self._share_reduce is None:

@@ -105,6 +105,32 @@ def test_multi_step_plan_matches_single_steps(model, graphs):
     assert runs[0] == runs[1]
 
 
+def test_greedy_chain_matches_single_steps(model):
+    """decode_greedy (on a GPU: back-to-back replays advancing on the device) against one step at a time."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lens = [int(x) for x in torch.randint(1, 150, (3,), generator=g)]
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    firsts = torch.randint(0, 97, (3,), generator=g).tolist()
+    outs = []
+    for chained in (False, True):
+        cache = KVCache(model.cfg, 32, 16, device=model.lm_head.weight.device)
+        backend = DenseAttention(model.cfg.num_layers)
+        _prefill(model, cache, backend, lens, torch.Generator().manual_seed(seed))
+        graphs = DecodeGraphs(model, cache, max_batch=8)
+        sids = [1, 2, 0]
+        if chained:
+            outs.append(graphs.decode_greedy("k", backend, sids, firsts, 5))
+        else:
+            toks, rows = firsts, [[] for _ in sids]
+            for _ in range(5):
+                toks = graphs.decode("k", backend, sids, toks).argmax(-1).tolist()
+                for r, t in zip(rows, toks, strict=True):
+                    r.append(t)
+            outs.append(rows)
+        assert [cache.seq_len(s) for s in sids] == [lens[s] + 5 for s in sids]
+    assert outs[0] == outs[1]
+
+
 def test_scheduler_plans_several_steps_only_when_nothing_waits():
     sched = Scheduler(SchedulerConfig(capacity_pages=4, page_size=64, decode_steps=8))
     from raysparse.orchestration.engine_api import EngineRequest, RequestHandle
@@ -128,3 +154,14 @@ def test_scheduler_plans_several_steps_only_when_nothing_waits():
     plan = sched.next_plan()
     # nothing waits any more; never past a request's max_new_tokens (b: 3 - 1 generated)
     assert not plan.prefill and plan.seq_ids == [a.seq_id, b.seq_id] and plan.steps == 2
+
+
+def test_chained_greedy_tokens_are_checked_across_shards(model):
+    """Under tensor parallelism each shard draws its own greedy tokens; a disagreement fails loudly."""
+    cache = KVCache(model.cfg, 8, 64, device=model.lm_head.weight.device)
+    tokens = [[3, 5, 7], [2, 4, 6]]
+    same = ShardExecutor(model, cache, rank=0, world_size=2, reduce=lambda t: t * 2)  # the peer agrees
+    same._check_agreement(tokens)
+    differ = ShardExecutor(model, cache, rank=0, world_size=2, reduce=lambda t: t + 1)  # the peer does not
+    with pytest.raises(RuntimeError, match="different greedy tokens"):
+        differ._check_agreement(tokens)

@@ -170,21 +170,25 @@ class SketchWalkGraphDecode:
         return torch.exp(cfg.exponent * torch.log_softmax(logits, -1))
 
     def _choose(self, rows: torch.Tensor, cb: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Ascending block list per row, -1 padded: sink + local blocks + the top-(tau - forced) by ``rows``."""
+        """Ascending block list per row, -1 padded: sink + local blocks + the top-(tau - forced) by ``rows``.
+
+        The top-k runs on int64 keys (score bits, then the reversed column): ``rows`` are non-negative
+        fp32, whose bit patterns order like the values, so ties go to the lower block exactly as the
+        reference's stable sort does, without a full sort of the row."""
         cfg, w = self.cfg, cols.numel()
         local = cfg.local_blocks
         tau = (cfg.density * (cb + 1).float()).round().clamp(min=1).long()  # row_budget, on the device
         extra = (tau - torch.clamp(cb + 1, max=local + 1)).clamp(min=0)
         allowed = cols <= cb[:, None]
-        forced = ((cols == 0) | (cols > cb[:, None] - local)) & allowed
-        cand = allowed & ~forced
+        cand = allowed & (cols != 0) & (cols <= cb[:, None] - local)
         k = min(w, int(round(cfg.density * w)) + 1)  # static: at least any row's extra in this bucket
-        s = torch.where(cand, rows, torch.finfo(torch.float32).min)
-        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
-        take = (torch.arange(k, device=rows.device) < extra[:, None]) & cand.gather(1, order)
-        chosen = torch.zeros_like(cand).scatter(1, order, take) | forced
-        width = min(w, k + local + 1)
-        srt = torch.sort(torch.where(chosen, cols, w), dim=-1).values[:, :width]
+        key = (rows.contiguous().view(torch.int32).long() << 32) | (w - 1 - cols)
+        top = torch.topk(torch.where(cand, key, -1), k, dim=-1)
+        take = (torch.arange(k, device=rows.device) < extra[:, None]) & (top.values >= 0)
+        picked = torch.where(take, top.indices, w)
+        local_cols = cb[:, None] - local + 1 + torch.arange(local, device=rows.device)  # the diagonal last
+        forced = torch.cat((torch.zeros_like(cb)[:, None], torch.where(local_cols >= 1, local_cols, w)), 1)
+        srt = torch.sort(torch.cat((forced, picked), 1), dim=-1).values
         return torch.where(srt < w, srt, -1).to(torch.int32)
 
 
