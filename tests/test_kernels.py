@@ -94,7 +94,7 @@ def _block_sel(n: int, n_q: int, gen: torch.Generator) -> BlockSelection:
     if nqb > 1:
         mask[0, 0] = False  # a query block with nothing selected: zeros and lse = -inf
         mask[1, 0, qb0 + 1] = True  # above the diagonal: fully masked, must not change the result
-    return BlockSelection(indices_from_mask(mask, width=nkb + 2), B)
+    return BlockSelection(indices_from_mask(mask, width=nkb + 2).to(DEV), B)
 
 
 PREFILL_CASES = [  # (g, d, dtype, layout, block_qt)
