@@ -3,11 +3,21 @@
 Parameter names mirror transformers' ``LlamaForCausalLM`` so its state dict loads unchanged. Tensor
 parallelism is a separate transform (``raysparse.tensor_parallel``); this file knows nothing about it
 except that attention and MLP outputs pass through ``self.reduce`` (identity on one device).
+
+On CUDA the decoder layer's small elementwise ops (RMSNorm with the residual add, RoPE with the paged cache
+write, SiLU * up) run as fused Triton kernels (``raysparse.kernels.fused_ops``) that round as the PyTorch
+code here does; that code is their oracle and the path everywhere else. ``RAYSPARSE_FUSED_OPS`` picks:
+``auto`` (default: fused on CUDA tensors when Triton is installed), ``triton`` (always, so the CPU tests run
+the kernels in Triton's interpreter) or ``torch`` (never). With rows frozen by early token freezing the
+residual adds stay separate PyTorch ops over the live rows.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +28,22 @@ from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.rope import RotaryEmbedding, apply_rope
 
+FUSED_ENV = "RAYSPARSE_FUSED_OPS"
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def fused_ops(x: torch.Tensor) -> ModuleType | None:
+    """The fused kernels' module when ``RAYSPARSE_FUSED_OPS`` chooses them for ``x``'s device, else None.
+    Imported on first use: CPU processes never import Triton, and tests set TRITON_INTERPRET before it."""
+    mode = os.environ.get(FUSED_ENV, "auto").lower()
+    if mode not in ("auto", "triton", "torch"):
+        raise ValueError(f"{FUSED_ENV} must be auto, triton or torch, got {mode!r}")
+    if mode == "torch" or not _HAS_TRITON or (mode == "auto" and not x.is_cuda):
+        return None
+    from raysparse.kernels import fused_ops as ops
+
+    return ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -26,6 +52,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return self.reference(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h) for h = residual + x: the residual add fused with the norm that follows it."""
+        ops = fused_ops(x)
+        if ops is not None and x.dtype == residual.dtype:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self.reference(h), h
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and cast back before the weight, exactly as transformers does.
         dtype = x.dtype
         xf = x.float()
@@ -49,10 +89,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 batch: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        cache.write(self.layer, k, v, batch)
+        ops = fused_ops(x)
+        # The kernel takes a power-of-two head dim and one dtype for q, k, cos and sin (the model's).
+        if (ops is not None and isinstance(cache, KVCache) and self.head_dim & (self.head_dim - 1) == 0
+                and q.dtype == k.dtype == cos.dtype):
+            q = ops.rope_and_cache_write(q, k, v, cos, sin, cache.k[self.layer], cache.v[self.layer],
+                                         batch.slot_pages, batch.slot_offsets)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache.write(self.layer, k, v, batch)
         if batch.is_prefill:
             o = backend.prefill(self.layer, q, cache, batch)
         else:
@@ -68,7 +116,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        ops = fused_ops(x)
+        return self.down_proj(ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +143,9 @@ class DecoderLayer(nn.Module):
         hook = getattr(backend, "frozen_rows", None)
         frozen = hook(self.self_attn.layer, batch) if hook is not None else None
         if frozen is None:
-            h = h + self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
-            return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
+            attn = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
+            x, h = self.post_attention_layernorm.add_forward(attn, h)
+            return h + self.reduce(self.mlp(x))
         attn = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
         live = (~frozen).nonzero().squeeze(1)
         hl = h[live] + attn[live]
