@@ -125,6 +125,10 @@ class ShardWorker:
         assert self.executor is not None, "setup first"
         return self.executor.warm_graphs(key, batch_sizes, context)
 
+    def coordinator_cost(self, key: str, batch: int = 1) -> float:
+        assert self.executor is not None, "setup first"
+        return self.executor.coordinator_cost(key, batch)
+
     def set_cuda_graphs(self, on: bool) -> bool:
         assert self.executor is not None, "setup first"
         return self.executor.set_cuda_graphs(on)

@@ -112,6 +112,10 @@ def main() -> None:
                             r = measure(eng, m, p, n - args.new_tokens, args.new_tokens, seed=n)
                             r.update(tp=tp, mode=mode if on else "eager", decode_steps=steps,
                                      engine_start_s=start_s, device=eng.model_info()["device"])
+                            if on and r["decode_tok_s"]:  # in-graph collectives are timed on their own
+                                coord = max(group.call("coordinator_cost", method_key(m, p), 1))
+                                r["coord_graph_s"] = coord
+                                r["coord_share"] = coord * r["decode_tok_s"]
                             rows.append(r)
                             print(json.dumps(r), flush=True)
     out = Path(os.environ.get("OUT", "results"))

@@ -42,7 +42,6 @@ def main() -> None:
         graphs = None
         if args.graphs:
             from raysparse.decode_graphs import DecodeGraphs
-
             from raysparse.methods.sketch_walk_graph import attach_graph_decode
 
             attach_graph_decode(backend, cache, 1)

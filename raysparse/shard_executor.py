@@ -288,6 +288,32 @@ class ShardExecutor:
             return 0
         return self.graphs.warm(key, backend, batch_sizes, context)
 
+    def coordinator_cost(self, key: str, batch: int = 1, reps: int = 50) -> float:
+        """Seconds per decode step that the walk coordinator's collectives take inside a captured step: its
+        per-sparse-layer all-reduces of [2, batch, r] fp32, captured alone on this group and replayed (a
+        timing event cannot sit inside the decode graph itself). Every rank must call it; 0 without one."""
+        backend = self.backend(key)
+        path = getattr(backend, "graph_path", None)
+        if self.world_size == 1 or path is None or self._share_reduce is None or self.cache.device.type != "cuda":
+            return 0.0
+        x = torch.zeros(2, batch, backend.srht.sketch_dim, device=self.cache.device)  # type: ignore[attr-defined]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._share_reduce(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(len(path.index)):
+                self._share_reduce(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps
+
     def set_cuda_graphs(self, on: bool) -> bool:
         """Turns graph replay of decode steps on or off; returns whether it is on (off without graphs)."""
         self.use_graphs = bool(on) and self.graphs is not None
