@@ -51,6 +51,7 @@ class SketchWalkGraphDecode:
         self.slot_of: dict[int, int] = {}
         self._free = list(range(slots - 1))
         self._rows: torch.Tensor | None = None  # the walk's rows, carried from one sparse layer to the next
+        self.fused: bool | None = None  # the Triton update (kernels/walk_decode.py): None = on CUDA tensors
 
     @staticmethod
     def state_bytes(method: SketchWalk, max_blocks: int) -> int:
@@ -132,10 +133,34 @@ class SketchWalkGraphDecode:
         new = m.srht.apply(torch.stack((q.float().sum(1) / hq, k_new.float().sum(1) / hk)))  # [2, bsz, r]
         if m.head_reduce is not None:
             new = m.head_reduce(new)
+        cols = torch.arange(w, device=dev)
+        first = layer == self.first or cfg.walk == "one-hop" or self._rows is None
+        if self._fused(q):
+            from raysparse.kernels.walk_decode import walk_decode_rows
+
+            rows = walk_decode_rows(self.qs[:, li], self.ks[:, li], self.w[:, li, :w, :w], slots, n, new,
+                                    None if first else self._rows, B, cfg.exponent, cfg.residual,
+                                    cfg.walk != "rollout", cfg.token_query != "none")
+        else:
+            rows = self.rows_reference(li, slots, n, new, w, None if first else self._rows)
+        self._rows = rows
+        return self._choose(rows, cb, cols)
+
+    def _fused(self, q: torch.Tensor) -> bool:
+        from raysparse.kernels.dispatch import triton_wanted
+
+        return self.fused if self.fused is not None else triton_wanted(q)
+
+    def rows_reference(self, li: int, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor, w: int,
+                       prev: torch.Tensor | None) -> torch.Tensor:
+        """The PyTorch form of one sparse layer's state update and walk (``walk_decode_rows`` is the fused
+        one): returns this step's rows of R, normalised."""
+        cfg = self.cfg
+        B, dev, bsz = cfg.block_size, new.device, slots.shape[0]
+        cb = (n - 1) // B
         qs, ks = self.qs[:, li, :w], self.ks[:, li, :w]
         qs.index_put_((slots, cb), new[0], accumulate=True)
         ks.index_put_((slots, cb), new[1], accumulate=True)
-
         cols = torch.arange(w, device=dev)
         cnt = (n[:, None] - cols * B).clamp(min=1, max=B).float()  # [bsz, w]; past-the-end blocks masked below
         q_mean = qs[slots, cb] / cnt.gather(1, cb[:, None])  # [bsz, r]
@@ -148,16 +173,14 @@ class SketchWalkGraphDecode:
             call_row = mean_row
         else:  # Algorithm 2: this step's row scored by the new token's own query; the state keeps the mean's
             call_row = self._w_row(torch.einsum("br,bjr->bj", new[0], k_mean), causal, cols, cb)
-        if layer == self.first or cfg.walk == "one-hop" or self._rows is None:
+        if prev is None:
             rows = call_row
         else:
             wg = W[slots]  # [bsz, w, w], a copy: its current row takes this call's row
             wg[torch.arange(bsz, device=dev), cb] = call_row
-            rows = torch.bmm(self._rows[:, None, :], wg).squeeze(1)
+            rows = torch.bmm(prev[:, None, :], wg).squeeze(1)
         W[slots, cb] = mean_row
-        rows = rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-        self._rows = rows
-        return self._choose(rows, cb, cols)
+        return rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
     def _w_row(self, scores: torch.Tensor, causal: torch.Tensor, cols: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
         """The current block's row of W from raw A_hat scores [bsz, w] (rounded to bf16 as A_hat is cached)."""
