@@ -3,8 +3,9 @@ q and k together with the paged K/V cache write, and SiLU(gate) * up.
 
 Why: in a graph-replayed decode step every PyTorch elementwise op is its own kernel (RMSNorm alone is seven:
 cast, pow, mean, rsqrt, mul, cast, weight mul), about 19 per layer, and their cost does not shrink with
-tensor parallelism. Here a layer issues five: ``rms_norm``, ``rope_and_cache_write``, ``add_rms_norm``,
-``silu_mul`` and the MLP's residual add.
+tensor parallelism. Here a layer issues four: ``add_rms_norm`` (the previous MLP's residual add and the
+input norm; ``rms_norm`` before the first layer), ``rope_and_cache_write``, ``add_rms_norm`` (the attention's
+residual add and the post-attention norm) and ``silu_mul``.
 
 Each kernel reproduces the PyTorch path's roundings (``raysparse.model``, ``raysparse.rope``,
 ``KVCache.write``), which stay the oracle: 16-bit elementwise ops are computed in fp32 and rounded to the

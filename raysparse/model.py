@@ -4,12 +4,13 @@ Parameter names mirror transformers' ``LlamaForCausalLM`` so its state dict load
 parallelism is a separate transform (``raysparse.tensor_parallel``); this file knows nothing about it
 except that attention and MLP outputs pass through ``self.reduce`` (identity on one device).
 
-On CUDA the decoder layer's small elementwise ops (RMSNorm with the residual add, RoPE with the paged cache
-write, SiLU * up) run as fused Triton kernels (``raysparse.kernels.fused_ops``) that round as the PyTorch
-code here does; that code is their oracle and the path everywhere else. ``RAYSPARSE_FUSED_OPS`` picks:
-``auto`` (default: fused on CUDA tensors when Triton is installed), ``triton`` (always, so the CPU tests run
-the kernels in Triton's interpreter) or ``torch`` (never). With rows frozen by early token freezing the
-residual adds stay separate PyTorch ops over the live rows.
+On CUDA the decoder layer's small elementwise ops run as fused Triton kernels (``raysparse.kernels.fused_ops``):
+each residual add with the norm after it (the MLP's output is carried to the next layer's input norm or the
+final norm as ``pending``), RoPE with the paged cache write, SiLU * up. They round as the PyTorch code here
+does, which is their oracle and the path everywhere else. ``RAYSPARSE_FUSED_OPS`` picks: ``auto`` (default:
+fused on CUDA tensors when Triton is installed), ``triton`` (always, so the CPU tests run the kernels in
+Triton's interpreter) or ``torch`` (never). With rows frozen by early token freezing the layer's residual
+adds stay separate PyTorch ops over the live rows.
 """
 
 from __future__ import annotations
@@ -137,20 +138,35 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 batch: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
+        h, mlp = self.forward_pending(h, None, cos, sin, cache, batch, backend)
+        return h if mlp is None else h + mlp
+
+    def forward_pending(self, h: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: KVCache, batch: BatchMeta,
+                        backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer over the input ``h + pending`` (``pending``: the previous layer's MLP output not yet
+        added, or None). Returns (h, mlp) whose sum is the output: the MLP's residual add is left to the
+        next norm, which fuses it (``RMSNorm.add_forward``); mlp is None when the add was done here."""
         # Optional backend hook (early token freezing): bool [T] of rows whose hidden state is carried
         # unchanged through this layer. Their K/V are still projected and cached (the backend decides what
         # they attend, usually nothing); the residual updates and the MLP run on the other rows only.
         hook = getattr(backend, "frozen_rows", None)
         frozen = hook(self.self_attn.layer, batch) if hook is not None else None
         if frozen is None:
-            attn = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
+            if pending is None:
+                x = self.input_layernorm(h)
+            else:
+                x, h = self.input_layernorm.add_forward(pending, h)
+            attn = self.reduce(self.self_attn(x, cos, sin, cache, batch, backend))
             x, h = self.post_attention_layernorm.add_forward(attn, h)
-            return h + self.reduce(self.mlp(x))
+            return h, self.reduce(self.mlp(x))
+        if pending is not None:
+            h = h + pending
         attn = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
         live = (~frozen).nonzero().squeeze(1)
         hl = h[live] + attn[live]
         hl = hl + self.reduce(self.mlp(self.post_attention_layernorm(hl)))
-        return h.index_copy(0, live, hl)
+        return h.index_copy(0, live, hl), None
 
 
 class LlamaBody(nn.Module):
@@ -190,10 +206,13 @@ class LlamaForCausalLM(nn.Module):
         every token [T, V] with ``all_logits``; fp32 either way."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions, h.dtype)
+        mlp = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, batch, backend)
+            h, mlp = layer.forward_pending(h, mlp, cos, sin, cache, batch, backend)
             if on_layer is not None:
                 on_layer(i)
         if not all_logits:
-            h = h[batch.last_token_rows()]
-        return self.lm_head(self.model.norm(h)).float()
+            rows = batch.last_token_rows()
+            h, mlp = h[rows], (None if mlp is None else mlp[rows])
+        x = self.model.norm(h) if mlp is None else self.model.norm.add_forward(mlp, h)[0]
+        return self.lm_head(x).float()
