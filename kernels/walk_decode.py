@@ -49,55 +49,58 @@ if triton is not None:
         m_call = float("-inf")
         for t in tl.range(0, WID, TW):  # pass 1: bf16-rounded A_hat rows into scratch, and their maxima
             cols = t + tl.arange(0, TW)
-            ok = cols <= cb
+            inb = cols < WID
+            ok = (cols <= cb) & inb
             kt = tl.load(KS + slot * s_q0 + cols[:, None] * s_q1 + rr[None, :], mask=ok[:, None], other=0.0)
             kt = tl.where((cols == cb)[:, None], ksum[None, :], kt)  # this step's sum, not the stale load
             k_mean = kt / tl.minimum(tl.maximum(nn - cols * B, 1), B).to(tl.float32)[:, None]
             a = tl.sum(k_mean * q_mean[None, :], 1) * inv_sqrt_r
             a = tl.where(ok, a.to(tl.bfloat16).to(tl.float32), float("-inf"))
-            tl.store(MEAN + b * WID + cols, a)
+            tl.store(MEAN + b * WID + cols, a, mask=inb)
             m_mean = tl.maximum(m_mean, tl.max(a, 0))
             if TOKEN:
                 c = tl.sum(k_mean * q_tok[None, :], 1) * inv_sqrt_r
                 c = tl.where(ok, c.to(tl.bfloat16).to(tl.float32), float("-inf"))
-                tl.store(CALL + b * WID + cols, c)
+                tl.store(CALL + b * WID + cols, c, mask=inb)
                 m_call = tl.maximum(m_call, tl.max(c, 0))
         # pass 2: the normalisers (rollout: softmax of s * A; product: log-softmax of A, then ** s)
         z_mean = 0.0
         z_call = 0.0
         for t in tl.range(0, WID, TW):
             cols = t + tl.arange(0, TW)
-            a = tl.load(MEAN + b * WID + cols)
+            inb = cols < WID
+            a = tl.load(MEAN + b * WID + cols, mask=inb, other=float("-inf"))
             if PRODUCT:
                 z_mean += tl.sum(tl.exp(a - m_mean), 0)
             else:
                 z_mean += tl.sum(tl.exp(exponent * (a - m_mean)), 0)
             if TOKEN:
-                c = tl.load(CALL + b * WID + cols)
+                c = tl.load(CALL + b * WID + cols, mask=inb, other=float("-inf"))
                 if PRODUCT:
                     z_call += tl.sum(tl.exp(c - m_call), 0)
                 else:
                     z_call += tl.sum(tl.exp(exponent * (c - m_call)), 0)
         for t in tl.range(0, WID, TW):  # pass 3: W rows
             cols = t + tl.arange(0, TW)
-            a = tl.load(MEAN + b * WID + cols)
+            inb = cols < WID
+            a = tl.load(MEAN + b * WID + cols, mask=inb, other=float("-inf"))
             if PRODUCT:
                 wm = tl.exp(exponent * (a - m_mean - tl.log(z_mean)))
             else:
                 wm = tl.exp(exponent * (a - m_mean)) / z_mean * (1.0 - residual)
                 wm += tl.where(cols == cb, residual, 0.0)
-            tl.store(MEAN + b * WID + cols, wm)
-            tl.store(W + slot * s_w0 + cb * s_w1 + cols, wm)
+            tl.store(MEAN + b * WID + cols, wm, mask=inb)
+            tl.store(W + slot * s_w0 + cb * s_w1 + cols, wm, mask=inb)
             if TOKEN:
-                c = tl.load(CALL + b * WID + cols)
+                c = tl.load(CALL + b * WID + cols, mask=inb, other=float("-inf"))
                 if PRODUCT:
                     wc = tl.exp(exponent * (c - m_call - tl.log(z_call)))
                 else:
                     wc = tl.exp(exponent * (c - m_call)) / z_call * (1.0 - residual)
                     wc += tl.where(cols == cb, residual, 0.0)
-                tl.store(CALL + b * WID + cols, wc)
+                tl.store(CALL + b * WID + cols, wc, mask=inb)
             else:
-                tl.store(CALL + b * WID + cols, wm)
+                tl.store(CALL + b * WID + cols, wm, mask=inb)
 
     @triton.jit
     def _walk_kernel(W, SLOTS, N, PREV, MEAN, CALL, OUT, s_w0, s_w1, s_p,
@@ -107,20 +110,22 @@ if triton is not None:
         slot = tl.load(SLOTS + b)
         cb = (tl.load(N + b) - 1) // B
         cols = jt * TJ + tl.arange(0, TJ)
+        inb = cols < WID
         total = 0.0
         for i0 in tl.range(0, WID, TJ):
             ii = i0 + tl.arange(0, TJ)
-            total += tl.sum(tl.load(PREV + b * s_p + ii), 0)
+            total += tl.sum(tl.load(PREV + b * s_p + ii, mask=ii < WID, other=0.0), 0)
         acc = tl.zeros((TJ,), dtype=tl.float32)
         for i0 in tl.range(0, cb + 1, TI):
             ii = i0 + tl.arange(0, TI)
             ok = ii <= cb
             p = tl.load(PREV + b * s_p + ii, mask=ok, other=0.0)
-            wt = tl.load(W + slot * s_w0 + ii[:, None] * s_w1 + cols[None, :], mask=ok[:, None], other=0.0)
+            wt = tl.load(W + slot * s_w0 + ii[:, None] * s_w1 + cols[None, :], mask=ok[:, None] & inb[None, :],
+                         other=0.0)
             acc += tl.sum(p[:, None] * wt, 0)
         p_cb = tl.load(PREV + b * s_p + cb)
-        corr = tl.load(CALL + b * WID + cols) - tl.load(MEAN + b * WID + cols)
-        tl.store(OUT + b * WID + cols, (acc + p_cb * corr) / tl.maximum(total, 1e-38))
+        corr = tl.load(CALL + b * WID + cols, mask=inb, other=0.0) - tl.load(MEAN + b * WID + cols, mask=inb, other=0.0)
+        tl.store(OUT + b * WID + cols, (acc + p_cb * corr) / tl.maximum(total, 1e-38), mask=inb)
 
 
 def walk_decode_rows(qs: torch.Tensor, ks: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, n: torch.Tensor,
@@ -131,9 +136,9 @@ def walk_decode_rows(qs: torch.Tensor, ks: torch.Tensor, w: torch.Tensor, slots:
     one-hop: this step's row alone). Updates the state in place; returns rows [bsz, WID] fp32."""
     bsz, r = slots.shape[0], new.shape[-1]
     wid = w.shape[-1]
-    tw = min(_TW, wid)
-    if wid & (wid - 1) or r & (r - 1) or qs.stride(-1) != 1 or w.stride(-1) != 1:
-        raise ValueError("walk_decode_rows needs a power-of-two width and r, and unit last strides")
+    tw = min(_TW, 1 << (wid - 1).bit_length())
+    if r & (r - 1) or qs.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("walk_decode_rows needs a power-of-two sketch dim and unit last strides")
     new = new.contiguous()
     mean = torch.empty(bsz, wid, dtype=torch.float32, device=w.device)
     call = torch.empty_like(mean)
@@ -143,7 +148,7 @@ def walk_decode_rows(qs: torch.Tensor, ks: torch.Tensor, w: torch.Tensor, slots:
     if prev is None:
         return call
     out = torch.empty_like(mean)
-    tj = min(_TJ, wid)
-    _walk_kernel[(bsz, wid // tj)](w, slots, n, prev, mean, call, out, w.stride(0), w.stride(1), prev.stride(0),
+    tj = min(_TJ, 1 << (wid - 1).bit_length())
+    _walk_kernel[(bsz, -(-wid // tj))](w, slots, n, prev, mean, call, out, w.stride(0), w.stride(1), prev.stride(0),
                                    B=block, WID=wid, TJ=tj, TI=_TI, num_warps=4)
     return out
