@@ -37,7 +37,7 @@ def _rms_norm_kernel(X, R, W, OUT, H, stride_x, stride_r, stride_o, stride_h, n,
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream's rounding, as ``h + attn``
         tl.store(H + row * stride_h + cols, x, mask=ok)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)  # as torch.rsqrt
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(OUT + row * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=ok)

@@ -30,12 +30,14 @@ from raysparse.model import FUSED_ENV, RMSNorm  # noqa: E402
 from raysparse.rope import RotaryEmbedding, apply_rope  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.float16]
+# bf16 only on a GPU: the interpreter's bf16 is not what the GPU computes.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:
-    # fp16: one unit in the last place where the fp32 mean or exp differs in its last bit before rounding.
-    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    # 16-bit: one unit in the last place where the fp32 mean or exp differs in its last bit before rounding.
+    return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
 
 
 def _norm(n: int, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> RMSNorm:
@@ -85,7 +87,8 @@ def _slots(t: int, pages: int, page_size: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
-                                               (torch.float16, torch.float32), (torch.float32, torch.float16)])
+                                               (torch.float16, torch.float32), (torch.float32, torch.float16)]
+                         + ([(torch.bfloat16, torch.bfloat16)] if DEV.type == "cuda" else []))
 def test_rope_and_cache_write_matches_apply_rope_and_cache_write(dtype, cache_dtype):
     t, hq, hk, d, pages, page_size = 7, 6, 3, 32, 5, 4
     inv_freq = 1.0 / (5e5 ** (torch.arange(0, d, 2).float() / d))
@@ -102,7 +105,7 @@ def test_rope_and_cache_write_matches_apply_rope_and_cache_write(dtype, cache_dt
     got_q = fused_ops.rope_and_cache_write(q, k, v, cos, sin, kc, vc, sp, so)
     ref_k[sp, :, so, :] = apply_rope(k, cos, sin).to(cache_dtype)
     ref_v[sp, :, so, :] = v.to(cache_dtype)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)  # fp16: exact roundings
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)  # 16-bit: exact roundings
     assert got_q.dtype == dtype
     torch.testing.assert_close(got_q, apply_rope(q, cos, sin), **tol)
     torch.testing.assert_close(kc, ref_k, **tol)  # the whole pool: written slots and untouched rows
@@ -141,7 +144,7 @@ def _run(model, prompt: list[int], steps: list[int], freeze: bool) -> tuple[torc
     return torch.cat(out), cache
 
 
-@pytest.mark.parametrize("dtype,freeze", [(torch.float32, False), (torch.float16, False), (torch.float32, True)])
+@pytest.mark.parametrize("dtype,freeze", [(d, False) for d in DTYPES] + [(torch.float32, True)])
 def test_model_forward_fused_matches_plain(dtype, freeze, monkeypatch):
     """A tiny model's prefill and decode steps with the fused path forced on equal the PyTorch path's."""
     cfg = tiny_hf_config(num_kv_heads=2, group=3, layers=2)
@@ -154,7 +157,7 @@ def test_model_forward_fused_matches_plain(dtype, freeze, monkeypatch):
     monkeypatch.setenv(FUSED_ENV, "triton")
     got, cache = _run(model, prompt, steps, freeze)
     scale = ref.abs().max().item()
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-2}[dtype]
     assert (got - ref).abs().max().item() <= tol * scale
     for layer in range(cfg.num_hidden_layers):
         for a, b in ((cache.k[layer], ref_cache.k[layer]), (cache.v[layer], ref_cache.v[layer])):
