@@ -23,6 +23,7 @@ cache can hold); the path is not attached when ``max_batch + 1`` slots exceed ``
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ import torch
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import row_budget
 from raysparse.methods.sketch_walk import SketchWalk, rollout_step, walk_weights
+
+FUSED_ENV = "RAYSPARSE_WALK_KERNEL"  # auto (Triton on CUDA), on, off: the walk update's two launches
 
 
 class SketchWalkGraphDecode:
@@ -149,7 +152,12 @@ class SketchWalkGraphDecode:
     def _fused(self, q: torch.Tensor) -> bool:
         from raysparse.kernels.dispatch import triton_wanted
 
-        return self.fused if self.fused is not None else triton_wanted(q)
+        if self.fused is not None:
+            return self.fused
+        mode = os.environ.get(FUSED_ENV, "auto")
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"{FUSED_ENV} must be auto, on or off, got {mode!r}")
+        return mode == "on" or (mode == "auto" and triton_wanted(q))
 
     def rows_reference(self, li: int, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor, w: int,
                        prev: torch.Tensor | None) -> torch.Tensor:
