@@ -105,7 +105,12 @@ def test_rope_and_cache_write_matches_apply_rope_and_cache_write(dtype, cache_dt
     got_q = fused_ops.rope_and_cache_write(q, k, v, cos, sin, kc, vc, sp, so)
     ref_k[sp, :, so, :] = apply_rope(k, cos, sin).to(cache_dtype)
     ref_v[sp, :, so, :] = v.to(cache_dtype)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)  # 16-bit: exact roundings
+    # 16-bit: the same roundings exactly in the interpreter; compiled, the GPU may contract a multiply-add
+    # (one ulp)
+    if dtype == torch.float32:
+        tol = dict(atol=1e-5, rtol=1e-5)
+    else:
+        tol = dict(atol=0, rtol=0) if DEV.type == "cpu" else dict(atol=1e-3, rtol=1e-2)
     assert got_q.dtype == dtype
     torch.testing.assert_close(got_q, apply_rope(q, cos, sin), **tol)
     torch.testing.assert_close(kc, ref_k, **tol)  # the whole pool: written slots and untouched rows
@@ -157,7 +162,7 @@ def test_model_forward_fused_matches_plain(dtype, freeze, monkeypatch):
     monkeypatch.setenv(FUSED_ENV, "triton")
     got, cache = _run(model, prompt, steps, freeze)
     scale = ref.abs().max().item()
-    tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-2}[dtype]
+    tol = {torch.float32: 1e-5 if DEV.type == "cpu" else 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-2}[dtype]
     assert (got - ref).abs().max().item() <= tol * scale
     for layer in range(cfg.num_hidden_layers):
         for a, b in ((cache.k[layer], ref_cache.k[layer]), (cache.v[layer], ref_cache.v[layer])):

@@ -32,7 +32,10 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import row_budget
 from raysparse.methods.sketch_walk import SketchWalk, rollout_step, walk_weights
 
-FUSED_ENV = "RAYSPARSE_WALK_KERNEL"  # auto (Triton on CUDA), on, off: the walk update's two launches
+# "on": the walk update as two Triton launches (kernels/walk_decode.py). Off by default: measured slower than
+# this file's PyTorch form on an H200 (22.1 against 15.7 ms per 8B decode step at 64K; its walk GEMV runs on
+# too few programs), kept until that kernel is split across programs.
+FUSED_ENV = "RAYSPARSE_WALK_KERNEL"
 
 
 class SketchWalkGraphDecode:
@@ -154,10 +157,10 @@ class SketchWalkGraphDecode:
 
         if self.fused is not None:
             return self.fused
-        mode = os.environ.get(FUSED_ENV, "auto")
-        if mode not in ("auto", "on", "off"):
-            raise ValueError(f"{FUSED_ENV} must be auto, on or off, got {mode!r}")
-        return mode == "on" or (mode == "auto" and triton_wanted(q))
+        mode = os.environ.get(FUSED_ENV, "off")
+        if mode not in ("on", "off"):
+            raise ValueError(f"{FUSED_ENV} must be on or off, got {mode!r}")
+        return mode == "on" and triton_wanted(q)
 
     def rows_reference(self, li: int, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor, w: int,
                        prev: torch.Tensor | None) -> torch.Tensor:
