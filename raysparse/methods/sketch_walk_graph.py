@@ -170,8 +170,10 @@ class SketchWalkGraphDecode:
         B, dev, bsz = cfg.block_size, new.device, slots.shape[0]
         cb = (n - 1) // B
         qs, ks = self.qs[:, li, :w], self.ks[:, li, :w]
-        qs.index_put_((slots, cb), new[0], accumulate=True)
-        ks.index_put_((slots, cb), new[1], accumulate=True)
+        # (slot, block) pairs are distinct across real rows, so a gather-add-scatter does it without the
+        # sort that an accumulating index_put costs on CUDA (padded rows share the scratch slot: any wins)
+        qs[slots, cb] = qs[slots, cb] + new[0]
+        ks[slots, cb] = ks[slots, cb] + new[1]
         cols = torch.arange(w, device=dev)
         cnt = (n[:, None] - cols * B).clamp(min=1, max=B).float()  # [bsz, w]; past-the-end blocks masked below
         q_mean = qs[slots, cb] / cnt.gather(1, cb[:, None])  # [bsz, r]
