@@ -85,3 +85,15 @@ def random_state(hf_config, seed: int = 0) -> dict[str, torch.Tensor]:
         for p in model.parameters():  # non-trivial norms too, so their handling is tested
             p.add_(torch.randn_like(p) * 0.02)
     return model
+
+
+# Graph-decode tests run on the CPU (the padded path, eagerly) and, on a GPU, with real captures and replays.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def tiny_model(device: str, num_kv_heads: int, group: int, layers: int) -> LlamaForCausalLM:
+    """Our model over a seeded random transformers Llama (a fresh seed per call), on ``device``."""
+    from raysparse.loader import model_from_state
+
+    cfg = tiny_hf_config(num_kv_heads=num_kv_heads, group=group, layers=layers)
+    return model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict()).to(device)

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_state, tiny_hf_config
+from helpers import DEVICES, tiny_model
 
 from raysparse.attention import DenseAttention
 from raysparse.decode_graphs import DecodeGraphs, bucket
 from raysparse.kv_cache import KVCache
-from raysparse.loader import model_from_state
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
 from raysparse.shard_executor import ShardExecutor, StepPlan, method_key
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # on a GPU: real captures and replays
 
 
 @pytest.fixture(scope="module", params=DEVICES)
 def model(request):
-    cfg = tiny_hf_config(num_kv_heads=3, group=2, layers=3)
-    m = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict())
-    return m.to(request.param)
+    return tiny_model(request.param, 3, 2, 3)
 
 
 def test_bucket():

@@ -6,30 +6,19 @@ imported). fp32 and fp16 only: the 16-bit roundings the kernels reproduce are th
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+import torch.nn.functional as F
+from helpers import random_state, tiny_hf_config
+from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this file alone or "
-                    "export TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from raysparse.attention import DenseAttention
+from raysparse.kernels import fused_ops
+from raysparse.kv_cache import KVCache
+from raysparse.loader import model_from_state
+from raysparse.model import FUSED_ENV, RMSNorm
+from raysparse.rope import RotaryEmbedding, apply_rope
 
-import torch.nn.functional as F  # noqa: E402
-from helpers import random_state, tiny_hf_config  # noqa: E402
-
-from raysparse.attention import DenseAttention  # noqa: E402
-from raysparse.kernels import fused_ops  # noqa: E402
-from raysparse.kv_cache import KVCache  # noqa: E402
-from raysparse.loader import model_from_state  # noqa: E402
-from raysparse.model import FUSED_ENV, RMSNorm  # noqa: E402
-from raysparse.rope import RotaryEmbedding, apply_rope  # noqa: E402
-
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # bf16 only on a GPU: the interpreter's bf16 is not what the GPU computes.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 

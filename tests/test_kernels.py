@@ -8,37 +8,27 @@ fills the outputs with NaN first, so an element the kernel forgot to write fails
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
+from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        # Triton's own library functions were built for compiled mode: the interpreter cannot run them.
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this file alone or "
-                    "export TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from raysparse.kernels import dispatch  # noqa: E402
-from raysparse.kernels import sparse_decode as decode_mod  # noqa: E402
-from raysparse.kernels.block_sparse_prefill import (  # noqa: E402
+from raysparse.kernels import dispatch
+from raysparse.kernels import sparse_decode as decode_mod
+from raysparse.kernels.block_sparse_prefill import (
     CONFIGS,
     PrefillConfig,
     block_sparse_prefill,
     block_sparse_prefill_config,
     configs_for,
 )
-from raysparse.kernels.formats import PackedKV, PagedKV, pack_block_selections, pack_token_selections  # noqa: E402
-from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode, sparse_decode_two_launch  # noqa: E402
-from raysparse.kernels.strided_dense import strided_dense, strided_rows  # noqa: E402
-from raysparse.methods import sparse_attention as ref  # noqa: E402
-from raysparse.methods.delta import strided_dense_attention as strided_ref  # noqa: E402
-from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask  # noqa: E402
+from raysparse.kernels.formats import PackedKV, PagedKV, pack_block_selections, pack_token_selections
+from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode, sparse_decode_two_launch
+from raysparse.kernels.strided_dense import strided_dense, strided_rows
+from raysparse.methods import sparse_attention as ref
+from raysparse.methods.delta import strided_dense_attention as strided_ref
+from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 B = 64
 H_KV = 2
 # (n keys, n_q new queries): a full prefill ending mid-block, a chunk starting mid-block, one query, one

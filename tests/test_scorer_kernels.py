@@ -10,30 +10,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this file alone or "
-                    "export TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from raysparse.kernels import dispatch
+from raysparse.kernels.lsh_scorer import bucket_ids, collision_scores_varlen
+from raysparse.kernels.quest_bounds import page_bounds, page_scores
+from raysparse.kernels.sketch_scorer import block_plan, block_sketch, srht_apply
+from raysparse.kernels.topp import topp_mask
+from raysparse.methods import baselines, lsh
+from raysparse.methods.hadamard import SRHT, srht_reference
+from raysparse.specattn.topp import topp_mask_reference
 
-from raysparse.kernels import dispatch  # noqa: E402
-from raysparse.kernels.lsh_scorer import bucket_ids, collision_scores_varlen  # noqa: E402
-from raysparse.kernels.quest_bounds import page_bounds, page_scores  # noqa: E402
-from raysparse.kernels.sketch_scorer import block_plan, block_sketch, srht_apply  # noqa: E402
-from raysparse.kernels.topp import topp_mask  # noqa: E402
-from raysparse.methods import baselines, lsh  # noqa: E402
-from raysparse.methods.hadamard import SRHT, srht_reference  # noqa: E402
-from raysparse.specattn.topp import topp_mask_reference  # noqa: E402
-
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 H_KV = 2
 TOL = dict(atol=1e-5, rtol=1e-5)
 

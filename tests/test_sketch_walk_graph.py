@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_state, tiny_hf_config
+from helpers import DEVICES, tiny_model
 
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
-from raysparse.loader import model_from_state
 from raysparse.methods.registry import create_backend
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode, attach_graph_decode
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # on a GPU: real captures and replays
 
 
 @pytest.fixture(scope="module", params=DEVICES)
 def model(request):
-    cfg = tiny_hf_config(num_kv_heads=2, group=2, layers=5)
-    m = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict())
-    return m.to(request.param)
+    return tiny_model(request.param, 2, 2, 5)
 
 
 def _run(model, params, lens, steps, graph: bool, seed: int):

@@ -6,28 +6,17 @@ compared, and the scratch outputs start as NaN so an unwritten element fails."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from helpers import tiny_hf_config
+from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this file alone or "
-                    "export TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from raysparse.config import ModelConfig
+from raysparse.kernels.walk_decode import walk_decode_rows
+from raysparse.kv_cache import KVCache
+from raysparse.methods.registry import create_backend
+from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 
-from helpers import tiny_hf_config  # noqa: E402
-
-from raysparse.config import ModelConfig  # noqa: E402
-from raysparse.kernels.walk_decode import walk_decode_rows  # noqa: E402
-from raysparse.kv_cache import KVCache  # noqa: E402
-from raysparse.methods.registry import create_backend  # noqa: E402
-from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode  # noqa: E402
-
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 B = 16
 
 
