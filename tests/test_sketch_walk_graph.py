@@ -33,8 +33,8 @@ def _run(model, params, lens, steps, graph: bool, seed: int):
         if graphs.capture:  # a captured graph replays without Python: only the CPU run records lists
             real = None
 
-        def spy(rows, cb, cols):  # the graph path's block lists, for comparison with the tracer's
-            out = real(rows, cb, cols)
+        def spy(rows, st):  # the graph path's block lists, for comparison with the tracer's
+            out = real(rows, st)
             picks.append(out.clone())  # eager (CPU) only: a captured graph replays without Python
             return out
 

@@ -57,6 +57,7 @@ class SketchWalkGraphDecode:
         self.slot_of: dict[int, int] = {}
         self._free = list(range(slots - 1))
         self._rows: torch.Tensor | None = None  # the walk's rows, carried from one sparse layer to the next
+        self._step: dict[str, Any] | None = None  # the step's length-only constants (``step_constants``)
         self.fused: bool | None = None  # the Triton update (kernels/walk_decode.py): None = on CUDA tensors
 
     @staticmethod
@@ -129,28 +130,50 @@ class SketchWalkGraphDecode:
     def _select(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,
                 w: int) -> torch.Tensor:
         cfg, m, li = self.cfg, self.m, self.index[layer]
-        B, dev = cfg.block_size, q.device
         bsz = q.shape[0]
         slots = self.row_slot[:bsz]
-        cb = (n - 1) // B  # the current (query and key) block of each row
+        if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
+            self._step = self.step_constants(n, w)
+        st = self._step
         k_new = cache.k[layer][batch.slot_pages, :, batch.slot_offsets, :]  # [bsz, h_kv, d]
         hq = m.model_cfg.num_heads if m.head_reduce is not None else q.shape[1]
         hk = m.model_cfg.num_kv_heads if m.head_reduce is not None else k_new.shape[1]
         new = m.srht.apply(torch.stack((q.float().sum(1) / hq, k_new.float().sum(1) / hk)))  # [2, bsz, r]
         if m.head_reduce is not None:
             new = m.head_reduce(new)
-        cols = torch.arange(w, device=dev)
         first = layer == self.first or cfg.walk == "one-hop" or self._rows is None
         if self._fused(q):
             from raysparse.kernels.walk_decode import walk_decode_rows
 
             rows = walk_decode_rows(self.qs[:, li], self.ks[:, li], self.w[:, li, :w, :w], slots, n, new,
-                                    None if first else self._rows, B, cfg.exponent, cfg.residual,
+                                    None if first else self._rows, cfg.block_size, cfg.exponent, cfg.residual,
                                     cfg.walk != "rollout", cfg.token_query != "none")
         else:
-            rows = self.rows_reference(li, slots, n, new, w, None if first else self._rows)
+            rows = self.rows_reference(li, slots, n, new, w, None if first else self._rows, st)
         self._rows = rows
-        return self._choose(rows, cb, cols)
+        return self._choose(rows, st)
+
+    def step_constants(self, n: torch.Tensor, w: int) -> dict[str, Any]:
+        """Everything of a step that depends on the lengths alone, built at its first sparse layer and used by
+        every sparse layer (about a third of the per-layer kernels otherwise): blocks, counts, masks, budgets
+        and the forced blocks."""
+        cfg, dev = self.cfg, n.device
+        B, local = cfg.block_size, cfg.local_blocks
+        cb = (n - 1) // B  # the current (query and key) block of each row
+        cols = torch.arange(w, device=dev)
+        cnt = (n[:, None] - cols * B).clamp(min=1, max=B).float()  # [bsz, w]; past-the-end blocks masked
+        causal = cols <= cb[:, None]
+        tau = (cfg.density * (cb + 1).float()).round().clamp(min=1).long()  # row_budget, on the device
+        extra = (tau - torch.clamp(cb + 1, max=local + 1)).clamp(min=0)
+        k = min(w, int(round(cfg.density * w)) + 1)  # static: at least any row's extra in this bucket
+        local_cols = cb[:, None] - local + 1 + torch.arange(local, device=dev)  # the diagonal last
+        return {
+            "cb": cb, "cols": cols, "cnt": cnt, "cnt_cb": cnt.gather(1, cb[:, None]), "causal": causal,
+            "identity": cfg.residual * (cols == cb[:, None]), "rows": torch.arange(n.shape[0], device=dev),
+            "cand": causal & (cols != 0) & (cols <= cb[:, None] - local), "k": k,
+            "take": torch.arange(k, device=dev) < extra[:, None], "low": w - 1 - cols,
+            "forced": torch.cat((torch.zeros_like(cb)[:, None], torch.where(local_cols >= 1, local_cols, w)), 1),
+        }
 
     def _fused(self, q: torch.Tensor) -> bool:
         from raysparse.kernels.dispatch import triton_wanted
@@ -163,68 +186,57 @@ class SketchWalkGraphDecode:
         return mode == "on" and triton_wanted(q)
 
     def rows_reference(self, li: int, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor, w: int,
-                       prev: torch.Tensor | None) -> torch.Tensor:
+                       prev: torch.Tensor | None, st: dict[str, Any] | None = None) -> torch.Tensor:
         """The PyTorch form of one sparse layer's state update and walk (``walk_decode_rows`` is the fused
         one): returns this step's rows of R, normalised."""
-        cfg = self.cfg
-        B, dev, bsz = cfg.block_size, new.device, slots.shape[0]
-        cb = (n - 1) // B
+        st = st if st is not None else self.step_constants(n, w)
+        cb, cnt = st["cb"], st["cnt"]
         qs, ks = self.qs[:, li, :w], self.ks[:, li, :w]
         # (slot, block) pairs are distinct across real rows, so a gather-add-scatter does it without the
         # sort that an accumulating index_put costs on CUDA (padded rows share the scratch slot: any wins)
-        qs[slots, cb] = qs[slots, cb] + new[0]
+        q_sum = qs[slots, cb] + new[0]
+        qs[slots, cb] = q_sum
         ks[slots, cb] = ks[slots, cb] + new[1]
-        cols = torch.arange(w, device=dev)
-        cnt = (n[:, None] - cols * B).clamp(min=1, max=B).float()  # [bsz, w]; past-the-end blocks masked below
-        q_mean = qs[slots, cb] / cnt.gather(1, cb[:, None])  # [bsz, r]
+        q_mean = q_sum / st["cnt_cb"]  # [bsz, r]
         k_mean = ks[slots] / cnt[:, :, None]  # [bsz, w, r]
-        causal = cols <= cb[:, None]
         # q_mean @ k_mean^T in the reference's operand order, so rounding (and bf16 ties) agree
-        mean_row = self._w_row(torch.matmul(q_mean[:, None, :], k_mean.transpose(1, 2)).squeeze(1), causal, cols, cb)
-        W = self.w[:, li, :w, :w]
-        if cfg.token_query == "none":
-            call_row = mean_row
+        mean = torch.matmul(q_mean[:, None, :], k_mean.transpose(1, 2))  # [bsz, 1, w]
+        if self.cfg.token_query == "none":
+            mean_row = call_row = self._w_rows(mean, st)[:, 0]
         else:  # Algorithm 2: this step's row scored by the new token's own query; the state keeps the mean's
-            call_row = self._w_row(torch.einsum("br,bjr->bj", new[0], k_mean), causal, cols, cb)
+            both = self._w_rows(torch.cat((mean, torch.einsum("br,bjr->bj", new[0], k_mean)[:, None]), 1), st)
+            mean_row, call_row = both[:, 0], both[:, 1]
+        W = self.w[:, li, :w, :w]
         if prev is None:
             rows = call_row
         else:
             wg = W[slots]  # [bsz, w, w], a copy: its current row takes this call's row
-            wg[torch.arange(bsz, device=dev), cb] = call_row
+            wg[st["rows"], cb] = call_row
             rows = torch.bmm(prev[:, None, :], wg).squeeze(1)
         W[slots, cb] = mean_row
         return rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
-    def _w_row(self, scores: torch.Tensor, causal: torch.Tensor, cols: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
-        """The current block's row of W from raw A_hat scores [bsz, w] (rounded to bf16 as A_hat is cached)."""
+    def _w_rows(self, scores: torch.Tensor, st: dict[str, Any]) -> torch.Tensor:
+        """The current block's W rows from raw A_hat scores [bsz, m, w] (rounded to bf16 as A_hat is cached)."""
         cfg = self.cfg
-        a_row = (scores / math.sqrt(self.m.srht.sketch_dim)).masked_fill(~causal, 0.0)
-        logits = a_row.to(torch.bfloat16).float().masked_fill(~causal, float("-inf"))
+        off = ~st["causal"][:, None]
+        logits = (scores / math.sqrt(self.m.srht.sketch_dim)).masked_fill(off, 0.0)
+        logits = logits.to(torch.bfloat16).float().masked_fill(off, float("-inf"))
         if cfg.walk == "rollout":
-            walked = torch.softmax(cfg.exponent * logits, -1) * (1.0 - cfg.residual)
-            return walked + cfg.residual * (cols == cb[:, None])
+            return torch.softmax(cfg.exponent * logits, -1) * (1.0 - cfg.residual) + st["identity"][:, None]
         return torch.exp(cfg.exponent * torch.log_softmax(logits, -1))
 
-    def _choose(self, rows: torch.Tensor, cb: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def _choose(self, rows: torch.Tensor, st: dict[str, Any]) -> torch.Tensor:
         """Ascending block list per row, -1 padded: sink + local blocks + the top-(tau - forced) by ``rows``.
 
         The top-k runs on int64 keys (score bits, then the reversed column): ``rows`` are non-negative
         fp32, whose bit patterns order like the values, so ties go to the lower block exactly as the
         reference's stable sort does, without a full sort of the row."""
-        cfg, w = self.cfg, cols.numel()
-        local = cfg.local_blocks
-        tau = (cfg.density * (cb + 1).float()).round().clamp(min=1).long()  # row_budget, on the device
-        extra = (tau - torch.clamp(cb + 1, max=local + 1)).clamp(min=0)
-        allowed = cols <= cb[:, None]
-        cand = allowed & (cols != 0) & (cols <= cb[:, None] - local)
-        k = min(w, int(round(cfg.density * w)) + 1)  # static: at least any row's extra in this bucket
-        key = (rows.contiguous().view(torch.int32).long() << 32) | (w - 1 - cols)
-        top = torch.topk(torch.where(cand, key, -1), k, dim=-1)
-        take = (torch.arange(k, device=rows.device) < extra[:, None]) & (top.values >= 0)
-        picked = torch.where(take, top.indices, w)
-        local_cols = cb[:, None] - local + 1 + torch.arange(local, device=rows.device)  # the diagonal last
-        forced = torch.cat((torch.zeros_like(cb)[:, None], torch.where(local_cols >= 1, local_cols, w)), 1)
-        srt = torch.sort(torch.cat((forced, picked), 1), dim=-1).values
+        w = st["cols"].numel()
+        key = (rows.contiguous().view(torch.int32).long() << 32) | st["low"]
+        top = torch.topk(torch.where(st["cand"], key, -1), st["k"], dim=-1)
+        picked = torch.where(st["take"] & (top.values >= 0), top.indices, w)
+        srt = torch.sort(torch.cat((st["forced"], picked), 1), dim=-1).values
         return torch.where(srt < w, srt, -1).to(torch.int32)
 
 
