@@ -248,7 +248,7 @@ def test_decode_incremental_updates_equal_recompute_from_scratch():
     n0 = rand_int(2 * b + 1, 3 * b - 1)  # the prompt ends inside a block
     total = n0 + 2 * b + 3  # decode crosses two block boundaries
     cfg = model_cfg(layers=4)
-    m = method(cfg, density=density, token_query="none")  # selection rows from the block means, as prefill
+    m = method(cfg, density=density, token_query="never")  # selection rows from the block means, as prefill
     h_mat = explicit_srht(m.srht)
     layers = (1, 2, 3)
     qk = {layer: random_qk(total, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in layers}
@@ -295,7 +295,7 @@ def test_decode_incremental_updates_equal_recompute_from_scratch():
 
 # ---- 4b. the token's own query row, and per-KV-head sketches ----------------------------------------
 @pytest.mark.parametrize("token_query,heads", [("decode", "mean"), ("last", "mean"), ("decode", "kv"),
-                                               ("last", "kv"), ("none", "kv")])
+                                               ("last", "kv"), ("never", "kv")])
 def test_token_rows_and_kv_heads_match_brute_force(token_query, heads):
     """Prefill then decode across a block boundary: the state stays the block means (per KV head with
     heads="kv"), the last row the walk reads is the last token's query against the key blocks where

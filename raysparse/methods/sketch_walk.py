@@ -8,7 +8,8 @@ of its row of R^k plus the sink and diagonal blocks, on the original per-head Q,
 
 Choices where SPEC and paper are silent:
 - GQA: Q_avg is the mean over all h query heads, K_avg over the h_kv KV heads (the paper's mean over h
-  repeated heads is the same). One selection per layer, expanded (not copied) over the KV heads.
+  repeated heads is the same). One selection per layer, expanded (not copied) over the KV heads (but
+  see ``heads`` below).
 - Block representatives are kept already sketched: running fp32 sums of Q_avg H_d and K_avg H_d per block
   ([b, r] each; the sketch is linear, so sketch-of-mean = mean-of-sketches). Counts follow from n
   (min(B, n - jB)), so a partial last block averages what it has, in prefill and decode alike.
@@ -37,9 +38,15 @@ Choices where SPEC and paper are silent:
   (short rows) they win.
   The diagonal block is causally about half full, which roughly offsets that excess, so the metered
   density lands near the budget. Decode: top-(tau - forced) blocks by R plus the current block and sink.
-- Decode row: the current query block's row of A_hat uses the running mean of that (possibly partial)
-  query block, new token included, exactly as prefill treats a partial last block (the paper writes the
-  new token's sketch alone into the row). Hence decode state == prefill state on the full sequence.
+- Decode row (``token_query``). The state always holds SPEC's block-mean rows, so decode state == prefill
+  state on the full sequence. The row the current step selects by is, by default ("decode"), scored by the
+  new token's query alone, as the paper's Algorithm 2 writes it, for this step only. "last" does the same
+  for a prefill's last query block (its last token's query: a labelled departure; that token predicts the
+  first generated one); "never" selects by the block mean's row. Why: a retrieval answer's query is one
+  token, and its block's mean is mostly the question's other tokens (``benchmarks/probe_needle.py``).
+- ``heads="kv"`` (a labelled departure from SPEC's head average, and a different state layout: qs, ks
+  [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]): each KV head sketches its own keys and the
+  mean of its query group, and walks and selects for itself. Tensor parallelism needs no reduce then.
 - Decode column: under the block-causal mask the current key block t // B is the last block, so its
   column is visible only from the current query block's row (the same block index); rewriting that row
   over key blocks 0..t // B writes the diagonal entry, which is the whole causal part of the column.
@@ -74,7 +81,7 @@ from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 
 WALKS = ("rollout", "product", "one-hop")
-TOKEN_QUERIES = ("decode", "last", "none")
+TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv")
 
 
@@ -87,7 +94,7 @@ class SketchWalkConfig(MethodConfig):
     residual: float = 0.5  # rollout: weight alpha of the identity (the residual stream) in each step
     local_blocks: int = 1  # trailing blocks always kept, the diagonal included (besides the sink block)
     # Whose query scores the last query block's selection row: "decode" (default): in decode the new token's
-    # alone (Algorithm 2); "last": also at the end of a prefill, its last token's; "none": the block mean.
+    # alone (Algorithm 2); "last": also at the end of a prefill, its last token's; "never": the block mean.
     token_query: str = "decode"
     heads: str = "mean"  # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head
 
@@ -193,7 +200,7 @@ class SketchWalk(SparseMethod):
             hk = self.model_cfg.num_kv_heads if self.head_reduce is not None else k.shape[0]
             q_avg = q.float().sum(1, keepdim=True) / hq
             k_avg = k[:, q0:n].float().sum(0)[:, None] / hk
-        want_token = n_q == 1 and cfg.token_query != "none" or cfg.token_query == "last"
+        want_token = n_q == 1 and cfg.token_query != "never" or cfg.token_query == "last"
         # Sum per block first, then sketch the few block sums (linear): O(b d log d), not O(n d log d).
         # The last token's own query rides along as one more row of sums[0], through the same reduce.
         extra = int(want_token and n_q > 1)
