@@ -207,8 +207,12 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions, h.dtype)
         mlp = None
+        fused = fused_ops(h) is not None
         for i, layer in enumerate(self.model.layers):
-            h, mlp = layer.forward_pending(h, mlp, cos, sin, cache, batch, backend)
+            if fused:  # each MLP's residual add rides in the next layer's fused input norm
+                h, mlp = layer.forward_pending(h, mlp, cos, sin, cache, batch, backend)
+            else:  # the plain path calls the module, so forward hooks (tests, tracing) see every layer
+                h = layer(h, cos, sin, cache, batch, backend)
             if on_layer is not None:
                 on_layer(i)
         if not all_logits:
