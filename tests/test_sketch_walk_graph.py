@@ -64,7 +64,7 @@ def _run(model, params, lens, steps, graph: bool, seed: int):
 
 
 @pytest.mark.parametrize("params", [{"density": 0.3}, {"density": 0.2, "walk": "product", "local_blocks": 2},
-                                    {"density": 0.5, "walk": "one-hop"}])
+                                    {"density": 0.5, "walk": "one-hop"}, {"density": 0.3, "token_query": "never"}])
 def test_graph_decode_matches_reference(model, params):
     seed = int(torch.randint(0, 2**31 - 1, ()))
     lens = [100, 47, 160]  # 160 + a few steps crosses into a new 16-token block

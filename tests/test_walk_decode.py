@@ -26,7 +26,7 @@ def _path(params: dict, width: int, slots: int = 4) -> SketchWalkGraphDecode:
     return SketchWalkGraphDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=slots, max_blocks=width)
 
 
-@pytest.mark.parametrize("params", [{}, {"walk": "product"}, {"walk": "one-hop"}, {"token_query": "none"},
+@pytest.mark.parametrize("params", [{}, {"walk": "product"}, {"walk": "one-hop"}, {"token_query": "never"},
                                     {"residual": 0.2, "exponent": 3.0}])
 @pytest.mark.parametrize("width", [16, 200])  # one tile; two tiles, the second partial
 def test_fused_update_matches_reference(params, width):
@@ -57,7 +57,7 @@ def test_fused_update_matches_reference(params, width):
     want = ref.rows_reference(0, slots, n, new, width, prev)
     cfg = fused.cfg
     got = walk_decode_rows(fused.qs[:, 0], fused.ks[:, 0], fused.w[:, 0, :width, :width], slots, n, new, prev, B,
-                           cfg.exponent, cfg.residual, cfg.walk != "rollout", cfg.token_query != "none")
+                           cfg.exponent, cfg.residual, cfg.walk != "rollout", cfg.token_query != "never")
     assert torch.isfinite(got).all()
     got = got / got.sum(-1, keepdim=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)

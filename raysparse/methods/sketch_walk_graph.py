@@ -147,7 +147,7 @@ class SketchWalkGraphDecode:
 
             rows = walk_decode_rows(self.qs[:, li], self.ks[:, li], self.w[:, li, :w, :w], slots, n, new,
                                     None if first else self._rows, cfg.block_size, cfg.exponent, cfg.residual,
-                                    cfg.walk != "rollout", cfg.token_query != "none")
+                                    cfg.walk != "rollout", cfg.token_query != "never")
         else:
             rows = self.rows_reference(li, slots, n, new, w, None if first else self._rows, st)
         self._rows = rows
@@ -201,7 +201,7 @@ class SketchWalkGraphDecode:
         k_mean = ks[slots] / cnt[:, :, None]  # [bsz, w, r]
         # q_mean @ k_mean^T in the reference's operand order, so rounding (and bf16 ties) agree
         mean = torch.matmul(q_mean[:, None, :], k_mean.transpose(1, 2))  # [bsz, 1, w]
-        if self.cfg.token_query == "none":
+        if self.cfg.token_query == "never":
             mean_row = call_row = self._w_rows(mean, st)[:, 0]
         else:  # Algorithm 2: this step's row scored by the new token's own query; the state keeps the mean's
             both = self._w_rows(torch.cat((mean, torch.einsum("br,bjr->bj", new[0], k_mean)[:, None]), 1), st)
