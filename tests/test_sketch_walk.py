@@ -221,7 +221,7 @@ def test_prefill_walk_selection_matches_brute_force_over_three_layers(walk, loca
     n = rand_int(6 * b + 1, 10 * b)
     cfg = model_cfg(layers=4)
     alpha = 0.25 * rand_int(0, 3)
-    m = method(cfg, density=density, walk=walk, residual=alpha, local_blocks=local)
+    m = method(cfg, density=density, walk=walk, residual=alpha, local_blocks=local, token_query="never")
     h_mat = explicit_srht(m.srht)
     seq_state: dict = {}
     stored, walks, sels = [], [], []
@@ -248,7 +248,7 @@ def test_decode_incremental_updates_equal_recompute_from_scratch():
     n0 = rand_int(2 * b + 1, 3 * b - 1)  # the prompt ends inside a block
     total = n0 + 2 * b + 3  # decode crosses two block boundaries
     cfg = model_cfg(layers=4)
-    m = method(cfg, density=density, token_query="never")  # selection rows from the block means, as prefill
+    m = method(cfg, density=density, walk="rollout", token_query="never")  # block-mean rows, as prefill
     h_mat = explicit_srht(m.srht)
     layers = (1, 2, 3)
     qk = {layer: random_qk(total, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in layers}
@@ -294,9 +294,10 @@ def test_decode_incremental_updates_equal_recompute_from_scratch():
 
 
 # ---- 4b. the token's own query row, and per-KV-head sketches ----------------------------------------
-@pytest.mark.parametrize("token_query,heads", [("decode", "mean"), ("last", "mean"), ("decode", "kv"),
-                                               ("last", "kv"), ("never", "kv")])
-def test_token_rows_and_kv_heads_match_brute_force(token_query, heads):
+@pytest.mark.parametrize("token_query,heads,walk", [("decode", "mean", "rollout"), ("last", "mean", "one-hop"),
+                                                    ("decode", "kv", "one-hop"), ("last", "kv", "rollout"),
+                                                    ("never", "kv", "product")])
+def test_token_rows_and_kv_heads_match_brute_force(token_query, heads, walk):
     """Prefill then decode across a block boundary: the state stays the block means (per KV head with
     heads="kv"), the last row the walk reads is the last token's query against the key blocks where
     ``token_query`` says so, and the walk and selection follow, per score head."""
@@ -304,7 +305,7 @@ def test_token_rows_and_kv_heads_match_brute_force(token_query, heads):
     n0 = rand_int(3 * b + 1, 4 * b - 1)
     total = n0 + b + 1
     cfg = model_cfg(layers=4)
-    m = method(cfg, density=density, token_query=token_query, heads=heads)
+    m = method(cfg, density=density, token_query=token_query, heads=heads, walk=walk)
     h_mat = explicit_srht(m.srht)
     layers = (1, 2, 3)
     score_heads = list(range(cfg.num_kv_heads)) if heads == "kv" else [None]
@@ -312,11 +313,11 @@ def test_token_rows_and_kv_heads_match_brute_force(token_query, heads):
     states: dict = {layer: {} for layer in layers}
     seq_state: dict = {}
     seen: dict = {}
-    walk = m._walk
+    method_walk = m._walk
 
     def spy(ctx, qb0, nb, token_row=None):
         seen[ctx.layer] = token_row
-        return walk(ctx, qb0, nb, token_row)
+        return method_walk(ctx, qb0, nb, token_row)
 
     m._walk = spy
     for t in [n0 - 1, *range(n0, total)]:
@@ -350,7 +351,7 @@ def test_token_rows_and_kv_heads_match_brute_force(token_query, heads):
                     a[nb - 1] = seen[layer][i, 0].double()
                 scores[h].append(a)
         for i, h in enumerate(score_heads):
-            for row, sel, ref in zip(rows, sels, brute_walk(scores[h], 8.0), strict=True):
+            for row, sel, ref in zip(rows, sels, brute_walk(scores[h], 8.0, walk), strict=True):
                 got = (row if h is None else row[i]).double()
                 want = ref if prefill else ref[nb - 1:]
                 torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-30)
@@ -396,7 +397,7 @@ def test_selections_are_causal_deduplicated_with_sink_and_diagonal(density):
 def test_chunked_prefill_continues_the_sketches():
     b = 8
     cfg = model_cfg(layers=3)
-    m = method(cfg, density=0.375)
+    m = method(cfg, density=0.375, walk="rollout")
     n = rand_int(5 * b, 8 * b)
     cut = rand_int(b + 1, n - b)  # usually inside a block
     qk = {layer: random_qk(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in (1, 2)}
@@ -458,7 +459,7 @@ def test_config_validation_and_registry():
             SketchWalkConfig(**bad)
     c = SketchWalkConfig()
     assert (c.block_size, c.sketch_dim, c.exponent, c.density, c.dense_layers) == (64, 64, 8.0, 0.2, (0, 1))
-    assert (c.walk, c.residual, c.local_blocks) == ("rollout", 0.5, 1)
+    assert (c.walk, c.residual, c.local_blocks, c.token_query, c.heads) == ("one-hop", 0.5, 1, "last", "mean")
     from raysparse.methods.registry import get_method
 
     backend = get_method("sketch_walk").factory(model_cfg(), density=0.3, sketch_dim=32)

@@ -22,11 +22,14 @@ Choices where SPEC and paper are silent:
   perplexity 54.3 vs 27.9, dense 26.5): W's rows are not normalised, and under the block-causal mask the
   early rows have few causal entries, so P**s there is near 1 while a late row's P**s is tiny. Paths
   through early blocks then dominate every product, and over 28 sparse layers R drifts away from the
-  local blocks toward the start of the sequence. The default ``rollout`` makes the walk a random walk
+  local blocks toward the start of the sequence. ``rollout`` makes the walk a random walk
   that also follows the residual stream (as attention rollout does): each step is the row-stochastic
   alpha I + (1 - alpha) row-softmax(s * A_hat) (P**s rescaled to sum 1: the same ranking per row as P**s),
   alpha = ``residual`` = 0.5, so R^k keeps this layer's W^k row as a term and adds the blocks that the
-  blocks it reached at earlier layers attend now. ``one-hop`` (W^k alone) is the ablation. Rows of R are
+  blocks it reached at earlier layers attend now. The default is ``one-hop`` (W^k alone): on the default
+  model every walk loses retrieval (BENCHMARKS.md, "Sketch&Walk: why retrieval fails"): a needle's block is
+  attended by the answer's query and by no other block, so paths through other blocks' rows rank it below
+  the blocks that the prose keeps attending, while perplexity is the same with or without it. Rows of R are
   renormalised after every layer, R^0 included (a row scale changes no ranking). Row i of R^k depends only
   on row i of R^{k-1}, so ``ctx.seq_state`` carries only the rows of the current call's query blocks from
   one sparse layer to the next (one row in decode), tagged with (q_start, n) to catch a stale walk.
@@ -39,10 +42,10 @@ Choices where SPEC and paper are silent:
   The diagonal block is causally about half full, which roughly offsets that excess, so the metered
   density lands near the budget. Decode: top-(tau - forced) blocks by R plus the current block and sink.
 - Decode row (``token_query``). The state always holds SPEC's block-mean rows, so decode state == prefill
-  state on the full sequence. The row the current step selects by is, by default ("decode"), scored by the
-  new token's query alone, as the paper's Algorithm 2 writes it, for this step only. "last" does the same
-  for a prefill's last query block (its last token's query: a labelled departure; that token predicts the
-  first generated one); "never" selects by the block mean's row. Why: a retrieval answer's query is one
+  state on the full sequence. The row the current step selects by is, with "decode" or "last", scored by the
+  new token's query alone, as the paper's Algorithm 2 writes it, for this step only. "last" (the default)
+  does the same for a prefill's last query block (its last token's query: a labelled departure; that token
+  predicts the first generated one); "never" selects by the block mean's row. Why: a retrieval answer's query is one
   token, and its block's mean is mostly the question's other tokens (``benchmarks/probe_needle.py``).
 - ``heads="kv"`` (a labelled departure from SPEC's head average, and a different state layout: qs, ks
   [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]): each KV head sketches its own keys and the
@@ -90,12 +93,12 @@ class SketchWalkConfig(MethodConfig):
     sketch_dim: int = 64  # r
     exponent: float = 8.0  # s, the sparsity exponent of W = P ** s
     seed: int = 0  # the SRHT draw (combined with head_dim)
-    walk: str = "rollout"  # rollout (default), product (SPEC's literal R^{k-1} W^k), one-hop (W^k alone)
+    walk: str = "one-hop"  # one-hop (W^k alone; default: measured best), rollout, product (SPEC's literal walk)
     residual: float = 0.5  # rollout: weight alpha of the identity (the residual stream) in each step
     local_blocks: int = 1  # trailing blocks always kept, the diagonal included (besides the sink block)
-    # Whose query scores the last query block's selection row: "decode" (default): in decode the new token's
-    # alone (Algorithm 2); "last": also at the end of a prefill, its last token's; "never": the block mean.
-    token_query: str = "decode"
+    # Whose query scores the last query block's selection row: "decode": in decode the new token's alone
+    # (Algorithm 2); "last" (default): also at the end of a prefill, its last token's; "never": the block mean.
+    token_query: str = "last"
     heads: str = "mean"  # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head
 
     def __post_init__(self) -> None:
