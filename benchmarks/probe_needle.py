@@ -20,8 +20,9 @@ of every expected answer in the haystack):
   of the mass averaged over each KV group (per-KV-head selection, as Quest makes); and ``mass``, the dense
   attention on the value tokens (mean over query heads), which shows the layers that retrieve.
 
-Usage: python benchmarks/probe_needle.py [--task single_needle] [--samples 4] [--density 0.2]
-       [--setting sketch_walk:walk=one-hop] ... [--json PATH] [--tiny]
+Usage: python benchmarks/probe_needle.py [--task single_needle|multi_key|multi_value] [--samples 4]
+       [--density 0.2] [--setting 'sketch_walk:walk=one-hop;token_query=last'] ... [--threads 1] [--json PATH]
+       [--tiny]   (no --setting: the walks, token queries and heads options of BENCHMARKS.md, Quest, oracle)
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ from raysparse.methods.base import SeqContext, row_budget
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL
 
-DEFAULT_SETTINGS = ("sketch_walk", "sketch_walk:decode_query=block", "sketch_walk:walk=one-hop",
-                    "sketch_walk:walk=product", "sketch_walk:residual=0", "quest", "oracle")
+DEFAULT_SETTINGS = ("sketch_walk:walk=rollout;token_query=never", "sketch_walk:walk=rollout;token_query=decode",
+                    "sketch_walk:walk=product;token_query=never", "sketch_walk:walk=one-hop;token_query=never",
+                    "sketch_walk:walk=one-hop;token_query=decode", "sketch_walk:walk=one-hop;token_query=last",
+                    "sketch_walk:walk=one-hop;token_query=decode;heads=kv",
+                    "sketch_walk:walk=one-hop;token_query=last;heads=kv",
+                    "sketch_walk:walk=rollout;token_query=decode;heads=kv", "quest", "oracle")
 
 
 def parse_setting(text: str) -> tuple[str, dict]:
