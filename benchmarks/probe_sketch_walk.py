@@ -2,9 +2,9 @@
 
 One dense prefill of real text records every layer's post-RoPE q and k; each sparse layer then builds, at the
 same block budget tau_i = row_budget(density, i + 1) per query block i:
-- ``rollout`` (the default walk), ``product`` (SPEC's literal R^k = R^{k-1} W^k) and ``one-hop`` (this
-  layer's W^k alone, no walk): Sketch&Walk's own ``select_prefill`` with each ``walk`` mode, same sketches
-  and forced blocks;
+- ``rollout``, ``product`` (SPEC's literal R^k = R^{k-1} W^k) and ``one-hop`` (this layer's W^k alone, no
+  walk; the default): Sketch&Walk's own ``select_prefill`` with each ``walk`` mode, same sketches and forced
+  blocks, every row from its block mean (``token_query=never`` unless a variant sets it);
 - ``oracle``: exact top-tau blocks per query block and KV head by summed dense mass (the block upper bound);
 - ``streaming``: the sink block plus the last tau_i - 1 blocks.
 Selections are made on the dense run's q and k (teacher forcing), so the numbers isolate selection quality.
@@ -70,10 +70,10 @@ def kept(mass: torch.Tensor, sel: torch.Tensor, block: int) -> float:
 
 def selections(layer_qk: dict[int, tuple[torch.Tensor, torch.Tensor]], model_cfg: ModelConfig, density: float,
                params: dict) -> dict[str, dict[int, torch.Tensor]]:
-    """Per walk mode and layer: Sketch&Walk's own prefill selection (one per layer), bool [1, nqb, nb]."""
+    """Per walk mode and layer: Sketch&Walk's own prefill selection, bool [h_kv, nqb, nb]."""
     out: dict[str, dict[int, torch.Tensor]] = {}
     for walk in WALKS:
-        cfg = SketchWalkConfig(**{"density": density, **params, "walk": walk})
+        cfg = SketchWalkConfig(**{"density": density, "token_query": "never", **params, "walk": walk})
         method = SketchWalk(model_cfg, cfg)
         seq_state: dict = {}
         out[walk] = {}
@@ -83,7 +83,7 @@ def selections(layer_qk: dict[int, tuple[torch.Tensor, torch.Tensor]], model_cfg
             q, k = layer_qk[layer]
             n = q.shape[0]
             sel = method.select_prefill(SeqContext(layer, 0, 0, n, {}, seq_state), q, k, k)
-            out[walk][layer] = mask_from_indices(sel.indices[:1].long(), -(-n // cfg.block_size))
+            out[walk][layer] = mask_from_indices(sel.indices.long(), -(-n // cfg.block_size))  # per KV head
     return out
 
 
@@ -125,7 +125,8 @@ def main() -> None:
     runs = {"default": {}}
     for item in filter(None, args.variants.split(",")):
         key, val = item.split("=")
-        runs[item] = {key: float(val) if key in ("exponent", "residual") else int(val)}
+        runs[item] = {key: float(val) if key in ("exponent", "residual") else val if key in ("token_query", "heads")
+                      else int(val)}
     sels = {name: selections(rec.qk, mcfg, args.density, params) for name, params in runs.items()}
     layers = sorted(sels["default"]["rollout"])
     n = len(ids)
