@@ -62,7 +62,8 @@ Choices where SPEC and paper are silent:
 
 Memory per sequence: A_hat is a full b x b bf16 matrix per sparse layer, 2 * b**2 * L_s bytes for L_s
 sparse layers (b = ceil(n / B); e.g. n = 131072, B = 64: 8 MiB per layer, 240 MiB for 30 layers), plus
-8 * r * b bytes per sparse layer of sketched sums and a transient 4 * b * rows bytes of walk rows.
+8 * r * b bytes per sparse layer of sketched sums and a transient 4 * b * rows bytes of walk rows
+(heads="kv": h_kv times each).
 
 Host syncs: none in decode (budgets come from the host-side length n); prefill's per-row top-k does one
 ``.item()`` inside ``topk_mask``.
