@@ -74,38 +74,36 @@ if triton is not None:
         for t in tl.range(0, WID, TW):
             cols = t + tl.arange(0, TW)
             inb = cols < WID
-            a = tl.load(MEAN + b * WID + cols, mask=inb, other=float("-inf"))
-            if PRODUCT:
-                z_mean += tl.sum(tl.exp(a - m_mean), 0)
-            else:
-                z_mean += tl.sum(tl.exp(exponent * (a - m_mean)), 0)
+            z_mean += _partition(tl.load(MEAN + b * WID + cols, mask=inb, other=float("-inf")), m_mean, exponent,
+                                 PRODUCT)
             if TOKEN:
-                c = tl.load(CALL + b * WID + cols, mask=inb, other=float("-inf"))
-                if PRODUCT:
-                    z_call += tl.sum(tl.exp(c - m_call), 0)
-                else:
-                    z_call += tl.sum(tl.exp(exponent * (c - m_call)), 0)
+                z_call += _partition(tl.load(CALL + b * WID + cols, mask=inb, other=float("-inf")), m_call,
+                                     exponent, PRODUCT)
         for t in tl.range(0, WID, TW):  # pass 3: W rows
             cols = t + tl.arange(0, TW)
             inb = cols < WID
-            a = tl.load(MEAN + b * WID + cols, mask=inb, other=float("-inf"))
-            if PRODUCT:
-                wm = tl.exp(exponent * (a - m_mean - tl.log(z_mean)))
-            else:
-                wm = tl.exp(exponent * (a - m_mean)) / z_mean * (1.0 - residual)
-                wm += tl.where(cols == cb, residual, 0.0)
+            wm = _w_entries(tl.load(MEAN + b * WID + cols, mask=inb, other=float("-inf")), m_mean, z_mean, cols, cb,
+                            exponent, residual, PRODUCT)
             tl.store(MEAN + b * WID + cols, wm, mask=inb)
             tl.store(W + slot * s_w0 + cb * s_w1 + cols, wm, mask=inb)
             if TOKEN:
-                c = tl.load(CALL + b * WID + cols, mask=inb, other=float("-inf"))
-                if PRODUCT:
-                    wc = tl.exp(exponent * (c - m_call - tl.log(z_call)))
-                else:
-                    wc = tl.exp(exponent * (c - m_call)) / z_call * (1.0 - residual)
-                    wc += tl.where(cols == cb, residual, 0.0)
-                tl.store(CALL + b * WID + cols, wc, mask=inb)
-            else:
-                tl.store(CALL + b * WID + cols, wm, mask=inb)
+                wm = _w_entries(tl.load(CALL + b * WID + cols, mask=inb, other=float("-inf")), m_call, z_call, cols,
+                                cb, exponent, residual, PRODUCT)
+            tl.store(CALL + b * WID + cols, wm, mask=inb)
+
+    @triton.jit
+    def _partition(x, m, exponent, PRODUCT: tl.constexpr):
+        """One tile's share of a W row's normaliser, for scores x with running maximum m."""
+        if PRODUCT:
+            return tl.sum(tl.exp(x - m), 0)
+        return tl.sum(tl.exp(exponent * (x - m)), 0)
+
+    @triton.jit
+    def _w_entries(x, m, z, cols, cb, exponent, residual, PRODUCT: tl.constexpr):
+        """W entries of one tile: P ** s (product, one-hop) or the rollout's softmax(s * A) plus the identity."""
+        if PRODUCT:
+            return tl.exp(exponent * (x - m - tl.log(z)))
+        return tl.exp(exponent * (x - m)) / z * (1.0 - residual) + tl.where(cols == cb, residual, 0.0)
 
     @triton.jit
     def _walk_kernel(W, SLOTS, N, PREV, MEAN, CALL, OUT, s_w0, s_w1, s_p,
