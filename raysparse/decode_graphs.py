@@ -115,25 +115,40 @@ class DecodeGraphs:
             self._table_rows = rows
         return [p + 1 for p in positions] + [1] * pad
 
+    def _shape(self, seq_ids: Sequence[int], steps: int) -> tuple[int, int, list[int]]:
+        """(batch bucket, page-width bucket, the sequence of each padded row: -1 for padding) for ``steps``
+        more tokens of these sequences."""
+        n = len(seq_ids)
+        if not 0 < n <= self.max_batch or steps < 1:
+            raise ValueError(f"decode batch of {n} outside 1..{self.max_batch} or steps {steps} < 1")
+        b = bucket(n, self.max_batch)
+        return b, self._width(max(self.cache.seq_len(s) for s in seq_ids) + steps), list(seq_ids) + [-1] * (b - n)
+
+    def _width(self, tokens: int) -> int:
+        return bucket(max(self.cache.pages_needed(tokens), MIN_WIDTH), self.max_width)
+
+    def _eager(self, backend: AttentionBackend, b: int, w: int, ctx_lens: list[int], rows: list[int]) -> torch.Tensor:
+        """The padded step without a capture (CPU): the same inputs and metadata a graph would read."""
+        with self._no_meter(backend):
+            return self.model(self.inputs[0, :b], self._batch(b, w, ctx_lens, rows), self.cache, backend,
+                              all_logits=True)
+
+    def _graph(self, key: str, backend: AttentionBackend, b: int, w: int, chained: bool,
+               rows: list[int]) -> tuple[tuple[str, int, int, bool], torch.cuda.CUDAGraph]:
+        k = (key, b, w, chained)
+        graph = self.graphs.get(k)
+        return k, graph if graph is not None else self._capture(k, backend, b, w, rows)
+
     def decode(self, key: str, backend: AttentionBackend, seq_ids: Sequence[int], ids: list[int]) -> torch.Tensor:
         """Logits [len(seq_ids), V] fp32 of one decode step (the cache advances by one token each)."""
         n = len(seq_ids)
-        if not 0 < n <= self.max_batch:
-            raise ValueError(f"decode batch of {n} outside 1..{self.max_batch}")
-        longest = max(self.cache.seq_len(s) for s in seq_ids) + 1
-        b = bucket(n, self.max_batch)
-        w = bucket(max(self.cache.pages_needed(longest), MIN_WIDTH), self.max_width)
+        b, w, rows = self._shape(seq_ids, 1)
         ctx_lens = self._fill(seq_ids, ids, b, w)
-        self._prepare(backend, list(seq_ids) + [-1] * (b - n))
+        self._prepare(backend, rows)
         if not self.capture:
-            meta = self._batch(b, w, ctx_lens, list(seq_ids) + [-1] * (b - n))
-            with self._no_meter(backend):
-                logits = self.model(self.inputs[0, :b], meta, self.cache, backend, all_logits=True)[:n]
+            logits = self._eager(backend, b, w, ctx_lens, rows)[:n]
         else:
-            k = (key, b, w, False)
-            graph = self.graphs.get(k)
-            if graph is None:
-                graph = self._capture(k, backend, b, w, list(seq_ids) + [-1] * (b - n))
+            k, graph = self._graph(key, backend, b, w, False, rows)
             graph.replay()
             self.replays += 1
             logits = self.logits[k][:n]
@@ -147,30 +162,20 @@ class DecodeGraphs:
         the replays run back to back and the tokens are read once at the end. Every shard of a group computes
         the same argmax from the same all-reduced logits, so nothing is exchanged. Returns tokens per sequence."""
         n = len(seq_ids)
-        if not 0 < n <= self.max_batch or steps < 1:
-            raise ValueError(f"decode batch of {n} outside 1..{self.max_batch} or steps {steps} < 1")
-        longest = max(self.cache.seq_len(s) for s in seq_ids) + steps
-        b = bucket(n, self.max_batch)
-        w = bucket(max(self.cache.pages_needed(longest), MIN_WIDTH), self.max_width)
-        rows = list(seq_ids) + [-1] * (b - n)
+        b, w, rows = self._shape(seq_ids, steps)
         if not self.capture:  # the same steps eagerly, one host round trip each
             out, toks = [], list(ids)
             for _ in range(steps):
                 ctx_lens = self._fill(seq_ids, toks, b, w)
                 self._prepare(backend, rows)
-                with self._no_meter(backend):
-                    logits = self.model(self.inputs[0, :b], self._batch(b, w, ctx_lens, rows), self.cache, backend,
-                                        all_logits=True)
+                logits = self._eager(backend, b, w, ctx_lens, rows)
                 backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)  # type: ignore[attr-defined]
                 toks = logits[:n].argmax(-1).tolist()
                 out.append(toks)
             return [list(t) for t in zip(*out, strict=True)]
         ctx_lens = self._fill(seq_ids, ids, b, w)
         self._prepare(backend, rows)
-        k = (key, b, w, True)
-        graph = self.graphs.get(k)
-        if graph is None:
-            graph = self._capture(k, backend, b, w, rows)
+        _, graph = self._graph(key, backend, b, w, True, rows)
         drawn = torch.empty(steps, b, dtype=torch.long, device=self.cache.device)
         lens = ctx_lens[:n]
         for s in range(steps):
@@ -251,7 +256,7 @@ class DecodeGraphs:
         (as servers capture at start-up, so no request pays for a capture). Returns the number captured."""
         if not self.capture:
             return 0
-        w = bucket(max(self.cache.pages_needed(context), MIN_WIDTH), self.max_width)
+        w = self._width(context)
         done = 0
         for n in batch_sizes:
             for chain in (False, True):
@@ -260,11 +265,6 @@ class DecodeGraphs:
                     self._capture(k, backend, k[1], w)
                     done += 1
         return done
-
-    def drop(self, key: str) -> None:
-        """Forgets the graphs of one method key (its backend is gone)."""
-        for k in [k for k in self.graphs if k[0] == key]:
-            del self.graphs[k], self.logits[k]
 
     def stats(self) -> dict[str, Any]:
         return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays}

@@ -170,9 +170,14 @@ class ShardExecutor:
             self.free(plan.seq_ids)
             return {"tokens": None, "error": f"{type(e).__name__}: {e}", "forward_s": time.perf_counter() - t0}
 
+    def _graphs_for(self, backend: AttentionBackend) -> DecodeGraphs | None:
+        """The graph runner when this backend's decode steps replay from captures, else None."""
+        return self.graphs if self.use_graphs and self.graphs is not None and DecodeGraphs.supports(backend) else None
+
     def _forward(self, plan: StepPlan, backend: AttentionBackend, tokens: list[list[int]]) -> torch.Tensor:
-        if not plan.prefill and self.use_graphs and self.graphs is not None and DecodeGraphs.supports(backend):
-            return self.graphs.decode(plan.key, backend, plan.seq_ids, [t[-1] for t in tokens])
+        graphs = self._graphs_for(backend)
+        if not plan.prefill and graphs is not None:
+            return graphs.decode(plan.key, backend, plan.seq_ids, [t[-1] for t in tokens])
         ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long, device=self.cache.device)
         batch = self.cache.prepare(plan.seq_ids, [len(t) for t in tokens], plan.prefill)
         return self.model(ids, batch, self.cache, backend)
@@ -193,10 +198,10 @@ class ShardExecutor:
         shared with one all-reduce (rank 0 contributes the tokens, the others zeros)."""
         if plan.steps == 1:
             return self._sample(plan, self._forward(plan, backend, plan.tokens))
-        if (self.use_graphs and self.graphs is not None and DecodeGraphs.supports(backend)
-                and all(self._params[s].greedy for s in plan.seq_ids)):
+        graphs = self._graphs_for(backend)
+        if graphs is not None and all(self._params[s].greedy for s in plan.seq_ids):
             # greedy: the steps chain on the device, no round trip or token exchange between them
-            chained = self.graphs.decode_greedy(plan.key, backend, plan.seq_ids, [t[-1] for t in plan.tokens],
+            chained = graphs.decode_greedy(plan.key, backend, plan.seq_ids, [t[-1] for t in plan.tokens],
                                                 plan.steps)
             if self.world_size > 1:
                 self._check_agreement(chained)
