@@ -69,8 +69,9 @@ class ShardWorker:
     def setup(self, rank: int, world_size: int, master: tuple[str, int]) -> dict[str, Any]:
         import torch.distributed as dist
 
+        from raysparse.all_reduce import make_all_reduce
         from raysparse.loader import build_model, load_hf_config, load_model, materialize, resolve_source
-        from raysparse.tensor_parallel import all_reduce_fn, apply_tensor_parallel
+        from raysparse.tensor_parallel import apply_tensor_parallel
 
         spec, dtype = self.spec, parse_dtype(self.spec.dtype)
         if world_size > 1:
@@ -87,11 +88,12 @@ class ShardWorker:
             model = build_model(hf_config, dtype=dtype, device=self.device)
         else:
             model = load_model(src, dtype=dtype, device=self.device, hf_config=hf_config)
-        apply_tensor_parallel(model, rank, world_size)
+        reduce, reduce_path = make_all_reduce(self.device, dtype, model.cfg.hidden_size) if world_size > 1 else (
+            None, "none")
+        apply_tensor_parallel(model, rank, world_size, reduce=reduce)
         pages = -(-spec.kv_cache_tokens // spec.page_size)
         cache = KVCache(model.cfg, pages, spec.page_size, dtype, self.device, model.num_kv_heads)
         sync = torch.cuda.synchronize if self.device == "cuda" else None
-        reduce = all_reduce_fn(None) if world_size > 1 else None
         graphs = None
         if self.device == "cuda" and spec.cuda_graphs:
             from raysparse.decode_graphs import DecodeGraphs
@@ -99,7 +101,8 @@ class ShardWorker:
             graphs = DecodeGraphs(model, cache, spec.max_batch)
         self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync, graphs)
         return {"rank": rank, "kv_heads": model.num_kv_heads, "kv_offset": getattr(model, "kv_head_offset", 0),
-                "kv_pages": pages, "page_size": spec.page_size, "device": self.device}
+                "kv_pages": pages, "page_size": spec.page_size, "device": self.device,
+                "all_reduce": reduce_path}
 
     def execute(self, plan: StepPlan) -> dict[str, Any]:
         assert self.executor is not None, "setup first"

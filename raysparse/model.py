@@ -186,6 +186,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = rotary
+        # Set by tensor parallelism (a vocab-parallel head): assembles every rank's slice of the logits.
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -219,4 +221,7 @@ class LlamaForCausalLM(nn.Module):
             rows = batch.last_token_rows()
             h, mlp = h[rows], (None if mlp is None else mlp[rows])
         x = self.model.norm(h) if mlp is None else self.model.norm.add_forward(mlp, h)[0]
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
+        return logits.float()

@@ -4,6 +4,11 @@ Column-parallel q/k/v and gate/up, row-parallel o and down, and one all-reduce a
 block and each MLP (the decoder layer's ``reduce`` hook). Heads are split by whole KV groups so a query
 head always lives with its KV head. The split may be uneven (SmolLM2's 3 KV heads over 2 ranks give
 2 + 1), so any world size up to the number of KV heads works.
+
+The LM head is vocab-parallel: each rank computes the logits of its slice of the vocabulary and one
+all-gather assembles them, so every rank holds the full logits (each rank samples or checks the same
+tokens) while reading 1/N of the head's weights, which at batch 1 is a decode step's largest single read
+after the layers (1 GB for Llama-3.1-8B). The embedding stays whole: a lookup reads only its rows.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raysparse.all_reduce import collective_all_reduce
 from raysparse.model import LlamaForCausalLM
 
 
@@ -53,24 +59,40 @@ def _row(linear: nn.Linear, lo: int, hi: int, keep_bias: bool) -> nn.Linear:
     return out
 
 
-def all_reduce_fn(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    def reduce(x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
-        return x
+def all_gather_last_fn(sizes: list[int], group: dist.ProcessGroup | None
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Concatenates every rank's [..., sizes[rank]] along the last dim. Parts are padded to the largest so
+    one fixed-shape all-gather (capturable in a CUDA graph) does it on NCCL; gloo gathers a list."""
+    width, world = max(sizes), len(sizes)
 
-    return reduce
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        part = x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+        part = part.contiguous()
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty((world, *part.shape), dtype=part.dtype, device=part.device)
+            dist.all_gather_into_tensor(out, part, group=group)
+            parts = list(out.unbind(0))
+        else:
+            parts = [torch.empty_like(part) for _ in range(world)]
+            dist.all_gather(parts, part, group=group)
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], -1)
+
+    return gather
 
 
 def apply_tensor_parallel(model: LlamaForCausalLM, rank: int, world_size: int,
-                          group: dist.ProcessGroup | None = None) -> LlamaForCausalLM:
-    """Shards ``model`` in place for ``rank`` of ``world_size``. World size 1 leaves it unchanged."""
+                          group: dist.ProcessGroup | None = None,
+                          reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LlamaForCausalLM:
+    """Shards ``model`` in place for ``rank`` of ``world_size``. World size 1 leaves it unchanged.
+    ``reduce``: the group's SUM all-reduce (``raysparse.all_reduce.make_all_reduce``); default: the process
+    group's own."""
     cfg = model.cfg
     kv_lo, kv_hi = kv_head_range(cfg.num_kv_heads, rank, world_size)
     if world_size == 1:
         return model
     g, d = cfg.group_size, cfg.head_dim
     ff_lo, ff_hi = shard_range(cfg.intermediate_size, rank, world_size)
-    reduce = all_reduce_fn(group)
+    reduce = reduce if reduce is not None else collective_all_reduce(group)
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.q_proj = _column(attn.q_proj, kv_lo * g * d, kv_hi * g * d)
@@ -84,6 +106,10 @@ def apply_tensor_parallel(model: LlamaForCausalLM, rank: int, world_size: int,
         mlp.up_proj = _column(mlp.up_proj, ff_lo, ff_hi)
         mlp.down_proj = _row(mlp.down_proj, ff_lo, ff_hi, keep_bias=rank == 0)
         layer.reduce = reduce
+    sizes = [hi - lo for lo, hi in (shard_range(cfg.vocab_size, r, world_size) for r in range(world_size))]
+    v_lo, v_hi = shard_range(cfg.vocab_size, rank, world_size)
+    model.lm_head = _column(model.lm_head, v_lo, v_hi)  # a copy: a tied embedding stays whole
+    model.gather_logits = all_gather_last_fn(sizes, group)
     model.tp_rank, model.tp_world_size = rank, world_size
     model.kv_head_offset = kv_lo
     return model
