@@ -111,7 +111,8 @@ def main() -> None:
                         for m, p in methods:
                             r = measure(eng, m, p, n - args.new_tokens, args.new_tokens, seed=n)
                             r.update(tp=tp, mode=mode if on else "eager", decode_steps=steps,
-                                     engine_start_s=start_s, device=eng.model_info()["device"])
+                                     engine_start_s=start_s, device=eng.model_info()["device"],
+                                     all_reduce=group.info[0].get("all_reduce"))
                             if on and r["decode_tok_s"]:  # in-graph collectives are timed on their own
                                 coord = max(group.call("coordinator_cost", method_key(m, p), 1))
                                 r["coord_graph_s"] = coord
@@ -125,6 +126,7 @@ def main() -> None:
     (out / "bench_tp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     base = {(r["method"], r["context"], r["mode"], r["decode_steps"]): r for r in rows if r["tp"] == tps[0]}
     eager = {(r["method"], r["context"], r["tp"]): r for r in rows if r["mode"] == "eager" and r["decode_steps"] == 1}
+    print("all-reduce:", sorted({(r["tp"], r["all_reduce"]) for r in rows}))
     print(f"\n{'tp':>3} {'mode':>6} {'steps':>5} {'method':>12} {'ctx':>7} {'prefill s':>10} {'tok/s':>8} "
           f"{'vs tp1':>7} {'vs eager':>8} {'call ms':>8} {'ctrl %':>7} {'coord %':>8} {'density':>8}")
     for r in rows:
