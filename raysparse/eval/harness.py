@@ -15,23 +15,27 @@ teacher-forced). Method statistics go to ``extras``: SpecAttn's (``generation``:
 KV reads over every verification step, teacher-forced included, acceptance still over generation only, as
 teacher-forced rounds are not speculation) and CIS / CPE's retrieval ratio rho. A setting that raises
 (a method that does not implement a phase, a bad parameter) becomes an error row; the others still run.
+
+Each task sample and window is one work item (``items.py``) on a fresh sequence; ``run_setting`` runs a
+setting's items in order and merges their sums, and the distributed harness (``distributed.py``) runs the
+same ``run_item`` inside shard actors, so both give the same row.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from raysparse.attention import AttentionBackend, DenseAttention
+from raysparse.attention import AttentionBackend
 from raysparse.eval.decode_ppl import decode_nll
-from raysparse.eval.metrics import DEFAULT_ROWS, FidelityTracer
+from raysparse.eval.items import ItemResult, RunResult, item_order, merge_items, reset_accumulators, snapshot
+from raysparse.eval.metrics import DEFAULT_ROWS
 from raysparse.eval.settings import ParamSweep, Setting, backend_takes_density, plan_settings
 from raysparse.eval.tasks import PPL_SCORED_FRACTION, TASK_NAMES, EvalTask, build_tasks, perplexity_windows
 from raysparse.generate import FinishEvent, GenerationRequest, Generator
@@ -97,30 +101,15 @@ class Workload:
         return len(self.tasks) + len(self.windows) * (1 + (cfg.decode_ppl_tokens > 0))
 
 
-@dataclass
-class RunResult:
-    method: str
-    density_target: float | None
-    params: dict[str, Any] = field(default_factory=dict)  # swept method parameters (--method-params)
-    label: str = ""  # the method with its swept parameters, for tables
-    status: str = "ok"  # "ok" or "error"
-    error: str | None = None
-    accuracy: float | None = None  # mean task score over every sample of every task
-    accuracy_per_task: dict[str, float] = field(default_factory=dict)
-    perplexity: float | None = None
-    nll: float | None = None  # mean NLL (nats) of the scored tokens
-    decode_perplexity: float | None = None  # teacher-forced decode over the last decode_ppl_tokens of each window
-    decode_nll: float | None = None
-    density: float | None = None  # backend.meter.overall(): attended / causal pairs, all layers, whole run
-    density_per_layer: list[float] = field(default_factory=list)
-    density_decode: float | None = None  # the decode steps alone (decode-only methods prefill densely)
-    fidelity: dict[str, dict[str, Any]] = field(default_factory=dict)  # FidelityTracer.summary()
-    extras: dict[str, Any] = field(default_factory=dict)  # method statistics: "specattn", "cis" (see module doc)
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
+def eval_settings(cfg: EvalConfig, model_cfg: Any, factory: BackendFactory) -> list[Setting]:
+    """The run order; whether a method takes a density is asked of a default instance of it."""
+    def takes_density(method: str) -> bool:
+        try:
+            return backend_takes_density(factory(method, model_cfg))
+        except Exception:  # its real settings will fail and be reported as error rows
+            return True
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    return plan_settings(cfg.methods, cfg.densities, cfg.method_params, takes_density)
 
 
 class Harness:
@@ -138,6 +127,7 @@ class Harness:
         self.model, self.tokenizer, self.cfg, self.factory = model, tokenizer, cfg, backend_factory
         self.model_dir = model_dir
         self._layer_maps: dict[tuple[int, ...], Any] = {}
+        self._current: tuple[Setting, AttentionBackend] | None = None
         limit = model.cfg.max_position_embeddings
         # The longest answer (multi_value's four numbers, or variable_tracking's names) stays under 64 tokens.
         self.max_total = cfg.context_tokens + cfg.max_new_tokens + ANSWER_ROOM
@@ -150,14 +140,7 @@ class Harness:
         self.cache = KVCache(model.cfg, pages, page, model.lm_head.weight.dtype, device, model.num_kv_heads)
 
     def settings(self) -> list[Setting]:
-        """The run order; whether a method takes a density is asked of a default instance of it."""
-        def takes_density(method: str) -> bool:
-            try:
-                return backend_takes_density(self.factory(method, self.model.cfg))
-            except Exception:  # its real settings will fail and be reported as error rows
-                return True
-
-        return plan_settings(self.cfg.methods, self.cfg.densities, self.cfg.method_params, takes_density)
+        return eval_settings(self.cfg, self.model.cfg, self.factory)
 
     def layer_map(self, backend: Any) -> Any:
         """SpecAttn's verifier-to-draft map for this draft: the saved one (measured and saved if missing)."""
@@ -171,88 +154,73 @@ class Harness:
         return self._layer_maps[key]
 
     def run_setting(self, setting: Setting, work: Workload, step: Callable[[], None] = lambda: None) -> RunResult:
-        res = RunResult(setting.method, setting.density, dict(setting.params), setting.label)
-        t0 = time.perf_counter()
-        try:
+        """Every item of ``setting`` in order, up to the first that fails, merged into its row."""
+        items = []
+        for kind, index in item_order(len(work.tasks), len(work.windows), self.decode_items(work)):
+            items.append(self.run_item(setting, work, kind, index))
+            step()
+            if items[-1].error is not None:
+                break
+        return merge_items(setting, items, self.model.cfg.num_layers, self.cfg.rows)
+
+    def decode_items(self, work: Workload) -> bool:
+        return self.cfg.decode_ppl_tokens > 0 and bool(work.windows)
+
+    def backend(self, setting: Setting) -> AttentionBackend:
+        """The setting's backend, made once and kept while its items run (per-sequence state is released)."""
+        if self._current is None or self._current[0] != setting:
+            self._current = None
             backend = self.factory(setting.method, self.model.cfg, **setting.backend_params())
-            tracer = None
-            if hasattr(backend, "tracer"):  # a SparseMethod: measure what it attends
-                tracer = FidelityTracer(self.model.cfg.num_layers, self.cfg.rows)
-                backend.tracer = tracer
             if getattr(backend, "speculative", False):
                 backend.set_layer_map(self.layer_map(backend))
-            backend.meter.reset()
-            self._tasks(backend, work.tasks, res, step)
-            if hasattr(backend, "stats"):  # SpecAttn: acceptance and KV reads of real speculative generation
-                res.extras["specattn"] = {"generation": backend.stats.to_dict()}
-            self._perplexity(backend, work.windows, res, step)
-            if hasattr(backend, "stats"):  # acceptance counts only generation rounds; KV reads count every step
-                res.extras["specattn"]["total"] = backend.stats.to_dict()
-            if getattr(backend, "use_cis", False):
-                res.extras["cis"] = {"retrieval_ratio": backend.retrieval_ratio,
-                                     "retrieval_ratio_per_layer": backend.retrieval_ratio_per_layer()}
-            res.density, res.density_per_layer = backend.meter.overall(), backend.meter.per_layer()
-            res.density_decode = backend.meter.decode_overall()
-            layers = self.model.cfg.num_layers
-            if tracer is not None:
-                res.fidelity = tracer.summary()
-            else:  # dense is exact by definition; a backend without the tracer hook cannot be measured
-                res.fidelity = _constant_fidelity(layers, isinstance(backend, DenseAttention))
-        except Exception as e:  # one broken method or density must not sink the whole comparison
-            res.status, res.error = "error", f"{type(e).__name__}: {e}".splitlines()[0][:500]
-        res.seconds = time.perf_counter() - t0
-        return res
+            self._current = (setting, backend)
+        return self._current[1]
 
-    def _tasks(self, backend: AttentionBackend, tasks: Sequence[EvalTask], res: RunResult,
-               step: Callable[[], None]) -> None:
+    def run_item(self, setting: Setting, work: Workload, kind: str, index: int) -> ItemResult:
+        """One task sample (``kind`` "task") or window ("ppl", "decode") of ``setting``; never raises."""
+        item = ItemResult(kind, index)
+        t0 = time.perf_counter()
+        backend, tracer = None, None
+        try:
+            backend = self.backend(setting)
+            tracer = reset_accumulators(backend, self.model.cfg.num_layers, self.cfg.rows)
+            if kind == "task":
+                item.sample = self.task_sample(backend, work.tasks[index])
+            elif kind == "ppl":
+                item.nll, item.count = self.window_nll(backend, work.windows[index])
+            elif kind == "decode":
+                item.nll, item.count = decode_nll(self.model, self.cache, backend, work.windows[index],
+                                                  self.cfg.decode_ppl_tokens, next(self._seq_ids))
+            else:
+                raise ValueError(f"unknown item kind {kind!r}")
+        except Exception as e:  # one broken method or density must not sink the whole comparison
+            item.error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+        if backend is not None:
+            snapshot(item, backend, tracer)
+        item.seconds = time.perf_counter() - t0
+        return item
+
+    def task_sample(self, backend: AttentionBackend, task: EvalTask) -> dict[str, Any]:
         if getattr(backend, "speculative", False):
             from raysparse.specattn.decode import SpecAttnGenerator
 
             gen: Generator = SpecAttnGenerator(self.model, self.cache, backend, self.tokenizer)  # type: ignore
         else:
             gen = Generator(self.model, self.cache, backend, self.tokenizer)
-        per_task: dict[str, list[float]] = {}
-        for task in tasks:
-            params = SamplingParams(max_new_tokens=self.max_new_tokens(task))
-            finish = None
-            for ev in gen.generate([GenerationRequest(task.prompt_ids, params, f"{task.name}-{task.seed}")]):
-                if isinstance(ev, FinishEvent):
-                    finish = ev
-            if finish is None or finish.finish_reason == "error":
-                raise RuntimeError(f"generation failed on {task.name}: {finish.error if finish else 'no result'}")
-            score = task.score(finish.text)
-            per_task.setdefault(task.name, []).append(score)
-            res.samples.append({"task": task.name, "seed": task.seed, "prompt_tokens": len(task.prompt_ids),
-                                "expected": list(task.expected), "output": finish.text, "score": score})
-            step()
-        if per_task:
-            res.accuracy_per_task = {k: sum(v) / len(v) for k, v in per_task.items()}
-            res.accuracy = sum(s["score"] for s in res.samples) / len(res.samples)
+        params = SamplingParams(max_new_tokens=self.max_new_tokens(task))
+        finish = None
+        for ev in gen.generate([GenerationRequest(task.prompt_ids, params, f"{task.name}-{task.seed}")]):
+            if isinstance(ev, FinishEvent):
+                finish = ev
+        if finish is None or finish.finish_reason == "error":
+            raise RuntimeError(f"generation failed on {task.name}: {finish.error if finish else 'no result'}")
+        score = task.score(finish.text)
+        return {"task": task.name, "seed": task.seed, "prompt_tokens": len(task.prompt_ids),
+                "expected": list(task.expected), "output": finish.text, "score": score}
 
     def max_new_tokens(self, task: EvalTask) -> int:
         """Room for the whole answer (four 7-digit numbers need ~30 tokens) plus the configured slack."""
         return min(task.answer_tokens, ANSWER_ROOM) + self.cfg.max_new_tokens
-
-    def _perplexity(self, backend: AttentionBackend, windows: Sequence[list[int]], res: RunResult,
-                    step: Callable[[], None]) -> None:
-        total, count = 0.0, 0
-        for ids in windows:
-            total_w, count_w = self.window_nll(backend, ids)
-            total, count = total + total_w, count + count_w
-            step()
-        if count:
-            res.nll = total / count
-            res.perplexity = math.exp(res.nll)
-        if self.cfg.decode_ppl_tokens <= 0 or not windows:
-            return
-        total, count = 0.0, 0
-        for ids in windows:
-            total_w, count_w = decode_nll(self.model, self.cache, backend, ids, self.cfg.decode_ppl_tokens,
-                                          next(self._seq_ids))
-            total, count = total + total_w, count + count_w
-            step()
-        res.decode_nll = total / count
-        res.decode_perplexity = math.exp(res.decode_nll)
 
     def window_nll(self, backend: AttentionBackend, ids: list[int]) -> tuple[float, int]:
         """Summed NLL (nats) of the scored last part of one window under ``backend``, and its token count."""
@@ -270,17 +238,6 @@ class Harness:
         targets = torch.tensor(ids[first + 1:], device=logits.device)
         nll = torch.nn.functional.cross_entropy(logits[first:n - 1], targets, reduction="sum")
         return float(nll), len(targets)
-
-
-def _constant_fidelity(num_layers: int, exact: bool) -> dict[str, dict[str, Any]]:
-    """Dense attends every causal key: retained and attention mass 1, output error 0 by definition. A backend
-    that is no ``SparseMethod`` has no tracer hook: its fidelity is unknown (None)."""
-    def entry(value: float) -> dict[str, Any]:
-        v = value if exact else None
-        return {"overall": v, "prefill": v, "decode": v,
-                "prefill_per_layer": [v] * num_layers, "decode_per_layer": [v] * num_layers}
-
-    return {"retained": entry(1.0), "attn_mass": entry(1.0), "out_err": entry(0.0)}
 
 
 def run_eval(model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig, text: str, source: str,
@@ -308,11 +265,21 @@ def run_eval(model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig, text: str
         if on_result is not None:
             on_result(runs[-1])
     mc = model.cfg
+    model_info = {"name": model_name, "layers": mc.num_layers, "heads": mc.num_heads, "kv_heads": mc.num_kv_heads,
+                  "head_dim": mc.head_dim, "dtype": str(model.lm_head.weight.dtype).replace("torch.", "")}
+    host = {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return build_report(cfg, settings, work, runs, model_info, str(harness.cache.device), host,
+                        time.perf_counter() - t0)
+
+
+def build_report(cfg: EvalConfig, settings: Sequence[Setting], work: Workload, runs: list[dict[str, Any]],
+                 model_info: dict[str, Any], device: str, host: dict[str, Any], elapsed_s: float,
+                 cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON report (``report.py`` lists its fields); ``cluster``: tp, replicas and address of a run on Ray."""
     return {
         "schema": SCHEMA,
-        "model": {"name": model_name, "layers": mc.num_layers, "heads": mc.num_heads, "kv_heads": mc.num_kv_heads,
-                  "head_dim": mc.head_dim, "dtype": str(model.lm_head.weight.dtype).replace("torch.", "")},
-        "haystack": source,
+        "model": model_info,
+        "haystack": work.source,
         "config": {**asdict(cfg), "settings": [s.to_json() for s in settings]},
         "perplexity_scored": f"last {PPL_SCORED_FRACTION:.0%} of each {cfg.context_tokens}-token window "
                              "(next-token NLL of those positions)",
@@ -320,8 +287,9 @@ def run_eval(model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig, text: str
                                     "teacher-forced decode step (SpecAttn: verification chunks of gamma + 1 true "
                                     "tokens)" if cfg.decode_ppl_tokens else None,
         "prompt_tokens": [len(t.prompt_ids) for t in work.tasks],
-        "device": str(harness.cache.device),
-        "host": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "elapsed_s": time.perf_counter() - t0,
+        "device": device,
+        **({"cluster": cluster} if cluster is not None else {}),
+        "host": host,
+        "elapsed_s": elapsed_s,
         "runs": runs,
     }
