@@ -120,8 +120,9 @@ class ReplicaGroup:
     def stats(self, reset: bool = False) -> list[dict[str, Any]]:
         return self._gather([a.stats.remote(reset) for a in self.actors], 60.0)
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        return self._gather([getattr(a, method).remote(*args) for a in self.actors], 120.0)
+    def call(self, method: str, *args: Any, timeout_s: float | None = 120.0) -> list[Any]:
+        """``method(*args)`` on every shard, results in rank order (``timeout_s`` None: as long as it takes)."""
+        return self._gather([getattr(a, method).remote(*args) for a in self.actors], timeout_s)
 
     def stop(self) -> None:
         import ray

