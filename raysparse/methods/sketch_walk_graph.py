@@ -8,7 +8,7 @@ of static buffers:
   W depends only on row i of A_hat, which is final once query block i is complete, so each step recomputes
   only the current block's A_hat row (rounded to bf16 as the reference caches it) and its W row. As in
   the reference, the step's own walk uses the row scored by the new token's query (``token_query``) in
-  place of the block mean's, which is what the state keeps.
+  place of the block mean's, which is what the state keeps. ``one-hop`` never reads W: it has none.
 Only the default head-averaged sketches (``heads="mean"``) have this path.
 Lengths, slots and budgets are device tensors; the top-k is a stable sort of each row (ties toward lower
 blocks, as ``topk_mask``), so one step is the same kernels whatever the lengths. Tensors are cut to the
@@ -16,8 +16,13 @@ graph's page-width bucket (a block is a page). A sequence enters on its first gr
 state (the reference's qs, ks and A_hat) is copied into a free slot and W built from A_hat; from then on
 the slot is its state (the reference path refuses it). Padded rows use a scratch slot.
 
-Memory per slot: 4 * L_s * Bmax^2 + 8 * L_s * Bmax * r bytes (Bmax = blocks of the longest sequence the
-cache can hold); the path is not attached when ``max_batch + 1`` slots exceed ``state_budget_bytes``.
+One-hop on CUDA tensors: the whole per-layer selection (state update, scores, top-k, block list) is two
+Triton launches (``kernels/walk_select.py``) instead of ~40 small kernels; ``RAYSPARSE_WALK_SELECT=off``
+keeps the PyTorch form. It ranks by the bf16 logits, which the reference's exp(s * log_softmax) orders
+alike except where rounding merges distinct values (that module's docstring says where).
+
+Memory per slot: 4 * L_s * Bmax^2 (not for one-hop) + 8 * L_s * Bmax * r bytes (Bmax = blocks of the longest
+sequence the cache can hold); the path is not attached when ``max_batch + 1`` slots exceed ``state_budget_bytes``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ from raysparse.methods.sketch_walk import SketchWalk, rollout_step, walk_weights
 # this file's PyTorch form on an H200 (22.1 against 15.7 ms per 8B decode step at 64K; its walk GEMV runs on
 # too few programs), kept until that kernel is split across programs.
 FUSED_ENV = "RAYSPARSE_WALK_KERNEL"
+# "on" (default, CUDA tensors): one-hop's whole selection as two Triton launches (kernels/walk_select.py)
+# instead of ~40 kernels of ~2-3 us each per sparse layer, even in a graph; its score GEMV is spread over
+# ~32 programs per row, which is what the walk kernel above lacked. "off": the PyTorch form.
+SELECT_ENV = "RAYSPARSE_WALK_SELECT"
 
 
 class SketchWalkGraphDecode:
@@ -51,7 +60,8 @@ class SketchWalkGraphDecode:
         slots, r, dev = max_batch + 1, method.srht.sketch_dim, cache.device
         self.qs = torch.zeros(slots, len(sparse), max_blocks, r, device=dev)
         self.ks = torch.zeros_like(self.qs)
-        self.w = torch.zeros(slots, len(sparse), max_blocks, max_blocks, device=dev)
+        self.w = (None if cfg.walk == "one-hop"
+                  else torch.zeros(slots, len(sparse), max_blocks, max_blocks, device=dev))
         self.scratch = slots - 1
         self.row_slot = torch.full((max_batch,), self.scratch, dtype=torch.long, device=dev)
         self.slot_of: dict[int, int] = {}
@@ -59,11 +69,13 @@ class SketchWalkGraphDecode:
         self._rows: torch.Tensor | None = None  # the walk's rows, carried from one sparse layer to the next
         self._step: dict[str, Any] | None = None  # the step's length-only constants (``step_constants``)
         self.fused: bool | None = None  # the Triton update (kernels/walk_decode.py): None = on CUDA tensors
+        self.select: bool | None = None  # one-hop's Triton selection (kernels/walk_select.py): None = as above
 
     @staticmethod
     def state_bytes(method: SketchWalk, max_blocks: int) -> int:
         layers = sum(not method.is_dense_layer(i) for i in range(method.model_cfg.num_layers))
-        return layers * (4 * max_blocks**2 + 8 * max_blocks * method.srht.sketch_dim)
+        w = 0 if method.config.walk == "one-hop" else 4 * max_blocks**2
+        return layers * (w + 8 * max_blocks * method.srht.sketch_dim)
 
     # ---- host side, before each step --------------------------------------------------------------
     def prepare(self, rows: list[int], cache: KVCache) -> None:
@@ -87,10 +99,11 @@ class SketchWalkGraphDecode:
             for buf, src in ((self.qs, st["qs"]), (self.ks, st["ks"])):
                 buf[slot, li].zero_()
                 buf[slot, li, :nb] = src
-            w = (rollout_step(st["a_hat"], cfg.exponent, cfg.residual) if cfg.walk == "rollout"
-                 else walk_weights(st["a_hat"], cfg.exponent))
-            self.w[slot, li].zero_()
-            self.w[slot, li, :nb, :nb] = w
+            if self.w is not None:
+                w = (rollout_step(st["a_hat"], cfg.exponent, cfg.residual) if cfg.walk == "rollout"
+                     else walk_weights(st["a_hat"], cfg.exponent))
+                self.w[slot, li].zero_()
+                self.w[slot, li, :nb, :nb] = w
             st.clear()  # the slot is the state now; the reference path would find it gone
             st["graph_slot"] = slot
         self.slot_of[sid] = slot
@@ -132,17 +145,24 @@ class SketchWalkGraphDecode:
         cfg, m, li = self.cfg, self.m, self.index[layer]
         bsz = q.shape[0]
         slots = self.row_slot[:bsz]
-        if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
-            self._step = self.step_constants(n, w)
-        st = self._step
         k_new = cache.k[layer][batch.slot_pages, :, batch.slot_offsets, :]  # [bsz, h_kv, d]
         hq = m.model_cfg.num_heads if m.head_reduce is not None else q.shape[1]
         hk = m.model_cfg.num_kv_heads if m.head_reduce is not None else k_new.shape[1]
         new = m.srht.apply(torch.stack((q.float().sum(1) / hq, k_new.float().sum(1) / hk)))  # [2, bsz, r]
         if m.head_reduce is not None:
             new = m.head_reduce(new)
+        r = new.shape[-1]
+        if cfg.walk == "one-hop" and (r & (r - 1)) == 0 and self._wanted(q, SELECT_ENV, "on", self.select):
+            from raysparse.kernels.walk_select import walk_select
+
+            return walk_select(self.qs[:, li], self.ks[:, li], slots, n, new, cfg.block_size, cfg.density,
+                               cfg.local_blocks, cfg.exponent, cfg.token_query != "never", w,
+                               1 + cfg.local_blocks + self.top_width(w))
+        if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
+            self._step = self.step_constants(n, w)
+        st = self._step
         first = layer == self.first or cfg.walk == "one-hop" or self._rows is None
-        if self._fused(q):
+        if cfg.walk != "one-hop" and self._wanted(q, FUSED_ENV, "off", self.fused):
             from raysparse.kernels.walk_decode import walk_decode_rows
 
             rows = walk_decode_rows(self.qs[:, li], self.ks[:, li], self.w[:, li, :w, :w], slots, n, new,
@@ -165,7 +185,7 @@ class SketchWalkGraphDecode:
         causal = cols <= cb[:, None]
         tau = (cfg.density * (cb + 1).float()).round().clamp(min=1).long()  # row_budget, on the device
         extra = (tau - torch.clamp(cb + 1, max=local + 1)).clamp(min=0)
-        k = min(w, int(round(cfg.density * w)) + 1)  # static: at least any row's extra in this bucket
+        k = self.top_width(w)
         local_cols = cb[:, None] - local + 1 + torch.arange(local, device=dev)  # the diagonal last
         return {
             "cb": cb, "cols": cols, "cnt": cnt, "cnt_cb": cnt.gather(1, cb[:, None]), "causal": causal,
@@ -175,14 +195,20 @@ class SketchWalkGraphDecode:
             "forced": torch.cat((torch.zeros_like(cb)[:, None], torch.where(local_cols >= 1, local_cols, w)), 1),
         }
 
-    def _fused(self, q: torch.Tensor) -> bool:
+    def top_width(self, w: int) -> int:
+        """Static top-k width of a bucket: at least any row's budget beyond its forced blocks."""
+        return min(w, int(round(self.cfg.density * w)) + 1)
+
+    @staticmethod
+    def _wanted(q: torch.Tensor, env: str, default: str, forced: bool | None) -> bool:
+        """A Triton path's switch: ``forced`` if set, else the env var (on/off) and CUDA tensors."""
         from raysparse.kernels.dispatch import triton_wanted
 
-        if self.fused is not None:
-            return self.fused
-        mode = os.environ.get(FUSED_ENV, "off")
+        if forced is not None:
+            return forced
+        mode = os.environ.get(env, default)
         if mode not in ("on", "off"):
-            raise ValueError(f"{FUSED_ENV} must be on or off, got {mode!r}")
+            raise ValueError(f"{env} must be on or off, got {mode!r}")
         return mode == "on" and triton_wanted(q)
 
     def rows_reference(self, li: int, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor, w: int,
@@ -206,14 +232,14 @@ class SketchWalkGraphDecode:
         else:  # Algorithm 2: this step's row scored by the new token's own query; the state keeps the mean's
             both = self._w_rows(torch.cat((mean, torch.einsum("br,bjr->bj", new[0], k_mean)[:, None]), 1), st)
             mean_row, call_row = both[:, 0], both[:, 1]
-        W = self.w[:, li, :w, :w]
         if prev is None:
             rows = call_row
         else:
-            wg = W[slots]  # [bsz, w, w], a copy: its current row takes this call's row
+            wg = self.w[:, li, :w, :w][slots]  # [bsz, w, w], a copy: its current row takes this call's row
             wg[st["rows"], cb] = call_row
             rows = torch.bmm(prev[:, None, :], wg).squeeze(1)
-        W[slots, cb] = mean_row
+        if self.w is not None:
+            self.w[:, li, :w, :w][slots, cb] = mean_row
         return rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
     def _w_rows(self, scores: torch.Tensor, st: dict[str, Any]) -> torch.Tensor:
