@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_hf_config
+from helpers import tiny_hf_config, tiny_model
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 from raysparse.config import ModelConfig
@@ -113,3 +113,36 @@ def test_select_matches_reference(params, width):
     # the scratch slot is left out: padded rows all add into it, the reference once, the kernel racing
     assert torch.equal(fused.qs[:-1], ref.qs[:-1])
     assert torch.equal(fused.ks[:-1], ref.ks[:-1])
+
+
+@pytest.mark.slow  # ~20 s each in the interpreter
+@pytest.mark.parametrize("token_query", ["last", "never"])
+def test_graph_decode_with_the_kernel(monkeypatch, token_query):
+    """The graph path's steps (eager on the CPU, captured on a GPU) with the kernel switched on, against the
+    per-sequence reference decode on a tiny model: same block lists, logits and metered density."""
+    from test_sketch_walk_graph import _run
+
+    import raysparse.kernels.walk_select as ws
+    from raysparse.methods.sketch_walk_graph import SELECT_ENV
+
+    monkeypatch.setattr(SketchWalkGraphDecode, "_wanted", staticmethod(lambda q, env, dflt, forced: env == SELECT_ENV))
+    picks: list[torch.Tensor] = []
+    real = ws.walk_select
+    monkeypatch.setattr(ws, "walk_select", lambda *a, **k: picks.append(real(*a, **k)) or picks[-1])
+    params = {"density": 0.3, "walk": "one-hop", "token_query": token_query}
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    model = tiny_model(DEV.type, 2, 2, 5)
+    lens, steps = [100, 47, 160], 4
+    ref_picks, ref_logits, ref_b = _run(model, params, lens, steps, False, seed)
+    got_picks, got_logits, got_b = _run(model, params, lens, steps, True, seed)
+    assert not got_picks  # the kernel, not _choose, made every list
+    tol = 1e-4 if DEV.type == "cpu" else 2e-3
+    torch.testing.assert_close(got_logits, ref_logits, rtol=tol, atol=tol)
+    assert got_b.meter.attended == pytest.approx(ref_b.meter.attended)
+    if DEV.type == "cuda":
+        return  # replays run no Python: the lists are compared on the CPU
+    assert len(picks) == len(ref_picks) // len(lens)
+    for j, got in enumerate(picks):
+        for row in range(len(lens)):
+            want = ref_picks[j * len(lens) + row][2]
+            assert torch.equal(got[row][got[row] >= 0].long(), want[want >= 0].long())
