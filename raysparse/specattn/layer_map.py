@@ -14,17 +14,17 @@ So the similarities are measured on the same kind of rows the draft produces at 
 layers allowed to be skipped or repeated and no constraint on the first or last draft layer used. Ties go
 to the smaller draft layer. The map is saved as a small JSON file (``specattn_layer_map.json``) in the
 model directory, or, when that is not writable, under the raysparse cache directory keyed by the model
-directory's path; ``specattn_map_main`` is the body of ``raysparse specattn-map``.
+directory's path; ``raysparse specattn-map`` (``map_command.py``) measures and saves it on the engine's shard
+actors. The similarities are sums over windows and KV heads divided once (``similarity_sums``), so the
+windows can be spread over replicas and the KV heads over tensor-parallel shards.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +126,13 @@ def monotone_dtw(score: Sequence[Sequence[float]] | torch.Tensor) -> tuple[list[
 def kl_similarity(verifier_rows: torch.Tensor, draft_rows: torch.Tensor) -> torch.Tensor:
     """verifier_rows [L, R, h_kv, n], draft_rows [m, R, h_kv, n] (distributions over n, zero-padded).
     Returns S [m, L] = -mean over rows and heads of KL(A_verifier_j || A_draft_i)."""
+    total, terms = similarity_sums(verifier_rows, draft_rows)
+    return (total / terms).float()
+
+
+def similarity_sums(verifier_rows: torch.Tensor, draft_rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(-sum over rows and KV heads of KL(A_verifier_j || A_draft_i) [m, L] in float64, the number of terms):
+    sums over windows and over tensor-parallel shards (each holding some KV heads) add up to the mean."""
     pv = verifier_rows.double().clamp(min=0)
     pd = draft_rows.double().clamp(min=0)
     pv = pv / pv.sum(-1, keepdim=True).clamp(min=_EPS)
@@ -134,7 +141,7 @@ def kl_similarity(verifier_rows: torch.Tensor, draft_rows: torch.Tensor) -> torc
     logd = pd.clamp(min=_EPS).log()  # [m, R, h, n]
     cross = torch.einsum("lrhn,mrhn->mlrh", pv, logd)
     kl = plogp[None] - cross
-    return (-kl.mean(dim=(-1, -2))).float()
+    return -kl.sum(dim=(-1, -2)), kl.shape[-1] * kl.shape[-2]
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -185,17 +192,42 @@ def probe_attention(model: LlamaForCausalLM, windows: Sequence[Sequence[int]], d
     return torch.stack([stack(r) for r in v_rows]), torch.stack([stack(r) for r in d_rows])
 
 
+def window_similarity(model: LlamaForCausalLM, window: Sequence[int], draft_layers: Sequence[int],
+                      steps: int = 8) -> tuple[torch.Tensor, int]:
+    """``similarity_sums`` of one text window over the KV heads ``model`` holds (a shard: its own)."""
+    return similarity_sums(*probe_attention(model, [window], draft_layers, steps))
+
+
+def map_from_sums(parts: Sequence[tuple[torch.Tensor, int]], num_layers: int, draft_layers: Sequence[int],
+                  steps: int, source: str, window_tokens: Sequence[int]) -> LayerMap:
+    """The map from every window's similarity sums (summed over shards), added in window order, by DTW."""
+    total, terms = parts[0][0].clone(), parts[0][1]
+    for s, n in parts[1:]:
+        total, terms = total + s, terms + n
+    sim = (total / terms).float()
+    path, score = monotone_dtw(sim)
+    draft = tuple(draft_layers)
+    return LayerMap(num_layers, draft, tuple(draft[i] for i in path), tuple(tuple(r) for r in sim.tolist()), source,
+                    {"score": score, "windows": len(parts), "steps": steps, "window_tokens": list(window_tokens)})
+
+
 def compute_layer_map(model: LlamaForCausalLM, windows: Sequence[Sequence[int]],
                       draft_layers: Sequence[int] | None = None, steps: int = 8, source: str = "") -> LayerMap:
-    """Measures S on the token ``windows`` (real text) and aligns the layers by ``monotone_dtw``."""
+    """Measures S on the token ``windows`` (real text) and aligns the layers by ``monotone_dtw``. On a
+    tensor-parallel shard (every rank calls it) the shards' sums are all-reduced, so every rank gets the
+    map of the whole model."""
     L = model.cfg.num_layers
     draft = validate_draft_layers(default_draft_layers(L) if draft_layers is None else draft_layers, L)
-    v_rows, d_rows = probe_attention(model, windows, draft, steps)
-    sim = kl_similarity(v_rows, d_rows)
-    path, total = monotone_dtw(sim)
-    return LayerMap(L, draft, tuple(draft[i] for i in path), tuple(tuple(r) for r in sim.tolist()), source,
-                    {"score": total, "windows": len(windows), "steps": steps,
-                     "window_tokens": [len(w) for w in windows]})
+    parts = [window_similarity(model, w, draft, steps) for w in windows]
+    if getattr(model, "tp_world_size", 1) > 1:
+        import torch.distributed as dist
+
+        for s, _ in parts:
+            dist.all_reduce(s, op=dist.ReduceOp.SUM)
+        terms = torch.tensor([n for _, n in parts], dtype=torch.float64, device=parts[0][0].device)
+        dist.all_reduce(terms, op=dist.ReduceOp.SUM)
+        parts = [(s, int(n)) for (s, _), n in zip(parts, terms.tolist(), strict=True)]
+    return map_from_sums(parts, L, draft, steps, source, [len(w) for w in windows])
 
 
 def text_windows(tokenizer: Any, text: str, windows: int, tokens: int) -> list[list[int]]:
@@ -298,75 +330,9 @@ def resolve_layer_map(model: LlamaForCausalLM, model_dir: str | os.PathLike[str]
     return nearest_below_map(L, draft)
 
 
-# ---- command -----------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _layers(s: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {s!r}") from None
-
-
-def _pos(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
-
-
-def build_map_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="raysparse specattn-map",
-                description="Measures the SpecAttn layer map (verifier layer -> draft layer, monotone DTW over "
-                            "attention KL) on real text and saves it next to the model.")
-    p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file (default: SmolLM2)")
-    p.add_argument("--text", metavar="PATH", help="a .txt file or directory (default: ../shared/data/text)")
-    p.add_argument("--out", metavar="PATH", help="where to write the JSON map (default: in the model directory, "
-                                                 "or the raysparse cache when that is not writable)")
-    p.add_argument("--draft-layers", type=_layers, default=None, metavar="I,J,...",
-                   help="the draft's verifier layers (default: all but the middle third)")
-    p.add_argument("--windows", type=_pos, default=4, help="text windows probed (default 4)")
-    p.add_argument("--tokens", type=_pos, default=1024, help="tokens per window (default 1024)")
-    p.add_argument("--steps", type=_pos, default=8, help="decode rows probed at the end of each window (default 8)")
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    return p
-
-
+# ---- command ----------------------------------------------------------------------------------
 def specattn_map_main(argv: Sequence[str] | None = None) -> int:
-    """Body of ``raysparse specattn-map``; ``argv`` are the arguments after the command name."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_map_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    prog = "raysparse specattn-map"
-    try:
-        from raysparse.config import parse_dtype
-        from raysparse.loader import load_model, load_tokenizer, materialize, resolve_source
-        from raysparse.workload import load_haystack_text
+    """Body of ``raysparse specattn-map`` (``map_command.py``); ``argv`` are the arguments after the name."""
+    from raysparse.specattn.map_command import main
 
-        dtype = parse_dtype(args.dtype)
-        if args.steps >= args.tokens:
-            raise ValueError(f"--steps ({args.steps}) must be below --tokens ({args.tokens})")
-        for flag, value in (("--model", args.model), ("--text", args.text)):
-            if value is not None and not Path(value).expanduser().exists():
-                raise ValueError(f"{flag} {value!r}: no such file or directory")
-        text, source = load_haystack_text(args.text)
-        src = materialize(resolve_source(args.model))
-        model = load_model(src, dtype=dtype, device=args.device)
-        if args.tokens + 1 > model.cfg.max_position_embeddings:
-            limit = model.cfg.max_position_embeddings
-            raise ValueError(f"--tokens {args.tokens} exceeds the model's {limit} positions")
-        windows = text_windows(load_tokenizer(src), text, args.windows, args.tokens)
-        lm = compute_layer_map(model, windows, args.draft_layers, args.steps, source)
-        path = save_layer_map(lm, path=args.out, model_dir=src.directory)
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"{prog}: error: {e}".splitlines()[0], file=sys.stderr)
-        return 1
-    print(f"layer map ({len(windows)} windows x {args.tokens} tokens, {source}) -> {path}")
-    print("verifier -> draft: " + " ".join(f"{j}:{d}" for j, d in enumerate(lm.mapping)))
-    return 0
+    return main(argv)

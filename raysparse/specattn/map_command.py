@@ -1,0 +1,143 @@
+"""``raysparse specattn-map``: measure SpecAttn's layer map on the engine's shard actors and save it.
+
+The engine starts ``--replicas`` groups of ``--tp`` shard actors on Ray (a local instance, or the cluster
+at ``--address``), as every command that runs the model does. The driver cuts the text windows; each
+window is probed on every shard of one replica (the draft and the verifier attention rows of the shard's
+KV heads, ``layer_map.window_similarity``), the shards' similarity sums are added in rank order and the
+windows' in window order (``layer_map.map_from_sums``), so the map is the same whatever the number of
+replicas, and that of one process up to float rounding under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raysparse.cli import DEVICES, _add_cluster_args, _Parser, _positive_int
+
+PROG = "raysparse specattn-map"
+
+
+def _layers(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {s!r}") from None
+
+
+def build_map_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG,
+                description="Measures the SpecAttn layer map (verifier layer -> draft layer, monotone DTW over "
+                            "attention KL) on real text on the engine's shard actors (Ray) and saves it next to "
+                            "the model. With --tp N the similarities are summed over every shard's KV heads; "
+                            "--replicas M spreads the windows over M replicas (the same map whatever M).")
+    p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file (default: SmolLM2)")
+    p.add_argument("--text", metavar="PATH", help="a .txt file or directory (default: ../shared/data/text)")
+    p.add_argument("--out", metavar="PATH", help="where to write the JSON map (default: in the model directory, "
+                                                 "or the raysparse cache when that is not writable)")
+    p.add_argument("--draft-layers", type=_layers, default=None, metavar="I,J,...",
+                   help="the draft's verifier layers (default: all but the middle third)")
+    p.add_argument("--windows", type=_positive_int, default=4, help="text windows probed (default 4)")
+    p.add_argument("--tokens", type=_positive_int, default=1024, help="tokens per window (default 1024)")
+    p.add_argument("--steps", type=_positive_int, default=8,
+                   help="decode rows probed at the end of each window (default 8)")
+    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
+    p.add_argument("--device", default="cpu", help="where the shards run: cpu, cuda (one GPU per shard) or auto "
+                   "(default cpu)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads per shard (default: this machine's cores shared out over the shards)")
+    _add_cluster_args(p)
+    return p
+
+
+def _shard_window(worker: Any, window: list[int], draft: tuple[int, ...], steps: int,
+                  threads: int | None) -> tuple[torch.Tensor, int]:
+    from raysparse.specattn.layer_map import window_similarity
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    s, n = window_similarity(worker.executor.model, window, draft, steps)
+    return s.cpu(), n
+
+
+def measure_on_engine(engine: Any, windows: Sequence[list[int]], draft: tuple[int, ...], steps: int,
+                      threads: int | None = None) -> list[tuple[torch.Tensor, int]]:
+    """Every window's similarity sums over the whole model, the windows spread over the replicas."""
+    groups = [r.group for r in engine.runners]
+    parts: list[tuple[torch.Tensor, int] | None] = [None] * len(windows)
+    lock = threading.Lock()
+    state = {"next": 0}
+
+    def work(group: Any) -> None:
+        while True:
+            with lock:
+                i = state["next"]
+                if i >= len(windows):
+                    return
+                state["next"] = i + 1
+            shards = group.call("__ray_call__", _shard_window, list(windows[i]), draft, steps, threads,
+                                timeout_s=None)
+            total, terms = shards[0][0].clone(), shards[0][1]
+            for s, n in shards[1:]:  # rank order: each shard holds its own KV heads
+                total, terms = total + s, terms + n
+            parts[i] = (total, terms)
+
+    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+        for f in [pool.submit(work, g) for g in groups]:
+            f.result()
+    return parts  # type: ignore[return-value]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_map_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        from raysparse.config import parse_dtype
+        from raysparse.eval.distributed import ClusterOptions, check_tp, start_engine
+        from raysparse.specattn.draft import default_draft_layers, validate_draft_layers
+        from raysparse.specattn.layer_map import map_from_sums, save_layer_map, text_windows
+        from raysparse.workload import load_haystack_text
+
+        parse_dtype(args.dtype)
+        if args.steps >= args.tokens:
+            raise ValueError(f"--steps ({args.steps}) must be below --tokens ({args.tokens})")
+        for flag, value in (("--model", args.model), ("--text", args.text)):
+            if value is not None and not Path(value).expanduser().exists():
+                raise ValueError(f"{flag} {value!r}: no such file or directory")
+        if args.device not in DEVICES:
+            raise ValueError(f"--device {args.device!r}: the shards take {', '.join(DEVICES)}")
+        cluster = ClusterOptions(tp=args.tp, replicas=args.replicas, address=args.address,
+                                 cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
+        text, source = load_haystack_text(args.text)
+        model_dir = check_tp(args.model, args.tp)
+        engine = start_engine(model_dir, args.dtype, cluster)
+        try:
+            mc = engine.model_cfg
+            if args.tokens + 1 > mc.max_position_embeddings:
+                raise ValueError(f"--tokens {args.tokens} exceeds the model's {mc.max_position_embeddings} positions")
+            if engine.tokenizer is None:
+                raise ValueError("the model has no tokenizer; the map is measured on text")
+            L = mc.num_layers
+            draft = validate_draft_layers(default_draft_layers(L) if args.draft_layers is None else args.draft_layers,
+                                          L)
+            windows = text_windows(engine.tokenizer, text, args.windows, args.tokens)
+            parts = measure_on_engine(engine, windows, draft, args.steps, cluster.shard_threads())
+        finally:
+            engine.shutdown()
+        lm = map_from_sums(parts, L, draft, args.steps, source, [len(w) for w in windows])
+        path = save_layer_map(lm, path=args.out, model_dir=model_dir)
+    except (ValueError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
+        print(f"{PROG}: error: {e}".splitlines()[0], file=sys.stderr)
+        return 1
+    print(f"layer map ({len(windows)} windows x {args.tokens} tokens, {source}; TP={args.tp} x {args.replicas} "
+          f"replica(s)) -> {path}")
+    print("verifier -> draft: " + " ".join(f"{j}:{d}" for j, d in enumerate(lm.mapping)))
+    return 0
