@@ -111,4 +111,8 @@ def draft_forward(model: LlamaForCausalLM, layers: Sequence[int], input_ids: tor
     for i in layers:
         h = model.model.layers[i](h, cos, sin, cache, batch, backend)
     h = h[batch.last_token_rows()]
-    return model.lm_head(model.model.norm(h)).float()
+    logits = model.lm_head(model.model.norm(h))
+    gather = getattr(model, "gather_logits", None)
+    if gather is not None:  # a vocab-parallel head (tensor parallelism): each rank holds a slice of the vocabulary
+        logits = gather(logits)
+    return logits.float()
