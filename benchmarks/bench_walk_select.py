@@ -10,10 +10,11 @@ Agreement (``--agreement``): the default model decodes real text through the gra
 sparse layer of every step both sides select from the same state and the block lists are compared.
 ``diff_rule`` counts differences the kernel's ranking rule explains (it ranks by bf16 logit where the
 reference's fp32 values merge two of them), ``diff_scores`` those from a score rounded to the other bf16
-neighbour (the dot product summed in another order).
+neighbour (the dot product summed in another order). ``rule_diff`` applies the ranking rule to the
+reference's own scores (``--rule-only``: that alone, without the kernel, fast in the CPU interpreter's place).
 
     python benchmarks/bench_walk_select.py [--batch 1 4 8] [--context 16384 32768 65536 131072]
-    python benchmarks/bench_walk_select.py --agreement [--tokens 8192] [--steps 16] [--batch 2]
+    python benchmarks/bench_walk_select.py --agreement [--tokens 8192] [--steps 16] [--batch 2] [--rule-only]
     python benchmarks/bench_walk_select.py --smoke [--agreement]   # CPU, tiny sizes, Triton interpreter
 
 Writes ``$OUT/bench_walk_select.json`` (or ``..._agreement.json``; ``OUT`` defaults to ./results).
@@ -146,7 +147,7 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
     assert attach_graph_decode(backend, cache, max_batch=args.batch)
     path: SketchWalkGraphDecode = backend.graph_path
     graphs = DecodeGraphs(model, cache, max_batch=args.batch, capture=False)  # eager: Python sees every layer
-    counts = {"lists": 0, "diff": 0, "diff_rule": 0, "diff_scores": 0, "blocks": 0, "blocks_diff": 0,
+    counts = {"lists": 0, "rule_diff": 0, "diff": 0, "diff_rule": 0, "diff_scores": 0, "blocks": 0, "blocks_diff": 0,
               "state_diff": 0}
     real = ws.walk_select
 
@@ -157,9 +158,15 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
         shim._w_rows = lambda s, st: scores.append(s) or SketchWalkGraphDecode._w_rows(shim, s, st)
         st = shim.step_constants(n, width)
         want = shim._choose(shim.rows_reference(0, slots, n, new, width, None, st), st)
-        got = real(qs, ks, slots, n, new, blk, density, local, exponent, token, width, out_width, out)
         rule = shim._choose(_rule_rows(scores[-1][:, -1], st, qs.shape[-1], exponent), st)
         live = slots != path.scratch
+        counts["rule_diff"] += int(((rule != want).any(-1) & live).sum())
+        if args.rule_only:  # the ranking rule alone, on the reference's scores (no interpreter on the CPU)
+            qs.copy_(shim.qs[:, 0])
+            ks.copy_(shim.ks[:, 0])
+            counts["lists"] += int(live.sum())
+            return want
+        got = real(qs, ks, slots, n, new, blk, density, local, exponent, token, width, out_width, out)
         diff = (got != want).any(-1) & live
         counts["lists"] += int(live.sum())
         counts["diff"] += int(diff.sum())
@@ -182,6 +189,7 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.steps):
             ids = graphs.decode("sketch_walk", backend, sids, ids).argmax(-1).tolist()
     counts["share_lists_diff"] = counts["diff"] / max(counts["lists"], 1)
+    counts["share_lists_rule_diff"] = counts["rule_diff"] / max(counts["lists"], 1)
     counts["share_blocks_diff"] = counts["blocks_diff"] / max(counts["blocks"], 1)
     return {"source": source, "tokens": args.tokens, "steps": args.steps, "batch": args.batch,
             "density": args.density, "token_query": args.token_query, "device": dev, **counts}
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--context", type=int, nargs="+", help="timing: context lengths")
     ap.add_argument("--tokens", type=int, default=8192, help="agreement: prompt length")
     ap.add_argument("--steps", type=int, default=16, help="agreement: decode steps")
+    ap.add_argument("--rule-only", action="store_true", help="agreement: the ranking rule alone, no kernel")
     ap.add_argument("--density", type=float, default=DENSITY)
     ap.add_argument("--token-query", default="last", choices=["decode", "last", "never"])
     args = ap.parse_args(argv)
