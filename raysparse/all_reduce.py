@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -55,8 +56,10 @@ class SymmMemAllReduce:
         self.max_bytes = max_bytes
         self.fallback = collective_all_reduce(group)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # required by older releases, a no-op or deprecated in newer ones
-            enable(self.name)
+        if enable is not None:  # required by older releases, deprecated (and a no-op) in newer ones
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.name)
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         for dt in dict.fromkeys(dtypes):
             buf = symm_mem.empty(max_bytes // dt.itemsize, dtype=dt, device=device)
