@@ -105,9 +105,8 @@ class Generator:
         if len(live.tokens) >= p.max_new_tokens:
             yield self._finish(live, "length", t0)
 
-    def generate(self, requests: Sequence[GenerationRequest],
-                 on_prefill_layer: Callable[[int], None] | None = None) -> Iterator[TokenEvent | FinishEvent]:
-        t0 = time.perf_counter()
+    def _admit(self, requests: Sequence[GenerationRequest]) -> list[_Live]:
+        """Checks every request against the model's positions and reserves its cache: all or none."""
         limit = self.model.cfg.max_position_embeddings
         lives: list[_Live] = []
         try:
@@ -125,7 +124,12 @@ class Generator:
             for live in lives:
                 self._release(live.seq_id)
             raise
+        return lives
 
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_prefill_layer: Callable[[int], None] | None = None) -> Iterator[TokenEvent | FinishEvent]:
+        t0 = time.perf_counter()
+        lives = self._admit(requests)
         try:
             ids = torch.tensor([t for live in lives for t in live.req.prompt_ids], dtype=torch.long)
             batch = self.cache.prepare([lv.seq_id for lv in lives], [len(lv.req.prompt_ids) for lv in lives], True)

@@ -110,7 +110,11 @@ class SparseMethod(AttentionBackend):
         out, _ = sparse_decode_attention(q, k, v, sel)
         if self.tracer is not None:
             self.tracer(ctx, q, k, v, sel, out)
-        return out, float(sel.to_tokens(ctx.n).counts.sum())
+        return out, self.attended_keys(ctx, sel)
+
+    def attended_keys(self, ctx: SeqContext, sel: TokenSelection) -> float:
+        """Keys a decode selection attends, summed over KV heads (what the density meter counts)."""
+        return float(sel.to_tokens(ctx.n).counts.sum())
 
     def dense_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Hook for dense layers (Sketch&Walk records sketches there); plain SDPA by default."""

@@ -60,7 +60,6 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
-from raysparse.kernels.dispatch import sparse_decode_attention
 from raysparse.methods import lsh
 from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
 from raysparse.methods.registry import register
@@ -195,13 +194,8 @@ class Socket(SparseMethod):
         self.update_index(ctx, k, v)
         return dense_attention(q, k, v), float(causal_pairs(q.shape[0], ctx.n) * k.shape[0])
 
-    def decode_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> tuple[torch.Tensor, float]:
-        sel = self.select_decode(ctx, q, k, v)
-        out, _ = sparse_decode_attention(q, k, v, sel)
-        if self.tracer is not None:
-            self.tracer(ctx, q, k, v, sel, out)
-        return out, float(sel.indices.numel())  # no SENTINEL: every row holds exactly the width
+    def attended_keys(self, ctx: SeqContext, sel: TokenSelection) -> float:
+        return float(sel.indices.numel())  # no SENTINEL: every row holds exactly the width
 
     # ---- capacity accounting --------------------------------------------------------------------
     def metadata_bytes_per_token_per_layer(self, num_kv_heads: int | None = None) -> int:

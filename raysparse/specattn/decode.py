@@ -56,22 +56,7 @@ class SpecAttnGenerator(Generator):
                 raise ValueError("specattn decodes greedily: temperature must be 0 "
                                  f"(request {r.request_id!r} has {r.params.temperature})")
         t0 = time.perf_counter()
-        limit = self.model.cfg.max_position_embeddings
-        lives: list[_Live] = []
-        try:
-            for r in requests:
-                total = len(r.prompt_ids) + r.params.max_new_tokens
-                if total > limit:
-                    raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) plus max_new_tokens "
-                                     f"({r.params.max_new_tokens}) exceeds the model's {limit} positions")
-                sid = next(self._ids)
-                self.cache.allocate(sid, total)
-                stops = frozenset(r.params.stop_token_ids) | (frozenset() if r.params.ignore_eos else self.eos)
-                lives.append(_Live(r, sid, stops))
-        except Exception:
-            for live in lives:
-                self._release(live.seq_id)
-            raise
+        lives = self._admit(requests)
 
         try:
             dev = self.cache.device
