@@ -16,15 +16,16 @@ WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DI
               "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def start_ray(address: str | None, num_cpus: int | None = None) -> bool:
-    """Connects to Ray; returns True when this call started a local instance (so the caller stops it)."""
+def start_ray(address: str | None, num_cpus: int | None = None, env: dict[str, str] | None = None) -> bool:
+    """Connects to Ray; returns True when this call started a local instance (so the caller stops it).
+    ``env``: more environment for this job's workers (on top of ``WORKER_ENV``)."""
     import ray
 
     if ray.is_initialized():
         return False
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(k, WORKER_ENV[k])
-    runtime_env = {"env_vars": WORKER_ENV}
+    runtime_env = {"env_vars": {**WORKER_ENV, **(env or {})}}
     if address is None:
         for k, v in LOCAL_RAY_ENV.items():
             os.environ.setdefault(k, v)

@@ -118,11 +118,10 @@ def test_default_run_on_ray_gives_the_one_process_report(ray_instance, tiny_dir,
 @pytest.fixture(scope="module")
 def engine_2x2(ray_instance, tiny_dir):
     """Two replicas of two shards each: TP=2 and the spreading over replicas on one set of actors."""
-    from raysparse.eval.distributed import ClusterOptions, start_engine
+    from raysparse.eval.distributed import ClusterOptions, running_engine
 
-    engine = start_engine(str(tiny_dir), "float32", ClusterOptions(tp=2, replicas=2, threads=1))
-    yield engine
-    engine.shutdown()
+    with running_engine(str(tiny_dir), "float32", ClusterOptions(tp=2, replicas=2, threads=1)) as engine:
+        yield engine
 
 
 def _first_replica(engine: Any) -> Any:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 import platform
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,19 +71,33 @@ def check_tp(model: str | None, tp: int) -> str:
     return str(src.directory)
 
 
-def start_engine(model_dir: str, dtype: str, opts: ClusterOptions) -> Any:
-    """An engine whose shards only serve the harness: no draft actor, no CUDA graphs, a one-page cache."""
+@contextmanager
+def running_engine(model_dir: str, dtype: str, opts: ClusterOptions) -> Iterator[Any]:
+    """An engine whose shards only serve the harness (no draft actor, no CUDA graphs, a one-page cache),
+    shut down on exit with the local Ray instance it started."""
     import math
 
+    import ray
+
     from raysparse.orchestration.engine import Engine, EngineConfig
+    from raysparse.orchestration.ray_env import start_ray
 
     shards = opts.tp * opts.replicas
     num_cpus = None if opts.address is not None else max(os.cpu_count() or 1,
                                                          math.ceil(shards * opts.cpus_per_shard))
+    # Ray leaves CUDA_VISIBLE_DEVICES alone for an actor without GPUs, and a shard takes a GPU it can see:
+    # --device cpu hides them, so CPU shards on a GPU node really run on the CPU.
+    owns = start_ray(opts.address, num_cpus, {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None)
     cfg = EngineConfig(model=model_dir, dtype=dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
                        device=opts.device, kv_cache_tokens=64, max_batch=1, cpus_per_shard=opts.cpus_per_shard,
                        num_cpus=num_cpus, draft=False, cuda_graphs=False)
-    return Engine(cfg).start()
+    engine = Engine(cfg)
+    try:
+        yield engine.start()
+    finally:
+        engine.shutdown()
+        if owns:
+            ray.shutdown()
 
 
 # ---- shard side (run inside each ShardWorker through __ray_call__) ---------------------------------------

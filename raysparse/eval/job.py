@@ -40,7 +40,7 @@ def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str
 def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
-    from raysparse.eval.distributed import check_tp, start_engine
+    from raysparse.eval.distributed import check_tp, running_engine
     from raysparse.eval.report import plot, print_table, write_json
     from raysparse.workload import load_haystack_text
 
@@ -51,15 +51,17 @@ def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict
     text, source = load_haystack_text(opts.text)
     c = opts.cluster
     model_dir = check_tp(opts.model, c.tp)
-    with err.status(f"starting {c.replicas} replica(s) of {c.tp} shard actor(s)"):
-        engine = start_engine(model_dir, opts.dtype, c)
+    status = err.status(f"starting {c.replicas} replica(s) of {c.tp} shard actor(s)")
+    status.start()
     try:
-        name = engine.source_name
-        err.print(f"[bold]model[/]: {name} on {c.replicas} replica(s) x TP={c.tp} ready in "
-                  f"{time.perf_counter() - t0:.1f} s; [bold]haystack[/]: {source}")
-        report = _run(engine, cfg, opts, text, source, model_dir, name, err, t0)
+        with running_engine(model_dir, opts.dtype, c) as engine:
+            status.stop()
+            name = engine.source_name
+            err.print(f"[bold]model[/]: {name} on {c.replicas} replica(s) x TP={c.tp} ready in "
+                      f"{time.perf_counter() - t0:.1f} s; [bold]haystack[/]: {source}")
+            report = _run(engine, cfg, opts, text, source, model_dir, name, err, t0)
     finally:
-        engine.shutdown()
+        status.stop()
     print_table(report, console)
     if opts.out is not None:
         out = Path(opts.out)

@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_map_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         from raysparse.config import parse_dtype
-        from raysparse.eval.distributed import ClusterOptions, check_tp, start_engine
+        from raysparse.eval.distributed import ClusterOptions, check_tp, running_engine
         from raysparse.specattn.draft import default_draft_layers, validate_draft_layers
         from raysparse.specattn.layer_map import map_from_sums, save_layer_map, text_windows
         from raysparse.workload import load_haystack_text
@@ -118,8 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
         text, source = load_haystack_text(args.text)
         model_dir = check_tp(args.model, args.tp)
-        engine = start_engine(model_dir, args.dtype, cluster)
-        try:
+        with running_engine(model_dir, args.dtype, cluster) as engine:
             mc = engine.model_cfg
             if args.tokens + 1 > mc.max_position_embeddings:
                 raise ValueError(f"--tokens {args.tokens} exceeds the model's {mc.max_position_embeddings} positions")
@@ -130,8 +129,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           L)
             windows = text_windows(engine.tokenizer, text, args.windows, args.tokens)
             parts = measure_on_engine(engine, windows, draft, args.steps, cluster.shard_threads())
-        finally:
-            engine.shutdown()
         lm = map_from_sums(parts, L, draft, args.steps, source, [len(w) for w in windows])
         path = save_layer_map(lm, path=args.out, model_dir=model_dir)
     except (ValueError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
