@@ -363,12 +363,169 @@ def test_token_rows_and_kv_heads_match_brute_force(token_query, heads, walk):
                     assert_same_choice(chosen, brute_select(ref[qi], qi, density), ref[qi])
 
 
+# ---- 4c. paired heads and key parts ---------------------------------------------------------------
+def brute_part_scores(q: torch.Tensor, k: torch.Tensor, H: torch.Tensor, b: int, parts: int, heads: str):
+    """Explicit loops (float64) for ``heads`` in mean / kv / pair / pair-lse with ``parts`` key parts per
+    block: per score head (the head mean, or each KV head with its query group) the sketched query block
+    means [nb, S, r] and key part means [nb * parts, S, r] (empty parts 0), and A_hat with the last row
+    also scored by the last token's query: a block scores its best non-empty part, then the KV heads'
+    scores combine by mean (pair) or log-sum-exp (pair-lse): [S', nb, nb] (S' = h_kv for kv, else 1),
+    and the token row [S', nb]."""
+    n, r, h_kv = q.shape[0], H.shape[1], k.shape[0]
+    nb, sub = -(-n // b), b // parts
+    score_heads = [None] if heads == "mean" else list(range(h_kv))
+    qt = torch.zeros(nb, len(score_heads), r, dtype=torch.float64)
+    kt = torch.zeros(nb * parts, len(score_heads), r, dtype=torch.float64)
+    for x, h in enumerate(score_heads):
+        for i in range(nb):
+            lo, hi = i * b, min(n, (i + 1) * b)
+            qt[i, x] = sum(head_query(q[t], h_kv, h) for t in range(lo, hi)) / (hi - lo) @ H
+        for j in range(nb * parts):
+            lo, hi = j * sub, min(n, (j + 1) * sub)
+            if lo < n:
+                kt[j, x] = sum(k[:, t].double().mean(0) if h is None else k[h, t].double()
+                               for t in range(lo, hi)) / (hi - lo) @ H
+
+    def row(qvec: torch.Tensor, last: int) -> torch.Tensor:
+        out = torch.zeros(len(score_heads), nb, dtype=torch.float64)
+        for x in range(len(score_heads)):
+            for j in range(last + 1):
+                out[x, j] = max(float(qvec[x] @ kt[j * parts + p, x]) / math.sqrt(r)
+                                for p in range(parts) if (j * parts + p) * sub < n)
+        return out
+
+    a = torch.zeros(len(score_heads), nb, nb, dtype=torch.float64)
+    for i in range(nb):
+        a[:, i] = row(qt[i], i)
+    tok = row(torch.stack([head_query(q[n - 1], h_kv, h) @ H for h in score_heads]), nb - 1)
+    if heads == "pair":
+        a, tok = a.mean(0, keepdim=True), tok.mean(0, keepdim=True)
+    elif heads == "pair-lse":
+        a, tok = a.logsumexp(0, keepdim=True), tok.logsumexp(0, keepdim=True)
+    return qt, kt, a.tril(), tok
+
+
+def part_counts(n: int, b: int, parts: int) -> torch.Tensor:
+    sub = b // parts
+    return torch.tensor([max(1, min(sub, n - j * sub)) for j in range(-(-n // b) * parts)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("heads,parts,token_query,walk", [
+    ("pair", 1, "last", "one-hop"), ("pair-lse", 4, "last", "one-hop"), ("pair", 2, "decode", "rollout"),
+    ("pair-lse", 1, "never", "product"), ("mean", 4, "last", "one-hop"), ("kv", 2, "decode", "one-hop")])
+def test_paired_heads_and_key_parts_match_brute_force(heads, parts, token_query, walk):
+    """Prefill then decode across a block boundary: sketches, A_hat (with its token row), walk and one
+    selection per layer equal explicit loops, against a from-scratch oracle at every step."""
+    b, density = 8, 0.375
+    n0 = rand_int(3 * b + 1, 4 * b - 1)
+    total = n0 + b + 1
+    cfg = model_cfg(layers=4)
+    m = method(cfg, density=density, token_query=token_query, heads=heads, walk=walk, sub_blocks=parts)
+    h_mat = explicit_srht(m.srht)
+    layers = (1, 2, 3)
+    qk = {layer: random_qk(total, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in layers}
+    states: dict = {layer: {} for layer in layers}
+    seq_state: dict = {}
+    for t in [n0 - 1, *range(n0, total)]:
+        prefill = t == n0 - 1
+        sels, rows = [], []
+        for layer in layers:
+            q, k = qk[layer]
+            kv = k[:, : t + 1]
+            if prefill:
+                sels.append(m.select_prefill(SeqContext(layer, 0, 0, n0, states[layer], seq_state), q[:n0], kv, kv))
+            else:
+                sels.append(m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv))
+            rows.append(seq_state["walk"][1])
+        token = token_query == "last" or (token_query == "decode" and not prefill)
+        nb = t // b + 1
+        walked = []
+        for layer in layers:
+            st, (q, k) = states[layer], qk[layer]
+            qt, kt, a, tok = brute_part_scores(q[: t + 1], k[:, : t + 1], h_mat, b, parts, heads)
+            s = qt.shape[1]
+            assert st["n"] == t + 1 and st["ks"].shape[0] == nb * parts
+            torch.testing.assert_close(st["qs"].double().view(nb, s, -1) / block_counts(t + 1, b)[:, None, None], qt,
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(st["ks"].double().view(-1, s, kt.shape[-1])
+                                       / part_counts(t + 1, b, parts)[:, None, None], kt, rtol=1e-5, atol=1e-5)
+            got_a = st["a_hat"].double().view(-1, nb, nb)
+            torch.testing.assert_close(got_a, a, **BF16)
+            a = got_a.clone()  # the walk oracle reads the method's bf16 scores (checked above)
+            if token:
+                a[:, nb - 1] = tok.to(torch.bfloat16).double()
+            walked.append(a)
+        for i in range(walked[0].shape[0]):
+            for row, sel, ref in zip(rows, sels, brute_walk([w[i] for w in walked], 8.0, walk), strict=True):
+                got = (row[i] if heads == "kv" else row).double()
+                torch.testing.assert_close(got, ref if prefill else ref[nb - 1:], rtol=2e-3, atol=1e-30)
+                assert sel.indices.shape[0] == cfg.num_kv_heads
+                if heads != "kv":
+                    assert (sel.indices == sel.indices[:1]).all()  # one selection shared by every KV head
+                idx = sel.indices[i]
+                for j, chosen in enumerate(rows_of(idx) if prefill else [rows_of(idx[None])[0]]):
+                    qi = j if prefill else nb - 1
+                    assert_same_choice(chosen, brute_select(ref[qi], qi, density), ref[qi])
+
+
+@pytest.mark.parametrize("heads", ["pair", "pair-lse"])
+def test_paired_heads_under_tensor_parallelism_match_one_device(heads):
+    """Two shards of one KV head each: one SUM all-reduce of the score rows per call gives both the
+    one-device A_hat, walk and selection (prefill, then decode steps)."""
+    b = 8
+    cfg = model_cfg(layers=3, heads=4, kv_heads=2)
+    kw = {"seed": rand_int(0, 2**31), "heads": heads, "sub_blocks": 2, "density": 0.375}
+    one, shards = method(cfg, **kw), [method(cfg, **kw), method(cfg, **kw)]
+    n0 = rand_int(3 * b + 1, 5 * b)
+    q, k = random_qk(n0 + 3, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
+    sent: list[list[torch.Tensor]] = [[], []]
+
+    def reducer(rank: int):
+        # Pass 1 of each call records the local partial; the reduce returns it plus the peer's (pass 2).
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            sent[rank].append(x)
+            return x + peer[rank].pop(0) if peer[rank] else x
+        return reduce
+
+    peer: list[list[torch.Tensor]] = [[], []]
+    for rank, sh in enumerate(shards):
+        sh.head_reduce = reducer(rank)
+
+    def run(backend, qs, ks, st, ss):
+        out = [backend.select_prefill(SeqContext(1, 0, 0, n0, st, ss), qs[:n0], ks[:, :n0], ks[:, :n0]).indices]
+        for t in range(n0, n0 + 3):
+            kv = ks[:, : t + 1]
+            out.append(backend.select_decode(SeqContext(1, 0, t, t + 1, st, ss), qs[t], kv, kv).indices)
+        return out
+
+    st_one: dict = {}
+    want = run(one, q, k, st_one, {})
+    parts = [(q[:, 2 * r: 2 * r + 2], k[r: r + 1]) for r in range(2)]
+    for rank in range(2):  # pass 1: every shard's partials
+        run(shards[rank], *parts[rank], {}, {})
+    peer[0], peer[1] = sent[1][:], sent[0][:]
+    for rank in range(2):  # pass 2: each call reduced with the peer's partial of the same call
+        st: dict = {}
+        got = run(shards[rank], *parts[rank], st, {})
+        torch.testing.assert_close(st["a_hat"].double(), st_one["a_hat"].double(), **BF16)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape[0] == 1 and torch.equal(g[0], w[0])
+
+
+def test_key_parts_keep_the_eager_decode():
+    """The batched graph decode scores whole key blocks: a backend with key parts declines it."""
+    m, whole = method(model_cfg(), sub_blocks=2), method(model_cfg())
+    m.graph_path = whole.graph_path = object()
+    assert m.graph_path is None and whole.graph_path is not None
+
+
 # ---- 5. selection invariants, chunked prefill, density -------------------------------------------
 @pytest.mark.parametrize("density", [0.05, 0.2, 0.5, 1.0])
-def test_selections_are_causal_deduplicated_with_sink_and_diagonal(density):
+@pytest.mark.parametrize("scoring", [{}, {"heads": "pair-lse", "sub_blocks": 4}, {"heads": "pair", "sub_blocks": 2}])
+def test_selections_are_causal_deduplicated_with_sink_and_diagonal(density, scoring):
     b = 8
     cfg = model_cfg(layers=3)
-    m = method(cfg, density=density)
+    m = method(cfg, density=density, **scoring)
     n = rand_int(b + 1, 12 * b)
     seq_state: dict = {}
     states: dict = {1: {}, 2: {}}
@@ -454,7 +611,7 @@ def test_config_validation_and_registry():
     with pytest.raises(ValueError):
         SketchWalkConfig(block_size=48)
     for bad in ({"walk": "random"}, {"residual": 1.0}, {"residual": -0.1}, {"local_blocks": 0},
-                {"token_query": "all"}, {"heads": "q"}):
+                {"token_query": "all"}, {"heads": "q"}, {"sub_blocks": 0}, {"sub_blocks": 3}, {"sub_blocks": True}):
         with pytest.raises(ValueError):
             SketchWalkConfig(**bad)
     c = SketchWalkConfig()
@@ -490,11 +647,12 @@ def run_steps(model, backend, prompts: list[list[int]], steps: int) -> list[torc
     return out
 
 
-def test_density_one_reproduces_dense_attention_through_the_model(tiny_model):
+@pytest.mark.parametrize("scoring", [{}, {"heads": "pair-lse", "sub_blocks": 4}])
+def test_density_one_reproduces_dense_attention_through_the_model(tiny_model, scoring):
     cfg = tiny_model.cfg
     # Ragged prompts that end inside a block, so decode crosses a block boundary.
     prompts = [torch.randint(0, cfg.vocab_size, (16 * rand_int(2, 5) - rand_int(1, 8),)).tolist() for _ in range(2)]
-    sw = SketchWalk(cfg, SketchWalkConfig(density=1.0, dense_layers=(), block_size=16, sketch_dim=16))
+    sw = SketchWalk(cfg, SketchWalkConfig(density=1.0, dense_layers=(), block_size=16, sketch_dim=16, **scoring))
     got = run_steps(tiny_model, sw, prompts, 10)
     want = run_steps(tiny_model, DenseAttention(cfg.num_layers), prompts, 10)
     for g, w in zip(got, want, strict=True):
@@ -507,7 +665,7 @@ def test_density_one_reproduces_dense_attention_through_the_model(tiny_model):
         gen = Generator(tiny_model, fresh_cache(tiny_model, 1024, page_size=16), backend)
         return {ev.request_id: ev.token_ids for ev in gen.generate(reqs) if hasattr(ev, "finish_reason")}
 
-    sw2 = SketchWalk(cfg, SketchWalkConfig(density=1.0, dense_layers=(), block_size=16, sketch_dim=16))
+    sw2 = SketchWalk(cfg, SketchWalkConfig(density=1.0, dense_layers=(), block_size=16, sketch_dim=16, **scoring))
     assert tokens(sw2) == tokens(DenseAttention(cfg.num_layers))
     assert not sw2._seq_state  # released with the sequences
 

@@ -74,6 +74,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +87,7 @@ from raysparse.methods.selection import BlockSelection, TokenSelection, indices_
 
 WALKS = ("rollout", "product", "one-hop")
 TOKEN_QUERIES = ("decode", "last", "never")
-HEADS = ("mean", "kv")
+HEADS = ("mean", "kv", "pair", "pair-lse")
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,10 @@ class SketchWalkConfig(MethodConfig):
     # Whose query scores the last query block's selection row: "decode": in decode the new token's alone
     # (Algorithm 2); "last" (default): also at the end of a prefill, its last token's; "never": the block mean.
     token_query: str = "last"
-    heads: str = "mean"  # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head
+    # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head; pair / pair-lse:
+    # per-KV-head scores (group query . that head's keys) combined by their mean / log-sum-exp, one selection
+    heads: str = "mean"
+    sub_blocks: int = 1  # key sketches per 1/sub_blocks of a block; a key block scores as its best part
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,6 +125,9 @@ class SketchWalkConfig(MethodConfig):
             raise ValueError(f"token_query must be one of {TOKEN_QUERIES}, got {self.token_query!r}")
         if self.heads not in HEADS:
             raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
+        if (isinstance(self.sub_blocks, bool) or not isinstance(self.sub_blocks, int) or self.sub_blocks < 1
+                or self.block_size % self.sub_blocks):
+            raise ValueError(f"sub_blocks must be a positive divisor of block_size, got {self.sub_blocks!r}")
 
 
 def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -164,6 +171,16 @@ class SketchWalk(SparseMethod):
         # Tensor parallelism: a SUM all-reduce over the shards (see the module docstring); None on one device.
         self.head_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    # The batched graph decode (sketch_walk_graph) scores whole key blocks only and its attach checks
+    # ``heads`` alone: with key parts the eager path stays.
+    @property
+    def graph_path(self) -> Any:
+        return self._graph_path
+
+    @graph_path.setter
+    def graph_path(self, path: Any) -> None:
+        self._graph_path = path if self.config.sub_blocks == 1 else None
+
     # ---- sketches and block scores --------------------------------------------------------------
     # Internally every tensor carries a leading score-head axis H: 1 for heads="mean" (whose state keeps
     # SPEC's layout: qs, ks [b, r], a_hat [b, b], walk rows [rows, b]), h_kv for heads="kv" (qs, ks
@@ -175,28 +192,30 @@ class SketchWalk(SparseMethod):
         ``token_query`` the last query block's row of A_hat scored by the last token's query alone, bf16
         [H, 1, b], else None)."""
         B, st, cfg = self.config.block_size, ctx.state, self.config
+        parts = cfg.sub_blocks
         q0, n = ctx.q_start, ctx.n
         qb0, nb = q0 // B, -(-n // B)
         dev = q.device
         r = self.srht.sketch_dim
-        per_kv = cfg.heads == "kv"
-        hs = k.shape[0] if per_kv else 1
+        per_head = cfg.heads != "mean"
+        hs = k.shape[0] if per_head else 1
         if q0 == 0:  # a new sequence (or a re-prefill): start this layer's sketches afresh
-            shape = (0, hs, r) if per_kv else (0, r)
+            shape = (0, hs, r) if per_head else (0, r)
             st.update(qs=torch.zeros(shape, device=dev), ks=torch.zeros(shape, device=dev),
-                      a_hat=torch.zeros((hs, 0, 0) if per_kv else (0, 0), dtype=torch.bfloat16, device=dev), n=0)
+                      a_hat=torch.zeros((hs, 0, 0) if cfg.heads == "kv" else (0, 0), dtype=torch.bfloat16,
+                                        device=dev), n=0)
         elif st.get("n") != q0:
             raise NotImplementedError(
                 f"sketch_walk: layer {ctx.layer} has sketches of {st.get('n', 0)} tokens but the step starts at "
                 f"position {q0}; prefill must start at 0 or continue a sequence this backend has seen")
         grow = nb - st["qs"].shape[0]
         if grow > 0:  # a new block: exact growth, an O(b^2) copy at most once every B tokens
-            pad = (0, 0) * (st["qs"].dim() - 1) + (0, grow)
-            st["qs"], st["ks"] = F.pad(st["qs"], pad), F.pad(st["ks"], pad)
+            pad = (0, 0) * (st["qs"].dim() - 1)
+            st["qs"], st["ks"] = F.pad(st["qs"], pad + (0, grow)), F.pad(st["ks"], pad + (0, grow * parts))
             st["a_hat"] = F.pad(st["a_hat"], (0, grow, 0, grow))
 
         n_q = n - q0
-        if per_kv:  # each KV head's query group averaged; a shard holds whole KV groups, so nothing to reduce
+        if per_head:  # each KV head's query group averaged; a shard holds whole KV groups, so nothing to reduce
             q_avg = q.float().view(n_q, hs, -1, q.shape[-1]).mean(2)  # [n_q, H, d]
             k_avg = k[:, q0:n].float().transpose(0, 1)
         else:  # head sums over the heads held here, divided by the model's head counts when shards reduce
@@ -205,38 +224,51 @@ class SketchWalk(SparseMethod):
             q_avg = q.float().sum(1, keepdim=True) / hq
             k_avg = k[:, q0:n].float().sum(0)[:, None] / hk
         want_token = n_q == 1 and cfg.token_query != "never" or cfg.token_query == "last"
-        # Sum per block first, then sketch the few block sums (linear): O(b d log d), not O(n d log d).
-        # The last token's own query rides along as one more row of sums[0], through the same reduce.
-        extra = int(want_token and n_q > 1)
-        if n_q == 1:  # decode: one token, one block
-            sums = torch.stack((q_avg, k_avg))
-        else:
-            blk = torch.arange(q0, n, device=dev) // B - qb0
-            sums = torch.zeros(2, nb - qb0 + extra, hs, q.shape[-1], device=dev)
-            sums[0].index_add_(0, blk, q_avg)
-            sums[1].index_add_(0, blk, k_avg)
-            if extra:
-                sums[0, -1] = q_avg[-1]
-        new = self.srht.apply(sums)  # [2, nb - qb0 (+ 1), H, r]
-        if self.head_reduce is not None and not per_kv:
+        # Sum per block (keys: per block part) first, then sketch the few sums (linear): O(b d log d), not
+        # O(n d log d). The last token's own query rides along as one more query row, through the same reduce.
+        lq = nb - qb0 + int(want_token and n_q > 1)
+        pos = torch.arange(q0, n, device=dev)
+        sums = torch.zeros(lq + (nb - qb0) * parts, hs, q.shape[-1], device=dev)
+        sums.index_add_(0, pos // B - qb0, q_avg)
+        sums.index_add_(0, lq + pos // (B // parts) - qb0 * parts, k_avg)
+        if lq > nb - qb0:
+            sums[lq - 1] = q_avg[-1]
+        new = self.srht.apply(sums)  # [lq + (nb - qb0) * parts, H, r]
+        if self.head_reduce is not None and not per_head:
             new = self.head_reduce(new)
         qs, ks = st["qs"].view(-1, hs, r), st["ks"].view(-1, hs, r)  # views: in-place writes reach the state
-        qs[qb0:nb] += new[0, : nb - qb0]
-        ks[qb0:nb] += new[1, : nb - qb0]
+        qs[qb0:nb] += new[: nb - qb0]
+        ks[qb0 * parts: nb * parts] += new[lq:]
         st["n"] = n
 
         # Rows qb0.. of A_hat; rows above qb0 cannot see the key blocks that changed (block causality).
-        cnt = block_counts(n, nb, B, dev)[:, None, None]
-        q_mean = qs[qb0:nb] / cnt[qb0:]
-        k_mean = ks[:nb] / cnt
-        rows = torch.einsum("ihr,jhr->hij", q_mean, k_mean) / math.sqrt(r)  # [H, nb - qb0, nb]
+        q_rows = qs[qb0:nb] / block_counts(n, nb, B, dev)[qb0:, None, None]
+        if want_token:  # the last row nb - 1 sees every key block, so the token's row needs no mask
+            q_rows = torch.cat((q_rows, new[lq - 1: lq]))
+        k_cnt = block_counts(n, nb * parts, B // parts, dev)
+        rows = self._scores(q_rows, ks[: nb * parts] / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0)
         causal = torch.arange(nb, device=dev) <= torch.arange(qb0, nb, device=dev)[:, None]
-        st["a_hat"].view(hs, nb, nb)[:, qb0:nb] = rows.masked_fill(~causal, 0.0).to(torch.bfloat16)
-        if not want_token:
-            return qb0, nb, None
-        # The last row nb - 1 sees every key block, so the token's row needs no mask.
-        token_row = torch.einsum("hr,jhr->hj", new[0, -1], k_mean) / math.sqrt(r)
-        return qb0, nb, token_row[:, None].to(torch.bfloat16)
+        st["a_hat"].view(-1, nb, nb)[:, qb0:nb] = rows[:, : nb - qb0].masked_fill(~causal, 0.0).to(torch.bfloat16)
+        return qb0, nb, rows[:, nb - qb0:].to(torch.bfloat16) if want_token else None
+
+    def _scores(self, q_rows: torch.Tensor, k_parts: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+        """Sketched scores of query rows [R, H, r] against key block parts [b * sub_blocks, H, r] (``filled``:
+        parts holding a token): fp32 [H', R, b], a block scoring as its best part; H' = 1 where the heads
+        combine (pair, pair-lse: under tensor parallelism one SUM all-reduce of these [R, b] rows)."""
+        s = torch.einsum("ihr,jhr->hij", q_rows, k_parts) / math.sqrt(self.srht.sketch_dim)
+        if self.config.sub_blocks > 1:  # an empty part of the last block is no candidate
+            s = s.masked_fill(~filled, -math.inf).unflatten(-1, (-1, self.config.sub_blocks)).amax(-1)
+        reduce = self.head_reduce
+        if self.config.heads == "pair":
+            s = s.sum(0, keepdim=True) / (self.model_cfg.num_kv_heads if reduce is not None else s.shape[0])
+            return s if reduce is None else reduce(s)
+        if self.config.heads == "pair-lse":
+            if reduce is None:
+                return s.logsumexp(0, keepdim=True)
+            # exp in fp64 (no overflow below logits of ~700) so that a SUM reduce yields the log-sum-exp
+            tiny = torch.finfo(torch.float64).tiny
+            return reduce(s.double().exp().sum(0, keepdim=True)).clamp(min=tiny).log().float()
+        return s
 
     # ---- the walk -------------------------------------------------------------------------------
     def _walk(self, ctx: SeqContext, qb0: int, nb: int, token_row: torch.Tensor | None = None) -> torch.Tensor:
@@ -301,8 +333,10 @@ class SketchWalk(SparseMethod):
         """Bytes of Sketch&Walk state per sequence of n tokens (all sparse layers), for capacity planning."""
         b = -(-n // self.config.block_size)
         layers = sum(not self.is_dense_layer(i) for i in range(self.model_cfg.num_layers))
-        hs = self.model_cfg.num_kv_heads if self.config.heads == "kv" else 1
-        return {"a_hat": 2 * b * b * layers * hs, "sketch_sums": 8 * self.srht.sketch_dim * b * layers * hs,
+        h_kv, cfg = self.model_cfg.num_kv_heads, self.config
+        hs = h_kv if cfg.heads == "kv" else 1  # score heads: walks and A_hat
+        sums = (1 + cfg.sub_blocks) * (1 if cfg.heads == "mean" else h_kv)  # qs rows + ks rows per block
+        return {"a_hat": 2 * b * b * layers * hs, "sketch_sums": 4 * self.srht.sketch_dim * b * layers * sums,
                 "decode_walk_row": 4 * b * hs}
 
 
