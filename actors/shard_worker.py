@@ -91,7 +91,7 @@ class ShardWorker:
     def setup(self, rank: int, world_size: int, master: tuple[str, int]) -> dict[str, Any]:
         import torch.distributed as dist
 
-        from raysparse.all_reduce import make_all_reduce
+        from raysparse.all_reduce import make_all_reduce, make_reduce_norm
         from raysparse.loader import build_model, load_hf_config, load_model, materialize, resolve_source
         from raysparse.tensor_parallel import apply_tensor_parallel
 
@@ -114,7 +114,9 @@ class ShardWorker:
             model = load_model(src, dtype=dtype, device=self.device, hf_config=hf_config)
         reduce, reduce_path = make_all_reduce(self.device, dtype, model.cfg.hidden_size) if world_size > 1 else (
             None, "none")
-        apply_tensor_parallel(model, rank, world_size, reduce=reduce)
+        reduce_norm = make_reduce_norm(reduce, reduce_path, self.device, dtype, model.cfg.hidden_size,
+                                       max_rows=max(spec.max_batch, 64)) if reduce is not None else None
+        apply_tensor_parallel(model, rank, world_size, reduce=reduce, reduce_norm=reduce_norm)
         pages = -(-spec.kv_cache_tokens // spec.page_size)
         cache = KVCache(model.cfg, pages, spec.page_size, dtype, self.device, model.num_kv_heads)
         sync = torch.cuda.synchronize if self.device == "cuda" else None
@@ -126,7 +128,7 @@ class ShardWorker:
         self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync, graphs)
         return {"rank": rank, "kv_heads": model.num_kv_heads, "kv_offset": getattr(model, "kv_head_offset", 0),
                 "kv_pages": pages, "page_size": spec.page_size, "device": self.device,
-                "all_reduce": reduce_path}
+                "all_reduce": reduce_path + ("+norm" if reduce_norm is not None else "")}
 
     def execute(self, plan: StepPlan) -> dict[str, Any]:
         assert self.executor is not None, "setup first"

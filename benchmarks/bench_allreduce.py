@@ -78,6 +78,28 @@ def worker(rank: int, world: int, port: int, hidden: int, batch: int, vocab: int
         res["symm_mem_us"] = _time(g, REPS)
     except Exception as e:  # noqa: BLE001 - report what is unavailable
         res["symm_mem_error"] = f"{type(e).__name__}: {e}"[:300]
+    try:  # all-reduce + residual add + RMSNorm: fused (one launch) against the two-launch path
+        from raysparse.all_reduce import make_reduce_norm
+        from raysparse.model import RMSNorm
+
+        norm = RMSNorm(hidden, 1e-5).to(device="cuda", dtype=torch.bfloat16)
+        fused = make_reduce_norm(symm, "symm_mem", torch.device("cuda", rank), torch.bfloat16, hidden)
+        res["fused_norm"] = fused is not None
+        resid = torch.randn(batch, hidden, device="cuda").bfloat16()
+        dist.broadcast(resid, 0)
+        for name, fn in (("symm_mem_then_norm_us", lambda t: norm.add_forward(symm(t), resid)[0]),
+                         ("fused_norm_us", (lambda t: fused(t, resid, norm)[0]) if fused else None)):
+            if fn is not None:
+                g, outs = _graph(fn, [x.clone() for x in src])
+                g.replay()
+                res[name] = _time(g, REPS)
+                if name == "symm_mem_then_norm_us":
+                    unfused = [o.clone() for o in outs]
+                else:
+                    res["fused_norm_max_err"] = max(float((o.float() - u.float()).abs().max())
+                                                    for o, u in zip(outs, unfused, strict=True))
+    except Exception as e:  # noqa: BLE001 - report what is unavailable
+        res["fused_norm_error"] = f"{type(e).__name__}: {e}"[:300]
     sizes = [hi - lo for lo, hi in (shard_range(vocab, r, world) for r in range(world))]
     gather = all_gather_last_fn(sizes, None)
     part = torch.randn(batch, sizes[rank], device="cuda").bfloat16()

@@ -20,6 +20,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -150,3 +151,61 @@ def make_all_reduce(device: torch.device | str, dtype: torch.dtype, hidden: int,
         raise RuntimeError(f"{ENV}=symm_mem: symmetric-memory all-reduce unusable ({reason})")
     log.warning("symmetric-memory all-reduce unusable (%s); using NCCL", reason)
     return collective_all_reduce(group), "nccl"
+
+
+ReduceNorm = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
+FUSED_ENV = "RAYSPARSE_FUSED_ALLREDUCE"
+
+
+def make_reduce_norm(reduce: Reduce, path: str, device: torch.device | str, dtype: torch.dtype, hidden: int,
+                     group: dist.ProcessGroup | None = None, max_rows: int = 64) -> ReduceNorm | None:
+    """All-reduce + residual add + RMSNorm as one launch (``kernels/allreduce_norm.py``) where the group
+    reduces through symmetric memory; None where it does not, or where the fused kernel's results differ
+    from the unfused ones on any rank at start-up (checked here on fresh random rows). Collective.
+    ``RAYSPARSE_FUSED_ALLREDUCE=off`` keeps them apart."""
+    mode = os.environ.get(FUSED_ENV, "auto")
+    if mode not in ("auto", "off"):
+        raise ValueError(f"{FUSED_ENV} must be auto or off, got {mode!r}")
+    if mode == "off" or path != "symm_mem":
+        return None
+    device = torch.device(device)
+    name = (group if group is not None else dist.group.WORLD).group_name
+    try:
+        from raysparse.kernels.allreduce_norm import AllReduceAddNorm
+
+        fused: AllReduceAddNorm | None = AllReduceAddNorm(name, device, dtype, hidden, max_rows)
+    except Exception as e:  # noqa: BLE001 - any set-up failure: keep the unfused path
+        log.warning("fused all-reduce + norm unavailable (%s: %s)", type(e).__name__, e)
+        fused = None
+    if not _vote(fused is not None, group, device):
+        return None
+    assert fused is not None
+
+    def reduce_norm(x: torch.Tensor, residual: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused.eligible(x, residual, norm.weight):
+            return fused(x, residual, norm.weight, norm.eps)
+        return norm.add_forward(reduce(x), residual)
+
+    from raysparse.model import RMSNorm
+
+    gen = torch.Generator(device=device).manual_seed(4321 + dist.get_rank(group))
+    norm = RMSNorm(hidden, 1e-5).to(device=device, dtype=dtype)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(hidden, generator=gen, device=device))
+    dist.broadcast(norm.weight.data, 0, group=group)  # one norm weight on every rank, as in the model
+    ok = True
+    for rows in (1, 5, fused.max_rows):
+        x = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
+        r = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
+        dist.broadcast(r, 0, group=group)  # the residual stream is the same on every rank
+        try:
+            got = [reduce_norm(x, r, norm) for _ in range(3)]  # back to back, as in a step
+        except Exception as e:  # noqa: BLE001 - e.g. the kernel does not compile here (the same on every rank)
+            log.warning("fused all-reduce + norm failed (%s: %s)", type(e).__name__, e)
+            ok, got = False, []
+        want = norm.add_forward(collective_all_reduce(group)(x.clone()), r)
+        for out, h in got:
+            ok &= bool(torch.equal(out, want[0]) and torch.equal(h, want[1]))
+    if _vote(ok, group, device):
+        return reduce_norm
+    log.warning("fused all-reduce + norm did not match the unfused path; keeping them apart")
+    return None

@@ -184,18 +184,35 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Replaced by an all-reduce over the tensor-parallel group; one per attention block and per MLP.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # Set by tensor parallelism where the group has it: all-reduce + residual add + norm in one launch,
+        # (partial, residual, norm) -> (norm(h), h). The MLP's output then stays a partial sum until the next
+        # norm (the next layer's, or the final one) reduces it (``finish``).
+        self.reduce_norm: Callable[[torch.Tensor, torch.Tensor, RMSNorm], tuple[torch.Tensor, torch.Tensor]] | None \
+            = None
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h + reduce(x)), h + reduce(x)) for x a partial sum across the group."""
+        if self.reduce_norm is not None:
+            return self.reduce_norm(x, h, norm)
+        return norm.add_forward(self.reduce(x), h)
+
+    def finish(self, mlp: torch.Tensor) -> torch.Tensor:
+        """The MLP output that ``forward_pending`` left pending, reduced where it is still a partial sum."""
+        return self.reduce(mlp) if self.reduce_norm is not None else mlp
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 batch: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
         h, mlp = self.forward_pending(h, None, cos, sin, cache, batch, backend)
-        return h if mlp is None else h + mlp
+        return h if mlp is None else h + self.finish(mlp)
 
     def forward_pending(self, h: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                         cache: KVCache, batch: BatchMeta,
                         backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer over the input ``h + pending`` (``pending``: the previous layer's MLP output not yet
         added, or None). Returns (h, mlp) whose sum is the output: the MLP's residual add is left to the
-        next norm, which fuses it (``RMSNorm.add_forward``); mlp is None when the add was done here."""
+        next norm, which fuses it (``RMSNorm.add_forward``); mlp is None when the add was done here. With
+        ``reduce_norm`` the pending MLP output is a partial sum still to be reduced (every layer of a model
+        is set alike)."""
         # Optional backend hook (early token freezing): bool [T] of rows whose hidden state is carried
         # unchanged through this layer. Their K/V are still projected and cached (the backend decides what
         # they attend, usually nothing); the residual updates and the MLP run on the other rows only.
@@ -205,12 +222,12 @@ class DecoderLayer(nn.Module):
             if pending is None:
                 x = self.input_layernorm(h)
             else:
-                x, h = self.input_layernorm.add_forward(pending, h)
-            attn = self.reduce(self.self_attn(x, cos, sin, cache, batch, backend))
-            x, h = self.post_attention_layernorm.add_forward(attn, h)
-            return h, self.reduce(self.mlp(x))
+                x, h = self.add_norm(pending, h, self.input_layernorm)
+            x, h = self.add_norm(self.self_attn(x, cos, sin, cache, batch, backend), h, self.post_attention_layernorm)
+            mlp = self.mlp(x)
+            return h, (mlp if self.reduce_norm is not None else self.reduce(mlp))
         if pending is not None:
-            h = h + pending
+            h = h + self.finish(pending)
         attn = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))
         live = (~frozen).nonzero().squeeze(1)
         hl = h[live] + attn[live]
@@ -269,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         if not all_logits:
             rows = batch.last_token_rows()
             h, mlp = h[rows], (None if mlp is None else mlp[rows])
-        x = self.model.norm(h) if mlp is None else self.model.norm.add_forward(mlp, h)[0]
+        x = self.model.norm(h) if mlp is None else self.model.layers[-1].add_norm(mlp, h, self.model.norm)[0]
         logits = self.lm_head(x)
         if self.gather_logits is not None:
             logits = self.gather_logits(logits)

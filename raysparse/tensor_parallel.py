@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raysparse.all_reduce import collective_all_reduce
+from raysparse.all_reduce import ReduceNorm, collective_all_reduce
 from raysparse.model import LlamaForCausalLM, merge_projections
 
 
@@ -82,10 +82,12 @@ def all_gather_last_fn(sizes: list[int], group: dist.ProcessGroup | None
 
 def apply_tensor_parallel(model: LlamaForCausalLM, rank: int, world_size: int,
                           group: dist.ProcessGroup | None = None,
-                          reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LlamaForCausalLM:
+                          reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                          reduce_norm: ReduceNorm | None = None) -> LlamaForCausalLM:
     """Shards ``model`` in place for ``rank`` of ``world_size``. World size 1 leaves it unchanged.
     ``reduce``: the group's SUM all-reduce (``raysparse.all_reduce.make_all_reduce``); default: the process
-    group's own."""
+    group's own. ``reduce_norm``: the all-reduce fused with the residual add and norm after it, if the group
+    has one (``raysparse.all_reduce.make_reduce_norm``)."""
     cfg = model.cfg
     kv_lo, kv_hi = kv_head_range(cfg.num_kv_heads, rank, world_size)
     if world_size == 1:
@@ -106,6 +108,7 @@ def apply_tensor_parallel(model: LlamaForCausalLM, rank: int, world_size: int,
         mlp.up_proj = _column(mlp.up_proj, ff_lo, ff_hi)
         mlp.down_proj = _row(mlp.down_proj, ff_lo, ff_hi, keep_bias=rank == 0)
         layer.reduce = reduce
+        layer.reduce_norm = reduce_norm
     sizes = [hi - lo for lo, hi in (shard_range(cfg.vocab_size, r, world_size) for r in range(world_size))]
     v_lo, v_hi = shard_range(cfg.vocab_size, rank, world_size)
     model.lm_head = _column(model.lm_head, v_lo, v_hi)  # a copy: a tied embedding stays whole

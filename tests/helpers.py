@@ -32,8 +32,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list[int]], out_path: str) -> None:
-    """One gloo rank: shard the model, run a packed ragged prefill, rank 0 saves every token's logits."""
+def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list[int]], out_path: str,
+              reduce_norm: bool = False) -> None:
+    """One gloo rank: shard the model, run a packed ragged prefill, rank 0 saves every token's logits.
+    ``reduce_norm``: the layers take the fused all-reduce + add + norm seam (emulated here in PyTorch, as the
+    group's kernel would compute it), so the MLP outputs stay partial sums until the next norm."""
     import torch.distributed as dist
 
     from raysparse.loader import model_from_state
@@ -42,7 +45,16 @@ def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model = apply_tensor_parallel(model_from_state(hf_config, state), rank, world)
+        from raysparse.all_reduce import collective_all_reduce
+
+        calls = []
+
+        def emulated(x, h, norm):
+            calls.append(x.shape[0])
+            return norm.add_forward(collective_all_reduce(None)(x.clone()), h)
+
+        model = apply_tensor_parallel(model_from_state(hf_config, state), rank, world,
+                                      reduce_norm=emulated if reduce_norm else None)
         cache = fresh_cache(model, 2048)
         for i, seq in enumerate(ids):
             cache.allocate(i, len(seq))
@@ -50,16 +62,16 @@ def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list
         flat = torch.tensor([t for s in ids for t in s])
         logits = model(flat, batch, cache, DenseAttention(model.cfg.num_layers), all_logits=True)
         if rank == 0:
-            torch.save({"logits": logits, "kv_heads": model.num_kv_heads}, out_path)
+            torch.save({"logits": logits, "kv_heads": model.num_kv_heads, "reduce_norm_calls": len(calls)}, out_path)
     finally:
         dist.destroy_process_group()
 
 
-def run_tp(world: int, hf_config, state, ids: list[list[int]], tmp_path) -> dict:
+def run_tp(world: int, hf_config, state, ids: list[list[int]], tmp_path, reduce_norm: bool = False) -> dict:
     import torch.multiprocessing as mp
 
     out = str(tmp_path / f"tp{world}.pt")
-    mp.spawn(tp_worker, args=(world, free_port(), hf_config, state, ids, out), nprocs=world, join=True)
+    mp.spawn(tp_worker, args=(world, free_port(), hf_config, state, ids, out, reduce_norm), nprocs=world, join=True)
     return torch.load(out)
 
 

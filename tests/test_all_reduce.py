@@ -92,3 +92,53 @@ def test_gloo_reduce_and_uneven_logits_gather(tmp_path):
 @pytest.mark.parametrize("mode", ["nccl", "symm_mem"])
 def test_two_gpus_reduce_in_graphs_and_gather(mode, tmp_path):
     assert _check(2, "cuda", mode, tmp_path) == mode
+
+
+def _fused_worker(rank: int, world: int, port: int, seed: int, out: str) -> None:
+    from raysparse.all_reduce import make_all_reduce, make_reduce_norm
+    from raysparse.model import RMSNorm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    hidden, dtype = 256, torch.bfloat16
+    reduce, path = make_all_reduce(dev, dtype, hidden, mode="symm_mem")
+    fused = make_reduce_norm(reduce, path, dev, dtype, hidden, max_rows=16)
+    if fused is None:  # the same decision on every rank
+        if rank == 0:
+            torch.save({"fused": False, "checks": []}, out)
+        dist.destroy_process_group()
+        return
+    gen = torch.Generator(device=dev).manual_seed(seed + rank)
+    norm = RMSNorm(hidden, 1e-5).to(device=dev, dtype=dtype)
+    norm.weight.data.copy_(torch.randn(hidden, device=dev))
+    dist.broadcast(norm.weight.data, 0)
+    checks = []
+    for rows in (1, 7, 16, 40):  # 40 rows: more than the fused kernel takes, the unfused path
+        xs = [torch.randn(rows, hidden, generator=gen, device=dev).to(dtype) for _ in range(4)]
+        r = torch.randn(rows, hidden, generator=gen, device=dev).to(dtype)
+        dist.broadcast(r, 0)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused(xs[0].clone(), r, norm)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = [fused(x, r, norm) for x in xs]
+        g.replay()
+        want = [norm.add_forward(reduce(x.clone()), r) for x in xs]
+        torch.cuda.synchronize()
+        checks.append(all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True)))
+    if rank == 0:
+        torch.save({"fused": fused is not None, "checks": checks}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_fused_reduce_add_norm_equals_unfused(tmp_path):
+    out = str(tmp_path / "fused.pt")
+    mp.spawn(_fused_worker, args=(2, free_port(), int(torch.randint(0, 10_000, ())), out), nprocs=2, join=True)
+    res = torch.load(out)
+    assert res["fused"] and all(res["checks"])
