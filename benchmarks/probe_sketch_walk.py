@@ -10,7 +10,8 @@ same block budget tau_i = row_budget(density, i + 1) per query block i:
 Selections are made on the dense run's q and k (teacher forcing), so the numbers isolate selection quality.
 ``mass`` is the dense attention mass (softmax over causal keys, averaged over each KV group's query heads)
 on the selected keys, averaged over every query row from the second block on and every KV head.
-Extra configurations (``--variants``, e.g. ``residual=0.75``) are measured beside the default.
+Extra configurations (``--variants``, e.g. ``residual=0.75,heads=pair-lse;sub_blocks=4``) are measured beside
+the default.
 
 Usage: python benchmarks/probe_sketch_walk.py [--tokens 2048] [--density 0.2] [--variants residual=0.75]
 """
@@ -123,10 +124,12 @@ def main() -> None:
         model(torch.tensor(ids), cache.prepare([0], [len(ids)], True), cache, rec, all_logits=False)
 
     runs = {"default": {}}
-    for item in filter(None, args.variants.split(",")):
-        key, val = item.split("=")
-        runs[item] = {key: float(val) if key in ("exponent", "residual") else val if key in ("token_query", "heads")
-                      else int(val)}
+    for item in filter(None, args.variants.split(",")):  # a variant: key=value[;key=value...]
+        runs[item] = {}
+        for pair in item.split(";"):
+            key, val = pair.split("=")
+            runs[item][key] = (float(val) if key in ("exponent", "residual") else val if key in ("token_query", "heads")
+                               else int(val))
     sels = {name: selections(rec.qk, mcfg, args.density, params) for name, params in runs.items()}
     layers = sorted(sels["default"]["rollout"])
     n = len(ids)

@@ -50,6 +50,25 @@ Choices where SPEC and paper are silent:
 - ``heads="kv"`` (a labelled departure from SPEC's head average, and a different state layout: qs, ks
   [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]): each KV head sketches its own keys and the
   mean of its query group, and walks and selects for itself. Tensor parallelism needs no reduce then.
+- ``heads="pair"`` / ``"pair-lse"`` (labelled departures): SPEC's Q_avg . K_avg mixes the KV heads' dot
+  products (head h's query against head h' 's keys), and heads that read different things blur one another.
+  Here each KV head scores its own keys by its query group's mean, and the per-head scores combine into ONE
+  A_hat, walk and selection per layer, shared by every head as in SPEC: by their mean (``pair``) or their
+  log-sum-exp (``pair-lse``, a smooth max: a block that one head reads strongly is kept even where the
+  other heads look elsewhere). State: qs, ks [b, h_kv, r] fp32 per KV head (as ``kv``), a_hat [b, b] and
+  walk rows [rows, b] as SPEC's layout. Tensor parallelism: a shard holds whole KV groups, so the sketches
+  need no reduce; instead ``head_reduce`` sums the score rows the call recomputes, one SUM all-reduce of
+  [rows, b] per call (prefill: the new query blocks' rows plus the token row; decode: one or two rows of
+  b): ``pair`` reduces the per-shard sums of its heads' scores divided by the model's h_kv, ``pair-lse``
+  the per-shard sums of exp(score) in fp64 (no overflow below scores of ~700), whose log is the
+  log-sum-exp over every KV head. The selection is then the same on every shard.
+- ``sub_blocks`` = P > 1 (a labelled departure, any ``heads``): keys are sketched per part of B / P tokens
+  (ks [b * P, ...]), and a query row scores key block j as the best of its parts' scores (per head, before
+  the heads combine; an empty part of the partial last block is no candidate); A_hat, the walk and the
+  selection stay per block, so the kernels are unchanged. A block mean of 64 keys dilutes a 7-token needle
+  in prose; a 16-token part much less (``benchmarks/probe_needle.py``). The batched graph decode
+  (``sketch_walk_graph``) serves ``heads="mean"`` with ``sub_blocks=1`` only; other settings decode
+  eagerly.
 - Decode column: under the block-causal mask the current key block t // B is the last block, so its
   column is visible only from the current query block's row (the same block index); rewriting that row
   over key blocks 0..t // B writes the diagonal entry, which is the whole causal part of the column.
@@ -63,7 +82,7 @@ Choices where SPEC and paper are silent:
 Memory per sequence: A_hat is a full b x b bf16 matrix per sparse layer, 2 * b**2 * L_s bytes for L_s
 sparse layers (b = ceil(n / B); e.g. n = 131072, B = 64: 8 MiB per layer, 240 MiB for 30 layers), plus
 8 * r * b bytes per sparse layer of sketched sums and a transient 4 * b * rows bytes of walk rows
-(heads="kv": h_kv times each).
+(heads="kv": h_kv times each; pair modes: the sketched sums h_kv times; sub_blocks P: the key sums P times).
 
 Host syncs: none in decode (budgets come from the host-side length n); prefill's per-row top-k does one
 ``.item()`` inside ``topk_mask``.
