@@ -468,13 +468,13 @@ def test_paired_heads_and_key_parts_match_brute_force(heads, parts, token_query,
                     assert_same_choice(chosen, brute_select(ref[qi], qi, density), ref[qi])
 
 
-@pytest.mark.parametrize("heads", ["pair", "pair-lse"])
-def test_paired_heads_under_tensor_parallelism_match_one_device(heads):
+@pytest.mark.parametrize("heads,unit", [("pair", "block"), ("pair-lse", "block"), ("pair-lse", "part")])
+def test_paired_heads_under_tensor_parallelism_match_one_device(heads, unit):
     """Two shards of one KV head each: one SUM all-reduce of the score rows per call gives both the
     one-device A_hat, walk and selection (prefill, then decode steps)."""
     b = 8
     cfg = model_cfg(layers=3, heads=4, kv_heads=2)
-    kw = {"seed": rand_int(0, 2**31), "heads": heads, "sub_blocks": 2, "density": 0.375}
+    kw = {"seed": rand_int(0, 2**31), "heads": heads, "sub_blocks": 2, "density": 0.375, "decode_unit": unit}
     one, shards = method(cfg, **kw), [method(cfg, **kw), method(cfg, **kw)]
     n0 = rand_int(3 * b + 1, 5 * b)
     q, k = random_qk(n0 + 3, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
@@ -510,6 +510,59 @@ def test_paired_heads_under_tensor_parallelism_match_one_device(heads):
         torch.testing.assert_close(st["a_hat"].double(), st_one["a_hat"].double(), **BF16)
         for g, w in zip(got, want, strict=True):
             assert g.shape[0] == 1 and torch.equal(g[0], w[0])
+
+
+def brute_part_row(q_t: torch.Tensor, k: torch.Tensor, H: torch.Tensor, b: int, parts: int, heads: str):
+    """The token's scores per key part (float64 loops; parts past the last token -inf), the heads combined
+    as in ``brute_part_scores``: [S', nb * parts]."""
+    n, r, h_kv = k.shape[1], H.shape[1], k.shape[0]
+    sub = b // parts
+    score_heads = [None] if heads == "mean" else list(range(h_kv))
+    out = torch.full((len(score_heads), -(-n // b) * parts), -math.inf, dtype=torch.float64)
+    for x, h in enumerate(score_heads):
+        qv = head_query(q_t, h_kv, h) @ H
+        for j in range(-(-n // sub)):
+            ts = range(j * sub, min(n, (j + 1) * sub))
+            kbar = sum(k[:, t].double().mean(0) if h is None else k[h, t].double() for t in ts) / len(ts)
+            out[x, j] = float(qv @ (kbar @ H)) / math.sqrt(r)
+    if heads == "pair":
+        return out.mean(0, keepdim=True)
+    return out.logsumexp(0, keepdim=True) if heads == "pair-lse" else out
+
+
+@pytest.mark.parametrize("heads,parts,local", [("pair-lse", 4, 1), ("pair", 2, 2), ("mean", 4, 1), ("kv", 2, 1)])
+def test_part_decode_selects_top_parts_by_brute_force(heads, parts, local):
+    """decode_unit="part": the sink's and local blocks' parts plus the top parts by the token's part scores,
+    tau * parts in all; causal, deduplicated, in units of B / parts tokens."""
+    b, density = 8, 0.375
+    n0 = rand_int(4 * b + 1, 6 * b - 1)
+    cfg = model_cfg(layers=3)
+    m = method(cfg, density=density, heads=heads, sub_blocks=parts, decode_unit="part", local_blocks=local)
+    h_mat = explicit_srht(m.srht)
+    qk = {layer: random_qk(n0 + b + 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in (1, 2)}
+    states: dict = {1: {}, 2: {}}
+    seq_state: dict = {}
+    for layer, (q, k) in qk.items():
+        m.select_prefill(SeqContext(layer, 0, 0, n0, states[layer], seq_state), q[:n0], k[:, :n0], k[:, :n0])
+    sub = b // parts
+    for t in range(n0, n0 + b + 1):
+        nb = t // b + 1
+        for layer, (q, k) in qk.items():
+            kv = k[:, : t + 1]
+            sel = m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv)
+            assert sel.block_size == sub and sel.indices.shape[0] == cfg.num_kv_heads and "part_row" not in seq_state
+            want_rows = brute_part_row(q[t], kv, h_mat, b, parts, heads)
+            held = [j for j in range(nb * parts) if j * sub <= t]
+            forced = sorted(j for j in held if j // parts == 0 or j // parts > nb - 1 - local)
+            budget = max(1, round(density * nb)) * parts
+            for x, row in enumerate(want_rows):
+                rest = sorted(set(held) - set(forced), key=lambda j: (-float(row[j]), j))
+                want = sorted(set(forced) | set(rest[: max(0, budget - len(forced))]))
+                got = rows_of(sel.indices[x if heads == "kv" else 0][None])[0]
+                assert got == sorted(set(got)) and all(j in held for j in got)
+                assert_same_choice(got, want, row)
+            if heads != "kv":
+                assert (sel.indices == sel.indices[:1]).all()
 
 
 def test_key_parts_keep_the_eager_decode():
@@ -611,7 +664,8 @@ def test_config_validation_and_registry():
     with pytest.raises(ValueError):
         SketchWalkConfig(block_size=48)
     for bad in ({"walk": "random"}, {"residual": 1.0}, {"residual": -0.1}, {"local_blocks": 0},
-                {"token_query": "all"}, {"heads": "q"}, {"sub_blocks": 0}, {"sub_blocks": 3}, {"sub_blocks": True}):
+                {"token_query": "all"}, {"heads": "q"}, {"sub_blocks": 0}, {"sub_blocks": 3}, {"sub_blocks": True},
+                {"decode_unit": "token"}, {"decode_unit": "part", "walk": "rollout"}):
         with pytest.raises(ValueError):
             SketchWalkConfig(**bad)
     c = SketchWalkConfig()
@@ -647,7 +701,7 @@ def run_steps(model, backend, prompts: list[list[int]], steps: int) -> list[torc
     return out
 
 
-@pytest.mark.parametrize("scoring", [{}, {"heads": "pair-lse", "sub_blocks": 4}])
+@pytest.mark.parametrize("scoring", [{}, {"heads": "pair-lse", "sub_blocks": 4, "decode_unit": "part"}])
 def test_density_one_reproduces_dense_attention_through_the_model(tiny_model, scoring):
     cfg = tiny_model.cfg
     # Ragged prompts that end inside a block, so decode crosses a block boundary.

@@ -107,6 +107,7 @@ from raysparse.methods.selection import BlockSelection, TokenSelection, indices_
 WALKS = ("rollout", "product", "one-hop")
 TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv", "pair", "pair-lse")
+DECODE_UNITS = ("block", "part")
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class SketchWalkConfig(MethodConfig):
     # per-KV-head scores (group query . that head's keys) combined by their mean / log-sum-exp, one selection
     heads: str = "mean"
     sub_blocks: int = 1  # key sketches per 1/sub_blocks of a block; a key block scores as its best part
+    decode_unit: str = "block"  # block; part: decode attends the top parts of B / sub_blocks tokens (one-hop)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -144,6 +146,10 @@ class SketchWalkConfig(MethodConfig):
             raise ValueError(f"token_query must be one of {TOKEN_QUERIES}, got {self.token_query!r}")
         if self.heads not in HEADS:
             raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
+        if self.decode_unit not in DECODE_UNITS:
+            raise ValueError(f"decode_unit must be one of {DECODE_UNITS}, got {self.decode_unit!r}")
+        if self.decode_unit == "part" and self.walk != "one-hop":
+            raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop'")
         if (isinstance(self.sub_blocks, bool) or not isinstance(self.sub_blocks, int) or self.sub_blocks < 1
                 or self.block_size % self.sub_blocks):
             raise ValueError(f"sub_blocks must be a positive divisor of block_size, got {self.sub_blocks!r}")
@@ -265,18 +271,35 @@ class SketchWalk(SparseMethod):
         if want_token:  # the last row nb - 1 sees every key block, so the token's row needs no mask
             q_rows = torch.cat((q_rows, new[lq - 1: lq]))
         k_cnt = block_counts(n, nb * parts, B // parts, dev)
-        rows = self._scores(q_rows, ks[: nb * parts] / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0)
+        rows, part_row = self._scores(q_rows, ks[: nb * parts] / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0,
+                                      n_q == 1 and cfg.decode_unit == "part")
+        if part_row is not None:  # read (and dropped) by select_decode
+            ctx.seq_state["part_row"] = part_row
         causal = torch.arange(nb, device=dev) <= torch.arange(qb0, nb, device=dev)[:, None]
         st["a_hat"].view(-1, nb, nb)[:, qb0:nb] = rows[:, : nb - qb0].masked_fill(~causal, 0.0).to(torch.bfloat16)
         return qb0, nb, rows[:, nb - qb0:].to(torch.bfloat16) if want_token else None
 
-    def _scores(self, q_rows: torch.Tensor, k_parts: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    def _scores(self, q_rows: torch.Tensor, k_parts: torch.Tensor, filled: torch.Tensor, part_row: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sketched scores of query rows [R, H, r] against key block parts [b * sub_blocks, H, r] (``filled``:
         parts holding a token): fp32 [H', R, b], a block scoring as its best part; H' = 1 where the heads
-        combine (pair, pair-lse: under tensor parallelism one SUM all-reduce of these [R, b] rows)."""
+        combine (pair, pair-lse: under tensor parallelism one SUM all-reduce of these [R, b] rows). With
+        ``part_row`` also the last row's scores per part, the heads combined per part: [H', 1, b * sub_blocks]
+        (empty parts -inf; it rides in the same all-reduce), else None."""
         s = torch.einsum("ihr,jhr->hij", q_rows, k_parts) / math.sqrt(self.srht.sketch_dim)
-        if self.config.sub_blocks > 1:  # an empty part of the last block is no candidate
-            s = s.masked_fill(~filled, -math.inf).unflatten(-1, (-1, self.config.sub_blocks)).amax(-1)
+        parts = self.config.sub_blocks
+        if parts > 1:  # an empty part of the last block is no candidate
+            s = s.masked_fill(~filled, -math.inf)
+        blocks = s.unflatten(-1, (-1, parts)).amax(-1) if parts > 1 else s
+        if not part_row:
+            return self._combine_heads(blocks), None
+        both = self._combine_heads(torch.cat((blocks.flatten(1), s[:, -1]), 1))
+        nb = blocks.shape[-1]
+        return both[:, : -nb * parts].view(-1, *blocks.shape[1:]), both[:, None, -nb * parts:]
+
+    def _combine_heads(self, s: torch.Tensor) -> torch.Tensor:
+        """Per-head scores [H, ...] -> [H', ...]: ``pair`` their mean, ``pair-lse`` their log-sum-exp over
+        every KV head (across shards by ``head_reduce``); ``mean`` and ``kv`` as they are."""
         reduce = self.head_reduce
         if self.config.heads == "pair":
             s = s.sum(0, keepdim=True) / (self.model_cfg.num_kv_heads if reduce is not None else s.shape[0])
@@ -284,7 +307,8 @@ class SketchWalk(SparseMethod):
         if self.config.heads == "pair-lse":
             if reduce is None:
                 return s.logsumexp(0, keepdim=True)
-            # exp in fp64 (no overflow below logits of ~700) so that a SUM reduce yields the log-sum-exp
+            # exp in fp64 (no overflow below scores of ~700) so that a SUM reduce yields the log-sum-exp;
+            # a part empty on every head stays at the floor, below any real score
             tiny = torch.finfo(torch.float64).tiny
             return reduce(s.double().exp().sum(0, keepdim=True)).clamp(min=tiny).log().float()
         return s
@@ -335,6 +359,24 @@ class SketchWalk(SparseMethod):
         k: int | torch.Tensor = int(extra[0]) if nb - qb0 == 1 else extra.to(dev)
         return topk_mask(scores, k, allowed.expand_as(scores), forced.expand_as(scores)), width
 
+    def _choose_parts(self, scores: torch.Tensor, n: int, h_kv: int) -> TokenSelection:
+        """Decode at part granularity: the parts (B / sub_blocks tokens) of the sink and local blocks plus the
+        top parts by ``scores`` [H', 1, b * sub_blocks], up to the row's budget of tau * sub_blocks parts."""
+        cfg = self.config
+        parts, size = cfg.sub_blocks, cfg.block_size // cfg.sub_blocks
+        nb, held = -(-n // cfg.block_size), -(-n // size)
+        budget = int(row_budget(cfg.density, torch.tensor(nb))) * parts
+        forced_blocks = {0, *range(max(0, nb - cfg.local_blocks), nb)}
+        forced_n = sum(min(parts, held - j * parts) for j in forced_blocks)  # host ints: no device sync
+        dev = scores.device
+        cols = torch.arange(nb * parts, device=dev)
+        allowed = cols < held
+        blk = cols // parts
+        forced = ((blk == 0) | (blk >= nb - cfg.local_blocks)) & allowed
+        mask = topk_mask(scores, max(0, budget - forced_n), allowed.expand_as(scores), forced.expand_as(scores))
+        idx = indices_from_mask(mask, max(budget, forced_n))
+        return TokenSelection(idx[:, 0].expand(h_kv, -1), size)
+
     # ---- SparseMethod ---------------------------------------------------------------------------
     def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
         qb0, nb, token_row = self._update_sketch(ctx, q, k)
@@ -344,6 +386,8 @@ class SketchWalk(SparseMethod):
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
         qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k)  # qb0 == nb - 1: the new token's block
+        if self.config.decode_unit == "part":
+            return self._choose_parts(ctx.seq_state.pop("part_row"), ctx.n, k.shape[0])
         mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb)
         idx = indices_from_mask(mask, width)  # [H, 1, width] block indices
         return TokenSelection(idx[:, 0].expand(k.shape[0], -1), self.config.block_size)
