@@ -135,8 +135,10 @@ def _first_replica(engine: Any) -> Any:
 @pytest.mark.slow  # Ray and shard actors: ~30 s each on two busy cores
 def test_tp2_same_outputs_and_numbers_and_replicas_same_rows(engine_2x2, tiny_dir, text_file, reference):
     from raysparse.eval.distributed import ClusterOptions, run_eval_on_engine
+    from raysparse.specattn.layer_map import MAP_FILE
     from raysparse.workload import load_haystack_text
 
+    (tiny_dir / MAP_FILE).unlink(missing_ok=True)  # SpecAttn's map is measured again, over both shards' heads
     text, source = load_haystack_text(str(text_file))
     opts = ClusterOptions(tp=2, replicas=2, threads=1)
     two = run_eval_on_engine(engine_2x2, CFG, text, source, str(tiny_dir), opts)

@@ -1,6 +1,6 @@
 """``raysparse eval`` end to end: start the engine's shard actors on Ray (``--tp``, ``--replicas``,
 ``--address``), run the harness on them with progress (``distributed.py``), write the JSON and the plot,
-print the table. ``load`` loads the model in this process, for library use of ``harness.run_eval``."""
+print the table. ``harness.run_eval`` is the same harness on a model in this process."""
 
 from __future__ import annotations
 
@@ -22,19 +22,6 @@ class EvalOptions:
     out: str | None = None
     dtype: str = "float32"
     cluster: ClusterOptions = field(default_factory=ClusterOptions)  # tp, replicas, address, device, threads
-
-
-def load(model_path: str | None, device: str, dtype: str) -> tuple[Any, Any, str, str]:
-    """(our model, tokenizer, model name, model directory); a GGUF source is converted once into the cache.
-    The directory is where SpecAttn's layer map is kept."""
-    from raysparse.config import parse_dtype
-    from raysparse.loader import load_hf_config, load_model, load_tokenizer, materialize, resolve_source
-
-    src = resolve_source(model_path)
-    name = src.name
-    src = materialize(src)
-    hf_config = load_hf_config(src)
-    return load_model(src, parse_dtype(dtype), device, hf_config), load_tokenizer(src), name, str(src.directory)
 
 
 def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict[str, Any]:
