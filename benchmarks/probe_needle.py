@@ -14,7 +14,8 @@ of every expected answer in the haystack):
 - ``cover_prefill`` / ``cover_decode``: the dense attention mass on the value tokens that the selection keeps,
   over all of it (summed over query heads: the heads that do attend the needle weigh most);
 - for Sketch&Walk settings, ``rank``: the needle block's rank in the walk row the method selected by (1 = best,
-  among the non-forced causal blocks; the budget takes the top tau - forced; with ``heads=kv`` the best KV head);
+  among the non-forced causal blocks; the budget takes the top tau - forced; with ``heads=kv`` the best KV head;
+  with ``decode_unit=part`` at the prompt's last position only);
 - the ``true`` ranks of the needle block by the dense attention mass at that query position: of the mass
   averaged over all query heads (one selection per layer, as Sketch&Walk makes) and the best rank over KV heads
   of the mass averaged over each KV group (per-KV-head selection, as Quest makes); and ``mass``, the dense
@@ -44,7 +45,9 @@ DEFAULT_SETTINGS = ("sketch_walk:walk=rollout;token_query=never", "sketch_walk:w
                     "sketch_walk:walk=one-hop;token_query=decode", "sketch_walk:walk=one-hop;token_query=last",
                     "sketch_walk:walk=one-hop;token_query=decode;heads=kv",
                     "sketch_walk:walk=one-hop;token_query=last;heads=kv",
-                    "sketch_walk:walk=rollout;token_query=decode;heads=kv", "quest", "oracle")
+                    "sketch_walk:walk=rollout;token_query=decode;heads=kv", "sketch_walk:heads=pair",
+                    "sketch_walk:heads=pair-lse", "sketch_walk:heads=pair-lse;sub_blocks=4",
+                    "sketch_walk:heads=pair-lse;sub_blocks=8;decode_unit=part", "quest", "oracle")
 
 
 def parse_setting(text: str) -> tuple[str, dict]:
@@ -111,7 +114,7 @@ def run_setting(name: str, params: dict, mcfg, qk: dict, prompt_len: int, steps:
             on = p[:, start: start + length]
             kept = (on * covered.repeat_interleave(g, 0)[:, start: start + length]).sum()
             row.setdefault(f"cover_{phase}", []).append(float(kept / on.sum()))
-            if name == "sketch_walk":
+            if name == "sketch_walk" and (phase == "prefill" or backend.config.decode_unit == "block"):
                 walk = seq_state["walk"][1]  # heads=kv: one walk per KV head, of which the best rank counts
                 scores = walk[..., -1, :].reshape(-1, walk.shape[-1])
                 qb = t // block
