@@ -51,7 +51,7 @@ def local_gpu_index() -> int:
     try:
         import ray
 
-        ids = [str(i) for i in ray.get_gpu_ids()] if ray.is_initialized() else []
+        ids = [str(i) for i in ray.get_gpu_ids()]
     except Exception:  # noqa: BLE001 - not inside a Ray worker
         ids = []
     if not ids:
@@ -67,8 +67,9 @@ class ShardWorker:
     def __init__(self, spec: ShardSpec) -> None:
         self.spec = spec
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device == "cuda":
-            torch.cuda.set_device(local_gpu_index())
+        # Ray runs the methods of this (threaded) actor on a pool of threads, and the current CUDA device is
+        # per thread: every entry point sets it (``_executor``, ``setup``).
+        self.gpu_index = local_gpu_index() if self.device == "cuda" else None
         if self.device == "cpu":
             torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 2) // 2))
         self.executor: ShardExecutor | None = None
@@ -78,7 +79,7 @@ class ShardWorker:
 
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "device": self.device, "gpu_ids": ray.get_gpu_ids()}
+                "device": self.device, "gpu_ids": ray.get_gpu_ids(), "cuda_index": self.gpu_index}
 
     def rendezvous(self) -> tuple[str, int]:
         import ray
@@ -96,6 +97,7 @@ class ShardWorker:
         from raysparse.tensor_parallel import apply_tensor_parallel
 
         spec, dtype = self.spec, parse_dtype(self.spec.dtype)
+        self._use_gpu()
         if world_size > 1:
             backend = "nccl" if self.device == "cuda" else "gloo"
             # A bounded timeout: a rank blocked on a dead peer gives up instead of hanging for 30 minutes.
@@ -130,37 +132,39 @@ class ShardWorker:
                 "kv_pages": pages, "page_size": spec.page_size, "device": self.device,
                 "all_reduce": reduce_path + ("+norm" if reduce_norm is not None else "")}
 
+    def _use_gpu(self) -> None:
+        if self.gpu_index is not None:
+            torch.cuda.set_device(self.gpu_index)
+
+    def _executor(self) -> ShardExecutor:
+        if self.executor is None:
+            raise RuntimeError("shard worker: setup first")
+        self._use_gpu()
+        return self.executor
+
     def execute(self, plan: StepPlan) -> dict[str, Any]:
-        assert self.executor is not None, "setup first"
-        return self.executor.execute(plan)
+        return self._executor().execute(plan)
 
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
-        assert self.executor is not None, "setup first"
-        return self.executor.verify(plan, message)
+        return self._executor().verify(plan, message)
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        assert self.executor is not None, "setup first"
-        return self.executor.stats(reset)
+        return self._executor().stats(reset)
 
     def record_selections(self, key: str) -> None:
-        assert self.executor is not None, "setup first"
-        self.executor.record_selections(key)
+        self._executor().record_selections(key)
 
     def selections(self) -> list[tuple[int, int, torch.Tensor]]:
-        assert self.executor is not None, "setup first"
-        return getattr(self.executor, "selections", [])
+        return getattr(self._executor(), "selections", [])
 
     def warm_graphs(self, key: str, batch_sizes: list[int], context: int) -> int:
-        assert self.executor is not None, "setup first"
-        return self.executor.warm_graphs(key, batch_sizes, context)
+        return self._executor().warm_graphs(key, batch_sizes, context)
 
     def coordinator_cost(self, key: str, batch: int = 1) -> float:
-        assert self.executor is not None, "setup first"
-        return self.executor.coordinator_cost(key, batch)
+        return self._executor().coordinator_cost(key, batch)
 
     def set_cuda_graphs(self, on: bool) -> bool:
-        assert self.executor is not None, "setup first"
-        return self.executor.set_cuda_graphs(on)
+        return self._executor().set_cuda_graphs(on)
 
     def ping(self) -> bool:
         return True
