@@ -58,13 +58,13 @@ if triton is not None:
         q_new = tl.load(NEW + b * R + rr)
         if TOKEN:
             q = q_new
-        else:  # the reference's q_sum / count, in the same fp32 steps
-            q = (tl.load(QS + slot * s_q0 + cb * s_q1 + rr) + q_new) / tl.minimum(nn - cb * B, B).to(tl.float32)
+        else:  # the reference's q_sum / count, in the same fp32 steps (IEEE division: `/` is approximate on GPUs)
+            q = tl.div_rn(tl.load(QS + slot * s_q0 + cb * s_q1 + rr) + q_new, tl.minimum(nn - cb * B, B).to(tl.float32))
         ok = (cols <= cb) & (cols < WID)
         kt = tl.load(KS + slot * s_q0 + cols[:, None] * s_q1 + rr[None, :], mask=ok[:, None], other=0.0)
         kt = tl.where((cols == cb)[:, None], kt + tl.load(NEW + s_new0 + b * R + rr)[None, :], kt)
-        k_mean = kt / tl.minimum(tl.maximum(nn - cols * B, 1), B).to(tl.float32)[:, None]
-        a = tl.sum(k_mean * q[None, :], 1) / sqrt_r
+        k_mean = tl.div_rn(kt, tl.minimum(tl.maximum(nn - cols * B, 1), B).to(tl.float32)[:, None])
+        a = tl.div_rn(tl.sum(k_mean * q[None, :], 1), sqrt_r)
         a = tl.where(ok, a, 0.0).to(tl.bfloat16).to(tl.float32)
         tl.store(X + b * WID + cols, tl.where(ok, a, float("-inf")), mask=cols < WID)
 
