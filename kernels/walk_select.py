@@ -26,6 +26,10 @@ an entry within an ulp of the underflow threshold, where the two log-sum-exps' s
 the reference's division by the row sum (> 1 then) can also flush a subnormal to 0, which is not modelled.
 The A_hat dot product is summed in another order than the reference's matmul, so a score on a bf16
 rounding boundary can round the other way: the reference's own CPU and CUDA results differ the same way.
+Measured on the default model over real text (CPU, the kernel interpreted; ``bench_walk_select.py
+--agreement``): 4096 tokens, 2 rows, 6 steps: 6 of 336 block lists differ, each by one block of ~7, all
+from score rounding; the ranking rule alone (``--rule-only``, 8192 tokens, 2 rows, 8 steps, token_query
+"last" and "never"): 0 of 448 lists each.
 
 The W matrix is not written: one-hop never reads it.
 """

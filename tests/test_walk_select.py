@@ -33,7 +33,7 @@ SLOTS = 4  # 3 real slots + the scratch slot
 
 def _path(params: dict, width: int) -> SketchWalkGraphDecode:
     cfg = ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=4))
-    method = create_backend("sketch_walk", cfg, block_size=B, walk="one-hop", **params)
+    method = create_backend("sketch_walk", cfg, block_size=B, **{"walk": "one-hop", **params})
     return SketchWalkGraphDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width)
 
 
@@ -146,3 +146,22 @@ def test_graph_decode_with_the_kernel(monkeypatch, token_query):
         for row in range(len(lens)):
             want = ref_picks[j * len(lens) + row][2]
             assert torch.equal(got[row][got[row] >= 0].long(), want[want >= 0].long())
+
+
+def test_one_hop_state_has_no_w(monkeypatch):
+    """One-hop never reads W: the graph path allocates none and budgets none; the switch takes on/off."""
+    from raysparse.methods.sketch_walk_graph import SELECT_ENV
+
+    hop, roll = _path({}, 16), _path({"walk": "rollout"}, 16)
+    assert hop.w is None and roll.w is not None
+    layers, r = len(hop.index), hop.qs.shape[-1]
+    assert SketchWalkGraphDecode.state_bytes(hop.m, 16) == layers * 8 * 16 * r
+    assert SketchWalkGraphDecode.state_bytes(roll.m, 16) == layers * (4 * 16**2 + 8 * 16 * r)
+    q = torch.zeros(1, 4, 16, device=DEV)
+    monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")
+    for mode, want in (("on", True), ("off", False)):
+        monkeypatch.setenv(SELECT_ENV, mode)
+        assert hop._wanted(q, SELECT_ENV, "on", None) == want
+    monkeypatch.setenv(SELECT_ENV, "yes")
+    with pytest.raises(ValueError, match=SELECT_ENV):
+        hop._wanted(q, SELECT_ENV, "on", None)
