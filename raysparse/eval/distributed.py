@@ -59,16 +59,18 @@ class ClusterOptions:
         return max(1, (os.cpu_count() or 1) // (self.tp * self.replicas))
 
 
-def check_tp(model: str | None, tp: int) -> str:
-    """The model directory (a GGUF converted once); raises ValueError when ``tp`` exceeds its KV heads."""
+def check_tp(model: str | None, tp: int) -> tuple[str, str]:
+    """(the model directory (a GGUF converted once), the model's name); raises ValueError when ``tp`` exceeds
+    its KV heads."""
     from raysparse.config import ModelConfig
     from raysparse.loader import load_hf_config, materialize, resolve_source
 
-    src = materialize(resolve_source(model))
+    src = resolve_source(model)
+    name, src = src.name, materialize(src)
     kv = ModelConfig.from_hf(load_hf_config(src)).num_kv_heads
     if tp > kv:
         raise ValueError(f"--tp {tp} exceeds the model's {kv} KV heads (shards split whole KV heads)")
-    return str(src.directory)
+    return str(src.directory), name
 
 
 @contextmanager
@@ -144,7 +146,7 @@ def _shard_forget(worker: Any) -> None:
 
 # ---- driver side ---------------------------------------------------------------------------------------
 def run_eval_on_engine(engine: Any, cfg: EvalConfig, text: str, source: str, model_dir: str,
-                       opts: ClusterOptions,
+                       opts: ClusterOptions, model_name: str | None = None,
                        on_setting: Callable[[str, int, int, int], None] | None = None,
                        step: Callable[[], None] = lambda: None,
                        on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -181,8 +183,8 @@ def run_eval_on_engine(engine: Any, cfg: EvalConfig, text: str, source: str, mod
     for g in groups:
         g.call("__ray_call__", _shard_forget)
     info = engine.model_info()
-    model_info = {"name": info["model"], "layers": mc.num_layers, "heads": mc.num_heads, "kv_heads": mc.num_kv_heads,
-                  "head_dim": mc.head_dim, "dtype": info["dtype"]}
+    model_info = {"name": info["model"] if model_name is None else model_name, "layers": mc.num_layers,
+                  "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "dtype": info["dtype"]}
     host = {"platform": platform.platform(), "torch": torch.__version__, "threads": infos[0][0]["threads"]}
     cluster = {"tp": opts.tp, "replicas": opts.replicas, "address": opts.address,
                "nodes": len({s["node_id"] for g in groups for s in g.info})}

@@ -37,13 +37,12 @@ def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict
     t0 = time.perf_counter()
     text, source = load_haystack_text(opts.text)
     c = opts.cluster
-    model_dir = check_tp(opts.model, c.tp)
+    model_dir, name = check_tp(opts.model, c.tp)
     status = err.status(f"starting {c.replicas} replica(s) of {c.tp} shard actor(s)")
     status.start()
     try:
         with running_engine(model_dir, opts.dtype, c) as engine:
             status.stop()
-            name = engine.source_name
             err.print(f"[bold]model[/]: {name} on {c.replicas} replica(s) x TP={c.tp} ready in "
                       f"{time.perf_counter() - t0:.1f} s; [bold]haystack[/]: {source}")
             report = _run(engine, cfg, opts, text, source, model_dir, name, err, t0)
@@ -87,7 +86,7 @@ def _run(engine: Any, cfg: Any, opts: EvalOptions, text: str, source: str, model
                             "config": asdict(cfg), "elapsed_s": time.perf_counter() - t0, "runs": finished},
                            Path(opts.out), "eval.partial.json")
 
-        report = run_eval_on_engine(engine, cfg, text, source, model_dir, opts.cluster, on_setting=on_setting,
+        report = run_eval_on_engine(engine, cfg, text, source, model_dir, opts.cluster, name, on_setting=on_setting,
                                     step=step, on_result=on_result)
         progress.update(overall, advance=1)
     return report

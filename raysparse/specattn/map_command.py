@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = ClusterOptions(tp=args.tp, replicas=args.replicas, address=args.address,
                                  cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
         text, source = load_haystack_text(args.text)
-        model_dir = check_tp(args.model, args.tp)
+        model_dir, _ = check_tp(args.model, args.tp)
         with running_engine(model_dir, args.dtype, cluster) as engine:
             mc = engine.model_cfg
             if args.tokens + 1 > mc.max_position_embeddings:
