@@ -61,6 +61,46 @@ def measure(eng: Any, method: str, params: dict[str, Any], n: int, new: int, see
     }
 
 
+def measure_batch(eng: Any, method: str, params: dict[str, Any], n: int, batch: int, new: int, window_s: float,
+                  seed: int) -> dict[str, Any]:
+    """Aggregate decode throughput with ``batch`` requests of ``n`` prompt tokens decoding together: all are
+    submitted at once, and once the last has its first token (every prompt prefilled; earlier ones decode
+    meanwhile), the tokens all of them produce in the next ``window_s`` seconds are counted; then they are
+    aborted. ``new`` must outlast the staggered prefills."""
+    import threading
+
+    from raysparse.orchestration.engine_api import EngineRequest
+    from raysparse.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = eng.model_cfg.vocab_size
+    stamps: list[list[float]] = [[] for _ in range(batch)]
+    handles = [eng.submit(EngineRequest(tuple(torch.randint(100, vocab - 100, (n,), generator=g).tolist()),
+                                        SamplingParams(max_new_tokens=new, ignore_eos=True), method, params))
+               for _ in range(batch)]
+
+    def follow(i: int) -> None:
+        for _ in handles[i]:
+            stamps[i].append(time.perf_counter())
+
+    threads = [threading.Thread(target=follow, args=(i,), daemon=True) for i in range(batch)]
+    for t in threads:
+        t.start()
+    while any(not st for st in stamps):
+        time.sleep(0.01)
+    t0 = max(st[0] for st in stamps)
+    time.sleep(window_s)
+    t1 = time.perf_counter()
+    count = sum(sum(t0 < x <= t1 for x in st) for st in stamps)
+    early = min(len(st) for st in stamps)
+    for h in handles:
+        h.abort()
+    for t in threads:
+        t.join(60)
+    return {"method": method, "params": params, "context": n, "batch": batch, "window_s": t1 - t0,
+            "decode_tok_s": count / (t1 - t0), "tokens_in_window": count, "finished_early": early >= new}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="configs/llama-3.1-8b", help="model directory (config only is enough)")
@@ -72,6 +112,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="> 1: aggregate decode throughput of that many concurrent requests per context (the "
+                         "contexts are then the prompt lengths; the steps setting is the largest of --decode-steps)")
+    ap.add_argument("--window", type=float, default=3.0, help="with --batch: seconds of steady decode counted")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the default model, 512 tokens")
     args = ap.parse_args()
     from raysparse.orchestration.engine import Engine, EngineConfig
@@ -89,6 +133,8 @@ def main() -> None:
     from raysparse.orchestration.ray_env import start_ray
 
     start_ray(None)  # one Ray instance for every engine of the run
+    if args.batch > 1:
+        return run_batched(args, methods, contexts, tps, model, random_weights, dtype)
     for tp in tps:
         kv = max(contexts) + args.new_tokens + 256
         cfg = EngineConfig(model=model, dtype=dtype, tp=tp, random_weights=random_weights, kv_cache_tokens=kv,
@@ -138,6 +184,42 @@ def main() -> None:
               f"{r['prefill_s']:>10.3f} {r['decode_tok_s']:>8.1f} {ratio:>6.2f}x {vs_eager:>7.2f}x "
               f"{r['decode_step_ms']:>8.2f} {100 * r['control_share']:>6.1f}% {100 * r['coord_share']:>7.1f}% "
               f"{r['density']:>8.3f}")
+
+
+def run_batched(args: Any, methods: list[tuple[str, dict[str, Any]]], contexts: list[int], tps: list[int],
+                model: str | None, random_weights: bool, dtype: str) -> None:
+    from raysparse.orchestration.engine import Engine, EngineConfig
+    from raysparse.shard_executor import method_key
+
+    new = 48 if args.smoke else max(args.new_tokens, 4096)
+    steps = max(int(s) for s in args.decode_steps.split(","))
+    rows: list[dict[str, Any]] = []
+    for tp in tps:
+        kv = args.batch * (max(contexts) + new + 256)
+        cfg = EngineConfig(model=model, dtype=dtype, tp=tp, random_weights=random_weights, kv_cache_tokens=kv,
+                           max_prefill_tokens=max(contexts) + 64, draft=False, max_batch=max(8, args.batch),
+                           cpus_per_shard=0.5 if args.smoke else 1.0, name=f"bench-tp{tp}")
+        with Engine(cfg) as eng:
+            group, sched = eng.runners[0].group, eng.runners[0].sched
+            sched.cfg = dataclasses.replace(sched.cfg, decode_steps=steps)  # benchmark-only switch
+            for m, p in methods:
+                measure(eng, m, p, min(contexts[0], 4096), 4, seed=1)
+                for n in contexts:
+                    group.call("warm_graphs", method_key(m, p), list(range(1, args.batch + 1)), n + new)
+                for n in contexts:
+                    r = measure_batch(eng, m, p, n, args.batch, new, args.window, seed=n)
+                    r.update(tp=tp, decode_steps=steps, all_reduce=group.info[0].get("all_reduce"))
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    out = Path(os.environ.get("OUT", "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_tp_batch.json").write_text(json.dumps({"rows": rows}, indent=1))
+    base = {(r["method"], r["context"]): r for r in rows if r["tp"] == tps[0]}
+    print(f"\n{'tp':>3} {'batch':>5} {'method':>12} {'ctx':>7} {'tok/s':>8} {'vs tp1':>7}")
+    for r in rows:
+        b = base[(r["method"], r["context"])]
+        print(f"{r['tp']:>3} {r['batch']:>5} {r['method']:>12} {r['context']:>7} {r['decode_tok_s']:>8.1f} "
+              f"{r['decode_tok_s'] / max(b['decode_tok_s'], 1e-9):>6.2f}x" + ("  (a request ended early)" * r["finished_early"]))
 
 
 if __name__ == "__main__":

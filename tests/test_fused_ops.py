@@ -105,7 +105,8 @@ def test_rope_and_cache_write_matches_apply_rope_and_cache_write(dtype, cache_dt
         return dict(atol=4 * 5 * torch.finfo(dt).eps, rtol=torch.finfo(dt).eps)
     assert got_q.dtype == dtype
     torch.testing.assert_close(got_q, apply_rope(q, cos, sin), **tol(dtype))
-    torch.testing.assert_close(kc, ref_k, **tol(cache_dtype))  # the whole pool: written slots and untouched rows
+    coarser = max(dtype, cache_dtype, key=lambda dt: torch.finfo(dt).eps)  # rotated in one, stored in the other
+    torch.testing.assert_close(kc, ref_k, **tol(coarser))  # the whole pool: written slots and untouched rows
     assert torch.equal(vc, ref_v)
 
 
