@@ -44,8 +44,6 @@ from .common import tl, triton
 
 # ln(2^-150): exp(y) rounds to 0 in fp32 at and below it (half the smallest subnormal, ties to even)
 ZERO_Y = -150.0 * math.log(2.0)
-_ZERO_KEY = -32769  # every underflowed candidate: below any bf16 key, above non-candidates
-_NONE_KEY = -65536
 
 
 if triton is not None:
@@ -94,6 +92,7 @@ if triton is not None:
         bits = xb.to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> 16  # float order as int order; bf16: low half is zero
         cand = (cols >= 1) & (cols <= cb - LOCAL)
+        # keys: bf16 ones in [-32768, 32767]; every underflowed candidate -32769; non-candidates below
         key = tl.where(cand, tl.where(live, key, -32769), -65536)
 
         # budget: tau = round-half-even(density * (cb + 1)), at least 1, forced blocks counted (row_budget)
