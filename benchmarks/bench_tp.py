@@ -8,6 +8,8 @@ block sums), and the control plane's share of a decode step (driver round trip m
 execute time, over the decode steps only).
 
 Usage (the GPU machine, two GPUs):  python benchmarks/bench_tp.py --model configs/llama-3.1-8b
+Throughput of concurrent requests (``--batch 8``): ``measure_batch`` counts the tokens of a steady-state window
+once every prompt is prefilled (tokens arrive a plan at a time, so the count is +-batch*steps tokens).
 CPU smoke run:  python benchmarks/bench_tp.py --smoke
 Each TP size runs every mode (eager or CUDA-graph decode) and multi-step setting on one engine; graphs for
 the measured contexts are captured ahead of the timed requests.
@@ -115,7 +117,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1,
                     help="> 1: aggregate decode throughput of that many concurrent requests per context (the "
                          "contexts are then the prompt lengths; the steps setting is the largest of --decode-steps)")
-    ap.add_argument("--window", type=float, default=3.0, help="with --batch: seconds of steady decode counted")
+    ap.add_argument("--window", type=float, default=8.0, help="with --batch: seconds of steady decode counted")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the default model, 512 tokens")
     args = ap.parse_args()
     from raysparse.orchestration.engine import Engine, EngineConfig
@@ -218,8 +220,9 @@ def run_batched(args: Any, methods: list[tuple[str, dict[str, Any]]], contexts: 
     print(f"\n{'tp':>3} {'batch':>5} {'method':>12} {'ctx':>7} {'tok/s':>8} {'vs tp1':>7}")
     for r in rows:
         b = base[(r["method"], r["context"])]
+        note = "  (a request ended early)" if r["finished_early"] else ""
         print(f"{r['tp']:>3} {r['batch']:>5} {r['method']:>12} {r['context']:>7} {r['decode_tok_s']:>8.1f} "
-              f"{r['decode_tok_s'] / max(b['decode_tok_s'], 1e-9):>6.2f}x" + ("  (a request ended early)" * r["finished_early"]))
+              f"{r['decode_tok_s'] / max(b['decode_tok_s'], 1e-9):>6.2f}x{note}")
 
 
 if __name__ == "__main__":
