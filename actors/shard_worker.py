@@ -48,6 +48,9 @@ def local_gpu_index() -> int:
     of the node visible (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``), because the symmetric-memory
     all-reduce maps the peers' memory and tells ranks apart by device; where Ray narrowed the visible set
     to the one GPU anyway, that GPU is index 0."""
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        # all of them, spelled out: Ray's compiled-graph channels look the assigned GPU up in this list
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(torch.cuda.device_count()))
     try:
         import ray
 
