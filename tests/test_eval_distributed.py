@@ -1,8 +1,8 @@
 """``raysparse eval`` and ``raysparse specattn-map`` on the engine's shard actors (Ray, gloo, CPU): the default
 run gives the one-process harness's report, ``--tp 2`` the same outputs and numbers up to float rounding,
-``--replicas 2`` exactly the same rows; bad flag combinations are one clear line. The Ray runs start shard
-actors (``slow``: ``python -m pytest -m slow tests/test_eval_distributed.py``); the merge and the flags are
-checked in the default run."""
+``--replicas 2`` exactly the same rows; bad flag combinations are one clear line. The TP=2 / two-replica run
+is in the default run; the other Ray runs are ``slow`` (``python -m pytest -m slow
+tests/test_eval_distributed.py``)."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def _first_replica(engine: Any) -> Any:
                            model_info=engine.model_info)
 
 
-@pytest.mark.slow  # Ray and shard actors: ~30 s each on two busy cores
+# In the default run (the issue's --tp / --replicas for eval); the other Ray tests here are slow-marked.
 def test_tp2_same_outputs_and_numbers_and_replicas_same_rows(engine_2x2, tiny_dir, text_file, reference):
     from raysparse.eval.distributed import ClusterOptions, run_eval_on_engine
     from raysparse.specattn.layer_map import MAP_FILE
