@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common when ru
 
 from bench_common import environment, table, time_ms, wall_ms, write_json  # noqa: E402
 
+from raysparse.methods.sketch_walk import GRAPH_DECODE  # noqa: E402
 from raysparse.methods.sketch_walk_graph import SELECT_ENV, SketchWalkGraphDecode  # noqa: E402
 
 BLOCK, DENSITY = 64, 0.1
@@ -55,7 +56,8 @@ def _layer_path(heads: int, kv_heads: int, head_dim: int, width: int, batch: int
     hf = LlamaConfig(vocab_size=128, hidden_size=heads * head_dim, intermediate_size=128, num_hidden_layers=1,
                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
     cfg = ModelConfig.from_hf(hf)
-    method = create_backend("sketch_walk", cfg, block_size=block, density=DENSITY, walk="one-hop", dense_layers=())
+    method = create_backend("sketch_walk", cfg, block_size=block, density=DENSITY, walk="one-hop", dense_layers=(),
+                            **GRAPH_DECODE)
     cache = KVCache(cfg, width + 1, block, torch.bfloat16, dev, num_kv_heads=1)
     return SketchWalkGraphDecode(method, cache, max_batch=batch, max_blocks=width)
 
@@ -137,7 +139,7 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
                    for i in range(args.batch)]
     block = 16 if args.smoke else BLOCK
     backend = create_backend("sketch_walk", model.cfg, block_size=block, density=args.density, walk="one-hop",
-                             token_query=args.token_query)
+                             token_query=args.token_query, **GRAPH_DECODE)
     cache = KVCache(model.cfg, args.batch * -(-(args.tokens + args.steps + 1) // block) + 1, block,
                     model.lm_head.weight.dtype, dev)
     with torch.no_grad():

@@ -23,7 +23,8 @@ of every expected answer in the haystack):
 
 Usage: python benchmarks/probe_needle.py [--task single_needle|multi_key|multi_value] [--samples 4]
        [--density 0.2] [--setting 'sketch_walk:walk=one-hop;token_query=last'] ... [--threads 1] [--json PATH]
-       [--tiny]   (no --setting: the walks, token queries and heads options of BENCHMARKS.md, Quest, oracle)
+       [--tiny]   (no --setting: the walks, token queries, heads and key-part options of BENCHMARKS.md, Quest,
+                   oracle; ``sketch_walk`` alone is the default: heads=pair-lse, sub_blocks=8, decode_unit=part)
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ from raysparse.methods.base import SeqContext, row_budget
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL
 
-DEFAULT_SETTINGS = ("sketch_walk:walk=rollout;token_query=never", "sketch_walk:walk=rollout;token_query=decode",
-                    "sketch_walk:walk=product;token_query=never", "sketch_walk:walk=one-hop;token_query=never",
-                    "sketch_walk:walk=one-hop;token_query=decode", "sketch_walk:walk=one-hop;token_query=last",
-                    "sketch_walk:walk=one-hop;token_query=decode;heads=kv",
-                    "sketch_walk:walk=one-hop;token_query=last;heads=kv",
-                    "sketch_walk:walk=rollout;token_query=decode;heads=kv", "sketch_walk:heads=pair",
-                    "sketch_walk:heads=pair-lse", "sketch_walk:heads=pair-lse;sub_blocks=4",
-                    "sketch_walk:heads=pair-lse;sub_blocks=8;decode_unit=part", "quest", "oracle")
+SPEC_SCORING = "heads=mean;sub_blocks=1;decode_unit=block"  # the scoring of every setting before the key parts
+DEFAULT_SETTINGS = tuple(f"sketch_walk:{s};{SPEC_SCORING}" for s in (
+    "walk=rollout;token_query=never", "walk=rollout;token_query=decode", "walk=product;token_query=never",
+    "walk=one-hop;token_query=never", "walk=one-hop;token_query=decode", "walk=one-hop;token_query=last")) + (
+    "sketch_walk:walk=one-hop;token_query=decode;heads=kv;sub_blocks=1;decode_unit=block",
+    "sketch_walk:walk=one-hop;token_query=last;heads=kv;sub_blocks=1;decode_unit=block",
+    "sketch_walk:walk=rollout;token_query=decode;heads=kv;sub_blocks=1;decode_unit=block",
+    "sketch_walk:heads=pair;sub_blocks=1;decode_unit=block",
+    "sketch_walk:heads=pair-lse;sub_blocks=1;decode_unit=block",
+    "sketch_walk:heads=pair-lse;sub_blocks=4;decode_unit=block", "sketch_walk", "quest", "oracle")
 
 
 def parse_setting(text: str) -> tuple[str, dict]:

@@ -4,7 +4,8 @@ One dense prefill of real text records every layer's post-RoPE q and k; each spa
 same block budget tau_i = row_budget(density, i + 1) per query block i:
 - ``rollout``, ``product`` (SPEC's literal R^k = R^{k-1} W^k) and ``one-hop`` (this layer's W^k alone, no
   walk; the default): Sketch&Walk's own ``select_prefill`` with each ``walk`` mode, same sketches and forced
-  blocks, every row from its block mean (``token_query=never`` unless a variant sets it);
+  blocks, every row from its block mean (``token_query=never`` unless a variant sets it), the default scoring
+  (heads=pair-lse, sub_blocks=8) unless a variant sets another (SPEC's: ``heads=mean``);
 - ``oracle``: exact top-tau blocks per query block and KV head by summed dense mass (the block upper bound);
 - ``streaming``: the sink block plus the last tau_i - 1 blocks.
 Selections are made on the dense run's q and k (teacher forcing), so the numbers isolate selection quality.
@@ -74,7 +75,8 @@ def selections(layer_qk: dict[int, tuple[torch.Tensor, torch.Tensor]], model_cfg
     """Per walk mode and layer: Sketch&Walk's own prefill selection, bool [h_kv, nqb, nb]."""
     out: dict[str, dict[int, torch.Tensor]] = {}
     for walk in WALKS:
-        cfg = SketchWalkConfig(**{"density": density, "token_query": "never", **params, "walk": walk})
+        cfg = SketchWalkConfig(**{"density": density, "token_query": "never", "decode_unit": "block", **params,
+                                  "walk": walk})
         method = SketchWalk(model_cfg, cfg)
         seq_state: dict = {}
         out[walk] = {}

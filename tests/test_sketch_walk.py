@@ -19,7 +19,7 @@ from raysparse.loader import model_from_state
 from raysparse.methods.base import SeqContext
 from raysparse.methods.hadamard import SRHT, derive_seed, fwht
 from raysparse.methods.selection import SENTINEL
-from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
+from raysparse.methods.sketch_walk import GRAPH_DECODE, SketchWalk, SketchWalkConfig
 from raysparse.sampling import SamplingParams
 
 BF16 = {"rtol": 2**-7, "atol": 2e-3}  # A_hat is stored in bf16
@@ -45,7 +45,8 @@ def model_cfg(layers: int = 4, heads: int = 4, kv_heads: int = 2, head_dim: int 
 
 
 def method(cfg: ModelConfig, **kw) -> SketchWalk:
-    kw = {"block_size": 8, "sketch_dim": 16, "dense_layers": (0,), "seed": rand_int(0, 2**31), **kw}
+    """SPEC's scoring (head means, whole blocks) unless the test asks for another."""
+    kw = {"block_size": 8, "sketch_dim": 16, "dense_layers": (0,), "seed": rand_int(0, 2**31), **GRAPH_DECODE, **kw}
     return SketchWalk(cfg, SketchWalkConfig(**kw))
 
 
@@ -670,7 +671,8 @@ def test_config_validation_and_registry():
             SketchWalkConfig(**bad)
     c = SketchWalkConfig()
     assert (c.block_size, c.sketch_dim, c.exponent, c.density, c.dense_layers) == (64, 64, 8.0, 0.2, (0, 1))
-    assert (c.walk, c.residual, c.local_blocks, c.token_query, c.heads) == ("one-hop", 0.5, 1, "last", "mean")
+    assert (c.walk, c.residual, c.local_blocks, c.token_query, c.heads) == ("one-hop", 0.5, 1, "last", "pair-lse")
+    assert (c.sub_blocks, c.decode_unit) == (8, "part")
     from raysparse.methods.registry import get_method
 
     backend = get_method("sketch_walk").factory(model_cfg(), density=0.3, sketch_dim=32)
@@ -701,7 +703,7 @@ def run_steps(model, backend, prompts: list[list[int]], steps: int) -> list[torc
     return out
 
 
-@pytest.mark.parametrize("scoring", [{}, {"heads": "pair-lse", "sub_blocks": 4, "decode_unit": "part"}])
+@pytest.mark.parametrize("scoring", [GRAPH_DECODE, {}, {"heads": "pair", "sub_blocks": 4}])
 def test_density_one_reproduces_dense_attention_through_the_model(tiny_model, scoring):
     cfg = tiny_model.cfg
     # Ragged prompts that end inside a block, so decode crosses a block boundary.

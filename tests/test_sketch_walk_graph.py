@@ -11,6 +11,7 @@ from helpers import DEVICES, tiny_model
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
+from raysparse.methods.sketch_walk import GRAPH_DECODE
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode, attach_graph_decode
 
 
@@ -23,7 +24,7 @@ def _run(model, params, lens, steps, graph: bool, seed: int):
     g = torch.Generator().manual_seed(seed)
     dev = model.lm_head.weight.device
     cache = KVCache(model.cfg, 40, 16, device=dev)
-    backend = create_backend("sketch_walk", model.cfg, block_size=16, **params)
+    backend = create_backend("sketch_walk", model.cfg, block_size=16, **{**GRAPH_DECODE, **params})
     picks: list[tuple[int, int, torch.Tensor]] = []
     graphs = None
     if graph:
@@ -94,7 +95,7 @@ def test_slots_are_released_and_bounded(model):
     if model.lm_head.weight.is_cuda:
         pytest.skip("host-side bookkeeping: the CPU run covers it")
     cache = KVCache(model.cfg, 40, 16)
-    backend = create_backend("sketch_walk", model.cfg, block_size=16, density=0.3)
+    backend = create_backend("sketch_walk", model.cfg, block_size=16, density=0.3, **GRAPH_DECODE)
     assert not attach_graph_decode(backend, cache, max_batch=4, state_budget_bytes=1024)  # over budget: none
     assert attach_graph_decode(backend, cache, max_batch=1)
     path: SketchWalkGraphDecode = backend.graph_path

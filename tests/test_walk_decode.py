@@ -15,6 +15,7 @@ from raysparse.config import ModelConfig
 from raysparse.kernels.walk_decode import walk_decode_rows
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
+from raysparse.methods.sketch_walk import GRAPH_DECODE
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 
 B = 16
@@ -23,7 +24,7 @@ B = 16
 def _path(params: dict, width: int, slots: int = 4) -> SketchWalkGraphDecode:
     cfg = ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=4))
     # the graph path runs one-hop through kernels/walk_select.py (and keeps no W for it): the walks here
-    method = create_backend("sketch_walk", cfg, block_size=B, **{"walk": "rollout", **params})
+    method = create_backend("sketch_walk", cfg, block_size=B, **{"walk": "rollout", **GRAPH_DECODE, **params})
     return SketchWalkGraphDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=slots, max_blocks=width)
 
 

@@ -25,6 +25,7 @@ from raysparse.config import ModelConfig
 from raysparse.kernels.walk_select import ZERO_Y, walk_select
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
+from raysparse.methods.sketch_walk import GRAPH_DECODE
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 
 B = 16
@@ -33,7 +34,7 @@ SLOTS = 4  # 3 real slots + the scratch slot
 
 def _path(params: dict, width: int) -> SketchWalkGraphDecode:
     cfg = ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=4))
-    method = create_backend("sketch_walk", cfg, block_size=B, **{"walk": "one-hop", **params})
+    method = create_backend("sketch_walk", cfg, block_size=B, **{"walk": "one-hop", **GRAPH_DECODE, **params})
     return SketchWalkGraphDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width)
 
 

@@ -57,11 +57,12 @@ Choices where SPEC and paper are silent:
   log-sum-exp (``pair-lse``, a smooth max: a block that one head reads strongly is kept even where the
   other heads look elsewhere). State: qs, ks [b, h_kv, r] fp32 per KV head (as ``kv``), a_hat [b, b] and
   walk rows [rows, b] as SPEC's layout. Tensor parallelism: a shard holds whole KV groups, so the sketches
-  need no reduce; instead ``head_reduce`` sums the score rows the call recomputes, one SUM all-reduce of
-  [rows, b] per call (prefill: the new query blocks' rows plus the token row; decode: one or two rows of
-  b): ``pair`` reduces the per-shard sums of its heads' scores divided by the model's h_kv, ``pair-lse``
-  the per-shard sums of exp(score) in fp64 (no overflow below scores of ~700), whose log is the
-  log-sum-exp over every KV head. The selection is then the same on every shard.
+  need no reduce; instead ``head_reduce`` sums the score rows the call recomputes, one fp64 SUM all-reduce
+  of [rows, b] per call (prefill: the new query blocks' rows plus the token row; decode: one or two rows of
+  b, plus the token's part row with ``decode_unit="part"``): ``pair`` reduces the per-shard sums of its
+  heads' scores divided by the model's h_kv, ``pair-lse`` the per-shard sums of exp(score) (no overflow
+  below scores of ~700), whose log is the log-sum-exp over every KV head. One device combines in fp64
+  too, so the selection is the same on every shard and the same as on one device.
 - ``sub_blocks`` = P > 1 (a labelled departure, any ``heads``): keys are sketched per part of B / P tokens
   (ks [b * P, ...]), and a query row scores key block j as the best of its parts' scores (per head, before
   the heads combine; an empty part of the partial last block is no candidate); A_hat, the walk and the
@@ -108,6 +109,8 @@ WALKS = ("rollout", "product", "one-hop")
 TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv", "pair", "pair-lse")
 DECODE_UNITS = ("block", "part")
+# SPEC's scoring, the one the batched graph decode (sketch_walk_graph) implements: pass these to use it.
+GRAPH_DECODE = {"heads": "mean", "sub_blocks": 1, "decode_unit": "block"}
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,12 @@ class SketchWalkConfig(MethodConfig):
     # Whose query scores the last query block's selection row: "decode": in decode the new token's alone
     # (Algorithm 2); "last" (default): also at the end of a prefill, its last token's; "never": the block mean.
     token_query: str = "last"
-    # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head; pair / pair-lse:
-    # per-KV-head scores (group query . that head's keys) combined by their mean / log-sum-exp, one selection
-    heads: str = "mean"
-    sub_blocks: int = 1  # key sketches per 1/sub_blocks of a block; a key block scores as its best part
-    decode_unit: str = "block"  # block; part: decode attends the top parts of B / sub_blocks tokens (one-hop)
+    # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head; pair / pair-lse
+    # (default): per-KV-head scores (group query . that head's keys) combined by their mean / log-sum-exp,
+    # one selection per layer
+    heads: str = "pair-lse"
+    sub_blocks: int = 8  # key sketches per 1/sub_blocks of a block; a key block scores as its best part (SPEC: 1)
+    decode_unit: str = "part"  # part (default; one-hop only): decode attends the top parts of B / sub_blocks tokens
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -149,7 +153,8 @@ class SketchWalkConfig(MethodConfig):
         if self.decode_unit not in DECODE_UNITS:
             raise ValueError(f"decode_unit must be one of {DECODE_UNITS}, got {self.decode_unit!r}")
         if self.decode_unit == "part" and self.walk != "one-hop":
-            raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop'")
+            raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop' "
+                             "(with another walk, pass decode_unit='block')")
         if (isinstance(self.sub_blocks, bool) or not isinstance(self.sub_blocks, int) or self.sub_blocks < 1
                 or self.block_size % self.sub_blocks):
             raise ValueError(f"sub_blocks must be a positive divisor of block_size, got {self.sub_blocks!r}")
@@ -299,19 +304,21 @@ class SketchWalk(SparseMethod):
 
     def _combine_heads(self, s: torch.Tensor) -> torch.Tensor:
         """Per-head scores [H, ...] -> [H', ...]: ``pair`` their mean, ``pair-lse`` their log-sum-exp over
-        every KV head (across shards by ``head_reduce``); ``mean`` and ``kv`` as they are."""
-        reduce = self.head_reduce
-        if self.config.heads == "pair":
-            s = s.sum(0, keepdim=True) / (self.model_cfg.num_kv_heads if reduce is not None else s.shape[0])
-            return s if reduce is None else reduce(s)
-        if self.config.heads == "pair-lse":
-            if reduce is None:
-                return s.logsumexp(0, keepdim=True)
-            # exp in fp64 (no overflow below scores of ~700) so that a SUM reduce yields the log-sum-exp;
-            # a part empty on every head stays at the floor, below any real score
-            tiny = torch.finfo(torch.float64).tiny
-            return reduce(s.double().exp().sum(0, keepdim=True)).clamp(min=tiny).log().float()
-        return s
+        every KV head (across shards by ``head_reduce``); ``mean`` and ``kv`` as they are. In fp64, one
+        device too, so that shards' partial sums, in whatever grouping, round to one device's fp32 values
+        (the same selection under tensor parallelism); exp overflows only above scores of ~700."""
+        heads, reduce = self.config.heads, self.head_reduce
+        if heads not in ("pair", "pair-lse"):
+            return s
+        if heads == "pair":
+            x = s.double().sum(0, keepdim=True) / (self.model_cfg.num_kv_heads if reduce is not None else s.shape[0])
+        else:
+            x = s.double().exp().sum(0, keepdim=True)
+        if reduce is not None:
+            x = reduce(x)
+        if heads == "pair-lse":  # a part empty on every head stays at the floor, below any real score
+            x = x.clamp(min=torch.finfo(torch.float64).tiny).log()
+        return x.float()
 
     # ---- the walk -------------------------------------------------------------------------------
     def _walk(self, ctx: SeqContext, qb0: int, nb: int, token_row: torch.Tensor | None = None) -> torch.Tensor:
