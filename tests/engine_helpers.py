@@ -26,6 +26,29 @@ def run(engine: Engine, method: str, params: dict[str, Any], ps: list[tuple[int,
     return out
 
 
+def kill_shard_mid_request(engine: Engine, prompt: tuple[int, ...], tokens_first: int = 1) -> str:
+    """Kills rank 1 of replica 0 while a long request decodes (after ``tokens_first`` tokens); checks the
+    request fails naming the dead shard and the group comes back rebuilt once. Returns the victim's name."""
+    import time
+
+    import ray
+
+    h = engine.submit(EngineRequest(prompt, SamplingParams(max_new_tokens=300, ignore_eos=True)))
+    for _ in range(tokens_first):
+        h.get(60)
+    victim = engine.server_info()["replicas"][0]["shards"][1]["name"]
+    ray.kill(ray.get_actor(victim))
+    fin = h.result(120)
+    assert fin.finish_reason == "error" and "died" in fin.error and victim in fin.error
+    deadline = time.time() + 240
+    while engine.server_info()["replicas"][0]["state"] != "ready" and time.time() < deadline:
+        time.sleep(0.5)
+    rep = engine.server_info()["replicas"][0]
+    assert rep["state"] == "ready" and rep["rebuilds"] == 1
+    assert victim not in [s["name"] for s in rep["shards"]]
+    return victim
+
+
 def assert_same_selections(e1: Engine, e2: Engine, shared: bool) -> None:
     """Shards of e2 (TP=2) against e1 (TP=1), call by call: the same list on every shard when the method
     shares one selection across heads, else the shards' heads in rank order are TP=1's heads."""

@@ -3,10 +3,9 @@ plain actor calls at TP=2, and a shard killed mid-decode fails its request and t
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from engine_helpers import kill_shard_mid_request
 from helpers import random_state, tiny_hf_config
 
 from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
@@ -27,8 +26,6 @@ def _generate(engine: Engine, ps: list[tuple[int, ...]], method: str, params: di
 
 
 def test_compiled_decode_matches_plain_calls_and_survives_a_killed_shard(tmp_path, monkeypatch):
-    import ray
-
     cfg = tiny_hf_config(num_kv_heads=2, group=2, layers=3)
     random_state(cfg, seed=int(torch.randint(0, 1000, ()))).save_pretrained(tmp_path)
     ps = _prompts()
@@ -43,16 +40,6 @@ def test_compiled_decode_matches_plain_calls_and_survives_a_killed_shard(tmp_pat
             assert (group._dag is not None) == (mode == "on")
             if mode == "off":
                 continue
-            h = eng.submit(EngineRequest(ps[0], SamplingParams(max_new_tokens=300, ignore_eos=True)))
-            h.get(60)
-            h.get(60)  # decoding through the compiled graph now
-            victim = eng.server_info()["replicas"][0]["shards"][1]["name"]
-            ray.kill(ray.get_actor(victim))
-            fin = h.result(120)
-            assert fin.finish_reason == "error" and "died" in fin.error and victim in fin.error
-            deadline = time.time() + 240
-            while eng.server_info()["replicas"][0]["state"] != "ready" and time.time() < deadline:
-                time.sleep(0.5)
-            assert eng.server_info()["replicas"][0]["rebuilds"] == 1
+            kill_shard_mid_request(eng, ps[0], tokens_first=2)  # the second token: decoding in the graph
             assert _generate(eng, ps[:1], "dense", {}) == results["on"][0][:1]
     assert results["on"] == results["off"]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import SHARED_SELECTION, assert_same_selections, tp1_and_tp2
+from engine_helpers import SHARED_SELECTION, assert_same_selections, kill_shard_mid_request, tp1_and_tp2
 from engine_helpers import run as run_one_at_a_time
 from helpers import random_state, tiny_hf_config
 
@@ -124,21 +124,8 @@ def test_abort_frees_the_request(engines):
 
 
 def test_killed_shard_fails_its_request_and_the_group_is_rebuilt(engines):
-    import ray
-
     _, e2 = engines
-    h = e2.submit(EngineRequest(prompts(1)[0], SamplingParams(max_new_tokens=200, ignore_eos=True)))
-    h.get(60)
-    victim = e2.server_info()["replicas"][0]["shards"][1]["name"]
-    ray.kill(ray.get_actor(victim))
-    fin = h.result(120)
-    assert fin.finish_reason == "error" and "died" in fin.error and victim in fin.error
-    deadline = time.time() + 240
-    while e2.server_info()["replicas"][0]["state"] != "ready" and time.time() < deadline:
-        time.sleep(0.5)
-    rep = e2.server_info()["replicas"][0]
-    assert rep["state"] == "ready" and rep["rebuilds"] == 1
-    assert victim not in [s["name"] for s in rep["shards"]]
+    kill_shard_mid_request(e2, prompts(1)[0])
     assert len(run(e2, "dense", prompts(1), new=3)[0]) == 3
 
 
