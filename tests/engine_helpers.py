@@ -26,14 +26,14 @@ def run(engine: Engine, method: str, params: dict[str, Any], ps: list[tuple[int,
     return out
 
 
-def kill_shard_mid_request(engine: Engine, prompt: tuple[int, ...], tokens_first: int = 1) -> str:
+def kill_shard_mid_request(engine: Engine, prompt: tuple[int, ...], tokens_first: int = 1, new: int = 200) -> str:
     """Kills rank 1 of replica 0 while a long request decodes (after ``tokens_first`` tokens); checks the
     request fails naming the dead shard and the group comes back rebuilt once. Returns the victim's name."""
     import time
 
     import ray
 
-    h = engine.submit(EngineRequest(prompt, SamplingParams(max_new_tokens=300, ignore_eos=True)))
+    h = engine.submit(EngineRequest(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True)))
     for _ in range(tokens_first):
         h.get(60)
     victim = engine.server_info()["replicas"][0]["shards"][1]["name"]
