@@ -118,6 +118,10 @@ def main() -> None:
                     help="> 1: aggregate decode throughput of that many concurrent requests per context (the "
                          "contexts are then the prompt lengths; the steps setting is the largest of --decode-steps)")
     ap.add_argument("--window", type=float, default=8.0, help="with --batch: seconds of steady decode counted")
+    ap.add_argument("--sw-scoring", choices=("graph", "default"), default="graph",
+                    help="Sketch&Walk's scoring: 'graph' = SPEC's head-mean block scoring (GRAPH_DECODE), which "
+                         "decodes from CUDA graphs and which the recorded GPU runs used; 'default' = the method's "
+                         "defaults")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the default model, 512 tokens")
     args = ap.parse_args()
     from raysparse.orchestration.engine import Engine, EngineConfig
@@ -130,7 +134,15 @@ def main() -> None:
     model, random_weights, dtype = args.model, True, args.dtype
     if args.smoke:
         contexts, model, random_weights, dtype, args.new_tokens = [512], None, False, "float32", 6
-    methods = [(m, {} if m == "dense" else {"density": args.density}) for m in args.methods.split(",")]
+    from raysparse.methods.sketch_walk import GRAPH_DECODE
+
+    def params(m: str) -> dict[str, Any]:
+        p: dict[str, Any] = {} if m == "dense" else {"density": args.density}
+        if m == "sketch_walk" and args.sw_scoring == "graph":
+            p.update(GRAPH_DECODE)
+        return p
+
+    methods = [(m, params(m)) for m in args.methods.split(",")]
     rows: list[dict[str, Any]] = []
     from raysparse.orchestration.ray_env import start_ray
 
