@@ -9,7 +9,8 @@ of static buffers:
   only the current block's A_hat row (rounded to bf16 as the reference caches it) and its W row. As in
   the reference, the step's own walk uses the row scored by the new token's query (``token_query``) in
   place of the block mean's, which is what the state keeps. ``one-hop`` never reads W: it has none.
-Only the default head-averaged sketches (``heads="mean"``) have this path.
+Only SPEC's head-averaged sketches (``heads="mean"``) have this path; the paired scorings have theirs in
+``sketch_walk_graph_paired``.
 Lengths, slots and budgets are device tensors; the top-k is a stable sort of each row (ties toward lower
 blocks, as ``topk_mask``), so one step is the same kernels whatever the lengths. Tensors are cut to the
 graph's page-width bucket (a block is a page). A sequence enters on its first graph step: its prefill
@@ -268,11 +269,21 @@ class SketchWalkGraphDecode:
 
 def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budget_bytes: int = 8 << 30,
                         max_positions: int | None = None) -> bool:
-    """Gives a backend that has a graph path its fixed-shape state; returns whether it now has one."""
-    if (not isinstance(backend, SketchWalk) or cache.page_size != backend.config.block_size
-            or getattr(backend.config, "heads", "mean") != "mean"):
+    """Gives a backend that has a graph path its fixed-shape state; returns whether it now has one. The
+    paired scorings (``sketch_walk_graph_paired``) get theirs only with ``RAYSPARSE_SW_GRAPH_PAIRED=on``."""
+    if not isinstance(backend, SketchWalk) or cache.page_size != backend.config.block_size:
         return False
     limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
+    if backend.config.heads != "mean":
+        from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode, paired_enabled
+
+        if not paired_enabled() or not PairedGraphDecode.supports(backend.config):
+            return False
+        if (max_batch + 1) * PairedGraphDecode.state_bytes(backend, limit, cache.num_kv_heads) > state_budget_bytes:
+            return False
+        # past the ``graph_path`` setter, which keeps key parts (sub_blocks > 1) off the head-mean path only
+        backend._graph_path = PairedGraphDecode(backend, cache, max_batch, limit)
+        return True
     if (max_batch + 1) * SketchWalkGraphDecode.state_bytes(backend, limit) > state_budget_bytes:
         return False
     backend.graph_path = SketchWalkGraphDecode(backend, cache, max_batch, limit)

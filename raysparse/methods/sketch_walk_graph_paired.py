@@ -1,0 +1,207 @@
+"""Sketch&Walk's fixed-shape batched decode for the paired head scoring (``heads="pair"`` / ``"pair-lse"``,
+any ``sub_blocks``, ``decode_unit`` part or block, ``walk="one-hop"``, ``token_query`` last or decode): the
+default's CUDA-graph path, beside ``sketch_walk_graph``'s head-mean one.
+
+Per slot: the key part sums ``ks`` [slots, sparse layers, Bmax * P, h_kv, r] (fp32), the reference's own
+layout (per KV head, one row per part of B / P tokens). Each step adds the new key to its part, scores the
+new token's sketched query (its query group's mean, per KV head) against every part mean, combines the
+heads with the reference's ``_combine_heads`` (mean or log-sum-exp in fp64, through ``head_reduce`` under
+tensor parallelism: the same reduce seam, so shards agree), and selects:
+- ``decode_unit="part"``: every filled part of the sink and local blocks plus the top parts by the combined
+  part scores, up to tau * P parts; the list is of parts (``unit`` = B / P tokens, which the decode kernel
+  reads through the page table at token granularity);
+- ``decode_unit="block"``: a block scores as its best part (per head, before the heads combine), the row is
+  rounded to bf16 as the reference caches A_hat and turned into the one-hop W row, and the head-mean path's
+  ``_choose`` picks sink + local + top blocks.
+The query-block sums (the reference's ``qs``) are not kept: with one-hop and a token query, decode never
+reads a block mean's row, and the graph path owns the sequence from its first step on (the reference's
+state is dropped), so no later call could read them either. That saves 1 / (1 + P) of the state.
+
+Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
+lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors
+of each step; no host sync. Attached only with ``RAYSPARSE_SW_GRAPH_PAIRED=on`` (default off) until a
+capture has been verified on the GPU machine.
+
+Memory per slot: 4 * L_s * Bmax * P * h_kv * r bytes (h_kv: the KV heads this shard holds).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from raysparse.kv_cache import BatchMeta, KVCache
+from raysparse.methods.base import row_budget
+from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
+from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
+
+# "on": attach this path for the paired scorings; "off" (default): they decode eagerly.
+PAIRED_ENV = "RAYSPARSE_SW_GRAPH_PAIRED"
+_KEY_FLOOR = torch.iinfo(torch.int64).min  # below every candidate's key
+
+
+def paired_enabled() -> bool:
+    mode = os.environ.get(PAIRED_ENV, "off")
+    if mode not in ("on", "off"):
+        raise ValueError(f"{PAIRED_ENV} must be on or off, got {mode!r}")
+    return mode == "on"
+
+
+def order_keys(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int64 that orders like the values (-0.0 as 0.0; no NaN expected)."""
+    bits = (x + 0.0).contiguous().view(torch.int32)  # + 0.0 turns -0.0 into 0.0, which sorts as its equal
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+
+
+class PairedGraphDecode(SketchWalkGraphDecode):
+    """Shares the head-mean path's slot bookkeeping (``prepare``, ``release``) and its block ``_choose``;
+    its own state, entry, selection and accounting."""
+
+    key_parts = True  # serves sub_blocks > 1
+
+    def __init__(self, method: SketchWalk, cache: KVCache, max_batch: int, max_blocks: int) -> None:
+        cfg = method.config
+        if not self.supports(cfg) or cache.page_size != cfg.block_size:
+            raise ValueError(f"the paired graph decode does not serve {cfg}")
+        self.m, self.cfg = method, cfg
+        sparse = [i for i in range(method.model_cfg.num_layers) if not method.is_dense_layer(i)]
+        self.index = {layer: i for i, layer in enumerate(sparse)}
+        self.first = sparse[0] if sparse else None
+        slots, r, dev = max_batch + 1, method.srht.sketch_dim, cache.device
+        self.parts = cfg.sub_blocks
+        self.ks = torch.zeros(slots, len(sparse), max_blocks * self.parts, cache.num_kv_heads, r, device=dev)
+        self.scratch = slots - 1
+        self.row_slot = torch.full((max_batch,), self.scratch, dtype=torch.long, device=dev)
+        self.slot_of: dict[int, int] = {}
+        self._free = list(range(slots - 1))
+        self._step: dict[str, Any] | None = None
+
+    @staticmethod
+    def supports(cfg: SketchWalkConfig) -> bool:
+        size = cfg.block_size // cfg.sub_blocks
+        return (cfg.heads in ("pair", "pair-lse") and cfg.walk == "one-hop" and cfg.token_query != "never"
+                and cfg.decode_unit in ("part", "block") and size & (size - 1) == 0)
+
+    @staticmethod
+    def state_bytes(method: SketchWalk, max_blocks: int, num_kv_heads: int = 0) -> int:  # type: ignore[override]
+        layers = sum(not method.is_dense_layer(i) for i in range(method.model_cfg.num_layers))
+        h_kv = num_kv_heads or method.model_cfg.num_kv_heads
+        return layers * 4 * max_blocks * method.config.sub_blocks * h_kv * method.srht.sketch_dim
+
+    # ---- host side -----------------------------------------------------------------------------
+    def _enter(self, sid: int, cache: KVCache) -> None:
+        if not self._free:
+            raise RuntimeError("sketch_walk graph decode: every state slot is taken")
+        slot = self._free.pop()
+        for layer, li in self.index.items():
+            st = cache.metadata[layer].get(sid)
+            if st is None or "ks" not in st:
+                raise RuntimeError(f"sketch_walk: sequence {sid} has no sketches at layer {layer}; prefill first")
+            rows = st["ks"].shape[0]
+            self.ks[slot, li].zero_()
+            self.ks[slot, li, :rows] = st["ks"]
+            st.clear()  # the slot is the state now; the reference path would find it gone
+            st["graph_slot"] = slot
+        self.slot_of[sid] = slot
+
+    def account(self, ctx_lens: list[int], num_kv_heads: int) -> None:
+        """The density a step used, host arithmetic as the reference counts it (``attended_keys``)."""
+        if self.cfg.decode_unit == "block":
+            return super().account(ctx_lens, num_kv_heads)
+        cfg, meter = self.cfg, self.m.meter
+        B, P = cfg.block_size, self.parts
+        size = B // P
+        attended = 0.0
+        for n in ctx_lens:
+            nb, held = -(-n // B), -(-n // size)
+            forced = {0, *range(max(0, nb - cfg.local_blocks), nb)}
+            forced_tokens = sum(min(B, n - j * B) for j in forced)
+            forced_parts = sum(min(P, held - j * P) for j in forced)
+            extra = max(0, int(row_budget(cfg.density, torch.tensor(nb))) * P - forced_parts)
+            attended += forced_tokens + min(extra, held - forced_parts) * size  # other parts are full
+        dense = float(sum(ctx_lens))
+        for layer in range(meter.num_layers):
+            a = dense if layer not in self.index else attended
+            meter.add(layer, a * num_kv_heads, dense * num_kv_heads, decode=True)
+
+    # ---- one layer, captured ------------------------------------------------------------------------
+    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        from raysparse.kernels.dispatch import sparse_decode_attention_varlen
+        from raysparse.kernels.formats import PagedKV
+
+        table, seqlens, dense_blocks = batch.extras["paged"]
+        kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
+        if layer not in self.index:
+            return sparse_decode_attention_varlen(q, kv, dense_blocks, unit=cache.page_size)[0]
+        idx, unit = self._select(layer, q, cache, batch, seqlens.long(), table.shape[1])
+        lists = idx[:, None, :].expand(-1, cache.num_kv_heads, -1).contiguous()
+        return sparse_decode_attention_varlen(q, kv, lists, unit=unit)[0]
+
+    def _select(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,  # type: ignore[override]
+                w: int) -> tuple[torch.Tensor, int]:
+        """This layer's selection for every row: (ascending list [bsz, width] int32, -1 padded; its unit)."""
+        cfg, m, li, P = self.cfg, self.m, self.index[layer], self.parts
+        bsz = q.shape[0]
+        slots = self.row_slot[:bsz]
+        k_new = cache.k[layer][batch.slot_pages, :, batch.slot_offsets, :]  # [bsz, h_kv, d]
+        h_kv = k_new.shape[1]
+        # as the reference: each KV head's query group averaged, keys per head; a shard holds whole groups
+        q_avg = q.float().reshape(bsz, h_kv, -1, q.shape[-1]).mean(2)
+        new = m.srht.apply(torch.stack((q_avg, k_new.float())))  # [2, bsz, h_kv, r]
+        if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
+            self._step = self.paired_constants(n, w)
+        st = self._step
+        ks = self.ks[:, li, : w * P]  # a view: writes reach the state
+        # (slot, part) pairs are distinct across real rows; padded rows share the scratch slot (any wins)
+        ks[slots, st["part"]] = ks[slots, st["part"]] + new[1]
+        k_mean = ks[slots] / st["cnt"][:, :, None, None]  # [bsz, w * P, h_kv, r]
+        s = torch.einsum("bhr,bjhr->hbj", new[0], k_mean) / math.sqrt(m.srht.sketch_dim)  # [h_kv, bsz, w * P]
+        s = s.masked_fill(~st["filled"], -math.inf)  # an empty part is no candidate
+        if cfg.decode_unit == "part":
+            return self._choose_parts(m._combine_heads(s)[0], st), cfg.block_size // P
+        blocks = s.unflatten(-1, (w, P)).amax(-1) if P > 1 else s  # a block scores as its best part
+        off = ~st["causal"]
+        logits = m._combine_heads(blocks)[0].masked_fill(off, 0.0).to(torch.bfloat16).float()  # as A_hat is cached
+        rows = torch.exp(cfg.exponent * torch.log_softmax(logits.masked_fill(off, -math.inf), -1))
+        rows = rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        return self._choose(rows, st), cfg.block_size
+
+    def paired_constants(self, n: torch.Tensor, w: int) -> dict[str, Any]:
+        """The head-mean path's block constants plus the parts': counts, filled and forced parts, budgets."""
+        cfg, P, dev = self.cfg, self.parts, n.device
+        st = self.step_constants(n, w)
+        size = cfg.block_size // P
+        held = (n + size - 1) // size  # parts holding a token
+        cols = torch.arange(w * P, device=dev)
+        filled = cols < held[:, None]
+        st.update(part=(n - 1) // size, cnt=(n[:, None] - cols * size).clamp(min=1, max=size).float(),
+                  filled=filled[None])
+        if cfg.decode_unit == "block":
+            return st
+        blk = cols // P
+        nb = st["cb"] + 1
+        forced = ((blk == 0) | (blk >= nb[:, None] - cfg.local_blocks)) & filled
+        budget = (cfg.density * nb.float()).round().clamp(min=1).long() * P  # row_budget, on the device
+        extra = (budget - forced.sum(-1)).clamp(min=0)
+        top = P * max(1, int(row_budget(cfg.density, torch.tensor(w))))  # static: any row's budget in parts
+        k = min(w * P, top)
+        # the forced blocks (sink, local; out-of-range ones at w) as their parts, empty ones dropped
+        fparts = st["forced"][:, :, None] * P + torch.arange(P, device=dev)
+        fparts = torch.where(fparts < held[:, None, None], fparts, w * P).flatten(1)
+        st.update(p_cand=filled & ~forced, p_low=w * P - 1 - cols, p_k=k, p_forced=fparts,
+                  p_take=torch.arange(k, device=dev) < extra[:, None],
+                  p_width=min(w * P, max(top, P * (1 + cfg.local_blocks))))
+        return st
+
+    def _choose_parts(self, scores: torch.Tensor, st: dict[str, Any]) -> torch.Tensor:
+        """Ascending part list per row, -1 padded: the forced parts plus the top-(budget - forced) by
+        ``scores`` [bsz, w * P] (any sign: keyed by their order-preserving bits, ties to the lower part)."""
+        wp = st["p_low"].numel()
+        key = (order_keys(scores) << 32) | st["p_low"]
+        top = torch.topk(torch.where(st["p_cand"], key, _KEY_FLOOR), st["p_k"], dim=-1)
+        picked = torch.where(st["p_take"] & (top.values > _KEY_FLOOR), top.indices, wp)
+        srt = torch.sort(torch.cat((st["p_forced"], picked), 1), dim=-1).values[:, : st["p_width"]]
+        return torch.where(srt < wp, srt, -1).to(torch.int32)
