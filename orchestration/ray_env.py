@@ -25,7 +25,9 @@ def start_ray(address: str | None, num_cpus: int | None = None, env: dict[str, s
         return False
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(k, WORKER_ENV[k])
-    runtime_env = {"env_vars": {**WORKER_ENV, **(env or {})}}
+    # the project's own switches (RAYSPARSE_*) reach the workers on any cluster, not only a local one
+    own = {k: v for k, v in os.environ.items() if k.startswith("RAYSPARSE_")}
+    runtime_env = {"env_vars": {**WORKER_ENV, **own, **(env or {})}}
     if address is None:
         for k, v in LOCAL_RAY_ENV.items():
             os.environ.setdefault(k, v)

@@ -215,15 +215,15 @@ class SketchWalk(SparseMethod):
         # Tensor parallelism: a SUM all-reduce over the shards (see the module docstring); None on one device.
         self.head_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    # The batched graph decode (sketch_walk_graph) scores whole key blocks only and its attach checks
-    # ``heads`` alone: with key parts the eager path stays.
+    # The head-mean graph decode (sketch_walk_graph) scores whole key blocks only; with key parts only a path
+    # that serves them (``key_parts``: sketch_walk_graph_paired) is taken, else the eager path stays.
     @property
     def graph_path(self) -> Any:
         return self._graph_path
 
     @graph_path.setter
     def graph_path(self, path: Any) -> None:
-        self._graph_path = path if self.config.sub_blocks == 1 else None
+        self._graph_path = path if self.config.sub_blocks == 1 or getattr(path, "key_parts", False) else None
 
     # ---- sketches and block scores --------------------------------------------------------------
     # Internally every tensor carries a leading score-head axis H: 1 for heads="mean" (whose state keeps

@@ -281,8 +281,7 @@ def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budg
             return False
         if (max_batch + 1) * PairedGraphDecode.state_bytes(backend, limit, cache.num_kv_heads) > state_budget_bytes:
             return False
-        # past the ``graph_path`` setter, which keeps key parts (sub_blocks > 1) off the head-mean path only
-        backend._graph_path = PairedGraphDecode(backend, cache, max_batch, limit)
+        backend.graph_path = PairedGraphDecode(backend, cache, max_batch, limit)
         return True
     if (max_batch + 1) * SketchWalkGraphDecode.state_bytes(backend, limit) > state_budget_bytes:
         return False
