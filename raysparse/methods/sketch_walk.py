@@ -13,94 +13,13 @@ model at density 0.2 (four retrieval tasks, 4 samples each) they score 0.47 agai
 with whole blocks (dense 0.64), perplexity 37.15 against 38.38 (dense 34.63) and decode perplexity 35.91
 against 41.00 (dense 33.98): the needle probe's decode cover of the needle went from 0.71 to 1.00 (single
 needle) and 0.42 to 0.89 (multi-value) in the layers that read it. Paired heads with key parts did that
-(0.33 with block decode), part-granular decode the rest. The batched graph decode serves only
-``GRAPH_DECODE``'s scoring; the defaults decode eagerly.
+(0.33 with block decode), part-granular decode the rest. The batched graph decode
+(``sketch_walk_graph``) serves ``GRAPH_DECODE``'s scoring; the paired modes have theirs
+(``sketch_walk_graph_paired``) behind ``RAYSPARSE_SW_GRAPH_PAIRED=on`` until it is measured on a GPU, so by
+default the defaults decode eagerly on GPUs.
 
-Choices where SPEC and paper are silent:
-- GQA (heads="mean"): Q_avg is the mean over all h query heads, K_avg over the h_kv KV heads (the paper's
-  mean over h repeated heads is the same). One selection per layer, expanded (not copied) over the KV
-  heads (but see ``heads`` below).
-- Block representatives are kept already sketched: running fp32 sums of Q_avg H_d and K_avg H_d per block
-  ([b, r] each; the sketch is linear, so sketch-of-mean = mean-of-sketches). Counts follow from n
-  (min(B, n - jB)), so a partial last block averages what it has, in prefill and decode alike.
-- r is min(sketch_dim, d') with d' = head_dim padded to a power of two; the scale is 1/sqrt(r) of that r.
-- A_hat is cached in bf16 (entries above the block diagonal are stored as 0 and masked). The walk always
-  reads the bf16 values, in prefill too, so decode reproduces prefill on the same sequence.
-- The walk (``walk``). ``product`` is SPEC's literal R^k = R^{k-1} W^k with W = P**s, computed as
-  exp(s * log_softmax(A_hat)) (no underflow of P first). On the default model it loses to selecting by
-  W^k alone (benchmarks/probe_sketch_walk.py, 2048 tokens, density 0.2: dense mass kept 0.72 vs 0.78,
-  perplexity 54.3 vs 27.9, dense 26.5): W's rows are not normalised, and under the block-causal mask the
-  early rows have few causal entries, so P**s there is near 1 while a late row's P**s is tiny. Paths
-  through early blocks then dominate every product, and over 28 sparse layers R drifts away from the
-  local blocks toward the start of the sequence. ``rollout`` makes the walk a random walk
-  that also follows the residual stream (as attention rollout does): each step is the row-stochastic
-  alpha I + (1 - alpha) row-softmax(s * A_hat) (P**s rescaled to sum 1: the same ranking per row as P**s),
-  alpha = ``residual`` = 0.5, so R^k keeps this layer's W^k row as a term and adds the blocks that the
-  blocks it reached at earlier layers attend now. The default is ``one-hop`` (W^k alone): on the default
-  model every walk loses retrieval (BENCHMARKS.md, "Sketch&Walk: why retrieval fails"): a needle's block is
-  attended by the answer's query and by no other block, so paths through other blocks' rows rank it below
-  the blocks that the prose keeps attending, while perplexity is the same with or without it. Rows of R are
-  renormalised after every layer, R^0 included (a row scale changes no ranking). Row i of R^k depends only
-  on row i of R^{k-1}, so ``ctx.seq_state`` carries only the rows of the current call's query blocks from
-  one sparse layer to the next (one row in decode), tagged with (q_start, n) to catch a stale walk.
-- Dense layers run plain SDPA, record nothing and are not part of the walk (also dense layers listed
-  after the first sparse one). With no sparse layer nothing is sketched at all.
-- Budget: query block i keeps tau_i = row_budget(density, i + 1) blocks in total, forced blocks included
-  (block 0 as sink, and the last ``local_blocks`` blocks up to the diagonal i; default 1, the diagonal
-  alone: 2 measured 27.6 vs 27.8 perplexity for 7% more density); where the forced blocks exceed tau_i
-  (short rows) they win.
-  The diagonal block is causally about half full, which roughly offsets that excess, so the metered
-  density lands near the budget. Decode: top-(tau - forced) blocks by R plus the current block and sink.
-- Decode row (``token_query``). The state always holds SPEC's block-mean rows, so decode state == prefill
-  state on the full sequence. The row the current step selects by is, with "decode" or "last", scored by the
-  new token's query alone, as the paper's Algorithm 2 writes it, for this step only. "last" (the default)
-  does the same for a prefill's last query block (its last token's query: a labelled departure; that token
-  predicts the first generated one); "never" selects by the block mean's row. Why: a retrieval answer's query is one
-  token, and its block's mean is mostly the question's other tokens (``benchmarks/probe_needle.py``).
-- ``heads="kv"`` (a labelled departure from SPEC's head average, and a different state layout: qs, ks
-  [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]): each KV head sketches its own keys and the
-  mean of its query group, and walks and selects for itself. Tensor parallelism needs no reduce then.
-- ``heads="pair"`` / ``"pair-lse"`` (labelled departures): SPEC's Q_avg . K_avg mixes the KV heads' dot
-  products (head h's query against head h' 's keys), and heads that read different things blur one another.
-  Here each KV head scores its own keys by its query group's mean, and the per-head scores combine into ONE
-  A_hat, walk and selection per layer, shared by every head as in SPEC: by their mean (``pair``) or their
-  log-sum-exp (``pair-lse``, a smooth max: a block that one head reads strongly is kept even where the
-  other heads look elsewhere). State: qs, ks [b, h_kv, r] fp32 per KV head (as ``kv``), a_hat [b, b] and
-  walk rows [rows, b] as SPEC's layout. Tensor parallelism: a shard holds whole KV groups, so the sketches
-  need no reduce; instead ``head_reduce`` sums the score rows the call recomputes, one fp64 SUM all-reduce
-  of [rows, b] per call (prefill: the new query blocks' rows plus the token row; decode: one or two rows of
-  b, plus the token's part row with ``decode_unit="part"``): ``pair`` reduces the per-shard sums of its
-  heads' scores divided by the model's h_kv, ``pair-lse`` the per-shard sums of exp(score) (no overflow
-  below scores of ~700), whose log is the log-sum-exp over every KV head. One device combines in fp64
-  too, so the selection is the same on every shard and the same as on one device.
-- ``decode_unit="part"`` (a labelled departure; needs walk="one-hop" and is the default): in decode the
-  selection is in parts of B / P tokens, the budget tau_i * P parts: every part of the sink and local blocks
-  that holds a token, plus the top parts by the step's row of part scores (the heads combined per part, as
-  for blocks). The decode kernels take any power-of-two unit. Prefill selects blocks as before.
-- ``sub_blocks`` = P > 1 (a labelled departure, any ``heads``): keys are sketched per part of B / P tokens
-  (ks [b * P, ...]), and a query row scores key block j as the best of its parts' scores (per head, before
-  the heads combine; an empty part of the partial last block is no candidate); A_hat, the walk and the
-  selection stay per block, so the kernels are unchanged. A block mean of 64 keys dilutes a 7-token needle
-  in prose; a 16-token part much less (``benchmarks/probe_needle.py``). The batched graph decode
-  (``sketch_walk_graph``) serves ``heads="mean"`` with ``sub_blocks=1`` only; other settings decode
-  eagerly.
-- Decode column: under the block-causal mask the current key block t // B is the last block, so its
-  column is visible only from the current query block's row (the same block index); rewriting that row
-  over key blocks 0..t // B writes the diagonal entry, which is the whole causal part of the column.
-- Chunked prefill (q_start > 0) works when the earlier chunks went through this backend: rows of A_hat
-  and R from query block q_start // B on are recomputed. A prefix this backend never saw (no query
-  sketches) raises NotImplementedError.
-- Tensor parallelism: set ``head_reduce`` to a SUM all-reduce over the group. Each shard then sums its
-  heads' sketched block sums, divides by the model's full head counts and reduces, so every shard holds
-  the same sketches, A_hat, walk and selection.
-
-Memory per sequence: A_hat is a full b x b bf16 matrix per sparse layer, 2 * b**2 * L_s bytes for L_s
-sparse layers (b = ceil(n / B); e.g. n = 131072, B = 64: 8 MiB per layer, 240 MiB for 30 layers), plus
-8 * r * b bytes per sparse layer of sketched sums and a transient 4 * b * rows bytes of walk rows
-(heads="kv": h_kv times each; pair modes: the sketched sums h_kv times; sub_blocks P: the key sums P times).
-
-Host syncs: none in decode (budgets come from the host-side length n); prefill's per-row top-k does one
-``.item()`` inside ``topk_mask``.
+The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
+every mode are in docs/sketch_walk.md.
 """
 
 from __future__ import annotations
@@ -123,7 +42,7 @@ WALKS = ("rollout", "product", "one-hop")
 TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv", "pair", "pair-lse")
 DECODE_UNITS = ("block", "part")
-# SPEC's scoring, the one the batched graph decode (sketch_walk_graph) implements: pass these to use it.
+# SPEC's scoring, the one the head-mean batched graph decode (sketch_walk_graph) implements.
 GRAPH_DECODE = {"heads": "mean", "sub_blocks": 1, "decode_unit": "block"}
 
 
@@ -212,7 +131,7 @@ class SketchWalk(SparseMethod):
         self.srht = SRHT(model_cfg.head_dim, cfg.sketch_dim, derive_seed(cfg.seed, model_cfg.head_dim))
         sparse = [layer for layer in range(model_cfg.num_layers) if not self.is_dense_layer(layer)]
         self.first_sparse: int | None = sparse[0] if sparse else None
-        # Tensor parallelism: a SUM all-reduce over the shards (see the module docstring); None on one device.
+        # Tensor parallelism: a SUM all-reduce over the shards (docs/sketch_walk.md); None on one device.
         self.head_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # The head-mean graph decode (sketch_walk_graph) scores whole key blocks only; with key parts only a path
