@@ -151,6 +151,21 @@ def rows_of(sel_indices: torch.Tensor) -> list[list[int]]:
 
 
 # ---- 1. block scores ---------------------------------------------------------------------------
+
+def _select_layers(m, layers, qk, states, seq_state, t, n0, prefill):
+    """One call per layer at position t (the prefill of n0 tokens, or a decode step): selections and the walk
+    rows the call left in ``seq_state``."""
+    sels, rows = [], []
+    for layer in layers:
+        q, k = qk[layer]
+        kv = k[:, : t + 1]
+        if prefill:
+            sels.append(m.select_prefill(SeqContext(layer, 0, 0, n0, states[layer], seq_state), q[:n0], kv, kv))
+        else:
+            sels.append(m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv))
+        rows.append(seq_state["walk"][1])
+    return sels, rows
+
 def test_block_scores_match_brute_force_with_partial_last_block():
     b = 8
     n = rand_int(3 * b + 1, 7 * b)
@@ -323,15 +338,7 @@ def test_token_rows_and_kv_heads_match_brute_force(token_query, heads, walk):
     m._walk = spy
     for t in [n0 - 1, *range(n0, total)]:
         prefill = t == n0 - 1
-        sels, rows = [], []
-        for layer in layers:
-            q, k = qk[layer]
-            kv = k[:, : t + 1]
-            if prefill:
-                sels.append(m.select_prefill(SeqContext(layer, 0, 0, n0, states[layer], seq_state), q[:n0], kv, kv))
-            else:
-                sels.append(m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv))
-            rows.append(seq_state["walk"][1])
+        sels, rows = _select_layers(m, layers, qk, states, seq_state, t, n0, prefill)
         token = token_query == "last" or (token_query == "decode" and not prefill)
         nb = t // b + 1
         cnt = block_counts(t + 1, b)[:, None]
@@ -429,15 +436,7 @@ def test_paired_heads_and_key_parts_match_brute_force(heads, parts, token_query,
     seq_state: dict = {}
     for t in [n0 - 1, *range(n0, total)]:
         prefill = t == n0 - 1
-        sels, rows = [], []
-        for layer in layers:
-            q, k = qk[layer]
-            kv = k[:, : t + 1]
-            if prefill:
-                sels.append(m.select_prefill(SeqContext(layer, 0, 0, n0, states[layer], seq_state), q[:n0], kv, kv))
-            else:
-                sels.append(m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv))
-            rows.append(seq_state["walk"][1])
+        sels, rows = _select_layers(m, layers, qk, states, seq_state, t, n0, prefill)
         token = token_query == "last" or (token_query == "decode" and not prefill)
         nb = t // b + 1
         walked = []
