@@ -109,3 +109,27 @@ def tiny_model(device: str, num_kv_heads: int, group: int, layers: int) -> Llama
 
     cfg = tiny_hf_config(num_kv_heads=num_kv_heads, group=group, layers=layers)
     return model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict()).to(device)
+
+
+def prefill_then_decode(model, cache, backend, graphs, lens: list[int], steps: int, g: torch.Generator,
+                        graph: bool, after_prefill=None) -> torch.Tensor:
+    """Each random prompt (ids from ``g``) prefilled alone, the meter reset (then ``after_prefill()``), then
+    ``steps`` decode steps of the whole batch through ``graphs`` or the plain model; the stacked logits."""
+    dev = cache.device
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lens]
+    for sid, p in enumerate(prompts):
+        cache.allocate(sid, len(p) + steps + 1)
+        model(torch.tensor(p, device=dev), cache.prepare([sid], [len(p)], True), cache, backend)
+    backend.meter.reset()
+    if after_prefill is not None:
+        after_prefill()
+    sids = list(range(len(lens)))
+    logits = []
+    for _ in range(steps):
+        ids = torch.randint(0, 97, (len(sids),), generator=g).tolist()
+        if graph:
+            logits.append(graphs.decode("k", backend, sids, ids).clone())
+        else:
+            batch = cache.prepare(sids, [1] * len(sids), False)
+            logits.append(model(torch.tensor(ids, device=dev), batch, cache, backend))
+    return torch.stack(logits)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, tiny_model
+from helpers import DEVICES, prefill_then_decode, tiny_model
 
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
@@ -47,21 +47,7 @@ def _run(model, params, lens, steps, graph: bool, seed: int):
                 picks.append((ctx.layer, ctx.seq_id, sel.indices[0].clone()))
 
         backend.tracer = tracer
-    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lens]
-    for sid, p in enumerate(prompts):
-        cache.allocate(sid, len(p) + steps + 1)
-        model(torch.tensor(p, device=dev), cache.prepare([sid], [len(p)], True), cache, backend)
-    backend.meter.reset()
-    sids = list(range(len(lens)))
-    logits = []
-    for _ in range(steps):
-        ids = torch.randint(0, 97, (len(sids),), generator=g).tolist()
-        if graph:
-            logits.append(graphs.decode("k", backend, sids, ids).clone())
-        else:
-            batch = cache.prepare(sids, [1] * len(sids), False)
-            logits.append(model(torch.tensor(ids, device=dev), batch, cache, backend))
-    return picks, torch.stack(logits), backend
+    return picks, prefill_then_decode(model, cache, backend, graphs, lens, steps, g, graph), backend
 
 
 @pytest.mark.parametrize("params", [{"density": 0.3}, {"density": 0.2, "walk": "product", "local_blocks": 2},

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, tiny_model
+from helpers import DEVICES, prefill_then_decode, tiny_model
 
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
@@ -40,37 +40,24 @@ def _run(model, params, lens, steps, graph: bool, seed: int, reduced: list | Non
         assert isinstance(backend.graph_path, PairedGraphDecode)
         graphs = DecodeGraphs(model, cache, max_batch=4, capture=capture)
         if not graphs.capture:  # a captured graph replays without Python: only the eager run records lists
-            real = backend.graph_path._select
+            real = backend.graph_path._selection
 
             def spy(*args):
                 idx, unit = real(*args)
                 picks.append((idx.clone(), unit))
                 return idx, unit
 
-            backend.graph_path._select = spy
+            backend.graph_path._selection = spy
     else:
         def tracer(ctx, q, k, v, sel, out):
             if ctx.q_start == ctx.n - 1:
                 picks.append((ctx.layer, ctx.seq_id, sel.indices.clone(), sel.block_size))
 
         backend.tracer = tracer
-    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lens]
-    for sid, p in enumerate(prompts):
-        cache.allocate(sid, len(p) + steps + 1)
-        model(torch.tensor(p, device=dev), cache.prepare([sid], [len(p)], True), cache, backend)
-    backend.meter.reset()
-    if reduced is not None:
-        reduced.clear()  # the decode steps' reduces only
-    sids = list(range(len(lens)))
-    logits = []
-    for _ in range(steps):
-        ids = torch.randint(0, 97, (len(sids),), generator=g).tolist()
-        if graph:
-            logits.append(graphs.decode("k", backend, sids, ids).clone())
-        else:
-            batch = cache.prepare(sids, [1] * len(sids), False)
-            logits.append(model(torch.tensor(ids, device=dev), batch, cache, backend))
-    return picks, torch.stack(logits), backend
+    # the decode steps' reduces only
+    logits = prefill_then_decode(model, cache, backend, graphs, lens, steps, g, graph,
+                                 after_prefill=reduced.clear if reduced is not None else None)
+    return picks, logits, backend
 
 
 # Six cases cover every pair of settings (heads x P, P x unit, heads x unit) in the fast run; the other six

@@ -116,14 +116,18 @@ class SketchWalkGraphDecode:
 
     def account(self, ctx_lens: list[int], num_kv_heads: int) -> None:
         """The density a replayed step used (host arithmetic: forced blocks + budget, last block partial)."""
-        B, local, meter = self.cfg.block_size, self.cfg.local_blocks, self.m.meter
+        B, local = self.cfg.block_size, self.cfg.local_blocks
         attended = 0.0
         for n in ctx_lens:
             cb = (n - 1) // B
             tau = int(row_budget(self.cfg.density, torch.tensor([cb + 1]))[0])
             count = max(tau, min(cb + 1, local + 1))
             attended += (count - 1) * B + (n - cb * B)
-        dense = float(sum(ctx_lens))
+        self._meter(attended, ctx_lens, num_kv_heads)
+
+    def _meter(self, attended: float, ctx_lens: list[int], num_kv_heads: int) -> None:
+        """Adds a step to the density meter: ``attended`` keys per KV head in every sparse layer."""
+        dense, meter = float(sum(ctx_lens)), self.m.meter
         for layer in range(meter.num_layers):
             a = dense if layer not in self.index else attended
             meter.add(layer, a * num_kv_heads, dense * num_kv_heads, decode=True)
@@ -137,9 +141,14 @@ class SketchWalkGraphDecode:
         kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
         if layer not in self.index:
             return sparse_decode_attention_varlen(q, kv, dense_blocks, unit=cache.page_size)[0]
-        idx = self._select(layer, q, cache, batch, seqlens.long(), table.shape[1])
-        blocks = idx[:, None, :].expand(-1, cache.num_kv_heads, -1).contiguous()
-        return sparse_decode_attention_varlen(q, kv, blocks, unit=cache.page_size)[0]
+        idx, unit = self._selection(layer, q, cache, batch, seqlens.long(), table.shape[1])
+        lists = idx[:, None, :].expand(-1, cache.num_kv_heads, -1).contiguous()
+        return sparse_decode_attention_varlen(q, kv, lists, unit=unit)[0]
+
+    def _selection(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,
+                   w: int) -> tuple[torch.Tensor, int]:
+        """This layer's list for every row and the tokens each entry stands for (blocks here: a page)."""
+        return self._select(layer, q, cache, batch, n, w), cache.page_size
 
     def _select(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,
                 w: int) -> torch.Tensor:

@@ -111,7 +111,7 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         """The density a step used, host arithmetic as the reference counts it (``attended_keys``)."""
         if self.cfg.decode_unit == "block":
             return super().account(ctx_lens, num_kv_heads)
-        cfg, meter = self.cfg, self.m.meter
+        cfg = self.cfg
         B, P = cfg.block_size, self.parts
         size = B // P
         attended = 0.0
@@ -122,26 +122,11 @@ class PairedGraphDecode(SketchWalkGraphDecode):
             forced_parts = sum(min(P, held - j * P) for j in forced)
             extra = max(0, int(row_budget(cfg.density, torch.tensor(nb))) * P - forced_parts)
             attended += forced_tokens + min(extra, held - forced_parts) * size  # other parts are full
-        dense = float(sum(ctx_lens))
-        for layer in range(meter.num_layers):
-            a = dense if layer not in self.index else attended
-            meter.add(layer, a * num_kv_heads, dense * num_kv_heads, decode=True)
+        self._meter(attended, ctx_lens, num_kv_heads)
 
-    # ---- one layer, captured ------------------------------------------------------------------------
-    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        from raysparse.kernels.dispatch import sparse_decode_attention_varlen
-        from raysparse.kernels.formats import PagedKV
-
-        table, seqlens, dense_blocks = batch.extras["paged"]
-        kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
-        if layer not in self.index:
-            return sparse_decode_attention_varlen(q, kv, dense_blocks, unit=cache.page_size)[0]
-        idx, unit = self._select(layer, q, cache, batch, seqlens.long(), table.shape[1])
-        lists = idx[:, None, :].expand(-1, cache.num_kv_heads, -1).contiguous()
-        return sparse_decode_attention_varlen(q, kv, lists, unit=unit)[0]
-
-    def _select(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,  # type: ignore[override]
-                w: int) -> tuple[torch.Tensor, int]:
+    # ---- one layer, captured (``decode`` is the base class's) ---------------------------------------
+    def _selection(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,
+                   w: int) -> tuple[torch.Tensor, int]:
         """This layer's selection for every row: (ascending list [bsz, width] int32, -1 padded; its unit)."""
         cfg, m, li, P = self.cfg, self.m, self.index[layer], self.parts
         bsz = q.shape[0]
