@@ -20,6 +20,9 @@ def main() -> None:
     ap.add_argument("--methods", default="dense,sketch_walk")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--graphs", action="store_true", help="decode steps replayed from CUDA graphs")
+    ap.add_argument("--sw-scoring", choices=("graph", "default"), default="graph",
+                    help="Sketch&Walk's scoring: 'graph' = SPEC's head-mean blocks (GRAPH_DECODE, as the recorded "
+                         "profiles), 'default' = the method's defaults")
     args = ap.parse_args()
     from raysparse.kv_cache import KVCache
     from raysparse.loader import build_model, load_hf_config, resolve_source
@@ -30,7 +33,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(hf, dtype=torch.bfloat16, device="cuda")
     for method in args.methods.split(","):
-        backend = create_backend(method, model.cfg, **({} if method == "dense" else {"density": 0.1}))
+        from raysparse.methods.sketch_walk import GRAPH_DECODE
+
+        params = {} if method == "dense" else {"density": 0.1}
+        if method == "sketch_walk" and args.sw_scoring == "graph":
+            params.update(GRAPH_DECODE)
+        backend = create_backend(method, model.cfg, **params)
         cache = KVCache(model.cfg, -(-(args.context + 256) // 64), 64, torch.bfloat16, "cuda")
         cache.allocate(0, args.context + 200)
         ids = torch.randint(100, 1000, (args.context,), device="cuda")
