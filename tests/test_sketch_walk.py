@@ -738,3 +738,44 @@ def test_real_density_near_budget(tiny_model):
     run_steps(tiny_model, sw, prompts, 8)
     for d in sw.meter.per_layer()[1:]:
         assert 0.17 < d < 0.25, sw.meter.per_layer()
+
+
+@pytest.mark.parametrize("heads,parts", [("pair-lse", 4), ("pair", 2), ("mean", 4)])
+def test_prefill_last_position_attends_the_decode_parts(heads, parts):
+    """decode_unit="part", token_query="last": a prefill's last row attends the parts the brute-force part
+    row picks (the sink's and local blocks' parts plus the top ones, tau * parts in all); every other row is
+    the block-list output, and the attended count swaps the last row's blocks for its parts."""
+    b, density = 8, 0.375
+    n = rand_int(5 * b + 1, 7 * b - 1)
+    cfg = model_cfg(layers=3)
+    seed = rand_int(0, 2**31)
+    q, k = random_qk(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
+    v = torch.randn_like(k)
+    outs = {}
+    for unit in ("part", "block"):
+        m = method(cfg, density=density, heads=heads, sub_blocks=parts, decode_unit=unit, token_query="last",
+                   seed=seed)
+        seq_state: dict = {}
+        outs[unit] = m.prefill_seq(SeqContext(1, 0, 0, n, {}, seq_state), q, k, v)
+        assert "part_row" not in seq_state and "last_blocks" not in seq_state
+    (got, att_part), (blocks_out, att_block) = outs["part"], outs["block"]
+    torch.testing.assert_close(got[:-1], blocks_out[:-1], rtol=0, atol=0)
+    sub, nb = b // parts, -(-n // b)
+    row = brute_part_row(q[-1], k, explicit_srht(m.srht), b, parts, heads)[0]
+    held = list(range(-(-n // sub)))
+    forced = sorted(j for j in held if j // parts == 0 or j // parts > nb - 2)
+    budget = max(1, round(density * nb)) * parts
+    rest = sorted(set(held) - set(forced), key=lambda j: (-float(row[j]), j))
+    parts_want = sorted(set(forced) | set(rest[: max(0, budget - len(forced))]))
+    tokens = [t for j in parts_want for t in range(j * sub, min(n, (j + 1) * sub))]
+    g = cfg.num_heads // cfg.num_kv_heads
+    want = torch.stack([torch.softmax(q[-1, h] @ k[h // g, tokens].T / math.sqrt(cfg.head_dim), -1)
+                        @ v[h // g, tokens] for h in range(cfg.num_heads)])
+    torch.testing.assert_close(got[-1], want, rtol=1e-4, atol=1e-5)
+    # the count: the block run's last-row blocks out, the parts' tokens in (per KV head)
+    m_block = method(cfg, density=density, heads=heads, sub_blocks=parts, decode_unit="block", token_query="last",
+                     seed=seed)
+    sel = m_block.select_prefill(SeqContext(1, 0, 0, n, {}, {}), q, k, v)
+    last_blocks = rows_of(sel.indices[0, -1:])[0]
+    was = sum(min(b, n - j * b) for j in last_blocks)
+    assert float(att_part) == pytest.approx(float(att_block) + (len(tokens) - was) * cfg.num_kv_heads)
