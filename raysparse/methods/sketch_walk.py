@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from raysparse.config import ModelConfig
-from raysparse.kernels.dispatch import sparse_decode_attention
 from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
 from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import register
@@ -212,10 +211,9 @@ class SketchWalk(SparseMethod):
         if want_token:  # the last row nb - 1 sees every key block, so the token's row needs no mask
             q_rows = torch.cat((q_rows, new[lq - 1: lq]))
         k_cnt = block_counts(n, nb * parts, B // parts, dev)
-        # the token's own row per part: decode always; a prefill's last token with token_query="last" too
         rows, part_row = self._scores(q_rows, ks[: nb * parts] / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0,
-                                      want_token and cfg.decode_unit == "part")
-        if part_row is not None:  # read (and dropped) by select_decode / prefill_seq
+                                      n_q == 1 and cfg.decode_unit == "part")
+        if part_row is not None:  # read (and dropped) by select_decode
             ctx.seq_state["part_row"] = part_row
         causal = torch.arange(nb, device=dev) <= torch.arange(qb0, nb, device=dev)[:, None]
         st["a_hat"].view(-1, nb, nb)[:, qb0:nb] = rows[:, : nb - qb0].masked_fill(~causal, 0.0).to(torch.bfloat16)
@@ -326,25 +324,7 @@ class SketchWalk(SparseMethod):
         qb0, nb, token_row = self._update_sketch(ctx, q, k)
         mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb)
         idx = indices_from_mask(mask, width)  # [H, nqb, width]
-        if "part_row" in ctx.seq_state:  # prefill_seq re-attends the last position by parts: its old count
-            ctx.seq_state["last_blocks"] = idx[:, -1].expand(k.shape[0], -1)
         return BlockSelection(idx.expand(k.shape[0], -1, -1), self.config.block_size)
-
-    def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """With decode_unit="part" and token_query="last", the call's last position (a prompt's end predicts
-        the first generated token) attends the key parts a decode step there would choose, in place of its
-        query block's block list: the needle probe found multi-value's loss at exactly that position, whose
-        block list keeps 0.26 of the needle's attention against the oracle's 0.42. Other rows: block lists."""
-        out, attended = super().prefill_seq(ctx, q, k, v)
-        part_row = ctx.seq_state.pop("part_row", None)
-        last_blocks = ctx.seq_state.pop("last_blocks", None)
-        if part_row is None or last_blocks is None:
-            return out, attended
-        sel = self._choose_parts(part_row, ctx.n, k.shape[0])
-        out[-1] = sparse_decode_attention(q[-1], k, v, sel)[0]
-        was = TokenSelection(last_blocks, self.config.block_size).to_tokens(ctx.n).counts.sum()
-        return out, attended - float(was) + float(sel.to_tokens(ctx.n).counts.sum())
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
         qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k)  # qb0 == nb - 1: the new token's block
