@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .common import next_pow2, tl, triton
+from .fused_ops import norm_row_store
 
 
 @triton.jit
@@ -60,11 +61,7 @@ def _allreduce_add_norm_kernel(X, R, W, OUT, H, BUF, SIG, n, eps, rank, stride_x
     r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=ok, other=0.0)
     h = (s + r.to(tl.float32)).to(x.dtype)
     tl.store(H + row.to(tl.int64) * stride_h + cols, h, mask=ok)
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n + eps)
-    normed = (hf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + row.to(tl.int64) * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=ok)
+    norm_row_store(h, W, OUT + row.to(tl.int64) * stride_o, cols, ok, n, eps)
 
 
 class AllReduceAddNorm:

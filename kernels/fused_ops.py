@@ -36,11 +36,17 @@ def _rms_norm_kernel(X, R, W, OUT, H, stride_x, stride_r, stride_o, stride_h, n,
         r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream's rounding, as ``h + attn``
         tl.store(H + row * stride_h + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)  # as torch.rsqrt
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    norm_row_store(x, W, OUT + row * stride_o, cols, ok, n, eps)
+
+
+@triton.jit
+def norm_row_store(h, W, OUT_ROW, cols, ok, n, eps):
+    """RMSNorm of one row h, stored at OUT_ROW: w * round(h * rstd(h)) in fp32, as ``RMSNorm.reference``."""
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n + eps)  # as torch.rsqrt
+    normed = (hf * rstd).to(h.dtype).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT_ROW + cols, (w * normed).to(OUT_ROW.dtype.element_ty), mask=ok)
 
 
 def _row_major(x: torch.Tensor) -> torch.Tensor:

@@ -64,11 +64,12 @@ def all_gather_last_fn(sizes: list[int], group: dist.ProcessGroup | None
     """Concatenates every rank's [..., sizes[rank]] along the last dim. Parts are padded to the largest so
     one fixed-shape all-gather (capturable in a CUDA graph) does it on NCCL; gloo gathers a list."""
     width, world = max(sizes), len(sizes)
+    nccl = dist.get_backend(group) == "nccl"
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         part = x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
         part = part.contiguous()
-        if dist.get_backend(group) == "nccl":
+        if nccl:
             out = torch.empty((world, *part.shape), dtype=part.dtype, device=part.device)
             dist.all_gather_into_tensor(out, part, group=group)
             parts = list(out.unbind(0))
