@@ -17,6 +17,11 @@ The query-block sums (the reference's ``qs``) are not kept: with one-hop and a t
 reads a block mean's row, and the graph path owns the sequence from its first step on (the reference's
 state is dropped), so no later call could read them either. That saves 1 / (1 + P) of the state.
 
+On CUDA tensors the part scores (state update, part means, per-head dots, empty parts masked) are two
+Triton launches (``kernels/part_scores.py``) that read the part sums once instead of ~4 times;
+``RAYSPARSE_PART_SCORES=off`` keeps the PyTorch form. The scores differ only by fp32 rounding (the dots are
+summed in another order), so a selection can differ only where two scores are that close.
+
 Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
 lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors
 of each step; no host sync. Attached only with ``RAYSPARSE_SW_GRAPH_PAIRED=on`` (default off) until a
@@ -40,6 +45,8 @@ from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 
 # "on": attach this path for the paired scorings; "off" (default): they decode eagerly.
 PAIRED_ENV = "RAYSPARSE_SW_GRAPH_PAIRED"
+# "on" (default, CUDA tensors): the part scores as two Triton launches (kernels/part_scores.py); "off": PyTorch
+PART_SCORES_ENV = "RAYSPARSE_PART_SCORES"
 _KEY_FLOOR = torch.iinfo(torch.int64).min  # below every candidate's key
 
 
@@ -61,6 +68,7 @@ class PairedGraphDecode(SketchWalkGraphDecode):
     its own state, entry, selection and accounting."""
 
     key_parts = True  # serves sub_blocks > 1
+    part_kernel: bool | None = None  # the Triton part scores: None = by PART_SCORES_ENV on CUDA tensors
 
     def __init__(self, method: SketchWalk, cache: KVCache, max_batch: int, max_blocks: int) -> None:
         cfg = method.config
@@ -140,11 +148,17 @@ class PairedGraphDecode(SketchWalkGraphDecode):
             self._step = self.paired_constants(n, w)
         st = self._step
         ks = self.ks[:, li, : w * P]  # a view: writes reach the state
-        # (slot, part) pairs are distinct across real rows; padded rows share the scratch slot (any wins)
-        ks[slots, st["part"]] = ks[slots, st["part"]] + new[1]
-        k_mean = ks[slots] / st["cnt"][:, :, None, None]  # [bsz, w * P, h_kv, r]
-        s = torch.einsum("bhr,bjhr->hbj", new[0], k_mean) / math.sqrt(m.srht.sketch_dim)  # [h_kv, bsz, w * P]
-        s = s.masked_fill(~st["filled"], -math.inf)  # an empty part is no candidate
+        r = new.shape[-1]
+        if (r & (r - 1)) == 0 and self._wanted(q, PART_SCORES_ENV, "on", self.part_kernel):
+            from raysparse.kernels.part_scores import part_scores
+
+            s = part_scores(ks, slots, n, new[0], new[1], cfg.block_size // P, w * P)  # [h_kv, bsz, w * P]
+        else:  # kernels/part_scores.py's reference, on the step's constants
+            # (slot, part) pairs are distinct across real rows; padded rows share the scratch slot (any wins)
+            ks[slots, st["part"]] = ks[slots, st["part"]] + new[1]
+            k_mean = ks[slots] / st["cnt"][:, :, None, None]  # [bsz, w * P, h_kv, r]
+            s = torch.einsum("bhr,bjhr->hbj", new[0], k_mean) / math.sqrt(r)  # [h_kv, bsz, w * P]
+            s = s.masked_fill(~st["filled"], -math.inf)  # an empty part is no candidate
         if cfg.decode_unit == "part":
             return self._choose_parts(m._combine_heads(s)[0], st), cfg.block_size // P
         blocks = s.unflatten(-1, (w, P)).amax(-1) if P > 1 else s  # a block scores as its best part
