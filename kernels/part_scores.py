@@ -7,18 +7,19 @@ the part counts, takes the einsum with the per-KV-head query sketches and masks 
 sums (~33 MB per layer and row at 64K for h_kv = 8, r = 128, P = 8) are read and written several times.
 
 ``_score_kernel`` (batch rows x tiles of parts x KV heads, so a long row is spread over many programs) reads
-each row's part sums once, adds the new key's sketch into its own part in registers, divides by the part
-count (IEEE division, as the reference's), dots with the query sketch, divides by sqrt(r) and writes the
-score [h_kv, bsz, w * P] fp32, -inf for a part that holds no token. It does not store the sum: a padded
-row's program may read a part of the shared scratch slot that another padded row updates.
+each row's part sums once, adds the new key's sketch into its own part in registers, dots each part's sum
+with the query sketch, divides by the part count and by sqrt(r) (IEEE divisions) and writes the score
+[h_kv, bsz, w * P] fp32, -inf for a part that holds no token. It does not store the sum: a padded row's
+program may read a part of the shared scratch slot that another padded row updates.
 
 ``_store_kernel`` (one program per batch row) then stores the updated part sums. Real rows hold distinct
 slots; padded rows share the scratch slot, where the result is any mix of their updates (the reference's
 duplicate-index write keeps one of them; nothing reads the scratch slot's values as state).
 
-Agreement: the dot product is summed in another order than the reference's einsum (and the reference may
-divide by sqrt(r) as a multiplication by its reciprocal on CUDA), so a score may differ from it by fp32
-rounding; the empty parts and every other value follow the same steps.
+Agreement: the dot product is summed in another order than the reference's einsum, the count divides the
+dot product instead of each element (the same for a full part: its count is a power of two) and the
+reference may divide by sqrt(r) as a multiplication by its reciprocal on CUDA, so a score may differ from
+it by fp32 rounding; the empty parts and the stored sums are the reference's exactly.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ if triton is not None:
         kt = tl.load(KS + slot * s_k0 + cols[:, None] * s_k1 + h * s_k2 + rr[None, :], mask=ok[:, None], other=0.0)
         kt = tl.where((cols == cur)[:, None], kt + tl.load(K + at)[None, :], kt)
         cnt = tl.minimum(tl.maximum(nn - cols * SIZE, 1), SIZE).to(tl.float32)
-        k_mean = tl.div_rn(kt, cnt[:, None])
-        s = tl.div_rn(tl.sum(k_mean * q[None, :], 1), sqrt_r)
+        # the mean's division after the dot: one per part, not per element (exact alike for power-of-two counts)
+        s = tl.div_rn(tl.div_rn(tl.sum(kt * q[None, :], 1), cnt), sqrt_r)
         tl.store(S + (h * bsz + b) * WID + cols, tl.where(ok, s, float("-inf")), mask=cols < WID)
 
     @triton.jit
@@ -74,10 +75,12 @@ def part_constants(n: torch.Tensor, size: int, width: int) -> tuple[torch.Tensor
 
 
 def part_scores_reference(ks: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, q: torch.Tensor,
-                          k: torch.Tensor, size: int, width: int) -> torch.Tensor:
+                          k: torch.Tensor, size: int, width: int,
+                          consts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The PyTorch form and the kernels' oracle: adds ``k`` into each row's current part of ``ks`` in place and
-    returns the scores [h_kv, bsz, width] fp32 (-inf for empty parts). Arguments as ``part_scores``."""
-    part, cnt, filled = part_constants(n, size, width)
+    returns the scores [h_kv, bsz, width] fp32 (-inf for empty parts). Arguments as ``part_scores``;
+    ``consts``: ``part_constants(n, size, width)`` if already built (the graph path builds them once a step)."""
+    part, cnt, filled = consts if consts is not None else part_constants(n, size, width)
     view = ks[:, :width]
     # (slot, part) pairs are distinct across real rows; padded rows share the scratch slot (any one wins)
     view[slots, part] = view[slots, part] + k

@@ -9,6 +9,10 @@ scratch slot's current part aside: padded rows' updates may mix there)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import DEVICES, tiny_model
@@ -99,3 +103,16 @@ def test_paired_graph_decode_with_the_kernel(model, scoring, monkeypatch):
     assert len(got_picks) == len(want_picks)
     for (got, unit), (want, want_unit) in zip(got_picks, want_picks, strict=True):
         assert unit == want_unit and torch.equal(got[:3], want[:3])  # the real rows; row 3 is padding
+
+
+def test_bench_part_scores_smoke(tmp_path, monkeypatch):
+    """``benchmarks/bench_part_scores.py --smoke`` times both sides at a tiny size, agrees and writes its JSON."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_part_scores.py"
+    spec = importlib.util.spec_from_file_location("bench_part_scores", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    bench.main(["--smoke", "--batch", "2", "--context", "200"])
+    (row,) = json.loads((tmp_path / "bench_part_scores.json").read_text())["rows"]
+    assert row["inf_equal"] and row["state_equal"] and row["max_abs_diff"] < 1e-5 and row["lists_diff"] == 0
+    assert row["ms_ref"] > 0 and row["ms_kernel"] > 0 and row["ms_rest"] > 0

@@ -20,7 +20,8 @@ state is dropped), so no later call could read them either. That saves 1 / (1 + 
 On CUDA tensors the part scores (state update, part means, per-head dots, empty parts masked) are two
 Triton launches (``kernels/part_scores.py``) that read the part sums once instead of ~4 times;
 ``RAYSPARSE_PART_SCORES=off`` keeps the PyTorch form. The scores differ only by fp32 rounding (the dots are
-summed in another order), so a selection can differ only where two scores are that close.
+summed in another order, then divided by the count), so a selection can differ only where two scores are
+that close.
 
 Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
 lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors

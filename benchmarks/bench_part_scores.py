@@ -1,0 +1,134 @@
+"""Sketch&Walk's paired part scores per sparse layer: the paired graph path's PyTorch form against the two
+Triton launches of ``kernels/part_scores.py``.
+
+Timing (default; the GPU machine): Llama-3.1-8B's KV layout (8 KV heads), blocks of 64 in P = 8 parts,
+sketch dims r, batch sizes x contexts (w * P = context / 8 parts), one sparse layer's scores from the
+sketched token on, each side captured in a CUDA graph as decode runs it (median replay, L2 flushed). The
+step's length-only constants (``paired_constants``, once per step for all layers) are built outside the
+timed region, as the graph path does. ``ms_rest`` is what follows on both sides (``_combine_heads`` and
+``_choose_parts``), for the layer's whole selection. ``MB_state`` is one layer's part sums of the batch.
+
+Agreement, every case, from the same state: ``max_abs_diff`` of the finite scores (the empty parts must be
+-inf on both sides), ``state_equal`` (the updated part sums, bit for bit) and ``lists_diff`` (rows whose
+part list differs after the heads are combined and the parts chosen).
+
+    python benchmarks/bench_part_scores.py [--batch 1 8] [--context 16384 65536] [--r 64 128]
+    python benchmarks/bench_part_scores.py --smoke   # CPU, tiny sizes, the Triton interpreter
+
+Writes ``$OUT/bench_part_scores.json`` (``OUT`` defaults to ./results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter has to be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common when run from elsewhere
+
+from bench_common import environment, table, time_ms, wall_ms, write_json  # noqa: E402
+
+from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode  # noqa: E402
+
+DENSITY = 0.1
+
+
+def _layer_path(kv_heads: int, head_dim: int, r: int, block: int, parts: int, width: int, batch: int,
+                dev: str) -> PairedGraphDecode:
+    """A paired graph path of one sparse layer (only its config, state and constants are used)."""
+    from transformers import LlamaConfig
+
+    from raysparse.config import ModelConfig
+    from raysparse.kv_cache import KVCache
+    from raysparse.methods.registry import create_backend
+
+    hf = LlamaConfig(vocab_size=128, hidden_size=4 * kv_heads * head_dim, intermediate_size=128,
+                     num_hidden_layers=1, num_attention_heads=4 * kv_heads, num_key_value_heads=kv_heads,
+                     head_dim=head_dim)
+    cfg = ModelConfig.from_hf(hf)
+    method = create_backend("sketch_walk", cfg, block_size=block, density=DENSITY, walk="one-hop", heads="pair-lse",
+                            sub_blocks=parts, decode_unit="part", sketch_dim=r, dense_layers=())
+    cache = KVCache(cfg, 1, block, torch.bfloat16, dev)  # the path reads the page size and KV heads only
+    return PairedGraphDecode(method, cache, max_batch=batch, max_blocks=width)
+
+
+def case(batch: int, context: int, r: int, smoke: bool) -> dict[str, Any]:
+    from raysparse.kernels.part_scores import part_scores, part_scores_reference
+
+    dev = "cpu" if smoke else "cuda"
+    block, parts, h_kv = (16, 4, 2) if smoke else (64, 8, 8)
+    size, width = block // parts, -(-context // block)
+    path = _layer_path(h_kv, 16 if smoke else 128, r, block, parts, width, batch, dev)
+    g = torch.Generator().manual_seed(0)
+    path.ks.copy_(torch.randn(path.ks.shape, generator=g))
+    ks = path.ks[:, 0, : width * parts]  # the graph path's view of one layer
+    slots = torch.arange(batch, device=dev)
+    n = torch.tensor([context - 37 * i for i in range(batch)], device=dev)  # ragged, partial last parts
+    q, k = torch.randn(2, batch, h_kv, r, generator=g).to(dev)
+    st = path.paired_constants(n, width)
+    consts = (st["part"], st["cnt"], st["filled"][0])
+    m = path.m
+
+    def ref() -> torch.Tensor:
+        return part_scores_reference(ks, slots, n, q, k, size, width * parts, consts)
+
+    def kernel() -> torch.Tensor:
+        return part_scores(ks, slots, n, q, k, size, width * parts)
+
+    def rest(s: torch.Tensor) -> torch.Tensor:
+        return path._choose_parts(m._combine_heads(s)[0], st)
+
+    start = ks.clone()
+    want = ref()
+    want_state = ks.clone()
+    ks.copy_(start)
+    got = kernel()
+    fin = torch.isfinite(want)
+    rec: dict[str, Any] = {
+        "batch": batch, "context": context, "r": r, "h_kv": h_kv, "parts": width * parts,
+        "MB_state": batch * width * parts * h_kv * r * 4 / 1e6,
+        "max_abs_diff": float((got - want)[fin].abs().max()) if fin.any() else 0.0,
+        "inf_equal": bool(torch.equal(torch.isfinite(got), fin)),
+        "state_equal": bool(torch.equal(ks, want_state)),
+        "lists_diff": int((rest(got) != rest(want)).any(-1).sum()),
+    }
+    timer = (lambda fn: wall_ms(fn, reps=1)) if smoke else (lambda fn: time_ms(fn, graph=True))
+    rec["ms_ref"], rec["ms_kernel"] = timer(ref), timer(kernel)
+    rec["ms_rest"] = timer(lambda: rest(want))
+    rec["speedup"] = rec["ms_ref"] / rec["ms_kernel"]
+    return rec
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, the Triton interpreter")
+    ap.add_argument("--batch", type=int, nargs="+", help="batch sizes")
+    ap.add_argument("--context", type=int, nargs="+", help="context lengths")
+    ap.add_argument("--r", type=int, nargs="+", help="sketch dims (the method's default is 64)")
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench_part_scores.py times on a CUDA GPU (or --smoke)")
+    batches = args.batch or ([1, 3] if args.smoke else [1, 8])
+    contexts = args.context or ([256, 600] if args.smoke else [16384, 65536])
+    dims = args.r or ([16] if args.smoke else [64, 128])
+    rows = [case(b, c, r, args.smoke) for r in dims for c in contexts for b in batches]
+    path = write_json("bench_part_scores.json", {"env": environment(), "smoke": args.smoke, "rows": rows})
+    bad = [row for row in rows if not (row["inf_equal"] and row["state_equal"] and row["max_abs_diff"] < 1e-3)]
+    how = "CPU wall time, the kernel interpreted" if args.smoke else "CUDA-graph replays"
+    print(f"paired part scores per sparse layer, PyTorch form vs kernel ({how}; {path})")
+    if bad:
+        print(f"DISAGREEMENT in {len(bad)} case(s): see the JSON")
+    print(table(rows, [("batch", "batch"), ("context", "context"), ("r", "r"), ("MB_state", "MB state"),
+                       ("ms_ref", "ref ms"), ("ms_kernel", "kernel ms"), ("speedup", "speedup"),
+                       ("ms_rest", "rest ms"), ("max_abs_diff", "max |diff|"), ("lists_diff", "lists diff")]))
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
