@@ -19,7 +19,7 @@ from helpers import DEVICES, tiny_model
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 import raysparse.kernels.part_scores as ps
-from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PairedGraphDecode
+from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PART_SCORES_ENV, PairedGraphDecode
 
 B = 16  # tokens per block
 SLOTS = 4  # 3 real slots + the scratch slot
@@ -70,6 +70,21 @@ def test_part_scores_refuse_bad_shapes():
     ks = torch.zeros(2, 8, 2, 16, device=DEV)
     with pytest.raises(ValueError, match="width"):
         ps.part_scores(ks, one, one, torch.zeros(1, 2, 16, device=DEV), torch.zeros(1, 2, 16, device=DEV), 2, 9)
+
+
+def test_switch_picks_the_kernel(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
+    for mode, want in (("on", True), ("off", False)):
+        monkeypatch.setenv(PART_SCORES_ENV, mode)
+        assert PairedGraphDecode._wanted(cpu, PART_SCORES_ENV, "on", None) is want
+    monkeypatch.delenv(PART_SCORES_ENV)
+    assert PairedGraphDecode._wanted(cpu, PART_SCORES_ENV, "on", None)  # on by default
+    monkeypatch.setenv("RAYSPARSE_KERNELS", "auto")
+    assert not PairedGraphDecode._wanted(cpu, PART_SCORES_ENV, "on", None)  # CPU tensors keep PyTorch
+    monkeypatch.setenv(PART_SCORES_ENV, "maybe")
+    with pytest.raises(ValueError, match=PART_SCORES_ENV):
+        PairedGraphDecode._wanted(cpu, PART_SCORES_ENV, "on", None)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
