@@ -21,7 +21,12 @@ On CUDA tensors the part scores (state update, part means, per-head dots, empty 
 Triton launches (``kernels/part_scores.py``) that read the part sums once instead of ~4 times;
 ``RAYSPARSE_PART_SCORES=off`` keeps the PyTorch form. The scores differ only by fp32 rounding (the dots are
 summed in another order, then divided by the count), so a selection can differ only where two scores are
-that close.
+that close. With ``decode_unit="part"`` the heads' combine rides in that launch (``part_combine``: the
+per-head scores never reach memory, the state is stored there too) and ``kernels/part_select.py``
+finalises it and writes the part list in one more launch, ``_choose_parts``'s list bit for bit on the same
+fp32 scores (``RAYSPARSE_PART_SELECT=off`` keeps ``_combine_heads`` + ``_choose_parts``; with the part
+scores off the kernel selects from PyTorch's partial). ``decode_unit="block"`` keeps the PyTorch combine
+and choice.
 
 Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
 lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors
@@ -48,6 +53,9 @@ from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 PAIRED_ENV = "RAYSPARSE_SW_GRAPH_PAIRED"
 # "on" (default, CUDA tensors): the part scores as two Triton launches (kernels/part_scores.py); "off": PyTorch
 PART_SCORES_ENV = "RAYSPARSE_PART_SCORES"
+# "on" (default, CUDA tensors, decode_unit="part"): the heads' combine and the part selection as Triton
+# launches (kernels/part_select.py; with the part scores' kernel the combine rides in it); "off": PyTorch
+PART_SELECT_ENV = "RAYSPARSE_PART_SELECT"
 _KEY_FLOOR = torch.iinfo(torch.int64).min  # below every candidate's key
 
 
@@ -70,6 +78,7 @@ class PairedGraphDecode(SketchWalkGraphDecode):
 
     key_parts = True  # serves sub_blocks > 1
     part_kernel: bool | None = None  # the Triton part scores: None = by PART_SCORES_ENV on CUDA tensors
+    select_kernel: bool | None = None  # the Triton combine + part selection: None = by PART_SELECT_ENV on CUDA
 
     def __init__(self, method: SketchWalk, cache: KVCache, max_batch: int, max_blocks: int) -> None:
         cfg = method.config
@@ -150,16 +159,10 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         st = self._step
         ks = self.ks[:, li, : w * P]  # a view: writes reach the state
         r = new.shape[-1]
-        if (r & (r - 1)) == 0 and self._wanted(q, PART_SCORES_ENV, "on", self.part_kernel):
-            from raysparse.kernels.part_scores import part_scores
-
-            s = part_scores(ks, slots, n, new[0], new[1], cfg.block_size // P, w * P)  # [h_kv, bsz, w * P]
-        else:  # kernels/part_scores.py's reference, on the step's constants
-            # (slot, part) pairs are distinct across real rows; padded rows share the scratch slot (any wins)
-            ks[slots, st["part"]] = ks[slots, st["part"]] + new[1]
-            k_mean = ks[slots] / st["cnt"][:, :, None, None]  # [bsz, w * P, h_kv, r]
-            s = torch.einsum("bhr,bjhr->hbj", new[0], k_mean) / math.sqrt(r)  # [h_kv, bsz, w * P]
-            s = s.masked_fill(~st["filled"], -math.inf)  # an empty part is no candidate
+        kernel = (r & (r - 1)) == 0 and self._wanted(q, PART_SCORES_ENV, "on", self.part_kernel)
+        if cfg.decode_unit == "part" and self._wanted(q, PART_SELECT_ENV, "on", self.select_kernel):
+            return self._select_parts(ks, slots, n, new, st, kernel), cfg.block_size // P
+        s = self._part_scores(ks, slots, n, new, st, kernel)  # [h_kv, bsz, w * P]
         if cfg.decode_unit == "part":
             return self._choose_parts(m._combine_heads(s)[0], st), cfg.block_size // P
         blocks = s.unflatten(-1, (w, P)).amax(-1) if P > 1 else s  # a block scores as its best part
@@ -168,6 +171,43 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         rows = torch.exp(cfg.exponent * torch.log_softmax(logits.masked_fill(off, -math.inf), -1))
         rows = rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         return self._choose(rows, st), cfg.block_size
+
+    def _part_scores(self, ks: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor,
+                     st: dict[str, Any], kernel: bool) -> torch.Tensor:
+        """Adds the new key sketches into their parts of ``ks`` and returns the per-head part scores
+        [h_kv, bsz, w * P] (empty parts -inf): two Triton launches with ``kernel``, else PyTorch."""
+        size, width = self.cfg.block_size // self.parts, ks.shape[1]
+        if kernel:
+            from raysparse.kernels.part_scores import part_scores
+
+            return part_scores(ks, slots, n, new[0], new[1], size, width)
+        # kernels/part_scores.py's reference, on the step's constants
+        # (slot, part) pairs are distinct across real rows; padded rows share the scratch slot (any wins)
+        ks[slots, st["part"]] = ks[slots, st["part"]] + new[1]
+        k_mean = ks[slots] / st["cnt"][:, :, None, None]  # [bsz, w * P, h_kv, r]
+        s = torch.einsum("bhr,bjhr->hbj", new[0], k_mean) / math.sqrt(new.shape[-1])
+        return s.masked_fill(~st["filled"], -math.inf)  # an empty part is no candidate
+
+    def _select_parts(self, ks: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor,
+                      st: dict[str, Any], kernel: bool) -> torch.Tensor:
+        """``decode_unit="part"``'s list through ``kernels/part_select.py``: the heads' partial combine
+        (fused into the scores with ``kernel``: one launch), ``head_reduce``, then one launch that finalises
+        it and selects; ``_combine_heads`` + ``_choose_parts``'s list on the same fp32 scores."""
+        from raysparse.kernels.part_select import part_select
+
+        cfg, m = self.cfg, self.m
+        if kernel:
+            from raysparse.kernels.part_scores import part_combine
+
+            x = part_combine(ks, slots, n, new[0], new[1], cfg.block_size // self.parts, ks.shape[1], cfg.heads)
+        else:  # _combine_heads' partial, before its reduce
+            s = self._part_scores(ks, slots, n, new, st, False).double()
+            x = s.exp().sum(0) if cfg.heads == "pair-lse" else s.sum(0)
+        if m.head_reduce is not None:
+            x = m.head_reduce(x)
+        heads = m.model_cfg.num_kv_heads if m.head_reduce is not None else new.shape[2]
+        return part_select(x.contiguous(), n, cfg.heads, heads, cfg.block_size, self.parts, cfg.local_blocks,
+                           cfg.density, st["p_k"], st["p_width"])
 
     def paired_constants(self, n: torch.Tensor, w: int) -> dict[str, Any]:
         """The head-mean path's block constants plus the parts': counts, filled and forced parts, budgets."""

@@ -1,0 +1,126 @@
+"""Sketch&Walk's paired decode selection at part granularity in one launch (the graph path,
+``sketch_walk_graph_paired``, ``decode_unit="part"``), after ``part_scores.part_combine`` (and, under tensor
+parallelism, the ``head_reduce`` all-reduce of its partial).
+
+The PyTorch form, ``SketchWalk._combine_heads`` then ``PairedGraphDecode._choose_parts`` (fp64 exp and sum,
+the reduce, clamp, log, cast; then order keys, a masked ``torch.topk``, a concatenation, a sort and a cast:
+about 15 kernels per sparse layer), becomes ``_select_kernel``, one program per batch row:
+
+- finalises the reduced partial as ``_combine_heads`` does: "pair" divided by the head count (IEEE fp64
+  division), "pair-lse" clamped to fp64's smallest normal and its log taken; then rounded to fp32;
+- derives the row's constants from its length alone (``paired_constants``'s): parts holding a token, the
+  forced parts (sink and local blocks' filled parts), the budget round-half-even(density * blocks), at least
+  1, times P (the product taken exactly in fp64 and rounded to fp32 as PyTorch's fp32 multiply, so no fused
+  multiply-add can move a half-way case), and the candidates (filled, not forced);
+- picks min(budget - forced, top width, candidates) candidates by (fp32 score descending, part ascending):
+  a bisection over the scores' 32-bit order-preserving keys (``order_keys``; -0.0 as 0.0) finds the largest
+  threshold with enough keys at or above it, then everything above it and the first ties in ascending part
+  order (``tl.cumsum``) are taken, so nothing is sorted;
+- writes the forced parts and the picks ascending (``tl.cumsum`` positions), then -1 up to the width.
+
+The list is ``_choose_parts``'s bit for bit on the same fp32 scores, ties included; the fp32 scores agree
+with ``_combine_heads``'s except where the fp64 exp or log (libdevice here, PyTorch's own there) or the heads'
+summation order moves an fp64 result across an fp32 rounding boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import tl, triton
+
+HEADS = ("pair", "pair-lse")
+TINY64 = torch.finfo(torch.float64).tiny  # _combine_heads' clamp before the log
+
+
+if triton is not None:
+
+    @triton.jit
+    def _select_kernel(X, N, OUT, SC, density,
+                       SIZE: tl.constexpr, P: tl.constexpr, LOCAL: tl.constexpr, LSE: tl.constexpr,
+                       DIV: tl.constexpr, TINY: tl.constexpr, WID: tl.constexpr, WP: tl.constexpr, K: tl.constexpr,
+                       OUTW: tl.constexpr, OP: tl.constexpr, SCORES: tl.constexpr):
+        b = tl.program_id(0)
+        nn = tl.load(N + b)
+        cols = tl.arange(0, WP)
+        inside = cols < WID
+        x = tl.load(X + b * WID + cols, mask=inside, other=0.0)
+        if LSE:
+            x = tl.log(tl.maximum(x, tl.full((), TINY, tl.float64)))
+        else:  # fp64 `/` is IEEE division (only fp32's is approximate)
+            x = x / tl.full((), DIV, tl.float64)
+        x = x.to(tl.float32)
+        if SCORES:  # the fp32 scores ranked, for tests
+            tl.store(SC + b * WID + cols, x, mask=inside)
+
+        held = (nn + SIZE - 1) // SIZE  # parts holding a token
+        nb = (nn + SIZE * P - 1) // (SIZE * P)  # blocks
+        blk = cols // P
+        filled = (cols < held) & inside
+        forced = ((blk == 0) | (blk >= nb - LOCAL)) & filled
+        cand = filled & ~forced
+        # row_budget: round-half-even(density * nb) as PyTorch's fp32 product (exact in fp64, then rounded)
+        t = (nb.to(tl.float64) * density).to(tl.float32)  # density: an fp32 value (an fp64 scalar here)
+        f = tl.floor(t)
+        d = t - f
+        tau = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + (f.to(tl.int32) & 1).to(tl.float32)))
+        budget = tl.maximum(tau.to(tl.int32), 1) * P
+        nforced = tl.sum(forced.to(tl.int32), 0)
+        ncand = tl.sum(cand.to(tl.int32), 0)
+        kk = tl.minimum(tl.minimum(tl.maximum(budget - nforced, 0), K), ncand)
+
+        xz = tl.where(x == 0.0, 0.0, x)  # -0.0 ranks as 0.0
+        bits = xz.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as int order: every float above I32_MIN + 1
+        key = tl.where(cand, key, tl.full([WP], -2147483648, tl.int32))  # below every candidate
+        # the largest lo with count(key >= lo) >= kk; lo, hi in int32, halved without overflow
+        lo = tl.full((), -2147483647, tl.int32)
+        hi = tl.full((), 2147483647, tl.int32)
+        for _ in tl.static_range(32):
+            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+            enough = tl.sum((key >= mid).to(tl.int32), 0) >= kk
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        gt = key > lo
+        tie = key == lo
+        ngt = tl.sum(gt.to(tl.int32), 0)
+        pick = (gt | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= kk - ngt))) & (kk > 0)
+
+        take = (forced | pick).to(tl.int32)
+        pos = tl.cumsum(take, 0) - 1
+        total = tl.sum(take, 0)
+        tl.store(OUT + b * OUTW + pos, cols.to(tl.int32), mask=(take > 0) & (pos < OUTW))
+        p = tl.arange(0, OP)
+        tl.store(OUT + b * OUTW + p, tl.full([OP], -1, tl.int32), mask=(p < OUTW) & (p >= total))
+
+
+def part_select(x: torch.Tensor, n: torch.Tensor, heads: str, num_heads: int, block: int, parts: int,
+                local_blocks: int, density: float, top: int, out_width: int, out: torch.Tensor | None = None,
+                scores: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """x [bsz, w * P] fp64: the heads' combined partial (``part_combine``'s, reduced over shards); n [bsz]
+    int64 lengths (the new token included, at most w * block); ``heads`` "pair" / "pair-lse"; ``num_heads``
+    the divisor of "pair" (the model's KV heads under tensor parallelism, else this shard's); ``top`` the
+    static top width (``paired_constants``' ``p_k``), ``out_width`` the list width (``p_width``). Returns the
+    ascending, -1 padded part lists [bsz, out_width] int32 (in ``out`` if given, contiguous); ``scores``
+    [bsz, w * P] fp32, if given, receives the finalised scores ranked."""
+    if heads not in HEADS:
+        raise ValueError(f"part_select combines heads {HEADS}, got {heads!r}")
+    bsz, width = x.shape
+    if (x.dtype != torch.float64 or not x.is_contiguous() or n.shape != (bsz,) or n.dtype != torch.long
+            or block % parts or width % parts or not 1 <= out_width <= width or top < 0 or num_heads < 1):
+        raise ValueError("part_select needs x [bsz, w * P] fp64 contiguous, int64 lengths [bsz], P dividing the "
+                         "block and the width, 1 <= out_width <= width")
+    if out is None:
+        out = torch.empty(bsz, out_width, dtype=torch.int32, device=x.device)
+    if scores is not None and (scores.shape != x.shape or scores.dtype != torch.float32 or not scores.is_contiguous()):
+        raise ValueError("scores must be [bsz, w * P] fp32 contiguous")
+    wp = 1 << max(width - 1, 0).bit_length()
+    if num_warps is None:  # ~16-32 parts a thread
+        num_warps = 4 if wp <= 1024 else 8 if wp <= 4096 else 16
+    dens = float(torch.tensor(density, dtype=torch.float32))  # PyTorch's fp32 multiply rounds it so
+    _select_kernel[(bsz,)](x, n, out, scores if scores is not None else x, dens,
+                           SIZE=block // parts, P=parts, LOCAL=local_blocks, LSE=heads == "pair-lse",
+                           DIV=num_heads, TINY=TINY64, WID=width, WP=wp, K=top, OUTW=out_width,
+                           OP=1 << max(out_width - 1, 0).bit_length(), SCORES=scores is not None,
+                           num_warps=num_warps)
+    return out

@@ -1,0 +1,196 @@
+"""Sketch&Walk's paired part selection in kernels (``part_scores.part_combine`` + ``kernels/part_select.py``)
+against the graph path's PyTorch form (``SketchWalk._combine_heads`` + ``PairedGraphDecode._choose_parts``),
+and the paired graph decode with the kernels against it.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
+imported). Fresh random inputs each run; outputs start as NaN or a sentinel so every element must be
+written. The combine is checked with two shards' partials summed by a fake ``head_reduce``; the selection
+bit for bit against ``_choose_parts`` on the kernel's own fp32 scores, with heavy ties, infinite scores,
+empty and forced parts, short rows and a padded row."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import DEVICES, tiny_model
+from test_part_scores import B, _draw
+from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
+
+import raysparse.kernels.part_scores as ps
+import raysparse.kernels.part_select as psel
+from raysparse.kernels.common import interpreting
+from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
+from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PART_SELECT_ENV, PairedGraphDecode
+
+
+def _seed() -> torch.Generator:
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+
+def _combine(heads: str, s: torch.Tensor, reduce=None, kv_heads: int = 0) -> torch.Tensor:
+    """``SketchWalk._combine_heads`` itself, on a stand-in method (its config, reduce and head count)."""
+    m = SimpleNamespace(config=SimpleNamespace(heads=heads), head_reduce=reduce,
+                        model_cfg=SimpleNamespace(num_kv_heads=kv_heads))
+    return SketchWalk._combine_heads(m, s)[0]
+
+
+def _path(parts: int, density: float, local: int, heads: str) -> PairedGraphDecode:
+    """A paired path holding only what ``paired_constants`` and ``_choose_parts`` read."""
+    path = PairedGraphDecode.__new__(PairedGraphDecode)
+    path.cfg = SketchWalkConfig(block_size=B, density=density, local_blocks=local, sub_blocks=parts, heads=heads)
+    path.parts = parts
+    return path
+
+
+@pytest.mark.parametrize("heads", ["pair", "pair-lse"])
+@pytest.mark.parametrize("h_kv,r,parts,width,tile", [(2, 16, 4, 40, 16), (4, 32, 8, 24, None), (6, 16, 2, 18, 8)])
+def test_combine_matches_combine_heads(heads, h_kv, r, parts, width, tile):
+    """Two shards' partials (half the KV heads each) summed by the reduce, finalised by the select kernel,
+    against ``_combine_heads`` over the reference scores with the same reduce; the state as the reference's."""
+    state, slots, n, q, k = _draw(_seed(), h_kv, r, parts, width)
+    size, wid, half = B // parts, width, h_kv // 2  # width in parts
+    want_state = state.clone()
+    s = ps.part_scores_reference(want_state[:, 1], slots, n, q, k, size, wid)  # [h_kv, bsz, wid]
+    # the other shard's partial as _combine_heads makes it ("pair": divided before the reduce, the kernel after)
+    other = s[half:].double().exp().sum(0) if heads == "pair-lse" else s[half:].double().sum(0) / h_kv
+    want = _combine(heads, s[:half], lambda x: x + other, h_kv)
+    got = []
+    for sl in (slice(0, half), slice(half, h_kv)):
+        out = torch.full((len(n), wid), float("nan"), dtype=torch.float64, device=DEV)
+        x = ps.part_combine(state[:, 1, :, sl], slots, n, q[:, sl], k[:, sl], size, wid, heads, out=out, tile=tile)
+        assert x.data_ptr() == out.data_ptr() and not x.isnan().any()
+        got.append(x)
+    sc = torch.full((len(n), wid), float("nan"), device=DEV)
+    st = _path(parts, 0.3, 1, heads).paired_constants(n, width // parts)
+    psel.part_select(got[0] + got[1], n, heads, h_kv, B, parts, 1, 0.3, st["p_k"], st["p_width"], scores=sc)
+    real = 3  # padded rows (3, 4) may read each other's update of the scratch slot: written, not compared
+    torch.testing.assert_close(sc[:real], want[:real], rtol=1e-5, atol=1e-5)
+    assert not sc.isnan().any() and torch.equal(sc.isinf(), want.isinf())
+    keep = torch.ones_like(state, dtype=torch.bool)
+    keep[-1, 1, (n[-1] - 1) // size] = False
+    assert torch.equal(state[keep], want_state[keep])
+
+
+def test_combine_one_shard_and_bad_heads():
+    """One shard: no reduce, the local heads divide "pair"."""
+    state, slots, n, q, k = _draw(_seed(), 3, 16, 4, 12)
+    want_state = state.clone()
+    s = ps.part_scores_reference(want_state[:, 1], slots, n, q, k, B // 4, 12)
+    for heads in ("pair", "pair-lse"):
+        cur = state.clone()
+        x = ps.part_combine(cur[:, 1], slots, n, q, k, B // 4, 12, heads)
+        sc = torch.full(x.shape, float("nan"), device=DEV)
+        psel.part_select(x, n, heads, 3, B, 4, 1, 0.5, 12, 12, scores=sc)
+        torch.testing.assert_close(sc[:3], _combine(heads, s)[:3], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="heads"):
+        ps.part_combine(state[:, 1], slots, n, q, k, B // 4, 12, "mean")
+
+
+def _partials(g: torch.Generator, heads: str, bsz: int, wid: int, ties: bool) -> torch.Tensor:
+    """Partials whose finalised scores tie heavily (a few levels), with extremes: for "pair" -inf, +inf and
+    -0.0 sums; for "pair-lse" 0 (every head empty), a subnormal (both clamp to one floor) and +inf."""
+    if heads == "pair":
+        levels = torch.tensor([-float("inf"), float("inf"), -0.0, 0.0, -1.5, 2.25, 7.0], dtype=torch.float64)
+        x = torch.randn(bsz, wid, generator=g, dtype=torch.float64) * 3
+    else:
+        levels = torch.tensor([0.0, 1e-310, float("inf"), 0.5, 1.0, 3.0, 1e-200], dtype=torch.float64)
+        x = (torch.randn(bsz, wid, generator=g, dtype=torch.float64) * 2).exp()
+    pick = levels[torch.randint(0, len(levels), (bsz, wid), generator=g)]
+    some = torch.rand(bsz, wid, generator=g) < (0.9 if ties else 0.05)
+    x = torch.where(some, pick, x)
+    # a row of signed zeros ("pair") or of floors ("pair-lse"): one tie that the threshold must fall in
+    zero = 2 if heads == "pair" else 0  # levels[zero], levels[zero + 1]: -0.0 and 0.0, or 0 and a subnormal
+    x[3] = levels[zero + torch.randint(0, 2, (wid,), generator=g)]
+    return x.to(DEV)
+
+
+@pytest.mark.parametrize("heads", ["pair", "pair-lse"])
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "spread"])
+@pytest.mark.parametrize("parts,width,local", [(4, 40, 1), (8, 24, 2), (1, 70, 1), (2, 300, 3)])
+def test_select_matches_choose_parts(heads, ties, parts, width, local):
+    g = _seed()
+    density = float(torch.empty(()).uniform_(0.05, 0.6, generator=g))
+    wid, bsz = width * parts, 6
+    n = torch.randint(1, width * B + 1, (bsz,), generator=g)
+    n[0] = width * B - int(torch.randint(0, B // parts, (), generator=g))  # the full width
+    n[1] = int(torch.randint(1, B + 1, (), generator=g))  # one block: all forced
+    n[2] = int(torch.randint(B + 1, (local + 2) * B, (), generator=g))  # forced >= the budget
+    n[5] = 1  # a padded row's length
+    n = n.to(DEV)
+    x = _partials(g, heads, bsz, wid, ties)
+    path = _path(parts, density, local, heads)
+    st = path.paired_constants(n, width)
+    kv = int(torch.randint(1, 9, (), generator=g))
+    # the reduce hands _combine_heads the partial (its own division, for "pair", done here as the kernel does)
+    reduced = x[None] / kv if heads == "pair" else x[None]
+    want_scores = _combine(heads, torch.zeros(1, bsz, wid, device=DEV), lambda _: reduced, kv)
+    out = torch.full((bsz, st["p_width"]), -7, dtype=torch.int32, device=DEV)
+    sc = torch.full((bsz, wid), float("nan"), device=DEV)
+    got = psel.part_select(x, n, heads, kv, B, parts, local, density, st["p_k"], st["p_width"], out=out, scores=sc)
+    assert got.data_ptr() == out.data_ptr()
+    # the scores ranked: _combine_heads' finalisation (exact but for fp64 log rounding in another library)
+    torch.testing.assert_close(sc, want_scores, rtol=1e-6, atol=0.0)
+    assert torch.equal(got, path._choose_parts(sc, st))  # bit for bit on the same scores, every element
+
+
+def test_select_refuses_bad_arguments():
+    n = torch.ones(2, dtype=torch.long, device=DEV)
+    x = torch.zeros(2, 16, dtype=torch.float64, device=DEV)
+    with pytest.raises(ValueError, match="heads"):
+        psel.part_select(x, n, "mean", 1, 16, 4, 1, 0.5, 4, 8)
+    with pytest.raises(ValueError, match="fp64"):
+        psel.part_select(x.float(), n, "pair", 1, 16, 4, 1, 0.5, 4, 8)
+    with pytest.raises(ValueError, match="out_width"):
+        psel.part_select(x, n, "pair", 1, 16, 4, 1, 0.5, 4, 17)
+
+
+def test_switch_picks_the_select_kernel(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
+    for mode, want in (("on", True), ("off", False)):
+        monkeypatch.setenv(PART_SELECT_ENV, mode)
+        assert PairedGraphDecode._wanted(cpu, PART_SELECT_ENV, "on", None) is want
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def model(request):
+    return tiny_model(request.param, 2, 2, 5)
+
+
+@pytest.mark.parametrize("scoring,scores_kernel,reduce", [
+    ({"heads": "pair-lse", "sub_blocks": 8}, True, False),
+    ({"heads": "pair", "sub_blocks": 4}, True, True),
+    ({"heads": "pair-lse", "sub_blocks": 2}, False, True),
+], ids=["pair-lse-P8", "pair-P4-reduce", "pair-lse-P2-torch-scores-reduce"])
+def test_paired_graph_decode_with_the_select_kernel(model, scoring, scores_kernel, reduce, monkeypatch):
+    """The same decode (lists, units, logits) through the kernels as through the PyTorch form; with a
+    reduce (a group of one) the "pair" divisor is the model's KV heads."""
+    from test_sketch_walk_graph_paired import _run
+
+    if model.lm_head.weight.device.type == "cpu" and not interpreting():
+        pytest.skip("CPU tensors run the kernels only in Triton's interpreter")
+    monkeypatch.setenv(PAIRED_ENV, "on")
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    params = {**scoring, "decode_unit": "part", "density": float(torch.empty(()).uniform_(0.15, 0.5)),
+              "local_blocks": 1 + seed % 2}
+    lens, steps = [100, 14, 158], 3
+    monkeypatch.setattr(PairedGraphDecode, "part_kernel", False)
+    monkeypatch.setattr(PairedGraphDecode, "select_kernel", False)
+    want_picks, want_logits, _ = _run(model, params, lens, steps, True, seed, [] if reduce else None)
+    calls = []
+    real = psel.part_select
+    monkeypatch.setattr(psel, "part_select", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(PairedGraphDecode, "part_kernel", scores_kernel)
+    monkeypatch.setattr(PairedGraphDecode, "select_kernel", True)
+    reduced: list = []
+    got_picks, got_logits, backend = _run(model, params, lens, steps, True, seed, reduced if reduce else None)
+    sparse = sum(not backend.is_dense_layer(i) for i in range(model.cfg.num_layers))
+    assert len(calls) == steps * sparse if not got_logits.is_cuda else calls
+    assert not reduce or reduced and set(reduced) == {torch.float64}  # the partial went through the reduce
+    tol = 1e-4 if got_logits.device.type == "cpu" else 2e-3
+    torch.testing.assert_close(got_logits, want_logits, rtol=tol, atol=tol)
+    assert len(got_picks) == len(want_picks)
+    for (got, unit), (want, want_unit) in zip(got_picks, want_picks, strict=True):
+        assert unit == want_unit and torch.equal(got[:3], want[:3])  # the real rows; row 3 is padding
