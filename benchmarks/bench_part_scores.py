@@ -1,5 +1,5 @@
-"""Sketch&Walk's paired part scores per sparse layer: the paired graph path's PyTorch form against the two
-Triton launches of ``kernels/part_scores.py``.
+"""Sketch&Walk's paired part scores and the whole part selection per sparse layer: the paired graph path's
+PyTorch form against the Triton launches of ``kernels/part_scores.py`` and ``kernels/part_select.py``.
 
 Timing (default; the GPU machine): Llama-3.1-8B's KV layout (8 KV heads), blocks of 64 in P = 8 parts,
 sketch dims r, batch sizes x contexts (w * P = context / 8 parts), one sparse layer's scores from the
@@ -8,11 +8,19 @@ step's length-only constants (``paired_constants``, once per step for all layers
 timed region, as the graph path does. ``ms_rest`` is what follows on both sides (``_combine_heads`` and
 ``_choose_parts``), for the layer's whole selection. ``MB_state`` is one layer's part sums of the batch.
 
+The whole selection (scores, heads' combine, part list; ``decode_unit="part"``): ``ms_sel_ref`` the PyTorch
+form (both switches off), ``ms_sel_mixed`` the part-score kernels + PyTorch's combine and choice
+(``RAYSPARSE_PART_SELECT=off``), ``ms_sel_kernel`` ``part_combine`` + ``part_select`` (two launches: the
+default on CUDA), of which ``ms_combine`` and ``ms_select`` alone.
+
 Agreement, every case, from the same state: ``max_abs_diff`` of the finite scores (the empty parts must be
 -inf on both sides), ``state_equal`` (the updated part sums, bit for bit) and ``lists_diff`` (rows whose
-part list differs after the heads are combined and the parts chosen).
+part list differs after the heads are combined and the parts chosen); ``sel_lists_diff`` (rows whose
+kernels' list differs from the PyTorch form's) and ``sel_bits_diff`` (rows whose ``part_select`` list
+differs from ``_choose_parts`` on the kernel's own fp32 scores: must be 0).
 
-    python benchmarks/bench_part_scores.py [--batch 1 8] [--context 16384 65536] [--r 64 128]
+    python benchmarks/bench_part_scores.py [--batch 1 8] [--context 16384 65536] [--r 64 128] [--tile T]
+                                           [--warps W]   # part_combine's parts per program, part_select's warps
     python benchmarks/bench_part_scores.py --smoke   # CPU, tiny sizes, the Triton interpreter
 
 Writes ``$OUT/bench_part_scores.json`` (``OUT`` defaults to ./results).
@@ -58,7 +66,8 @@ def _layer_path(kv_heads: int, head_dim: int, r: int, block: int, parts: int, wi
     return PairedGraphDecode(method, cache, max_batch=batch, max_blocks=width)
 
 
-def case(batch: int, context: int, r: int, smoke: bool) -> dict[str, Any]:
+def case(batch: int, context: int, r: int, smoke: bool, tile: int | None = None,
+         warps: int | None = None) -> dict[str, Any]:
     from raysparse.kernels.part_scores import part_scores, part_scores_reference
 
     dev = "cpu" if smoke else "cuda"
@@ -102,6 +111,41 @@ def case(batch: int, context: int, r: int, smoke: bool) -> dict[str, Any]:
     rec["ms_ref"], rec["ms_kernel"] = timer(ref), timer(kernel)
     rec["ms_rest"] = timer(lambda: rest(want))
     rec["speedup"] = rec["ms_ref"] / rec["ms_kernel"]
+    rec.update(_selection(path, ks, start, slots, n, q, k, st, tile, warps, timer, rest, ref, kernel))
+    return rec
+
+
+def _selection(path: PairedGraphDecode, ks: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
+               n: torch.Tensor, q: torch.Tensor, k: torch.Tensor, st: dict[str, Any], tile: int | None,
+               warps: int | None, timer: Any, rest: Any, ref: Any, kernel: Any) -> dict[str, Any]:
+    """The layer's whole part selection: agreement from one state, then the three forms' times."""
+    from raysparse.kernels.part_scores import part_combine
+    from raysparse.kernels.part_select import part_select
+
+    cfg, size, wid = path.cfg, path.cfg.block_size // path.parts, ks.shape[1]
+    args = (n, cfg.heads, q.shape[1], cfg.block_size, path.parts, cfg.local_blocks, cfg.density, st["p_k"],
+            st["p_width"])
+
+    def combine() -> torch.Tensor:
+        return part_combine(ks, slots, n, q, k, size, wid, cfg.heads, tile=tile)
+
+    def sel_kernel(scores: torch.Tensor | None = None) -> torch.Tensor:
+        return part_select(combine(), *args, scores=scores, num_warps=warps)
+
+    ks.copy_(start)
+    want = rest(ref())
+    ks.copy_(start)
+    sc = torch.empty(n.shape[0], wid, device=ks.device)
+    got = sel_kernel(sc)
+    x = combine()
+    rec = {"sel_lists_diff": int((got != want).any(-1).sum()),
+           "sel_bits_diff": int((got != path._choose_parts(sc, st)).any(-1).sum())}
+    rec["ms_sel_ref"] = timer(lambda: rest(ref()))
+    rec["ms_sel_mixed"] = timer(lambda: rest(kernel()))
+    rec["ms_sel_kernel"] = timer(sel_kernel)
+    rec["ms_combine"] = timer(combine)
+    rec["ms_select"] = timer(lambda: part_select(x, *args, num_warps=warps))
+    rec["sel_speedup"] = rec["ms_sel_ref"] / rec["ms_sel_kernel"]
     return rec
 
 
@@ -111,22 +155,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes")
     ap.add_argument("--context", type=int, nargs="+", help="context lengths")
     ap.add_argument("--r", type=int, nargs="+", help="sketch dims (the method's default is 64)")
+    ap.add_argument("--tile", type=int, help="part_combine's parts per program (a power of two; default by width)")
+    ap.add_argument("--warps", type=int, help="part_select's warps per program (default by width)")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_part_scores.py times on a CUDA GPU (or --smoke)")
     batches = args.batch or ([1, 3] if args.smoke else [1, 8])
     contexts = args.context or ([256, 600] if args.smoke else [16384, 65536])
     dims = args.r or ([16] if args.smoke else [64, 128])
-    rows = [case(b, c, r, args.smoke) for r in dims for c in contexts for b in batches]
+    rows = [case(b, c, r, args.smoke, args.tile, args.warps) for r in dims for c in contexts for b in batches]
     path = write_json("bench_part_scores.json", {"env": environment(), "smoke": args.smoke, "rows": rows})
-    bad = [row for row in rows if not (row["inf_equal"] and row["state_equal"] and row["max_abs_diff"] < 1e-3)]
-    how = "CPU wall time, the kernel interpreted" if args.smoke else "CUDA-graph replays"
-    print(f"paired part scores per sparse layer, PyTorch form vs kernel ({how}; {path})")
+    bad = [row for row in rows if not (row["inf_equal"] and row["state_equal"] and row["max_abs_diff"] < 1e-3
+                                       and row["sel_bits_diff"] == 0)]
+    how = "CPU wall time, the kernels interpreted" if args.smoke else "CUDA-graph replays"
+    print(f"paired part scores and selection per sparse layer, PyTorch form vs kernels ({how}; {path})")
     if bad:
         print(f"DISAGREEMENT in {len(bad)} case(s): see the JSON")
-    print(table(rows, [("batch", "batch"), ("context", "context"), ("r", "r"), ("MB_state", "MB state"),
-                       ("ms_ref", "ref ms"), ("ms_kernel", "kernel ms"), ("speedup", "speedup"),
-                       ("ms_rest", "rest ms"), ("max_abs_diff", "max |diff|"), ("lists_diff", "lists diff")]))
+    key = [("batch", "batch"), ("context", "context"), ("r", "r")]
+    print(table(rows, key + [("MB_state", "MB state"), ("ms_ref", "ref ms"), ("ms_kernel", "kernel ms"),
+                             ("speedup", "speedup"), ("ms_rest", "rest ms"), ("max_abs_diff", "max |diff|"),
+                             ("lists_diff", "lists diff")]))
+    print("whole selection per sparse layer (scores + combine + part list):")
+    print(table(rows, key + [("ms_sel_ref", "PyTorch ms"), ("ms_sel_mixed", "scores kernel ms"),
+                             ("ms_sel_kernel", "kernels ms"), ("ms_combine", "combine ms"),
+                             ("ms_select", "select ms"), ("sel_speedup", "speedup"),
+                             ("sel_lists_diff", "lists diff"), ("sel_bits_diff", "bits diff")]))
     return {"rows": rows}
 
 

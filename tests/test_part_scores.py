@@ -125,7 +125,7 @@ def test_paired_graph_decode_with_the_kernel(model, scoring, monkeypatch):
 
 
 def test_bench_part_scores_smoke(tmp_path, monkeypatch):
-    """``benchmarks/bench_part_scores.py --smoke`` times both sides at a tiny size, agrees and writes its JSON."""
+    """``benchmarks/bench_part_scores.py --smoke`` times every form at a tiny size, agrees and writes its JSON."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_part_scores.py"
     spec = importlib.util.spec_from_file_location("bench_part_scores", path)
     bench = importlib.util.module_from_spec(spec)
@@ -135,3 +135,5 @@ def test_bench_part_scores_smoke(tmp_path, monkeypatch):
     (row,) = json.loads((tmp_path / "bench_part_scores.json").read_text())["rows"]
     assert row["inf_equal"] and row["state_equal"] and row["max_abs_diff"] < 1e-5 and row["lists_diff"] == 0
     assert row["ms_ref"] > 0 and row["ms_kernel"] > 0 and row["ms_rest"] > 0
+    assert row["sel_bits_diff"] == 0 and row["sel_lists_diff"] == 0
+    assert all(row[key] > 0 for key in ("ms_sel_ref", "ms_sel_mixed", "ms_sel_kernel", "ms_combine", "ms_select"))
