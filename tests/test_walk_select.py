@@ -53,6 +53,8 @@ def _draw(g: torch.Generator, path: SketchWalkGraphDecode, width: int, local: in
     cb = torch.randint(0, width, (real,), generator=g)
     cb[0] = width - 1  # the last block of the widest row
     cb[1] = int(torch.randint(0, local + 2, (), generator=g))  # no more blocks than the forced ones (or one more)
+    if width > 24:
+        cb[2] = 24  # 25 blocks: density 0.1's fp32 budget is exactly half-way (2.5) and rounds to even
     fill = torch.tensor([1, 2, 4, 8, 16])[torch.randint(0, 5, (real,), generator=g)]  # partial and full blocks
     n = torch.cat((cb * B + fill, torch.ones(2, dtype=torch.long)))  # padded rows: length one, as the graphs pad
     new = torch.randint(-4, 5, (2, real + 2, r), generator=g).float()
@@ -87,7 +89,7 @@ def _faithful(path: SketchWalkGraphDecode, qs, ks, slots, n, new, rows, width: i
 
 @pytest.mark.parametrize("params", [{}, {"token_query": "decode"}, {"token_query": "never"},
                                     {"token_query": "never", "local_blocks": 3, "density": 0.5},
-                                    {"local_blocks": 2, "exponent": 1.0, "density": 0.2}])
+                                    {"local_blocks": 2, "exponent": 1.0, "density": 0.2}, {"density": 0.1}])
 @pytest.mark.parametrize("width", [16, 40])  # one score tile; three, the last partial (and not a power of two)
 def test_select_matches_reference(params, width):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
