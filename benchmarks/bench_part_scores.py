@@ -7,6 +7,8 @@ sketched token on, each side captured in a CUDA graph as decode runs it (median 
 step's length-only constants (``paired_constants``, once per step for all layers) are built outside the
 timed region, as the graph path does. ``ms_rest`` is what follows on both sides (``_combine_heads`` and
 ``_choose_parts``), for the layer's whole selection. ``MB_state`` is one layer's part sums of the batch.
+The state is page-indexed as the graph path keeps it: the rows' KV pages interleaved (row b's page j is
+j * batch + b), every part sum random (as stale sums of reused pages; the fresh part's is replaced).
 
 The whole selection (scores, heads' combine, part list; ``decode_unit="part"``): ``ms_sel_ref`` the PyTorch
 form (both switches off), ``ms_sel_mixed`` the part-score kernels + PyTorch's combine and choice
@@ -21,7 +23,7 @@ differs from ``_choose_parts`` on the kernel's own fp32 scores: must be 0).
 
     python benchmarks/bench_part_scores.py [--batch 1 8] [--context 16384 65536] [--r 64 128] [--tile T]
                                            [--warps W]   # part_combine's parts per program, part_select's warps
-    python benchmarks/bench_part_scores.py --smoke   # CPU, tiny sizes, the Triton interpreter
+    python benchmarks/bench_part_scores.py --smoke   # tiny sizes: CUDA if present, else CPU in the interpreter
 
 Writes ``$OUT/bench_part_scores.json`` (``OUT`` defaults to ./results).
 """
@@ -47,13 +49,20 @@ from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode  # noqa
 DENSITY = 0.1
 
 
-def _layer_path(kv_heads: int, head_dim: int, r: int, block: int, parts: int, width: int, batch: int,
+def smoke_device() -> str:
+    """Where ``--smoke`` runs: CUDA if present (the kernels compile), else the CPU in Triton's interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _layer_path(kv_heads: int, head_dim: int, r: int, block: int, parts: int, pages: int,
                 dev: str) -> PairedGraphDecode:
-    """A paired graph path of one sparse layer (only its config, state and constants are used)."""
+    """A paired graph path of one sparse layer over a cache of ``pages`` pages (only its config, state and
+    constants are used; the cache stands in for its shape alone, without KV tensors)."""
+    from types import SimpleNamespace
+
     from transformers import LlamaConfig
 
     from raysparse.config import ModelConfig
-    from raysparse.kv_cache import KVCache
     from raysparse.methods.registry import create_backend
 
     hf = LlamaConfig(vocab_size=128, hidden_size=4 * kv_heads * head_dim, intermediate_size=128,
@@ -62,33 +71,33 @@ def _layer_path(kv_heads: int, head_dim: int, r: int, block: int, parts: int, wi
     cfg = ModelConfig.from_hf(hf)
     method = create_backend("sketch_walk", cfg, block_size=block, density=DENSITY, walk="one-hop", heads="pair-lse",
                             sub_blocks=parts, decode_unit="part", sketch_dim=r, dense_layers=())
-    cache = KVCache(cfg, 1, block, torch.bfloat16, dev)  # the path reads the page size and KV heads only
-    return PairedGraphDecode(method, cache, max_batch=batch, max_blocks=width)
+    cache = SimpleNamespace(page_size=block, num_kv_heads=kv_heads, num_pages=pages, device=torch.device(dev))
+    return PairedGraphDecode(method, cache)
 
 
 def case(batch: int, context: int, r: int, smoke: bool, tile: int | None = None,
          warps: int | None = None) -> dict[str, Any]:
     from raysparse.kernels.part_scores import part_scores, part_scores_reference
 
-    dev = "cpu" if smoke else "cuda"
+    dev = smoke_device() if smoke else "cuda"
     block, parts, h_kv = (16, 4, 2) if smoke else (64, 8, 8)
     size, width = block // parts, -(-context // block)
-    path = _layer_path(h_kv, 16 if smoke else 128, r, block, parts, width, batch, dev)
+    path = _layer_path(h_kv, 16 if smoke else 128, r, block, parts, batch * width, dev)
     g = torch.Generator().manual_seed(0)
     path.ks.copy_(torch.randn(path.ks.shape, generator=g))
-    ks = path.ks[:, 0, : width * parts]  # the graph path's view of one layer
-    slots = torch.arange(batch, device=dev)
+    ks = path.ks[0]  # the graph path's view of one layer
+    table = (torch.arange(width)[None, :] * batch + torch.arange(batch)[:, None]).to(torch.int32).to(dev)
     n = torch.tensor([context - 37 * i for i in range(batch)], device=dev)  # ragged, partial last parts
     q, k = torch.randn(2, batch, h_kv, r, generator=g).to(dev)
-    st = path.paired_constants(n, width)
+    st = path.paired_constants(n, width, table)
     consts = (st["part"], st["cnt"], st["filled"][0])
     m = path.m
 
     def ref() -> torch.Tensor:
-        return part_scores_reference(ks, slots, n, q, k, size, width * parts, consts)
+        return part_scores_reference(ks, table, n, q, k, size, parts, consts, st["p_rows"])
 
     def kernel() -> torch.Tensor:
-        return part_scores(ks, slots, n, q, k, size, width * parts)
+        return part_scores(ks, table, n, q, k, size, parts)
 
     def rest(s: torch.Tensor) -> torch.Tensor:
         return path._choose_parts(m._combine_heads(s)[0], st)
@@ -111,23 +120,23 @@ def case(batch: int, context: int, r: int, smoke: bool, tile: int | None = None,
     rec["ms_ref"], rec["ms_kernel"] = timer(ref), timer(kernel)
     rec["ms_rest"] = timer(lambda: rest(want))
     rec["speedup"] = rec["ms_ref"] / rec["ms_kernel"]
-    rec.update(_selection(path, ks, start, slots, n, q, k, st, tile, warps, timer, rest, ref, kernel))
+    rec.update(_selection(path, ks, start, table, n, q, k, st, tile, warps, timer, rest, ref, kernel))
     return rec
 
 
-def _selection(path: PairedGraphDecode, ks: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
+def _selection(path: PairedGraphDecode, ks: torch.Tensor, start: torch.Tensor, table: torch.Tensor,
                n: torch.Tensor, q: torch.Tensor, k: torch.Tensor, st: dict[str, Any], tile: int | None,
                warps: int | None, timer: Any, rest: Any, ref: Any, kernel: Any) -> dict[str, Any]:
     """The layer's whole part selection: agreement from one state, then the three forms' times."""
     from raysparse.kernels.part_scores import part_combine
     from raysparse.kernels.part_select import part_select
 
-    cfg, size, wid = path.cfg, path.cfg.block_size // path.parts, ks.shape[1]
+    cfg, size, wid = path.cfg, path.cfg.block_size // path.parts, table.shape[1] * path.parts
     args = (n, cfg.heads, q.shape[1], cfg.block_size, path.parts, cfg.local_blocks, cfg.density, st["p_k"],
             st["p_width"])
 
     def combine() -> torch.Tensor:
-        return part_combine(ks, slots, n, q, k, size, wid, cfg.heads, tile=tile)
+        return part_combine(ks, table, n, q, k, size, path.parts, cfg.heads, tile=tile)
 
     def sel_kernel(scores: torch.Tensor | None = None) -> torch.Tensor:
         return part_select(combine(), *args, scores=scores, num_warps=warps)
@@ -151,7 +160,7 @@ def _selection(path: PairedGraphDecode, ks: torch.Tensor, start: torch.Tensor, s
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, the Triton interpreter")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CUDA if present, else the interpreter)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes")
     ap.add_argument("--context", type=int, nargs="+", help="context lengths")
     ap.add_argument("--r", type=int, nargs="+", help="sketch dims (the method's default is 64)")
@@ -167,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = write_json("bench_part_scores.json", {"env": environment(), "smoke": args.smoke, "rows": rows})
     bad = [row for row in rows if not (row["inf_equal"] and row["state_equal"] and row["max_abs_diff"] < 1e-3
                                        and row["sel_bits_diff"] == 0)]
-    how = "CPU wall time, the kernels interpreted" if args.smoke else "CUDA-graph replays"
+    how = "wall time, tiny sizes" if args.smoke else "CUDA-graph replays"
     print(f"paired part scores and selection per sparse layer, PyTorch form vs kernels ({how}; {path})")
     if bad:
         print(f"DISAGREEMENT in {len(bad)} case(s): see the JSON")

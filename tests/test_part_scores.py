@@ -2,10 +2,12 @@
 graph decode with the kernel against its PyTorch form.
 
 Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
-imported). Fresh random part sums and sketches each run: three real rows on distinct slots (one at the full
-width, one shorter than a part, lengths ending in partial parts) and two padded rows on the scratch slot;
-the output starts as NaN so every element must be written; the updated state is compared exactly (the
-scratch slot's current part aside: padded rows' updates may mix there)."""
+imported). Fresh random, page-indexed part sums (stale everywhere, as pages reused from freed sequences) and
+sketches each run: three real rows whose pages are non-contiguous and interleaved (one at the full width,
+one shorter than a part, one whose new token starts a part over a stale sum) and two padded rows on the
+scratch page, which holds NaN so any read of it by a real row shows; the output starts as NaN so every
+element must be written; the updated state is compared exactly, and only the real rows' current parts and
+the scratch page's first part may change."""
 
 from __future__ import annotations
 
@@ -22,55 +24,89 @@ import raysparse.kernels.part_scores as ps
 from raysparse.kernels.common import interpreting
 from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PART_SCORES_ENV, PairedGraphDecode
 
-B = 16  # tokens per block
-SLOTS = 4  # 3 real slots + the scratch slot
+B = 16  # tokens per block (a KV page)
+REAL = 3  # real rows; two padded rows follow
 
 
 def _draw(g: torch.Generator, h_kv: int, r: int, parts: int, width: int):
-    size = B // parts
-    # one layer of a two-layer state with spare parts beyond the width: strides as the graph path's view
-    state = torch.randn(SLOTS, 2, width + 3, h_kv, r, generator=g)
-    real = 3
-    slots = torch.cat((torch.randperm(SLOTS - 1, generator=g)[:real], torch.full((2,), SLOTS - 1)))
-    n = torch.randint(1, width * size + 1, (real + 2,), generator=g)
+    """(state [2 layers, (pages + 1) * P, h_kv, r], table [5, w] int32, n, q, k) for ``width`` = w * P parts."""
+    size, w = B // parts, width // parts
+    pages = REAL * w + 2  # two spare pages
+    state = torch.randn(2, (pages + 1) * parts, h_kv, r, generator=g)
+    state[:, pages * parts:] = float("nan")  # the scratch page
+    n = torch.randint(1, width * size + 1, (REAL + 2,), generator=g)
     n[0] = width * size - int(torch.randint(0, size, (), generator=g))  # the last part, full or partial
     n[1] = int(torch.randint(1, size + 1, (), generator=g))  # within the first part
-    n[real + 1] = n[real]  # padded rows decode one length and one key
-    q, k = torch.randn(2, real + 2, h_kv, r, generator=g)
-    k[real + 1] = k[real]
-    return state.to(DEV), slots.to(DEV), n.to(DEV), q.to(DEV), k.to(DEV)
+    n[2] = size * int(torch.randint(0, width, (), generator=g)) + 1  # a fresh part: its stale sum is replaced
+    n[REAL:] = 1  # padded rows decode token 0 at position 0, as decode_graphs pads
+    # the real rows' pages interleaved in one random permutation: row i holds perm[i], perm[i + REAL], ...
+    perm = torch.randperm(pages, generator=g)[: REAL * w].view(w, REAL).T
+    table = torch.full((REAL + 2, w), pages, dtype=torch.int32)
+    for i in range(REAL):
+        used = -(-int(n[i]) // B)
+        table[i, :used] = perm[i, :used]  # beyond its pages: the scratch page, as decode_graphs fills it
+    q, k = torch.randn(2, REAL + 2, h_kv, r, generator=g)
+    k[REAL + 1] = k[REAL]  # padded rows decode one key
+    return state.to(DEV), table.to(DEV), n.to(DEV), q.to(DEV), k.to(DEV)
+
+
+def check_state(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor, table: torch.Tensor, n: torch.Tensor,
+                parts: int, layer: int = 1) -> None:
+    """``got`` is the reference's state bit for bit (NaN alike), and only the real rows' current parts and the
+    scratch page's first part (padded rows') differ from ``start``: a padded row never writes a real page."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    same = (got == start) | (got.isnan() & start.isnan())
+    changed = {tuple(x) for x in torch.nonzero(~same.flatten(2).all(-1)).tolist()}
+    cur = (n - 1) // (B // parts)
+    rows = ps.part_rows(table, parts).gather(1, cur[:, None]).squeeze(1)
+    scratch = got.shape[1] - parts
+    assert rows[REAL:].eq(scratch).all()
+    assert changed <= {(layer, int(x)) for x in rows} and (layer, scratch) in changed
 
 
 @pytest.mark.parametrize("h_kv,r,parts,width,tile", [
     (1, 16, 1, 7, None),
     (2, 32, 4, 40, 16),  # a row over three programs, the last tile partial
     (3, 64, 8, 24, None),
-    (2, 16, 8, 70, 32),
+    (2, 16, 8, 72, 32),
 ])
 def test_part_scores_match_reference(h_kv, r, parts, width, tile):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    state, slots, n, q, k = _draw(g, h_kv, r, parts, width)
-    want_state = state.clone()
-    want = ps.part_scores_reference(want_state[:, 1], slots, n, q, k, B // parts, width)
+    state, table, n, q, k = _draw(g, h_kv, r, parts, width)
+    start, want_state = state.clone(), state.clone()
+    want = ps.part_scores_reference(want_state[1], table, n, q, k, B // parts, parts)
+    assert not want[:, :REAL].isnan().any()  # no real row read the scratch page
     out = torch.full((h_kv, len(n), width), float("nan"), device=DEV)
-    got = ps.part_scores(state[:, 1], slots, n, q, k, B // parts, width, out=out, tile=tile)
+    got = ps.part_scores(state[1], table, n, q, k, B // parts, parts, out=out, tile=tile)
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # -inf where empty, on both sides
-    # every real row's slot updated exactly; the scratch slot's current part is any mix of the padded rows'
-    keep = torch.ones_like(state, dtype=torch.bool)
-    keep[-1, 1, (n[-1] - 1) // (B // parts)] = False
-    assert torch.equal(state[keep], want_state[keep])
+    check_state(state, want_state, start, table, n, parts)
+
+
+def test_fresh_part_stores_over_stale_sums():
+    """A part's first token replaces whatever the (reused) page held there; later tokens add."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    state, table, n, q, k = _draw(g, 2, 16, 4, 12)
+    ps.part_scores(state[1], table, n, q, k, B // 4, 4)
+    row = ps.part_rows(table, 4).gather(1, ((n - 1) // 4)[:, None]).squeeze(1)
+    fresh = (n - 1) % 4 == 0
+    assert fresh[2] and torch.equal(state[1, row[2]], k[2])  # the stale sum is gone
+    assert fresh[REAL:].all() and torch.equal(state[1, row[REAL]], k[REAL])
 
 
 def test_part_scores_refuse_bad_shapes():
-    ks = torch.zeros(2, 8, 2, 24, device=DEV)
+    ks = torch.zeros(8, 2, 24, device=DEV)
     one = torch.ones(1, dtype=torch.long, device=DEV)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="power-of-two"):
-        ps.part_scores(ks, one, one, torch.zeros(1, 2, 24, device=DEV), torch.zeros(1, 2, 24, device=DEV), 2, 8)
-    ks = torch.zeros(2, 8, 2, 16, device=DEV)
-    with pytest.raises(ValueError, match="width"):
-        ps.part_scores(ks, one, one, torch.zeros(1, 2, 16, device=DEV), torch.zeros(1, 2, 16, device=DEV), 2, 9)
+        ps.part_scores(ks, table, one, torch.zeros(1, 2, 24, device=DEV), torch.zeros(1, 2, 24, device=DEV), 2, 4)
+    ks = torch.zeros(8, 2, 16, device=DEV)
+    q = torch.zeros(1, 2, 16, device=DEV)
+    with pytest.raises(ValueError, match="page table"):
+        ps.part_scores(ks, table.long(), one, q, q, 2, 4)  # int64 table
+    with pytest.raises(ValueError, match="pages"):
+        ps.part_scores(ks, table, one, q, q, 2, 3)  # rows not whole pages
 
 
 def test_switch_picks_the_kernel(monkeypatch):
@@ -125,11 +161,14 @@ def test_paired_graph_decode_with_the_kernel(model, scoring, monkeypatch):
 
 
 def test_bench_part_scores_smoke(tmp_path, monkeypatch):
-    """``benchmarks/bench_part_scores.py --smoke`` times every form at a tiny size, agrees and writes its JSON."""
+    """``benchmarks/bench_part_scores.py --smoke`` times every form at a tiny size, agrees and writes its JSON
+    (on CUDA where present, else on the CPU in the interpreter)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_part_scores.py"
     spec = importlib.util.spec_from_file_location("bench_part_scores", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    if bench.smoke_device() == "cpu" and not interpreting():
+        pytest.skip("CPU tensors run the kernels only in Triton's interpreter")
     monkeypatch.setenv("OUT", str(tmp_path))
     bench.main(["--smoke", "--batch", "2", "--context", "200"])
     (row,) = json.loads((tmp_path / "bench_part_scores.json").read_text())["rows"]

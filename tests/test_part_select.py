@@ -6,7 +6,7 @@ Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, s
 imported). Fresh random inputs each run; outputs start as NaN or a sentinel so every element must be
 written. The combine is checked with two shards' partials summed by a fake ``head_reduce``; the selection
 bit for bit against ``_choose_parts`` on the kernel's own fp32 scores, with heavy ties, infinite scores,
-empty and forced parts, short rows and a padded row."""
+empty and forced parts, short rows and a padded row; the state page-indexed (``test_part_scores._draw``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import DEVICES, tiny_model
-from test_part_scores import B, _draw
+from test_part_scores import B, _draw, check_state
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 import raysparse.kernels.part_scores as ps
@@ -49,43 +49,41 @@ def _path(parts: int, density: float, local: int, heads: str) -> PairedGraphDeco
 def test_combine_matches_combine_heads(heads, h_kv, r, parts, width, tile):
     """Two shards' partials (half the KV heads each) summed by the reduce, finalised by the select kernel,
     against ``_combine_heads`` over the reference scores with the same reduce; the state as the reference's."""
-    state, slots, n, q, k = _draw(_seed(), h_kv, r, parts, width)
+    state, table, n, q, k = _draw(_seed(), h_kv, r, parts, width)
     size, wid, half = B // parts, width, h_kv // 2  # width in parts
-    want_state = state.clone()
-    s = ps.part_scores_reference(want_state[:, 1], slots, n, q, k, size, wid)  # [h_kv, bsz, wid]
+    start, want_state = state.clone(), state.clone()
+    s = ps.part_scores_reference(want_state[1], table, n, q, k, size, parts)  # [h_kv, bsz, wid]
     # the other shard's partial as _combine_heads makes it ("pair": divided before the reduce, the kernel after)
     other = s[half:].double().exp().sum(0) if heads == "pair-lse" else s[half:].double().sum(0) / h_kv
     want = _combine(heads, s[:half], lambda x: x + other, h_kv)
     got = []
     for sl in (slice(0, half), slice(half, h_kv)):
         out = torch.full((len(n), wid), float("nan"), dtype=torch.float64, device=DEV)
-        x = ps.part_combine(state[:, 1, :, sl], slots, n, q[:, sl], k[:, sl], size, wid, heads, out=out, tile=tile)
+        x = ps.part_combine(state[1, :, sl], table, n, q[:, sl], k[:, sl], size, parts, heads, out=out, tile=tile)
         assert x.data_ptr() == out.data_ptr() and not x.isnan().any()
         got.append(x)
     sc = torch.full((len(n), wid), float("nan"), device=DEV)
     st = _path(parts, 0.3, 1, heads).paired_constants(n, width // parts)
     psel.part_select(got[0] + got[1], n, heads, h_kv, B, parts, 1, 0.3, st["p_k"], st["p_width"], scores=sc)
-    real = 3  # padded rows (3, 4) may read each other's update of the scratch slot: written, not compared
-    torch.testing.assert_close(sc[:real], want[:real], rtol=1e-5, atol=1e-5)
+    # padded rows too: each stores its key over the scratch page's first part before reading it
+    torch.testing.assert_close(sc, want, rtol=1e-5, atol=1e-5)
     assert not sc.isnan().any() and torch.equal(sc.isinf(), want.isinf())
-    keep = torch.ones_like(state, dtype=torch.bool)
-    keep[-1, 1, (n[-1] - 1) // size] = False
-    assert torch.equal(state[keep], want_state[keep])
+    check_state(state, want_state, start, table, n, parts)
 
 
 def test_combine_one_shard_and_bad_heads():
     """One shard: no reduce, the local heads divide "pair"."""
-    state, slots, n, q, k = _draw(_seed(), 3, 16, 4, 12)
+    state, table, n, q, k = _draw(_seed(), 3, 16, 4, 12)
     want_state = state.clone()
-    s = ps.part_scores_reference(want_state[:, 1], slots, n, q, k, B // 4, 12)
+    s = ps.part_scores_reference(want_state[1], table, n, q, k, B // 4, 4)
     for heads in ("pair", "pair-lse"):
         cur = state.clone()
-        x = ps.part_combine(cur[:, 1], slots, n, q, k, B // 4, 12, heads)
+        x = ps.part_combine(cur[1], table, n, q, k, B // 4, 4, heads)
         sc = torch.full(x.shape, float("nan"), device=DEV)
         psel.part_select(x, n, heads, 3, B, 4, 1, 0.5, 12, 12, scores=sc)
-        torch.testing.assert_close(sc[:3], _combine(heads, s)[:3], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sc, _combine(heads, s), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="heads"):
-        ps.part_combine(state[:, 1], slots, n, q, k, B // 4, 12, "mean")
+        ps.part_combine(state[1], table, n, q, k, B // 4, 4, "mean")
 
 
 def _partials(g: torch.Generator, heads: str, bsz: int, wid: int, ties: bool) -> torch.Tensor:

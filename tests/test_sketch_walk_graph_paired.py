@@ -1,7 +1,8 @@
 """Sketch&Walk's fixed-shape batched decode for the paired head scorings (pair / pair-lse, key parts, part or
 block decode; run eagerly here) against the reference per-sequence decode: the same selection lists and
-units, the same logits and the same metered density, over several steps of a ragged, padded batch whose
-sequences cross block and part boundaries."""
+units, the same logits, the same metered density and the same part sums, over several steps of a ragged,
+padded batch whose sequences cross block and part boundaries. Every graph run first decodes and releases a
+long sequence, so the batch's pages are reused ones whose part sums are stale."""
 
 from __future__ import annotations
 
@@ -21,11 +22,31 @@ def model(request):
     return tiny_model(request.param, 2, 2, 5)
 
 
+FILLER = 9, 400  # the released sequence's id and length: 26 pages, every page the batch then takes
+
+
+def _fill_and_release(model, cache, backend, graphs, seed: int) -> None:
+    """A long sequence prefilled, decoded a step through the graph path (its prefill sums entered into its
+    pages), then released: its pages return to the free list with their sums, and the next sequences reuse
+    them (the cache hands out the most recently freed pages first)."""
+    sid, n = FILLER
+    g = torch.Generator().manual_seed(seed + 1)
+    cache.allocate(sid, n + 2)
+    model(torch.randint(0, 97, (n,), generator=g).to(cache.device), cache.prepare([sid], [n], True), cache, backend)
+    graphs.decode("k", backend, [sid], [int(torch.randint(0, 97, (), generator=g))])
+    pages = torch.tensor(cache.page_list(sid))
+    assert backend.graph_path.ks[:, pages * backend.config.sub_blocks].abs().amin(-1).gt(0).all()  # all sums set
+    backend.release(sid)
+    cache.free(sid)
+
+
 def _run(model, params, lens, steps, graph: bool, seed: int, reduced: list | None = None,
-         capture: bool | None = None):
+         capture: bool | None = None, caches: list | None = None):
     g = torch.Generator().manual_seed(seed)
     dev = model.lm_head.weight.device
     cache = KVCache(model.cfg, 48, 16, device=dev)
+    if caches is not None:
+        caches.append(cache)
     backend = create_backend("sketch_walk", model.cfg, block_size=16, walk="one-hop", **params)
     if reduced is not None:  # a group of one: the tensor-parallel seam runs, every value stays
         def head_reduce(x):
@@ -39,6 +60,7 @@ def _run(model, params, lens, steps, graph: bool, seed: int, reduced: list | Non
         assert attach_graph_decode(backend, cache, max_batch=4)
         assert isinstance(backend.graph_path, PairedGraphDecode)
         graphs = DecodeGraphs(model, cache, max_batch=4, capture=capture)
+        _fill_and_release(model, cache, backend, graphs, seed)
         if not graphs.capture:  # a captured graph replays without Python: only the eager run records lists
             real = backend.graph_path._selection
 
@@ -60,6 +82,20 @@ def _run(model, params, lens, steps, graph: bool, seed: int, reduced: list | Non
     return picks, logits, backend
 
 
+def _assert_same_sums(backend, cache, ref_cache, lens: list[int], steps: int, tol: float) -> None:
+    """The graph path's part sums of every sequence and sparse layer, read through its pages, are the
+    reference's (the filled parts: the others may hold a reused page's stale sums)."""
+    path, P = backend.graph_path, backend.config.sub_blocks
+    size, dev = backend.config.block_size // P, path.ks.device
+    for layer, li in path.index.items():
+        for sid, n in enumerate(lens):
+            held = -(-(n + steps) // size)
+            pages = torch.tensor(cache.page_list(sid), device=dev)
+            rows = (pages[:, None] * P + torch.arange(P, device=dev)).flatten()[:held]
+            want = ref_cache.metadata[layer][sid]["ks"][:held]
+            torch.testing.assert_close(path.ks[li, rows], want, rtol=tol, atol=tol)
+
+
 # Six cases cover every pair of settings (heads x P, P x unit, heads x unit) in the fast run; the other six
 # of the full cross run with the slow tests.
 _FAST = {("pair", 1, "part"), ("pair-lse", 1, "block"), ("pair", 4, "block"), ("pair-lse", 4, "part"),
@@ -79,9 +115,11 @@ def test_paired_graph_decode_matches_reference(model, scoring, monkeypatch):
     # into the next, 158 + 4 crosses a block, parts cross every 2 or 4 tokens
     lens, steps = [100, 14, 158], 4
     ref_red, got_red = ([], []) if scoring["sub_blocks"] == 4 else (None, None)
-    ref_picks, ref_logits, ref_b = _run(model, params, lens, steps, False, seed, ref_red)
-    got_picks, got_logits, got_b = _run(model, params, lens, steps, True, seed, got_red)
+    ref_caches, got_caches = [], []
+    ref_picks, ref_logits, ref_b = _run(model, params, lens, steps, False, seed, ref_red, caches=ref_caches)
+    got_picks, got_logits, got_b = _run(model, params, lens, steps, True, seed, got_red, caches=got_caches)
     tol = 1e-4 if got_logits.device.type == "cpu" else 2e-3
+    _assert_same_sums(got_b, got_caches[0], ref_caches[0], lens, steps, tol)
     torch.testing.assert_close(got_logits, ref_logits, rtol=tol, atol=tol)
     assert got_b.meter.attended == pytest.approx(ref_b.meter.attended)
     assert got_b.meter.decode_causal == pytest.approx(ref_b.meter.decode_causal)
@@ -109,25 +147,43 @@ def test_switch_and_settings_gate_the_paired_path(model, monkeypatch):
         pytest.skip("host-side bookkeeping: the CPU run covers it")
     cache = KVCache(model.cfg, 40, 16)
 
-    def attach(**params):
+    def attach(max_batch: int = 2, budget: int = 8 << 30, **params):
         backend = create_backend("sketch_walk", model.cfg, **{"block_size": 16, "density": 0.3, **params})
-        return attach_graph_decode(backend, cache, max_batch=2), backend
+        return attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=budget), backend
 
     monkeypatch.delenv(PAIRED_ENV, raising=False)
-    ok, backend = attach()  # the default scoring: off unless switched on
+    ok, backend = attach()  # the default scoring: on by default
+    assert ok and isinstance(backend.graph_path, PairedGraphDecode)
+    monkeypatch.setenv(PAIRED_ENV, "off")
+    ok, backend = attach()
     assert not ok and backend.graph_path is None
     monkeypatch.setenv(PAIRED_ENV, "maybe")
     with pytest.raises(ValueError, match=PAIRED_ENV):
         attach()
     monkeypatch.setenv(PAIRED_ENV, "on")
-    ok, backend = attach()
-    assert ok and isinstance(backend.graph_path, PairedGraphDecode)
     assert not attach(walk="product", decode_unit="block")[0]
     assert not attach(token_query="never")[0]
     assert not attach(heads="kv")[0]
     assert not attach(block_size=32)[0]  # page size != block size
-    assert not attach_graph_decode(create_backend("sketch_walk", model.cfg, block_size=16), cache, max_batch=4,
-                                   state_budget_bytes=1024)
+
+
+def test_state_is_one_page_indexed_allocation(model, monkeypatch):
+    """(num_pages + 1) * P rows per sparse layer, whatever the batch: the budget is checked against that."""
+    if model.lm_head.weight.is_cuda:
+        pytest.skip("host-side bookkeeping: the CPU run covers it")
+    monkeypatch.setenv(PAIRED_ENV, "on")
+    pages, parts = int(torch.randint(8, 60, ())), (1, 2, 4, 8)[int(torch.randint(0, 4, ()))]
+    cache = KVCache(model.cfg, pages, 16)
+    backend = create_backend("sketch_walk", model.cfg, block_size=16, sub_blocks=parts)
+    need = PairedGraphDecode.state_bytes(backend, pages, cache.num_kv_heads)
+    sparse = sum(not backend.is_dense_layer(i) for i in range(model.cfg.num_layers))
+    assert need == sparse * 4 * (pages + 1) * parts * cache.num_kv_heads * backend.srht.sketch_dim
+    for max_batch in (1, 64):  # the batch does not size it
+        assert not attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=need - 1)
+        assert attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=need)
+        ks = backend.graph_path.ks
+        assert ks.shape == (sparse, (pages + 1) * parts, cache.num_kv_heads, backend.srht.sketch_dim)
+        assert ks.numel() * ks.element_size() == need
 
 
 def test_order_keys_order_like_the_values():

@@ -279,19 +279,20 @@ class SketchWalkGraphDecode:
 def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budget_bytes: int = 8 << 30,
                         max_positions: int | None = None) -> bool:
     """Gives a backend that has a graph path its fixed-shape state; returns whether it now has one. The
-    paired scorings (``sketch_walk_graph_paired``) get theirs only with ``RAYSPARSE_SW_GRAPH_PAIRED=on``."""
+    paired scorings (``sketch_walk_graph_paired``) get theirs unless ``RAYSPARSE_SW_GRAPH_PAIRED=off``: one
+    page-indexed allocation, sized by the cache's pages (not by batch or positions), within the budget."""
     if not isinstance(backend, SketchWalk) or cache.page_size != backend.config.block_size:
         return False
-    limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
     if backend.config.heads != "mean":
         from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode, paired_enabled
 
         if not paired_enabled() or not PairedGraphDecode.supports(backend.config):
             return False
-        if (max_batch + 1) * PairedGraphDecode.state_bytes(backend, limit, cache.num_kv_heads) > state_budget_bytes:
+        if PairedGraphDecode.state_bytes(backend, cache.num_pages, cache.num_kv_heads) > state_budget_bytes:
             return False
-        backend.graph_path = PairedGraphDecode(backend, cache, max_batch, limit)
+        backend.graph_path = PairedGraphDecode(backend, cache)
         return True
+    limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
     if (max_batch + 1) * SketchWalkGraphDecode.state_bytes(backend, limit) > state_budget_bytes:
         return False
     backend.graph_path = SketchWalkGraphDecode(backend, cache, max_batch, limit)

@@ -2,11 +2,16 @@
 any ``sub_blocks``, ``decode_unit`` part or block, ``walk="one-hop"``, ``token_query`` last or decode): the
 default's CUDA-graph path, beside ``sketch_walk_graph``'s head-mean one.
 
-Per slot: the key part sums ``ks`` [slots, sparse layers, Bmax * P, h_kv, r] (fp32), the reference's own
-layout (per KV head, one row per part of B / P tokens). Each step adds the new key to its part, scores the
-new token's sketched query (its query group's mean, per KV head) against every part mean, combines the
-heads with the reference's ``_combine_heads`` (mean or log-sum-exp in fp64, through ``head_reduce`` under
-tensor parallelism: the same reduce seam, so shards agree), and selects:
+The key part sums are page-indexed like the KV cache (paged metadata, as vLLM keeps it): ``ks`` [sparse
+layers, (num_pages + 1) * P, h_kv, r] (fp32), part p of KV page g at row g * P + p, the last page being the
+cache's scratch page (padded rows' table entries and writes land there). A row finds its parts through the
+step's page table (``batch.extras["paged"]``), so the state grows with the KV cache (P * r / (B * d) of it:
+~6% for Llama-8B's shapes), not with max batch x max positions, and nothing is freed when a sequence ends.
+Each step writes the new key into its part (stored when it is the part's first token: a page reused from a
+freed sequence holds stale sums; added otherwise), scores the new token's sketched query (its query
+group's mean, per KV head) against every part mean, combines the heads with the reference's
+``_combine_heads`` (mean or log-sum-exp in fp64, through ``head_reduce`` under tensor parallelism: the same
+reduce seam, so shards agree), and selects:
 - ``decode_unit="part"``: every filled part of the sink and local blocks plus the top parts by the combined
   part scores, up to tau * P parts; the list is of parts (``unit`` = B / P tokens, which the decode kernel
   reads through the page table at token granularity);
@@ -30,10 +35,10 @@ and choice.
 
 Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
 lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors
-of each step; no host sync. Attached only with ``RAYSPARSE_SW_GRAPH_PAIRED=on`` (default off) until a
-capture has been verified on the GPU machine.
+of each step; no host sync. Verified on the GPU machine (captured, the lists the PyTorch form's); attached by
+default, ``RAYSPARSE_SW_GRAPH_PAIRED=off`` keeps the eager decode.
 
-Memory per slot: 4 * L_s * Bmax * P * h_kv * r bytes (h_kv: the KV heads this shard holds).
+Memory: 4 * L_s * (num_pages + 1) * P * h_kv * r bytes (h_kv: the KV heads this shard holds).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from raysparse.methods.base import row_budget
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 
-# "on": attach this path for the paired scorings; "off" (default): they decode eagerly.
+# "on" (default): attach this path for the paired scorings; "off": they decode eagerly.
 PAIRED_ENV = "RAYSPARSE_SW_GRAPH_PAIRED"
 # "on" (default, CUDA tensors): the part scores as two Triton launches (kernels/part_scores.py); "off": PyTorch
 PART_SCORES_ENV = "RAYSPARSE_PART_SCORES"
@@ -60,7 +65,7 @@ _KEY_FLOOR = torch.iinfo(torch.int64).min  # below every candidate's key
 
 
 def paired_enabled() -> bool:
-    mode = os.environ.get(PAIRED_ENV, "off")
+    mode = os.environ.get(PAIRED_ENV, "on")
     if mode not in ("on", "off"):
         raise ValueError(f"{PAIRED_ENV} must be on or off, got {mode!r}")
     return mode == "on"
@@ -73,14 +78,14 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
 
 
 class PairedGraphDecode(SketchWalkGraphDecode):
-    """Shares the head-mean path's slot bookkeeping (``prepare``, ``release``) and its block ``_choose``;
-    its own state, entry, selection and accounting."""
+    """Shares the head-mean path's step constants, accounting meter and block ``_choose``; its own
+    page-indexed state, entry, selection and accounting."""
 
     key_parts = True  # serves sub_blocks > 1
     part_kernel: bool | None = None  # the Triton part scores: None = by PART_SCORES_ENV on CUDA tensors
     select_kernel: bool | None = None  # the Triton combine + part selection: None = by PART_SELECT_ENV on CUDA
 
-    def __init__(self, method: SketchWalk, cache: KVCache, max_batch: int, max_blocks: int) -> None:
+    def __init__(self, method: SketchWalk, cache: KVCache) -> None:
         cfg = method.config
         if not self.supports(cfg) or cache.page_size != cfg.block_size:
             raise ValueError(f"the paired graph decode does not serve {cfg}")
@@ -88,13 +93,11 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         sparse = [i for i in range(method.model_cfg.num_layers) if not method.is_dense_layer(i)]
         self.index = {layer: i for i, layer in enumerate(sparse)}
         self.first = sparse[0] if sparse else None
-        slots, r, dev = max_batch + 1, method.srht.sketch_dim, cache.device
         self.parts = cfg.sub_blocks
-        self.ks = torch.zeros(slots, len(sparse), max_blocks * self.parts, cache.num_kv_heads, r, device=dev)
-        self.scratch = slots - 1
-        self.row_slot = torch.full((max_batch,), self.scratch, dtype=torch.long, device=dev)
-        self.slot_of: dict[int, int] = {}
-        self._free = list(range(slots - 1))
+        # one row per part of every KV page and of the scratch page (the cache's page num_pages)
+        rows = (cache.num_pages + 1) * self.parts
+        self.ks = torch.zeros(len(sparse), rows, cache.num_kv_heads, method.srht.sketch_dim, device=cache.device)
+        self.entered: set[int] = set()
         self._step: dict[str, Any] | None = None
 
     @staticmethod
@@ -104,26 +107,38 @@ class PairedGraphDecode(SketchWalkGraphDecode):
                 and cfg.decode_unit in ("part", "block") and size & (size - 1) == 0)
 
     @staticmethod
-    def state_bytes(method: SketchWalk, max_blocks: int, num_kv_heads: int = 0) -> int:  # type: ignore[override]
+    def state_bytes(method: SketchWalk, num_pages: int, num_kv_heads: int = 0) -> int:  # type: ignore[override]
+        """The whole state's bytes: one allocation of (num_pages + 1) * P rows per sparse layer."""
         layers = sum(not method.is_dense_layer(i) for i in range(method.model_cfg.num_layers))
         h_kv = num_kv_heads or method.model_cfg.num_kv_heads
-        return layers * 4 * max_blocks * method.config.sub_blocks * h_kv * method.srht.sketch_dim
+        return layers * 4 * (num_pages + 1) * method.config.sub_blocks * h_kv * method.srht.sketch_dim
 
     # ---- host side -----------------------------------------------------------------------------
+    def prepare(self, rows: list[int], cache: KVCache) -> None:
+        """``rows``: the sequence of each row of the padded batch (-1 for padding); the page table does the rest."""
+        for sid in rows:
+            if sid >= 0 and sid not in self.entered:
+                self._enter(sid, cache)
+
     def _enter(self, sid: int, cache: KVCache) -> None:
-        if not self._free:
-            raise RuntimeError("sketch_walk graph decode: every state slot is taken")
-        slot = self._free.pop()
+        P, dev = self.parts, self.ks.device
+        pages = torch.tensor(cache.page_list(sid), device=dev)
         for layer, li in self.index.items():
             st = cache.metadata[layer].get(sid)
             if st is None or "ks" not in st:
                 raise RuntimeError(f"sketch_walk: sequence {sid} has no sketches at layer {layer}; prefill first")
-            rows = st["ks"].shape[0]
-            self.ks[slot, li].zero_()
-            self.ks[slot, li, :rows] = st["ks"]
-            st.clear()  # the slot is the state now; the reference path would find it gone
-            st["graph_slot"] = slot
-        self.slot_of[sid] = slot
+            src = st["ks"]  # [nb * P, h_kv, r]: the reference's rows, block by block
+            nb = src.shape[0] // P
+            if nb > pages.numel():
+                raise RuntimeError(f"sketch_walk: sequence {sid} holds {nb} blocks in {pages.numel()} pages")
+            rows = (pages[:nb, None] * P + torch.arange(P, device=dev)).flatten()
+            self.ks[li, rows] = src.to(self.ks.dtype)
+            st.clear()  # the pages are the state now; the reference path would find it gone
+            st["graph_pages"] = True
+        self.entered.add(sid)
+
+    def release(self, sid: int) -> None:
+        self.entered.discard(sid)  # its pages' sums go stale: their next user stores over each part
 
     def account(self, ctx_lens: list[int], num_kv_heads: int) -> None:
         """The density a step used, host arithmetic as the reference counts it (``attended_keys``)."""
@@ -148,21 +163,21 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         """This layer's selection for every row: (ascending list [bsz, width] int32, -1 padded; its unit)."""
         cfg, m, li, P = self.cfg, self.m, self.index[layer], self.parts
         bsz = q.shape[0]
-        slots = self.row_slot[:bsz]
+        table = batch.extras["paged"][0]  # [bsz, w] int32 device page ids; padded rows: the scratch page
         k_new = cache.k[layer][batch.slot_pages, :, batch.slot_offsets, :]  # [bsz, h_kv, d]
         h_kv = k_new.shape[1]
         # as the reference: each KV head's query group averaged, keys per head; a shard holds whole groups
         q_avg = q.float().reshape(bsz, h_kv, -1, q.shape[-1]).mean(2)
         new = m.srht.apply(torch.stack((q_avg, k_new.float())))  # [2, bsz, h_kv, r]
         if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
-            self._step = self.paired_constants(n, w)
+            self._step = self.paired_constants(n, w, table)
         st = self._step
-        ks = self.ks[:, li, : w * P]  # a view: writes reach the state
+        ks = self.ks[li]  # a view: writes reach the state
         r = new.shape[-1]
         kernel = (r & (r - 1)) == 0 and self._wanted(q, PART_SCORES_ENV, "on", self.part_kernel)
         if cfg.decode_unit == "part" and self._wanted(q, PART_SELECT_ENV, "on", self.select_kernel):
-            return self._select_parts(ks, slots, n, new, st, kernel), cfg.block_size // P
-        s = self._part_scores(ks, slots, n, new, st, kernel)  # [h_kv, bsz, w * P]
+            return self._select_parts(ks, table, n, new, st, kernel), cfg.block_size // P
+        s = self._part_scores(ks, table, n, new, st, kernel)  # [h_kv, bsz, w * P]
         if cfg.decode_unit == "part":
             return self._choose_parts(m._combine_heads(s)[0], st), cfg.block_size // P
         blocks = s.unflatten(-1, (w, P)).amax(-1) if P > 1 else s  # a block scores as its best part
@@ -172,23 +187,21 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         rows = rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         return self._choose(rows, st), cfg.block_size
 
-    def _part_scores(self, ks: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor,
+    def _part_scores(self, ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, new: torch.Tensor,
                      st: dict[str, Any], kernel: bool) -> torch.Tensor:
-        """Adds the new key sketches into their parts of ``ks`` and returns the per-head part scores
+        """Writes the new key sketches into their parts of ``ks`` and returns the per-head part scores
         [h_kv, bsz, w * P] (empty parts -inf): two Triton launches with ``kernel``, else PyTorch."""
-        size, width = self.cfg.block_size // self.parts, ks.shape[1]
+        size = self.cfg.block_size // self.parts
         if kernel:
             from raysparse.kernels.part_scores import part_scores
 
-            return part_scores(ks, slots, n, new[0], new[1], size, width)
-        # kernels/part_scores.py's reference, on the step's constants
-        # (slot, part) pairs are distinct across real rows; padded rows share the scratch slot (any wins)
-        ks[slots, st["part"]] = ks[slots, st["part"]] + new[1]
-        k_mean = ks[slots] / st["cnt"][:, :, None, None]  # [bsz, w * P, h_kv, r]
-        s = torch.einsum("bhr,bjhr->hbj", new[0], k_mean) / math.sqrt(new.shape[-1])
-        return s.masked_fill(~st["filled"], -math.inf)  # an empty part is no candidate
+            return part_scores(ks, table, n, new[0], new[1], size, self.parts)
+        from raysparse.kernels.part_scores import part_scores_reference
 
-    def _select_parts(self, ks: torch.Tensor, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor,
+        return part_scores_reference(ks, table, n, new[0], new[1], size, self.parts,
+                                     (st["part"], st["cnt"], st["filled"][0]), st["p_rows"])
+
+    def _select_parts(self, ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, new: torch.Tensor,
                       st: dict[str, Any], kernel: bool) -> torch.Tensor:
         """``decode_unit="part"``'s list through ``kernels/part_select.py``: the heads' partial combine
         (fused into the scores with ``kernel``: one launch), ``head_reduce``, then one launch that finalises
@@ -199,9 +212,9 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         if kernel:
             from raysparse.kernels.part_scores import part_combine
 
-            x = part_combine(ks, slots, n, new[0], new[1], cfg.block_size // self.parts, ks.shape[1], cfg.heads)
+            x = part_combine(ks, table, n, new[0], new[1], cfg.block_size // self.parts, self.parts, cfg.heads)
         else:  # _combine_heads' partial, before its reduce
-            s = self._part_scores(ks, slots, n, new, st, False).double()
+            s = self._part_scores(ks, table, n, new, st, False).double()
             x = s.exp().sum(0) if cfg.heads == "pair-lse" else s.sum(0)
         if m.head_reduce is not None:
             x = m.head_reduce(x)
@@ -209,8 +222,9 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         return part_select(x.contiguous(), n, cfg.heads, heads, cfg.block_size, self.parts, cfg.local_blocks,
                            cfg.density, st["p_k"], st["p_width"])
 
-    def paired_constants(self, n: torch.Tensor, w: int) -> dict[str, Any]:
-        """The head-mean path's block constants plus the parts': counts, filled and forced parts, budgets."""
+    def paired_constants(self, n: torch.Tensor, w: int, table: torch.Tensor | None = None) -> dict[str, Any]:
+        """The head-mean path's block constants plus the parts': counts, filled and forced parts, budgets, and
+        with the page table [bsz, w] each part's state row (``p_rows``)."""
         cfg, P, dev = self.cfg, self.parts, n.device
         st = self.step_constants(n, w)
         size = cfg.block_size // P
@@ -219,6 +233,10 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         filled = cols < held[:, None]
         st.update(part=(n - 1) // size, cnt=(n[:, None] - cols * size).clamp(min=1, max=size).float(),
                   filled=filled[None])
+        if table is not None:
+            from raysparse.kernels.part_scores import part_rows
+
+            st["p_rows"] = part_rows(table, P)
         if cfg.decode_unit == "block":
             return st
         blk = cols // P
