@@ -118,10 +118,10 @@ def main() -> None:
                     help="> 1: aggregate decode throughput of that many concurrent requests per context (the "
                          "contexts are then the prompt lengths; the steps setting is the largest of --decode-steps)")
     ap.add_argument("--window", type=float, default=8.0, help="with --batch: seconds of steady decode counted")
-    ap.add_argument("--sw-scoring", choices=("graph", "default"), default="graph",
-                    help="Sketch&Walk's scoring: 'graph' = SPEC's head-mean block scoring (GRAPH_DECODE), which "
-                         "decodes from CUDA graphs and which the recorded GPU runs used; 'default' = the method's "
-                         "defaults")
+    ap.add_argument("--sw-scoring", choices=("graph", "default"), default="default",
+                    help="Sketch&Walk's scoring: 'default' = the method's defaults (paired heads, key parts); "
+                         "'graph' = SPEC's head-mean block scoring (GRAPH_DECODE), which the GPU runs recorded "
+                         "before the paired graph path used")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the default model, 512 tokens")
     args = ap.parse_args()
     from raysparse.orchestration.engine import Engine, EngineConfig

@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--methods", default="dense,sketch_walk")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--graphs", action="store_true", help="decode steps replayed from CUDA graphs")
-    ap.add_argument("--sw-scoring", choices=("graph", "default"), default="graph",
+    ap.add_argument("--sw-scoring", choices=("graph", "default"), default="default",
                     help="Sketch&Walk's scoring: 'graph' = SPEC's head-mean blocks (GRAPH_DECODE, as the recorded "
                          "profiles), 'default' = the method's defaults")
     args = ap.parse_args()

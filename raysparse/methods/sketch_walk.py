@@ -15,8 +15,8 @@ against 41.00 (dense 33.98): the needle probe's decode cover of the needle went 
 needle) and 0.42 to 0.89 (multi-value) in the layers that read it. Paired heads with key parts did that
 (0.33 with block decode), part-granular decode the rest. The batched graph decode
 (``sketch_walk_graph``) serves ``GRAPH_DECODE``'s scoring; the paired modes have theirs
-(``sketch_walk_graph_paired``) behind ``RAYSPARSE_SW_GRAPH_PAIRED=on`` until it is measured on a GPU, so by
-default the defaults decode eagerly on GPUs.
+(``sketch_walk_graph_paired``, verified on the GPU machine; ``RAYSPARSE_SW_GRAPH_PAIRED=off`` decodes them
+eagerly).
 
 The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
 every mode are in docs/sketch_walk.md.
