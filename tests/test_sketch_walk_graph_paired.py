@@ -186,6 +186,22 @@ def test_state_is_one_page_indexed_allocation(model, monkeypatch):
         assert ks.numel() * ks.element_size() == need
 
 
+def test_no_room_for_the_state_decodes_eagerly(model, monkeypatch):
+    """The state is allocated at a method's first use: out of device memory there, the method keeps its eager
+    decode instead of failing the request."""
+    if model.lm_head.weight.is_cuda:
+        pytest.skip("host-side bookkeeping: the CPU run covers it")
+    monkeypatch.setenv(PAIRED_ENV, "on")
+
+    def no_room(*_args, **_kwargs):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(PairedGraphDecode, "__init__", no_room)
+    backend = create_backend("sketch_walk", model.cfg, block_size=16)
+    assert not attach_graph_decode(backend, KVCache(model.cfg, 8, 16), max_batch=2)
+    assert backend.graph_path is None
+
+
 def test_order_keys_order_like_the_values():
     x = torch.randn(4096) * torch.tensor([1e-30, 1.0, 1e30]).repeat(4096 // 3 + 1)[:4096]
     x[:3] = torch.tensor([0.0, -0.0, -float("inf")])

@@ -290,10 +290,18 @@ def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budg
             return False
         if PairedGraphDecode.state_bytes(backend, cache.num_pages, cache.num_kv_heads) > state_budget_bytes:
             return False
-        backend.graph_path = PairedGraphDecode(backend, cache)
-        return True
+        return _attach(backend, lambda: PairedGraphDecode(backend, cache))
     limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
     if (max_batch + 1) * SketchWalkGraphDecode.state_bytes(backend, limit) > state_budget_bytes:
         return False
-    backend.graph_path = SketchWalkGraphDecode(backend, cache, max_batch, limit)
+    return _attach(backend, lambda: SketchWalkGraphDecode(backend, cache, max_batch, limit))
+
+
+def _attach(backend: SketchWalk, build: Any) -> bool:
+    # The state is allocated when a method is first used, after the KV cache took its memory: where the device
+    # has no room left, the method decodes eagerly rather than failing the request that asked for it.
+    try:
+        backend.graph_path = build()
+    except torch.OutOfMemoryError:
+        return False
     return True
