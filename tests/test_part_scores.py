@@ -22,7 +22,12 @@ from triton_env import DEV  # before raysparse.kernels: without a GPU it picks t
 
 import raysparse.kernels.part_scores as ps
 from raysparse.kernels.common import interpreting
-from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PART_SCORES_ENV, PairedGraphDecode
+from raysparse.methods.sketch_walk_graph_paired import (
+    PAIRED_ENV,
+    PART_SCORES_ENV,
+    PART_SELECT_ENV,
+    PairedGraphDecode,
+)
 
 B = 16  # tokens per block (a KV page)
 REAL = 3  # real rows; two padded rows follow
@@ -109,19 +114,20 @@ def test_part_scores_refuse_bad_shapes():
         ps.part_scores(ks, table, one, q, q, 2, 3)  # rows not whole pages
 
 
-def test_switch_picks_the_kernel(monkeypatch):
+@pytest.mark.parametrize("env", [PART_SCORES_ENV, PART_SELECT_ENV])
+def test_switch_picks_the_kernel(monkeypatch, env):
     cpu = torch.zeros(1)
     monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
     for mode, want in (("on", True), ("off", False)):
-        monkeypatch.setenv(PART_SCORES_ENV, mode)
-        assert PairedGraphDecode._wanted(cpu, PART_SCORES_ENV, "on", None) is want
-    monkeypatch.delenv(PART_SCORES_ENV)
-    assert PairedGraphDecode._wanted(cpu, PART_SCORES_ENV, "on", None)  # on by default
+        monkeypatch.setenv(env, mode)
+        assert PairedGraphDecode._wanted(cpu, env, "on", None) is want
+    monkeypatch.delenv(env)
+    assert PairedGraphDecode._wanted(cpu, env, "on", None)  # on by default
     monkeypatch.setenv("RAYSPARSE_KERNELS", "auto")
-    assert not PairedGraphDecode._wanted(cpu, PART_SCORES_ENV, "on", None)  # CPU tensors keep PyTorch
-    monkeypatch.setenv(PART_SCORES_ENV, "maybe")
-    with pytest.raises(ValueError, match=PART_SCORES_ENV):
-        PairedGraphDecode._wanted(cpu, PART_SCORES_ENV, "on", None)
+    assert not PairedGraphDecode._wanted(cpu, env, "on", None)  # CPU tensors keep PyTorch
+    monkeypatch.setenv(env, "maybe")
+    with pytest.raises(ValueError, match=env):
+        PairedGraphDecode._wanted(cpu, env, "on", None)
 
 
 @pytest.fixture(scope="module", params=DEVICES)

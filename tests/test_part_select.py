@@ -22,7 +22,7 @@ import raysparse.kernels.part_scores as ps
 import raysparse.kernels.part_select as psel
 from raysparse.kernels.common import interpreting
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
-from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PART_SELECT_ENV, PairedGraphDecode
+from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PairedGraphDecode
 
 
 def _seed() -> torch.Generator:
@@ -142,14 +142,6 @@ def test_select_refuses_bad_arguments():
         psel.part_select(x.float(), n, "pair", 1, 16, 4, 1, 0.5, 4, 8)
     with pytest.raises(ValueError, match="out_width"):
         psel.part_select(x, n, "pair", 1, 16, 4, 1, 0.5, 4, 17)
-
-
-def test_switch_picks_the_select_kernel(monkeypatch):
-    cpu = torch.zeros(1)
-    monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
-    for mode, want in (("on", True), ("off", False)):
-        monkeypatch.setenv(PART_SELECT_ENV, mode)
-        assert PairedGraphDecode._wanted(cpu, PART_SELECT_ENV, "on", None) is want
 
 
 @pytest.fixture(scope="module", params=DEVICES)
