@@ -8,15 +8,10 @@ of its row of R^k plus the sink and diagonal blocks, on the original per-head Q,
 
 Defaults (measured, BENCHMARKS.md "Sketch&Walk: head pairing and finer decode selection"): walk one-hop,
 token_query last, heads pair-lse, sub_blocks 8, decode_unit part; SPEC's form is walk="product",
-token_query="never" with ``GRAPH_DECODE`` (heads="mean", sub_blocks=1, decode_unit="block"). On the default
-model at density 0.2 (four retrieval tasks, 4 samples each) they score 0.47 against 0.17 for heads="mean"
-with whole blocks (dense 0.64), perplexity 37.15 against 38.38 (dense 34.63) and decode perplexity 35.91
-against 41.00 (dense 33.98): the needle probe's decode cover of the needle went from 0.71 to 1.00 (single
-needle) and 0.42 to 0.89 (multi-value) in the layers that read it. Paired heads with key parts did that
-(0.33 with block decode), part-granular decode the rest. The batched graph decode
-(``sketch_walk_graph``) serves ``GRAPH_DECODE``'s scoring; the paired modes have theirs
-(``sketch_walk_graph_paired``, verified on the GPU machine; ``RAYSPARSE_SW_GRAPH_PAIRED=off`` decodes them
-eagerly).
+token_query="never" with ``GRAPH_DECODE`` (heads="mean", sub_blocks=1, decode_unit="block"). At density 0.2
+on the default model they retrieve 0.47 against 0.17 for SPEC's head mean over whole blocks (dense 0.64).
+The batched CUDA-graph decode: ``sketch_walk_graph`` for ``GRAPH_DECODE``'s scoring,
+``sketch_walk_graph_paired`` for the paired modes (``RAYSPARSE_SW_GRAPH_PAIRED=off`` decodes them eagerly).
 
 The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
 every mode are in docs/sketch_walk.md.
@@ -26,72 +21,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from raysparse.config import ModelConfig
-from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.methods.base import SeqContext, SparseMethod, method_spec, row_budget
 from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
+from raysparse.methods.sketch_walk_config import (
+    DECODE_UNITS,
+    GRAPH_DECODE,
+    HEADS,
+    TOKEN_QUERIES,
+    WALKS,
+    SketchWalkConfig,
+)
 
-WALKS = ("rollout", "product", "one-hop")
-TOKEN_QUERIES = ("decode", "last", "never")
-HEADS = ("mean", "kv", "pair", "pair-lse")
-DECODE_UNITS = ("block", "part")
-# SPEC's scoring, the one the head-mean batched graph decode (sketch_walk_graph) implements.
-GRAPH_DECODE = {"heads": "mean", "sub_blocks": 1, "decode_unit": "block"}
-
-
-@dataclass(frozen=True)
-class SketchWalkConfig(MethodConfig):
-    sketch_dim: int = 64  # r
-    exponent: float = 8.0  # s, the sparsity exponent of W = P ** s
-    seed: int = 0  # the SRHT draw (combined with head_dim)
-    walk: str = "one-hop"  # one-hop (W^k alone; default: measured best), rollout, product (SPEC's literal walk)
-    residual: float = 0.5  # rollout: weight alpha of the identity (the residual stream) in each step
-    local_blocks: int = 1  # trailing blocks always kept, the diagonal included (besides the sink block)
-    # Whose query scores the last query block's selection row: "decode": in decode the new token's alone
-    # (Algorithm 2); "last" (default): also at the end of a prefill, its last token's; "never": the block mean.
-    token_query: str = "last"
-    # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head; pair / pair-lse
-    # (default): per-KV-head scores (group query . that head's keys) combined by their mean / log-sum-exp,
-    # one selection per layer
-    heads: str = "pair-lse"
-    sub_blocks: int = 8  # key sketches per 1/sub_blocks of a block; a key block scores as its best part (SPEC: 1)
-    decode_unit: str = "part"  # part (default; one-hop only): decode attends the top parts of B / sub_blocks tokens
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # lists from the CLI stay hashable
-        if isinstance(self.sketch_dim, bool) or not isinstance(self.sketch_dim, int) or self.sketch_dim <= 0:
-            raise ValueError(f"sketch_dim must be a positive integer, got {self.sketch_dim!r}")
-        if not (isinstance(self.exponent, int | float) and math.isfinite(self.exponent) and self.exponent > 0):
-            raise ValueError(f"exponent must be a finite number > 0, got {self.exponent!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
-        if self.walk not in WALKS:
-            raise ValueError(f"walk must be one of {WALKS}, got {self.walk!r}")
-        if not (isinstance(self.residual, int | float) and 0.0 <= self.residual < 1.0):
-            raise ValueError(f"residual must be in [0, 1), got {self.residual!r}")
-        if isinstance(self.local_blocks, bool) or not isinstance(self.local_blocks, int) or self.local_blocks < 1:
-            raise ValueError(f"local_blocks must be an integer >= 1, got {self.local_blocks!r}")
-        if self.token_query not in TOKEN_QUERIES:
-            raise ValueError(f"token_query must be one of {TOKEN_QUERIES}, got {self.token_query!r}")
-        if self.heads not in HEADS:
-            raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
-        if self.decode_unit not in DECODE_UNITS:
-            raise ValueError(f"decode_unit must be one of {DECODE_UNITS}, got {self.decode_unit!r}")
-        if self.decode_unit == "part" and self.walk != "one-hop":
-            raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop' "
-                             "(with another walk, pass decode_unit='block')")
-        if (isinstance(self.sub_blocks, bool) or not isinstance(self.sub_blocks, int) or self.sub_blocks < 1
-                or self.block_size % self.sub_blocks):
-            raise ValueError(f"sub_blocks must be a positive divisor of block_size, got {self.sub_blocks!r}")
-
+# the config's names stay importable from here, where the method's users look for them
+__all__ = ["DECODE_UNITS", "GRAPH_DECODE", "HEADS", "TOKEN_QUERIES", "WALKS", "SketchWalk", "SketchWalkConfig",
+           "block_counts", "renormalise", "rollout_step", "walk_weights"]
 
 def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
     """Tokens in each of the first ``num_blocks`` blocks of an n-token sequence (the last may be partial)."""

@@ -1,0 +1,64 @@
+"""Sketch&Walk's configuration: the frozen, validated parameters of ``raysparse.methods.sketch_walk`` and the
+names of its modes. What each mode does and why the defaults are what they are: that module's docstring and
+docs/sketch_walk.md."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from raysparse.methods.base import MethodConfig
+
+WALKS = ("rollout", "product", "one-hop")
+TOKEN_QUERIES = ("decode", "last", "never")
+HEADS = ("mean", "kv", "pair", "pair-lse")
+DECODE_UNITS = ("block", "part")
+# SPEC's scoring, the one the head-mean batched graph decode (sketch_walk_graph) implements.
+GRAPH_DECODE = {"heads": "mean", "sub_blocks": 1, "decode_unit": "block"}
+
+
+@dataclass(frozen=True)
+class SketchWalkConfig(MethodConfig):
+    sketch_dim: int = 64  # r
+    exponent: float = 8.0  # s, the sparsity exponent of W = P ** s
+    seed: int = 0  # the SRHT draw (combined with head_dim)
+    walk: str = "one-hop"  # one-hop (W^k alone; default: measured best), rollout, product (SPEC's literal walk)
+    residual: float = 0.5  # rollout: weight alpha of the identity (the residual stream) in each step
+    local_blocks: int = 1  # trailing blocks always kept, the diagonal included (besides the sink block)
+    # Whose query scores the last query block's selection row: "decode": in decode the new token's alone
+    # (Algorithm 2); "last" (default): also at the end of a prefill, its last token's; "never": the block mean.
+    token_query: str = "last"
+    # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head; pair / pair-lse
+    # (default): per-KV-head scores (group query . that head's keys) combined by their mean / log-sum-exp,
+    # one selection per layer
+    heads: str = "pair-lse"
+    sub_blocks: int = 8  # key sketches per 1/sub_blocks of a block; a key block scores as its best part (SPEC: 1)
+    decode_unit: str = "part"  # part (default; one-hop only): decode attends the top parts of B / sub_blocks tokens
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # lists from the CLI stay hashable
+        if isinstance(self.sketch_dim, bool) or not isinstance(self.sketch_dim, int) or self.sketch_dim <= 0:
+            raise ValueError(f"sketch_dim must be a positive integer, got {self.sketch_dim!r}")
+        if not (isinstance(self.exponent, int | float) and math.isfinite(self.exponent) and self.exponent > 0):
+            raise ValueError(f"exponent must be a finite number > 0, got {self.exponent!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
+        if self.walk not in WALKS:
+            raise ValueError(f"walk must be one of {WALKS}, got {self.walk!r}")
+        if not (isinstance(self.residual, int | float) and 0.0 <= self.residual < 1.0):
+            raise ValueError(f"residual must be in [0, 1), got {self.residual!r}")
+        if isinstance(self.local_blocks, bool) or not isinstance(self.local_blocks, int) or self.local_blocks < 1:
+            raise ValueError(f"local_blocks must be an integer >= 1, got {self.local_blocks!r}")
+        if self.token_query not in TOKEN_QUERIES:
+            raise ValueError(f"token_query must be one of {TOKEN_QUERIES}, got {self.token_query!r}")
+        if self.heads not in HEADS:
+            raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
+        if self.decode_unit not in DECODE_UNITS:
+            raise ValueError(f"decode_unit must be one of {DECODE_UNITS}, got {self.decode_unit!r}")
+        if self.decode_unit == "part" and self.walk != "one-hop":
+            raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop' "
+                             "(with another walk, pass decode_unit='block')")
+        if (isinstance(self.sub_blocks, bool) or not isinstance(self.sub_blocks, int) or self.sub_blocks < 1
+                or self.block_size % self.sub_blocks):
+            raise ValueError(f"sub_blocks must be a positive divisor of block_size, got {self.sub_blocks!r}")
