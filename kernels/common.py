@@ -113,6 +113,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 and interpreting() else "tf32"
 
 
+def fp32_value(x: float) -> float:
+    """``x`` rounded to fp32, as a Python float: the value PyTorch multiplies an fp32 tensor by."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -143,6 +148,18 @@ if HAS_TRITON:
         else:
             off = (tl.load(CU_K + seq).to(tl.int64) + kb * BLOCK) * stride_t
         return off + kvh.to(tl.int64) * stride_h
+
+    @triton.jit
+    def row_budget_units(units, density):
+        """``methods.base.row_budget`` in a kernel: max(1, round-half-even(density * units)) as int32, where
+        ``density`` is the fp32 value PyTorch multiplies by (``fp32_value``). The product is exact in fp64 and
+        rounded once, as PyTorch's fp32 multiply: an fp32 product the compiler contracted into
+        ``t - floor(t)`` (an FMA) would see the unrounded value at a half-way budget."""
+        t = (units.to(tl.float64) * density).to(tl.float32)
+        f = tl.floor(t)
+        d = t - f
+        tau = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + (f.to(tl.int32) & 1).to(tl.float32)))
+        return tl.maximum(tau.to(tl.int32), 1)
 
     # ---- the attention kernels' shared prologue, inner step and epilogue ----------------------------
 
@@ -210,5 +227,5 @@ if HAS_TRITON:
         l_safe = tl.where(empty, 1.0, l_i)
         return acc / l_safe[:, None], tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
 else:  # pragma: no cover - keeps the kernel modules importable (and their wrappers raising) without triton
-    kv_row_offsets = kv_block_offset = group_tile_offsets = softmax_update = None
+    kv_row_offsets = kv_block_offset = group_tile_offsets = softmax_update = row_budget_units = None
     attend_rows = attend_block = finish_rows = None

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import tl, triton
+from .common import fp32_value, row_budget_units, tl, triton
 
 HEADS = ("pair", "pair-lse")
 TINY64 = torch.finfo(torch.float64).tiny  # _combine_heads' clamp before the log
@@ -59,12 +59,7 @@ if triton is not None:
         filled = (cols < held) & inside
         forced = ((blk == 0) | (blk >= nb - LOCAL)) & filled
         cand = filled & ~forced
-        # row_budget: round-half-even(density * nb) as PyTorch's fp32 product (exact in fp64, then rounded)
-        t = (nb.to(tl.float64) * density).to(tl.float32)  # density: an fp32 value (an fp64 scalar here)
-        f = tl.floor(t)
-        d = t - f
-        tau = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + (f.to(tl.int32) & 1).to(tl.float32)))
-        budget = tl.maximum(tau.to(tl.int32), 1) * P
+        budget = row_budget_units(nb, density) * P
         nforced = tl.sum(forced.to(tl.int32), 0)
         ncand = tl.sum(cand.to(tl.int32), 0)
         kk = tl.minimum(tl.minimum(tl.maximum(budget - nforced, 0), K), ncand)
@@ -117,7 +112,7 @@ def part_select(x: torch.Tensor, n: torch.Tensor, heads: str, num_heads: int, bl
     wp = 1 << max(width - 1, 0).bit_length()
     if num_warps is None:  # ~16-32 parts a thread
         num_warps = 4 if wp <= 1024 else 8 if wp <= 4096 else 16
-    dens = float(torch.tensor(density, dtype=torch.float32))  # PyTorch's fp32 multiply rounds it so
+    dens = fp32_value(density)
     _select_kernel[(bsz,)](x, n, out, scores if scores is not None else x, dens,
                            SIZE=block // parts, P=parts, LOCAL=local_blocks, LSE=heads == "pair-lse",
                            DIV=num_heads, TINY=TINY64, WID=width, WP=wp, K=top, OUTW=out_width,

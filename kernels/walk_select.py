@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from .common import tl, triton
+from .common import fp32_value, row_budget_units, tl, triton
 
 # ln(2^-150): exp(y) rounds to 0 in fp32 at and below it (half the smallest subnormal, ties to even)
 ZERO_Y = -150.0 * math.log(2.0)
@@ -95,14 +95,7 @@ if triton is not None:
         # keys: bf16 ones in [-32768, 32767]; every underflowed candidate -32769; non-candidates below
         key = tl.where(cand, tl.where(live, key, -32769), -65536)
 
-        # budget: tau = round-half-even(density * (cb + 1)), at least 1, forced blocks counted (row_budget).
-        # The product is exact in fp64 and then rounded once, as PyTorch's fp32 multiply: an fp32 product that
-        # the compiler contracted into ``t - floor(t)`` (FMA) would see the unrounded value at a half-way budget.
-        t = ((cb + 1).to(tl.float64) * density).to(tl.float32)  # density: an fp32 value
-        f = tl.floor(t)
-        d = t - f
-        tau = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + (f.to(tl.int32) & 1).to(tl.float32)))
-        tau = tl.maximum(tau.to(tl.int32), 1)
+        tau = row_budget_units(cb + 1, density)  # the blocks a row keeps, forced ones counted (row_budget)
         kk = tl.minimum(tl.maximum(tau - tl.minimum(cb + 1, LOCAL + 1), 0), K).to(tl.int32)
 
         # the largest lo with count(key >= lo) >= kk (keys span [-32769, 32767]: 17 halvings)
@@ -149,7 +142,7 @@ def walk_select(qs: torch.Tensor, ks: torch.Tensor, slots: torch.Tensor, n: torc
     _score_kernel[(bsz, -(-width // tw))](qs, ks, slots, n, new, x, qs.stride(0), qs.stride(1), new.stride(0),
                                           math.sqrt(r), B=block, R=r, WID=width, TW=tw, TOKEN=token_query,
                                           num_warps=4)
-    dens = float(torch.tensor(density, dtype=torch.float32))  # the fp32 value PyTorch's budget multiplies by
+    dens = fp32_value(density)
     _select_kernel[(bsz,)](qs, ks, slots, n, new, x, out, qs.stride(0), qs.stride(1), new.stride(0),
                            dens, float(exponent), ZERO_Y, B=block, R=r, WID=width, WP=wp,
                            LOCAL=local_blocks, K=k, OUTW=out_width, OP=1 << (out_width - 1).bit_length(),

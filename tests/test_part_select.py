@@ -33,6 +33,7 @@ def _combine(heads: str, s: torch.Tensor, reduce=None, kv_heads: int = 0) -> tor
     """``SketchWalk._combine_heads`` itself, on a stand-in method (its config, reduce and head count)."""
     m = SimpleNamespace(config=SimpleNamespace(heads=heads), head_reduce=reduce,
                         model_cfg=SimpleNamespace(num_kv_heads=kv_heads))
+    m.head_partial = lambda x: SketchWalk.head_partial(m, x)
     return SketchWalk._combine_heads(m, s)[0]
 
 

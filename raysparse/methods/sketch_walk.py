@@ -188,6 +188,12 @@ class SketchWalk(SparseMethod):
         nb = blocks.shape[-1]
         return both[:, : -nb * parts].view(-1, *blocks.shape[1:]), both[:, None, -nb * parts:]
 
+    def head_partial(self, s: torch.Tensor) -> torch.Tensor:
+        """This shard's part of the paired combine of per-head scores [H, ...] -> [1, ...] fp64: their sum
+        (``pair``) or the sum of their exps (``pair-lse``), what ``head_reduce`` sums across shards."""
+        x = s.double()
+        return (x.exp() if self.config.heads == "pair-lse" else x).sum(0, keepdim=True)
+
     def _combine_heads(self, s: torch.Tensor) -> torch.Tensor:
         """Per-head scores [H, ...] -> [H', ...]: ``pair`` their mean, ``pair-lse`` their log-sum-exp over
         every KV head (across shards by ``head_reduce``); ``mean`` and ``kv`` as they are. In fp64, one
@@ -196,10 +202,9 @@ class SketchWalk(SparseMethod):
         heads, reduce = self.config.heads, self.head_reduce
         if heads not in ("pair", "pair-lse"):
             return s
+        x = self.head_partial(s)
         if heads == "pair":
-            x = s.double().sum(0, keepdim=True) / (self.model_cfg.num_kv_heads if reduce is not None else s.shape[0])
-        else:
-            x = s.double().exp().sum(0, keepdim=True)
+            x = x / (self.model_cfg.num_kv_heads if reduce is not None else s.shape[0])
         if reduce is not None:
             x = reduce(x)
         if heads == "pair-lse":  # a part empty on every head stays at the floor, below any real score

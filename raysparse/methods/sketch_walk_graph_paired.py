@@ -214,8 +214,7 @@ class PairedGraphDecode(SketchWalkGraphDecode):
 
             x = part_combine(ks, table, n, new[0], new[1], cfg.block_size // self.parts, self.parts, cfg.heads)
         else:  # _combine_heads' partial, before its reduce
-            s = self._part_scores(ks, table, n, new, st, False).double()
-            x = s.exp().sum(0) if cfg.heads == "pair-lse" else s.sum(0)
+            x = m.head_partial(self._part_scores(ks, table, n, new, st, False))[0]
         if m.head_reduce is not None:
             x = m.head_reduce(x)
         heads = m.model_cfg.num_kv_heads if m.head_reduce is not None else new.shape[2]
