@@ -44,30 +44,41 @@ from .common import interpreting, tl, triton
 if triton is not None:
 
     @triton.jit
+    def _tile_parts(TABLE, N, b, cols, s_t, SIZE: tl.constexpr, P: tl.constexpr, WID: tl.constexpr):
+        """A tile of one row's parts: (state rows, parts holding a token, the new token's part, whether it is
+        that part's first token, the part counts)."""
+        nn = tl.load(N + b)
+        cur = (nn - 1) // SIZE  # the new token's part
+        ok = (cols < (nn + SIZE - 1) // SIZE) & (cols < WID)  # parts holding a token
+        # int64 rows: a layer's state can exceed 2^31 elements for large caches
+        page = tl.load(TABLE + b * s_t + cols // P, mask=ok, other=0).to(tl.int64)
+        cnt = tl.minimum(tl.maximum(nn - cols * SIZE, 1), SIZE).to(tl.float32)
+        return page * P + cols % P, ok, cols == cur, (nn - 1) % SIZE == 0, cnt
+
+    @triton.jit
+    def _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r,
+                     H_KV: tl.constexpr, R: tl.constexpr):
+        """KV head h's scores of a tile of parts, the new key folded into its part in registers (a store here
+        could land before another program's load): (scores, the updated part sums, their addresses)."""
+        rr = tl.arange(0, R)
+        at = (b * H_KV + h) * R + rr
+        ptr = KS + row[:, None] * s_k0 + h * s_k1 + rr[None, :]
+        kt = tl.load(ptr, mask=ok[:, None], other=0.0)
+        kt = tl.where(here[:, None], tl.where(fresh, 0.0, kt) + tl.load(K + at)[None, :], kt)
+        # the mean's division after the dot: one per part, not per element (exact alike for power-of-two counts)
+        s = tl.div_rn(tl.div_rn(tl.sum(kt * tl.load(Q + at)[None, :], 1), cnt), sqrt_r)
+        return tl.where(ok, s, float("-inf")), kt, ptr
+
+    @triton.jit
     def _score_kernel(KS, TABLE, N, Q, K, S, s_t, s_k0, s_k1, bsz, sqrt_r,
                       SIZE: tl.constexpr, P: tl.constexpr, H_KV: tl.constexpr, R: tl.constexpr, WID: tl.constexpr,
                       TP: tl.constexpr):
         b = tl.program_id(0)
         cols = tl.program_id(1) * TP + tl.arange(0, TP)
         h = tl.program_id(2)
-        nn = tl.load(N + b)
-        cur = (nn - 1) // SIZE  # the new token's part
-        held = (nn + SIZE - 1) // SIZE  # parts holding a token
-        fresh = (nn - 1) % SIZE == 0  # its part's first token: the stored sum is stale
-        rr = tl.arange(0, R)
-        at = (b * H_KV + h) * R + rr
-        q = tl.load(Q + at)
-        ok = (cols < held) & (cols < WID)
-        # int64 rows: a layer's state can exceed 2^31 elements for large caches
-        page = tl.load(TABLE + b * s_t + cols // P, mask=ok, other=0).to(tl.int64)
-        row = page * P + cols % P
-        kt = tl.load(KS + row[:, None] * s_k0 + h * s_k1 + rr[None, :], mask=ok[:, None], other=0.0)
-        here = (cols == cur)[:, None]
-        kt = tl.where(here, tl.where(fresh, 0.0, kt) + tl.load(K + at)[None, :], kt)
-        cnt = tl.minimum(tl.maximum(nn - cols * SIZE, 1), SIZE).to(tl.float32)
-        # the mean's division after the dot: one per part, not per element (exact alike for power-of-two counts)
-        s = tl.div_rn(tl.div_rn(tl.sum(kt * q[None, :], 1), cnt), sqrt_r)
-        tl.store(S + (h * bsz + b) * WID + cols, tl.where(ok, s, float("-inf")), mask=cols < WID)
+        row, ok, here, fresh, cnt = _tile_parts(TABLE, N, b, cols, s_t, SIZE, P, WID)
+        s, _, _ = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R)
+        tl.store(S + (h * bsz + b) * WID + cols, s, mask=cols < WID)
 
     @triton.jit
     def _store_kernel(KS, TABLE, N, K, s_t, s_k0, s_k1,
@@ -90,29 +101,16 @@ if triton is not None:
                         WID: tl.constexpr, TP: tl.constexpr, LSE: tl.constexpr):
         b = tl.program_id(0)
         cols = tl.program_id(1) * TP + tl.arange(0, TP)
-        nn = tl.load(N + b)
-        cur = (nn - 1) // SIZE
-        held = (nn + SIZE - 1) // SIZE
-        fresh = (nn - 1) % SIZE == 0
-        rr = tl.arange(0, R)
-        ok = (cols < held) & (cols < WID)
-        page = tl.load(TABLE + b * s_t + cols // P, mask=ok, other=0).to(tl.int64)
-        row = page * P + cols % P
-        here = (cols == cur)[:, None]
-        cnt = tl.minimum(tl.maximum(nn - cols * SIZE, 1), SIZE).to(tl.float32)
+        row, ok, here, fresh, cnt = _tile_parts(TABLE, N, b, cols, s_t, SIZE, P, WID)
         acc = tl.zeros([TP], dtype=tl.float64)
         for h in tl.static_range(H_KV):
-            at = (b * H_KV + h) * R + rr
-            ptr = KS + row[:, None] * s_k0 + h * s_k1 + rr[None, :]
-            kt = tl.load(ptr, mask=ok[:, None], other=0.0)
-            kt = tl.where(here, tl.where(fresh, 0.0, kt) + tl.load(K + at)[None, :], kt)
-            s = tl.div_rn(tl.div_rn(tl.sum(kt * tl.load(Q + at)[None, :], 1), cnt), sqrt_r)
-            s = tl.where(ok, s, float("-inf")).to(tl.float64)
+            s, kt, ptr = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R)
+            s = s.to(tl.float64)
             if LSE:
                 s = tl.exp(s)
             acc += s
             # the stored value depends on the load: the store cannot pass it
-            tl.store(ptr, kt, mask=here & ok[:, None])
+            tl.store(ptr, kt, mask=(here & ok)[:, None])
         tl.store(X + b * WID + cols, acc, mask=cols < WID)
 
 

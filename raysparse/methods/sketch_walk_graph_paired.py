@@ -227,14 +227,13 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         cfg, P, dev = self.cfg, self.parts, n.device
         st = self.step_constants(n, w)
         size = cfg.block_size // P
+        from raysparse.kernels.part_scores import part_constants, part_rows  # triton on first use only
+
         held = (n + size - 1) // size  # parts holding a token
         cols = torch.arange(w * P, device=dev)
-        filled = cols < held[:, None]
-        st.update(part=(n - 1) // size, cnt=(n[:, None] - cols * size).clamp(min=1, max=size).float(),
-                  filled=filled[None])
+        part, cnt, filled = part_constants(n, size, w * P)
+        st.update(part=part, cnt=cnt, filled=filled[None])
         if table is not None:
-            from raysparse.kernels.part_scores import part_rows
-
             st["p_rows"] = part_rows(table, P)
         if cfg.decode_unit == "block":
             return st
