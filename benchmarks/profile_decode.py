@@ -1,7 +1,10 @@
 """Where a decode step's time goes on one GPU: the model and a backend in-process (no Ray), profiled.
 
-Usage (the GPU machine): python benchmarks/profile_decode.py [--layers 8] [--context 32768] [--method dense]
-Prints the step time and the top host-side operators by self CPU time.
+Usage (the GPU machine): python benchmarks/profile_decode.py [--layers 8] [--context 32768] [--methods dense]
+    [--batch 1] [--shard-of 1] [--graphs]
+Prints the step time and the top operators (by GPU time with --graphs, else by host time). ``--shard-of 2``
+builds one tensor-parallel shard's shapes (half the heads, the MLP and the vocabulary) on one GPU, without the
+all-reduces: what of a step's GPU work halves under TP=2 and what does not.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--methods", default="dense,sketch_walk")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together, each of --context tokens")
+    ap.add_argument("--shard-of", type=int, default=1, help="profile one shard of this tensor-parallel size")
     ap.add_argument("--graphs", action="store_true", help="decode steps replayed from CUDA graphs")
     ap.add_argument("--sw-scoring", choices=("graph", "default"), default="default",
                     help="Sketch&Walk's scoring: 'graph' = SPEC's head-mean blocks (GRAPH_DECODE, as the recorded "
@@ -30,6 +35,15 @@ def main() -> None:
 
     hf = load_hf_config(resolve_source(args.model))
     hf.num_hidden_layers = args.layers
+    if args.shard_of > 1:  # one shard's shapes: whole KV groups, head_dim kept, MLP and vocabulary split
+        n = args.shard_of
+        hf.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        if hf.num_key_value_heads % n or hf.intermediate_size % n or hf.vocab_size % n:
+            raise SystemExit(f"--shard-of {n} does not divide the model's heads, MLP and vocabulary")
+        hf.num_attention_heads //= n
+        hf.num_key_value_heads //= n
+        hf.intermediate_size //= n
+        hf.vocab_size //= n
     torch.manual_seed(0)
     model = build_model(hf, dtype=torch.bfloat16, device="cuda")
     for method in args.methods.split(","):
@@ -39,12 +53,14 @@ def main() -> None:
         if method == "sketch_walk" and args.sw_scoring == "graph":
             params.update(GRAPH_DECODE)
         backend = create_backend(method, model.cfg, **params)
-        cache = KVCache(model.cfg, -(-(args.context + 256) // 64), 64, torch.bfloat16, "cuda")
-        cache.allocate(0, args.context + 200)
-        ids = torch.randint(100, 1000, (args.context,), device="cuda")
-        batch = cache.prepare([0], [args.context], True)
-        logits = model(ids, batch, cache, backend)
-        tok = logits.argmax(-1)
+        seqs = list(range(args.batch))
+        cache = KVCache(model.cfg, args.batch * -(-(args.context + 256) // 64), 64, torch.bfloat16, "cuda")
+        toks = []
+        for sid in seqs:  # one prefill per sequence: the prompts' activations need not fit at once
+            cache.allocate(sid, args.context + 200)
+            ids = torch.randint(100, 1000, (args.context,), device="cuda")
+            toks.append(model(ids, cache.prepare([sid], [args.context], True), cache, backend).argmax(-1)[-1:])
+        tok = torch.cat(toks)
         torch.cuda.synchronize()
 
         graphs = None
@@ -52,18 +68,18 @@ def main() -> None:
             from raysparse.decode_graphs import DecodeGraphs
             from raysparse.methods.sketch_walk_graph import attach_graph_decode
 
-            attach_graph_decode(backend, cache, 1)
-            graphs = DecodeGraphs(model, cache, max_batch=1)
+            attach_graph_decode(backend, cache, args.batch)
+            graphs = DecodeGraphs(model, cache, max_batch=args.batch)
             if not DecodeGraphs.supports(backend):
                 print(f"{method}: no graph decode path; eager")
                 graphs = None
 
-        def step(cache: KVCache = cache, backend=backend, graphs=graphs, method=method) -> None:
+        def step(cache: KVCache = cache, backend=backend, graphs=graphs, method=method, seqs=seqs) -> None:
             nonlocal tok
             if graphs is not None:
-                tok = graphs.decode(method, backend, [0], [int(tok.view(-1)[0])]).argmax(-1)
+                tok = graphs.decode(method, backend, seqs, tok.view(-1).tolist()).argmax(-1)
                 return
-            b = cache.prepare([0], [1], False)
+            b = cache.prepare(seqs, [1] * len(seqs), False)
             tok = model(tok, b, cache, backend).argmax(-1)
 
         for _ in range(3):
@@ -74,7 +90,8 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
         ms = 1e3 * (time.perf_counter() - t) / args.steps
-        print(f"\n=== {method}: {ms:.2f} ms per decode step, {args.layers} layers, {args.context} context "
+        print(f"\n=== {method}: {ms:.2f} ms per decode step, {args.layers} layers, batch {args.batch} x "
+              f"{args.context} context, shard of {args.shard_of} "
               f"({ms / args.layers:.3f} ms per layer){' graphs' if graphs is not None else ''}")
         if graphs is not None:  # the GPU work alone: back-to-back replays of the captured step
             (graph,) = graphs.graphs.values()

@@ -177,6 +177,7 @@ def strided_dense_attention_varlen(q: torch.Tensor, kv: KVSource, cu_seqlens_q: 
 from .scorer_dispatch import (  # noqa: E402
     collision_scores,
     collision_scores_varlen,
+    decode_sketches,
     lsh_bucket_ids,
     quest_page_bounds,
     quest_page_scores,
@@ -186,6 +187,7 @@ from .scorer_dispatch import (  # noqa: E402
 )
 
 __all__ = ["ENV", "block_sparse_attention", "block_sparse_attention_varlen", "collision_scores",
-           "collision_scores_varlen", "combine", "lsh_bucket_ids", "quest_page_bounds", "quest_page_scores",
-           "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen", "srht_apply",
-           "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted", "use_triton"]
+           "collision_scores_varlen", "combine", "decode_sketches", "lsh_bucket_ids", "quest_page_bounds",
+           "quest_page_scores", "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen",
+           "srht_apply", "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted",
+           "use_triton"]

@@ -36,6 +36,22 @@ def srht_apply(x: torch.Tensor, signs: torch.Tensor, coords: torch.Tensor, slots
     return srht_reference(x, signs, coords, scale)
 
 
+def decode_sketches(q: torch.Tensor, k_pages: torch.Tensor, slot_pages: torch.Tensor, slot_offsets: torch.Tensor,
+                    srht) -> torch.Tensor:
+    """The paired graph decode's per-layer sketches: fp32 [2, bsz, h_kv, r], the SRHT of each KV head's
+    query-group mean (q [bsz, h, d]) and of its new key, read from the layer's paged keys
+    ``k_pages[slot_pages, :, slot_offsets]``. One Triton launch on CUDA, else the PyTorch form."""
+    signs, coords, slots = srht.device_tensors(q.device)
+    if _triton(q, k_pages):
+        from .sketch_scorer import decode_sketches as fast
+
+        return fast(q, k_pages, slot_pages, slot_offsets, signs, slots, coords.numel(), srht.scale)
+    bsz, h_kv = q.shape[0], k_pages.shape[1]
+    k_new = k_pages[slot_pages, :, slot_offsets, :]  # [bsz, h_kv, d]
+    q_avg = q.float().reshape(bsz, h_kv, -1, q.shape[-1]).mean(2)
+    return srht.apply(torch.stack((q_avg, k_new.float())))
+
+
 def sketch_block_sums(q: torch.Tensor, k: torch.Tensor, q_start: int, block: int, srht,
                       q_heads: int | None = None, kv_heads: int | None = None) -> torch.Tensor:
     """Sketch&Walk's new block sketches for one step of one sequence (``_update_sketch``'s ``new``): the

@@ -14,6 +14,10 @@ last dim, so K's ``[h_kv, n, d]`` slice is passed as a transposed view). Sequenc
 the new tokens it holds, as the reference's ``index_add``). One program per packed block sums its
 (token, head) rows in fp32 tiles, multiplies by ``1 / head_count`` (the model's count under tensor
 parallelism), sketches the sum and writes its r floats.
+
+Decode sketches (``decode_sketches``, the paired graph decode's per-layer input): for each row and KV head,
+the mean of the head's query group and the new key read from its paged cache slot, both sketched in one
+two-row tile: one launch instead of the gather, casts, mean, stack and sketch (six kernels).
 """
 
 from __future__ import annotations
@@ -78,6 +82,56 @@ if triton is not None:
         y = fwht_tile((s * tl.load(SIGNS + c))[None, :], 1, DP, LOG_DP) * factor
         slot = tl.load(SLOTS + c)
         tl.store(Out + pb.to(tl.int64) * stride_ob + slot[None, :], y, mask=(slot >= 0)[None, :])
+
+    @triton.jit
+    def _decode_sketch_kernel(Q, K, PAGES, OFFS, Out, SIGNS, SLOTS, stride_qb, stride_qh, stride_kp, stride_kh,
+                              stride_kt, stride_o0, stride_ob, stride_oh, dim, inv_g, factor, G: tl.constexpr,
+                              GP: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        c = tl.arange(0, DP)
+        c_ok = c < dim
+        g = tl.arange(0, GP)
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + (h * G + g).to(tl.int64)[:, None] * stride_qh + c[None, :],
+                    mask=(g < G)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        q_avg = tl.sum(q, 0) * inv_g  # as torch's fp32 mean: the sum times the fp32 1/G
+        page = tl.load(PAGES + b).to(tl.int64)
+        off = tl.load(OFFS + b).to(tl.int64)
+        k = tl.load(K + page * stride_kp + h.to(tl.int64) * stride_kh + off * stride_kt + c, mask=c_ok,
+                    other=0.0).to(tl.float32)
+        two = tl.arange(0, 2)
+        x = tl.where((two == 0)[:, None], q_avg[None, :], k[None, :])
+        y = fwht_tile(x * tl.load(SIGNS + c)[None, :], 2, DP, LOG_DP) * factor
+        slot = tl.load(SLOTS + c)
+        dst = Out + two.to(tl.int64)[:, None] * stride_o0 + b.to(tl.int64) * stride_ob + h * stride_oh
+        tl.store(dst + slot[None, :], y, mask=(slot >= 0)[None, :])
+
+
+def decode_sketches(q: torch.Tensor, k_pages: torch.Tensor, slot_pages: torch.Tensor, slot_offsets: torch.Tensor,
+                    signs: torch.Tensor, slots: torch.Tensor, r: int, scale: float) -> torch.Tensor:
+    """q [bsz, h, d] (whole query groups of k's heads), k_pages [pages, h_kv, page, d] (one layer's paged
+    keys), each row's new key at (slot_pages, slot_offsets) -> fp32 [2, bsz, h_kv, r]: the SRHT of each KV
+    head's query-group mean (row 0) and of its new key (row 1), as ``srht_apply`` of those rows."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    dp, log_dp = _check(signs, slots)
+    bsz, h, dim = q.shape
+    h_kv = k_pages.shape[1]
+    if h % h_kv or k_pages.shape[-1] != dim or dim > dp or slot_pages.shape != (bsz,) or slot_offsets.shape != (bsz,):
+        raise ValueError(f"decode_sketches: q {tuple(q.shape)}, keys {tuple(k_pages.shape)}, slots "
+                         f"{tuple(slot_pages.shape)} / {tuple(slot_offsets.shape)}, transform {dp} do not fit")
+    if q.stride(-1) != 1 or k_pages.stride(-1) != 1:
+        raise ValueError("decode_sketches needs q and the keys contiguous in their last dim")
+    g = h // h_kv
+    out = torch.empty(2, bsz, h_kv, r, dtype=torch.float32, device=q.device)
+    if bsz:
+        inv_g = float(torch.tensor(1.0, dtype=torch.float32) / g)
+        _decode_sketch_kernel[(bsz, h_kv)](
+            q, k_pages, slot_pages, slot_offsets, out, signs.float(), slots, q.stride(0), q.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), out.stride(0), out.stride(1), out.stride(2), dim,
+            inv_g, scale / math.sqrt(dp), G=g, GP=1 << max(g - 1, 0).bit_length(), DP=dp, LOG_DP=log_dp,
+            num_warps=1)
+    return out
 
 
 def srht_slots(coords: torch.Tensor, padded: int) -> torch.Tensor:

@@ -96,6 +96,32 @@ def test_sketch_block_sums_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.testing.assert_close(s.apply(sums), expect, **TOL)  # SRHT.apply routes through the kernel too
 
 
+@pytest.mark.parametrize("g,d,sketch_dim,dtype", [(3, 64, 64, torch.float32), (4, 128, 32, torch.float16),
+                                                  (1, 48, 16, torch.float32)])
+def test_decode_sketches(monkeypatch: pytest.MonkeyPatch, g: int, d: int, sketch_dim: int,
+                         dtype: torch.dtype) -> None:
+    """The paired graph decode's per-layer sketches: each KV head's query-group mean and its new key read
+    from a paged cache slot, sketched; the kernel against the PyTorch form, every element written."""
+    gen = torch.Generator().manual_seed(g * 10 + d)
+    s = SRHT(d, sketch_dim, seed=d)
+    bsz, pages, page = 5, 7, 16
+    q = _rand(bsz, g * H_KV, d, gen=gen, dtype=dtype)
+    k_pages = _rand(pages, H_KV, page, d, gen=gen, dtype=dtype)
+    slot_pages = torch.randint(0, pages, (bsz,), generator=gen).to(DEV)
+    slot_offsets = torch.randint(0, page, (bsz,), generator=gen).to(DEV)
+    k_new = k_pages[slot_pages, :, slot_offsets, :]
+    q_avg = q.float().reshape(bsz, H_KV, g, d).mean(2)
+    expect = srht_reference(torch.stack((q_avg, k_new.float())), *s.device_tensors(DEV)[:2], s.scale)
+    monkeypatch.setenv(dispatch.ENV, "torch")
+    torch.testing.assert_close(dispatch.decode_sketches(q, k_pages, slot_pages, slot_offsets, s), expect, **TOL)
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    got = dispatch.decode_sketches(q, k_pages, slot_pages, slot_offsets, s)
+    assert got.shape == (2, bsz, H_KV, sketch_dim) and not got.isnan().any()
+    torch.testing.assert_close(got, expect, **TOL)
+    with pytest.raises(ValueError, match="do not fit"):
+        dispatch.decode_sketches(q[:, :1], k_pages, slot_pages, slot_offsets, s)
+
+
 # ---- SOCKET ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("d,planes,out_dtype", [(64, 8, torch.uint8), (128, 12, torch.int16), (64, 3, torch.int32)])

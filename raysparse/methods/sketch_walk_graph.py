@@ -142,7 +142,7 @@ class SketchWalkGraphDecode:
         if layer not in self.index:
             return sparse_decode_attention_varlen(q, kv, dense_blocks, unit=cache.page_size)[0]
         idx, unit = self._selection(layer, q, cache, batch, seqlens.long(), table.shape[1])
-        lists = idx[:, None, :].expand(-1, cache.num_kv_heads, -1).contiguous()
+        lists = idx[:, None, :].expand(-1, cache.num_kv_heads, -1)  # the kernel reads the heads' stride 0
         return sparse_decode_attention_varlen(q, kv, lists, unit=unit)[0]
 
     def _selection(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from raysparse.kernels.dispatch import decode_sketches
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import row_budget
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
@@ -162,13 +163,9 @@ class PairedGraphDecode(SketchWalkGraphDecode):
                    w: int) -> tuple[torch.Tensor, int]:
         """This layer's selection for every row: (ascending list [bsz, width] int32, -1 padded; its unit)."""
         cfg, m, li, P = self.cfg, self.m, self.index[layer], self.parts
-        bsz = q.shape[0]
         table = batch.extras["paged"][0]  # [bsz, w] int32 device page ids; padded rows: the scratch page
-        k_new = cache.k[layer][batch.slot_pages, :, batch.slot_offsets, :]  # [bsz, h_kv, d]
-        h_kv = k_new.shape[1]
         # as the reference: each KV head's query group averaged, keys per head; a shard holds whole groups
-        q_avg = q.float().reshape(bsz, h_kv, -1, q.shape[-1]).mean(2)
-        new = m.srht.apply(torch.stack((q_avg, k_new.float())))  # [2, bsz, h_kv, r]
+        new = decode_sketches(q, cache.k[layer], batch.slot_pages, batch.slot_offsets, m.srht)  # [2, bsz, h_kv, r]
         if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
             self._step = self.paired_constants(n, w, table)
         st = self._step
