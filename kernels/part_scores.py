@@ -30,7 +30,8 @@ it by fp32 rounding; the empty parts and the stored sums are the reference's exa
 memory) writes this shard's partial of ``SketchWalk._combine_heads`` [bsz, w * P] fp64: per part the sum
 over its KV heads, in head order, of exp(score) ("pair-lse"; 0 for an empty part) or of the score ("pair";
 -inf for an empty part), each score in fp32 as above and summed in fp64. Only the program whose tile
-holds a row's current part reads that part, so it stores the updated sums itself: one launch.
+holds a row's current part reads that part, so it stores the updated sums itself, after the heads' loop (a
+store inside it would keep the next head's loads from being issued before it): one launch.
 """
 
 from __future__ import annotations
@@ -97,21 +98,28 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(KS, TABLE, N, Q, K, X, s_t, s_k0, s_k1, sqrt_r,
-                        SIZE: tl.constexpr, P: tl.constexpr, H_KV: tl.constexpr, R: tl.constexpr,
+                        SIZE: tl.constexpr, P: tl.constexpr, H_KV: tl.constexpr, HP: tl.constexpr, R: tl.constexpr,
                         WID: tl.constexpr, TP: tl.constexpr, LSE: tl.constexpr):
         b = tl.program_id(0)
         cols = tl.program_id(1) * TP + tl.arange(0, TP)
         row, ok, here, fresh, cnt = _tile_parts(TABLE, N, b, cols, s_t, SIZE, P, WID)
         acc = tl.zeros([TP], dtype=tl.float64)
-        for h in tl.static_range(H_KV):
-            s, kt, ptr = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R)
+        for h in tl.static_range(H_KV):  # no store in the loop: every head's loads may be in flight at once
+            s, _, _ = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R)
             s = s.to(tl.float64)
             if LSE:
                 s = tl.exp(s)
             acc += s
-            # the stored value depends on the load: the store cannot pass it
-            tl.store(ptr, kt, mask=(here & ok)[:, None])
         tl.store(X + b * WID + cols, acc, mask=cols < WID)
+        mine = here & ok
+        if tl.sum(mine.to(tl.int32), 0) > 0:  # this tile holds the new token's part: store its updated sums
+            cur_row = tl.sum(tl.where(mine, row, 0), 0)
+            hh = tl.arange(0, HP)
+            rr = tl.arange(0, R)
+            m2 = (hh < H_KV)[:, None]
+            at = KS + cur_row * s_k0 + hh[:, None] * s_k1 + rr[None, :]
+            new = tl.load(K + (b * H_KV + hh[:, None]) * R + rr[None, :], mask=m2, other=0.0)
+            tl.store(at, tl.where(fresh, 0.0, tl.load(at, mask=m2, other=0.0)) + new, mask=m2)
 
 
 def _check(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -207,6 +215,7 @@ def part_combine(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torc
     # every head of a tile in one program: smaller tiles than part_scores' for as many programs
     tile = _tile(width, tile, 32, 256)
     _combine_kernel[(bsz, -(-width // tile))](ks, table, n, q, k, out, table.stride(0), ks.stride(0), ks.stride(1),
-                                              math.sqrt(r), SIZE=size, P=parts, H_KV=h_kv, R=r, WID=width,
-                                              TP=tile, LSE=heads == "pair-lse", num_warps=4)
+                                              math.sqrt(r), SIZE=size, P=parts, H_KV=h_kv,
+                                              HP=1 << max(h_kv - 1, 0).bit_length(), R=r, WID=width, TP=tile,
+                                              LSE=heads == "pair-lse", num_warps=4)
     return out

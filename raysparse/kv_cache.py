@@ -87,6 +87,8 @@ class KVCache:
         self.metadata_bytes_per_token = metadata_bytes_per_token
         # Per layer, per sequence: whatever a sparse method keeps (sketches, hash tables, walk state).
         self.metadata: list[dict[int, dict[str, Any]]] = [{} for _ in range(cfg.num_layers)]
+        # Page-indexed method state that several method instances can share (keyed by what fixes its contents).
+        self.shared_state: dict[Any, Any] = {}
         self._free = list(range(num_pages - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}

@@ -28,15 +28,22 @@ FILLER = 9, 400  # the released sequence's id and length: 26 pages, every page t
 def _fill_and_release(model, cache, backend, graphs, seed: int) -> None:
     """A long sequence prefilled, decoded a step through the graph path (its prefill sums entered into its
     pages), then released: its pages return to the free list with their sums, and the next sequences reuse
-    them (the cache hands out the most recently freed pages first)."""
+    them (the cache hands out the most recently freed pages first). It runs under another instance of the
+    method (another density and head combine, the same sketch and parts), which shares the state."""
     sid, n = FILLER
     g = torch.Generator().manual_seed(seed + 1)
+    cfg = backend.config
+    other = create_backend("sketch_walk", model.cfg, block_size=cfg.block_size, walk=cfg.walk,
+                           sub_blocks=cfg.sub_blocks, decode_unit=cfg.decode_unit, density=0.55,
+                           heads="pair" if cfg.heads == "pair-lse" else "pair-lse")
+    assert attach_graph_decode(other, cache, max_batch=4, state_budget_bytes=0)  # nothing new to allocate
+    assert other.graph_path.ks is backend.graph_path.ks and other.graph_path.entered is backend.graph_path.entered
     cache.allocate(sid, n + 2)
-    model(torch.randint(0, 97, (n,), generator=g).to(cache.device), cache.prepare([sid], [n], True), cache, backend)
-    graphs.decode("k", backend, [sid], [int(torch.randint(0, 97, (), generator=g))])
+    model(torch.randint(0, 97, (n,), generator=g).to(cache.device), cache.prepare([sid], [n], True), cache, other)
+    graphs.decode("filler", other, [sid], [int(torch.randint(0, 97, (), generator=g))])
     pages = torch.tensor(cache.page_list(sid))
-    assert backend.graph_path.ks[:, pages * backend.config.sub_blocks].abs().amin(-1).gt(0).all()  # all sums set
-    backend.release(sid)
+    assert backend.graph_path.ks[:, pages * cfg.sub_blocks].abs().amin(-1).gt(0).all()  # all sums set
+    other.release(sid)
     cache.free(sid)
 
 
@@ -179,11 +186,32 @@ def test_state_is_one_page_indexed_allocation(model, monkeypatch):
     sparse = sum(not backend.is_dense_layer(i) for i in range(model.cfg.num_layers))
     assert need == sparse * 4 * (pages + 1) * parts * cache.num_kv_heads * backend.srht.sketch_dim
     for max_batch in (1, 64):  # the batch does not size it
+        cache = KVCache(model.cfg, pages, 16)
         assert not attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=need - 1)
         assert attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=need)
         ks = backend.graph_path.ks
         assert ks.shape == (sparse, (pages + 1) * parts, cache.num_kv_heads, backend.srht.sketch_dim)
         assert ks.numel() * ks.element_size() == need
+
+
+def test_instances_with_one_sketch_share_one_state(model):
+    """The part sums depend on the sketch, the parts and the sparse layers only: instances that differ in
+    density or head combine share one allocation; another sketch, part count or dense layers gets its own."""
+    if model.lm_head.weight.is_cuda:
+        pytest.skip("host-side bookkeeping: the CPU run covers it")
+    cache = KVCache(model.cfg, 12, 16)
+
+    def attach(**params):
+        backend = create_backend("sketch_walk", model.cfg, **{"block_size": 16, **params})
+        assert attach_graph_decode(backend, cache, max_batch=2)
+        return backend.graph_path.ks
+
+    first = attach(density=0.1)
+    assert attach(density=0.3, heads="pair") is first
+    assert attach(density=0.2, decode_unit="block") is first
+    others = [attach(sub_blocks=4), attach(sketch_dim=8), attach(seed=5), attach(dense_layers=(0,))]
+    assert all(ks is not first for ks in others) and len({id(ks) for ks in others}) == len(others)
+    assert len(cache.shared_state) == 1 + len(others)
 
 
 def test_no_room_for_the_state_decodes_eagerly(model, monkeypatch):

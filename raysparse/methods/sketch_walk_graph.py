@@ -69,6 +69,7 @@ class SketchWalkGraphDecode:
         self._free = list(range(slots - 1))
         self._rows: torch.Tensor | None = None  # the walk's rows, carried from one sparse layer to the next
         self._step: dict[str, Any] | None = None  # the step's length-only constants (``step_constants``)
+        self._n: torch.Tensor | None = None  # the step's lengths as int64
         self.fused: bool | None = None  # the Triton update (kernels/walk_decode.py): None = on CUDA tensors
         self.select: bool | None = None  # one-hop's Triton selection (kernels/walk_select.py): None = as above
 
@@ -141,7 +142,9 @@ class SketchWalkGraphDecode:
         kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
         if layer not in self.index:
             return sparse_decode_attention_varlen(q, kv, dense_blocks, unit=cache.page_size)[0]
-        idx, unit = self._selection(layer, q, cache, batch, seqlens.long(), table.shape[1])
+        if layer == self.first or self._n is None:  # the lengths as int64, once per step
+            self._n = seqlens.long()
+        idx, unit = self._selection(layer, q, cache, batch, self._n, table.shape[1])
         lists = idx[:, None, :].expand(-1, cache.num_kv_heads, -1)  # the kernel reads the heads' stride 0
         return sparse_decode_attention_varlen(q, kv, lists, unit=unit)[0]
 
@@ -280,7 +283,8 @@ def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budg
                         max_positions: int | None = None) -> bool:
     """Gives a backend that has a graph path its fixed-shape state; returns whether it now has one. The
     paired scorings (``sketch_walk_graph_paired``) get theirs unless ``RAYSPARSE_SW_GRAPH_PAIRED=off``: one
-    page-indexed allocation, sized by the cache's pages (not by batch or positions), within the budget."""
+    page-indexed allocation, sized by the cache's pages (not by batch or positions), within the budget, and
+    shared by every instance with the same sketch, parts and sparse layers (``PairedGraphDecode.state_key``)."""
     if not isinstance(backend, SketchWalk) or cache.page_size != backend.config.block_size:
         return False
     if backend.config.heads != "mean":
@@ -288,7 +292,9 @@ def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budg
 
         if not paired_enabled() or not PairedGraphDecode.supports(backend.config):
             return False
-        if PairedGraphDecode.state_bytes(backend, cache.num_pages, cache.num_kv_heads) > state_budget_bytes:
+        shared = PairedGraphDecode.state_key(backend) in cache.shared_state  # no new allocation
+        need = 0 if shared else PairedGraphDecode.state_bytes(backend, cache.num_pages, cache.num_kv_heads)
+        if need > state_budget_bytes:
             return False
         return _attach(backend, lambda: PairedGraphDecode(backend, cache))
     limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))

@@ -95,17 +95,30 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         self.index = {layer: i for i, layer in enumerate(sparse)}
         self.first = sparse[0] if sparse else None
         self.parts = cfg.sub_blocks
-        # one row per part of every KV page and of the scratch page (the cache's page num_pages)
-        rows = (cache.num_pages + 1) * self.parts
-        self.ks = torch.zeros(len(sparse), rows, cache.num_kv_heads, method.srht.sketch_dim, device=cache.device)
-        self.entered: set[int] = set()
+        # The part sums depend on the sketch, the parts and the sparse layers, not on the density or scoring:
+        # every Sketch&Walk instance with the same ones shares one state (and which sequences entered it).
+        key = self.state_key(method)
+        if key not in cache.shared_state:
+            # one row per part of every KV page and of the scratch page (the cache's page num_pages)
+            rows = (cache.num_pages + 1) * self.parts
+            ks = torch.zeros(len(sparse), rows, cache.num_kv_heads, method.srht.sketch_dim, device=cache.device)
+            cache.shared_state[key] = (ks, set())
+        self.ks, self.entered = cache.shared_state[key]
         self._step: dict[str, Any] | None = None
+        self._n: torch.Tensor | None = None
 
     @staticmethod
     def supports(cfg: SketchWalkConfig) -> bool:
         size = cfg.block_size // cfg.sub_blocks
         return (cfg.heads in ("pair", "pair-lse") and cfg.walk == "one-hop" and cfg.token_query != "never"
                 and cfg.decode_unit in ("part", "block") and size & (size - 1) == 0)
+
+    @staticmethod
+    def state_key(method: SketchWalk) -> tuple[Any, ...]:
+        """What fixes the state's contents: the SRHT draw, the parts, the block size and the sparse layers."""
+        cfg, srht = method.config, method.srht
+        sparse = tuple(i for i in range(method.model_cfg.num_layers) if not method.is_dense_layer(i))
+        return ("sketch_walk_parts", srht.dim, srht.sketch_dim, cfg.seed, cfg.sub_blocks, cfg.block_size, sparse)
 
     @staticmethod
     def state_bytes(method: SketchWalk, num_pages: int, num_kv_heads: int = 0) -> int:  # type: ignore[override]
