@@ -105,11 +105,10 @@ def _partials(g: torch.Generator, heads: str, bsz: int, wid: int, ties: bool) ->
     return x.to(DEV)
 
 
-@pytest.mark.parametrize("search", ["radix", "bisect"])
 @pytest.mark.parametrize("heads", ["pair", "pair-lse"])
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "spread"])
 @pytest.mark.parametrize("parts,width,local", [(4, 40, 1), (8, 24, 2), (1, 70, 1), (2, 300, 3)])
-def test_select_matches_choose_parts(heads, ties, parts, width, local, search):
+def test_select_matches_choose_parts(heads, ties, parts, width, local):
     g = _seed()
     density = float(torch.empty(()).uniform_(0.05, 0.6, generator=g))
     wid, bsz = width * parts, 6
@@ -128,8 +127,7 @@ def test_select_matches_choose_parts(heads, ties, parts, width, local, search):
     want_scores = _combine(heads, torch.zeros(1, bsz, wid, device=DEV), lambda _: reduced, kv)
     out = torch.full((bsz, st["p_width"]), -7, dtype=torch.int32, device=DEV)
     sc = torch.full((bsz, wid), float("nan"), device=DEV)
-    got = psel.part_select(x, n, heads, kv, B, parts, local, density, st["p_k"], st["p_width"], out=out, scores=sc,
-                           search=search)
+    got = psel.part_select(x, n, heads, kv, B, parts, local, density, st["p_k"], st["p_width"], out=out, scores=sc)
     assert got.data_ptr() == out.data_ptr()
     # the scores ranked: _combine_heads' finalisation (exact but for fp64 log rounding in another library)
     torch.testing.assert_close(sc, want_scores, rtol=1e-6, atol=0.0)
@@ -145,8 +143,6 @@ def test_select_refuses_bad_arguments():
         psel.part_select(x.float(), n, "pair", 1, 16, 4, 1, 0.5, 4, 8)
     with pytest.raises(ValueError, match="out_width"):
         psel.part_select(x, n, "pair", 1, 16, 4, 1, 0.5, 4, 17)
-    with pytest.raises(ValueError, match="search"):
-        psel.part_select(x, n, "pair", 1, 16, 4, 1, 0.5, 4, 8, search="sort")
 
 
 @pytest.fixture(scope="module", params=DEVICES)

@@ -90,7 +90,11 @@ def test_sketch_block_sums_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         sums[1].index_add_(0, blk, k[:, q_start:].float().sum(0) / H_KV)
         expect = srht_reference(sums, *s.device_tensors(DEV)[:2], s.scale)
         monkeypatch.setenv(dispatch.ENV, "torch")
-        assert torch.equal(dispatch.sketch_block_sums(q, k, q_start, 64, s), expect)
+        got = dispatch.sketch_block_sums(q, k, q_start, 64, s)
+        if DEV.type == "cuda":  # index_add_ adds by atomics there: the order of the sums, and so the rounding, varies
+            torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(got, expect)
         monkeypatch.setenv(dispatch.ENV, "triton")
         torch.testing.assert_close(dispatch.sketch_block_sums(q, k, q_start, 64, s), expect, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(s.apply(sums), expect, **TOL)  # SRHT.apply routes through the kernel too
@@ -267,6 +271,8 @@ def test_quest_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bench_scorers_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``benchmarks/bench_scorers.py --smoke`` runs both paths at a tiny size and writes its JSON under $OUT."""
+    if DEV.type == "cuda":
+        pytest.skip("the smoke run is the CPU's (Triton in the interpreter); on a GPU the full run is the check")
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scorers.py"
     spec = importlib.util.spec_from_file_location("bench_scorers", path)
     bench = importlib.util.module_from_spec(spec)
