@@ -114,7 +114,7 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
     from raysparse.decode_graphs import DecodeGraphs
     from raysparse.kv_cache import KVCache
     from raysparse.methods.registry import create_backend
-    from raysparse.methods.sketch_walk_graph import attach_graph_decode
+    from raysparse.methods.sketch_walk_attach import attach_graph_decode
 
     dev = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     if args.smoke:  # a random 4-layer model on random tokens: the script's CPU test

@@ -66,7 +66,7 @@ def main() -> None:
         graphs = None
         if args.graphs:
             from raysparse.decode_graphs import DecodeGraphs
-            from raysparse.methods.sketch_walk_graph import attach_graph_decode
+            from raysparse.methods.sketch_walk_attach import attach_graph_decode
 
             attach_graph_decode(backend, cache, args.batch)
             graphs = DecodeGraphs(model, cache, max_batch=args.batch)

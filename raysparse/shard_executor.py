@@ -126,7 +126,7 @@ class ShardExecutor:
             if self._reduce is not None and self.world_size > 1:
                 attach_group(b, self._reduce)
             if self.graphs is not None:
-                from raysparse.methods.sketch_walk_graph import attach_graph_decode
+                from raysparse.methods.sketch_walk_attach import attach_graph_decode
 
                 attach_graph_decode(b, self.cache, self.graphs.max_batch,
                                     max_positions=self.model.cfg.max_position_embeddings)

@@ -10,7 +10,7 @@ import torch
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import SeqContext
+from raysparse.methods.base import SeqContext, host_row_budget, row_budget
 from raysparse.methods.baselines import (
     Oracle,
     OracleConfig,
@@ -291,3 +291,14 @@ def test_configs_are_validated():
         with pytest.raises(ValueError):
             cls(**kw)
     assert StreamingConfig().density is None and StreamingConfig().window == 2048
+
+
+def test_host_row_budget_is_row_budget():
+    """The host form of the budget rule gives the tensor form's budget for every row: random densities and
+    lengths, and products that land half-way (density 0.1 at 25 units, 0.5 at odd counts)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    dens = torch.rand(64, generator=g, dtype=torch.float64).tolist() + [0.1, 0.5, 0.3, 1e-9, 1.0]
+    units = torch.randint(0, 20000, (200,), generator=g).tolist() + [0, 1, 5, 25, 35, 45, 2**20 + 1]
+    for d in dens:
+        want = row_budget(d, torch.tensor(units)).tolist()
+        assert [host_row_budget(d, n) for n in units] == want, d

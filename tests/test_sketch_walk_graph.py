@@ -12,7 +12,8 @@ from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.methods.sketch_walk import GRAPH_DECODE
-from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode, attach_graph_decode
+from raysparse.methods.sketch_walk_attach import attach_graph_decode
+from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 
 
 @pytest.fixture(scope="module", params=DEVICES)

@@ -13,7 +13,7 @@ from helpers import DEVICES, prefill_then_decode, tiny_model
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
-from raysparse.methods.sketch_walk_graph import attach_graph_decode
+from raysparse.methods.sketch_walk_attach import attach_graph_decode
 from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PairedGraphDecode, order_keys
 
 
@@ -174,7 +174,7 @@ def test_switch_and_settings_gate_the_paired_path(model, monkeypatch):
     assert not attach(block_size=32)[0]  # page size != block size
 
 
-def test_state_is_one_page_indexed_allocation(model, monkeypatch):
+def test_state_is_one_page_indexed_allocation(model, monkeypatch, caplog):
     """(num_pages + 1) * P rows per sparse layer, whatever the batch: the budget is checked against that."""
     if model.lm_head.weight.is_cuda:
         pytest.skip("host-side bookkeeping: the CPU run covers it")
@@ -187,7 +187,9 @@ def test_state_is_one_page_indexed_allocation(model, monkeypatch):
     assert need == sparse * 4 * (pages + 1) * parts * cache.num_kv_heads * backend.srht.sketch_dim
     for max_batch in (1, 64):  # the batch does not size it
         cache = KVCache(model.cfg, pages, 16)
+        caplog.clear()
         assert not attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=need - 1)
+        assert "exceeds its budget" in caplog.text
         assert attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=need)
         ks = backend.graph_path.ks
         assert ks.shape == (sparse, (pages + 1) * parts, cache.num_kv_heads, backend.srht.sketch_dim)
@@ -214,9 +216,9 @@ def test_instances_with_one_sketch_share_one_state(model):
     assert len(cache.shared_state) == 1 + len(others)
 
 
-def test_no_room_for_the_state_decodes_eagerly(model, monkeypatch):
+def test_no_room_for_the_state_decodes_eagerly(model, monkeypatch, caplog):
     """The state is allocated at a method's first use: out of device memory there, the method keeps its eager
-    decode instead of failing the request."""
+    decode instead of failing the request, and says so in the log."""
     if model.lm_head.weight.is_cuda:
         pytest.skip("host-side bookkeeping: the CPU run covers it")
     monkeypatch.setenv(PAIRED_ENV, "on")
@@ -226,8 +228,10 @@ def test_no_room_for_the_state_decodes_eagerly(model, monkeypatch):
 
     monkeypatch.setattr(PairedGraphDecode, "__init__", no_room)
     backend = create_backend("sketch_walk", model.cfg, block_size=16)
-    assert not attach_graph_decode(backend, KVCache(model.cfg, 8, 16), max_batch=2)
+    with caplog.at_level("WARNING", logger="raysparse.methods.sketch_walk_attach"):
+        assert not attach_graph_decode(backend, KVCache(model.cfg, 8, 16), max_batch=2)
     assert backend.graph_path is None
+    assert "no device memory left" in caplog.text and "decoding eagerly" in caplog.text
 
 
 def test_order_keys_order_like_the_values():

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from raysparse.attention import AttentionBackend, causal_pairs, dense_attention
@@ -160,6 +161,12 @@ def row_budget(density: float, causal_units: torch.Tensor) -> torch.Tensor:
     """Units (blocks or tokens) each query row may attend for a density budget: round(density * causal
     units of that row), at least 1. Rows keep the same fraction, so the overall density is the budget."""
     return (density * causal_units.float()).round().clamp(min=1).long()
+
+
+def host_row_budget(density: float, causal_units: int) -> int:
+    """``row_budget`` of one row on the host, without tensors: the same fp32 product (numpy's fp32 multiply is
+    IEEE-rounded as PyTorch's on the CPU) and the same round-half-to-even."""
+    return max(1, int(np.rint(np.float32(density) * np.float32(causal_units))))
 
 
 def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:

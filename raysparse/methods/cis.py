@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from raysparse.methods.base import row_budget
+from raysparse.methods.base import host_row_budget
 from raysparse.methods.psaw import PrHSConfig
 from raysparse.methods.selection import SENTINEL, mask_from_indices
 
@@ -64,7 +64,7 @@ def cis_budget(cfg: CISConfig, n: int) -> tuple[int, int]:
     if cfg.density is None:
         k = cfg.topk
     else:
-        k = max(int(row_budget(cfg.density, torch.tensor(n))) - cfg.sink - cfg.local, 0)
+        k = max(host_row_budget(cfg.density, n) - cfg.sink - cfg.local, 0)
     m = k // 3 if cfg.top_m is None else min(cfg.top_m, k)
     return k, m
 

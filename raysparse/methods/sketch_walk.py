@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from raysparse.config import ModelConfig
-from raysparse.methods.base import SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.methods.base import SeqContext, SparseMethod, host_row_budget, method_spec, row_budget
 from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
@@ -263,7 +263,7 @@ class SketchWalk(SparseMethod):
         cfg = self.config
         parts, size = cfg.sub_blocks, cfg.block_size // cfg.sub_blocks
         nb, held = -(-n // cfg.block_size), -(-n // size)
-        budget = int(row_budget(cfg.density, torch.tensor(nb))) * parts
+        budget = host_row_budget(cfg.density, nb) * parts
         forced_blocks = {0, *range(max(0, nb - cfg.local_blocks), nb)}
         forced_n = sum(min(parts, held - j * parts) for j in forced_blocks)  # host ints: no device sync
         dev = scores.device

@@ -277,37 +277,3 @@ class SketchWalkGraphDecode:
         picked = torch.where(st["take"] & (top.values >= 0), top.indices, w)
         srt = torch.sort(torch.cat((st["forced"], picked), 1), dim=-1).values
         return torch.where(srt < w, srt, -1).to(torch.int32)
-
-
-def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budget_bytes: int = 8 << 30,
-                        max_positions: int | None = None) -> bool:
-    """Gives a backend that has a graph path its fixed-shape state; returns whether it now has one. The
-    paired scorings (``sketch_walk_graph_paired``) get theirs unless ``RAYSPARSE_SW_GRAPH_PAIRED=off``: one
-    page-indexed allocation, sized by the cache's pages (not by batch or positions), within the budget, and
-    shared by every instance with the same sketch, parts and sparse layers (``PairedGraphDecode.state_key``)."""
-    if not isinstance(backend, SketchWalk) or cache.page_size != backend.config.block_size:
-        return False
-    if backend.config.heads != "mean":
-        from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode, paired_enabled
-
-        if not paired_enabled() or not PairedGraphDecode.supports(backend.config):
-            return False
-        shared = PairedGraphDecode.state_key(backend) in cache.shared_state  # no new allocation
-        need = 0 if shared else PairedGraphDecode.state_bytes(backend, cache.num_pages, cache.num_kv_heads)
-        if need > state_budget_bytes:
-            return False
-        return _attach(backend, lambda: PairedGraphDecode(backend, cache))
-    limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
-    if (max_batch + 1) * SketchWalkGraphDecode.state_bytes(backend, limit) > state_budget_bytes:
-        return False
-    return _attach(backend, lambda: SketchWalkGraphDecode(backend, cache, max_batch, limit))
-
-
-def _attach(backend: SketchWalk, build: Any) -> bool:
-    # The state is allocated when a method is first used, after the KV cache took its memory: where the device
-    # has no room left, the method decodes eagerly rather than failing the request that asked for it.
-    try:
-        backend.graph_path = build()
-    except torch.OutOfMemoryError:
-        return False
-    return True

@@ -51,7 +51,7 @@ import torch
 
 from raysparse.kernels.dispatch import decode_sketches
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import row_budget
+from raysparse.methods.base import host_row_budget
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 
@@ -167,7 +167,7 @@ class PairedGraphDecode(SketchWalkGraphDecode):
             forced = {0, *range(max(0, nb - cfg.local_blocks), nb)}
             forced_tokens = sum(min(B, n - j * B) for j in forced)
             forced_parts = sum(min(P, held - j * P) for j in forced)
-            extra = max(0, int(row_budget(cfg.density, torch.tensor(nb))) * P - forced_parts)
+            extra = max(0, host_row_budget(cfg.density, nb) * P - forced_parts)
             attended += forced_tokens + min(extra, held - forced_parts) * size  # other parts are full
         self._meter(attended, ctx_lens, num_kv_heads)
 
@@ -252,7 +252,7 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         forced = ((blk == 0) | (blk >= nb[:, None] - cfg.local_blocks)) & filled
         budget = (cfg.density * nb.float()).round().clamp(min=1).long() * P  # row_budget, on the device
         extra = (budget - forced.sum(-1)).clamp(min=0)
-        top = P * max(1, int(row_budget(cfg.density, torch.tensor(w))))  # static: any row's budget in parts
+        top = P * max(1, host_row_budget(cfg.density, w))  # static: any row's budget in parts
         k = min(w * P, top)
         # the forced blocks (sink, local; out-of-range ones at w) as their parts, empty ones dropped
         fparts = st["forced"][:, :, None] * P + torch.arange(P, device=dev)
