@@ -13,11 +13,10 @@ about 15 kernels per sparse layer), becomes ``_select_kernel``, one program per 
   1, times P (the product taken exactly in fp64 and rounded to fp32 as PyTorch's fp32 multiply, so no fused
   multiply-add can move a half-way case), and the candidates (filled, not forced);
 - picks min(budget - forced, top width, candidates) candidates by (fp32 score descending, part ascending):
-  a 5-way search over the scores' 32-bit order-preserving keys (``order_keys``; -0.0 as 0.0), from the
+  a bisection over the scores' 32-bit order-preserving keys (``order_keys``; -0.0 as 0.0), from the
   candidates' key range, finds a threshold with exactly kk keys at or above it, or else the kk-th largest
-  key (four thresholds a pass, counted in one packed reduction); everything above it and the first ties in
-  ascending part order (``tl.cumsum``) are taken, so nothing is sorted (a radix select by ``tl.histogram``,
-  4 passes of 256 bins, measured 1.5x slower than a 32-pass bisection on the H200);
+  key; everything above it and the first ties in ascending part order (``tl.cumsum``) are taken, so nothing
+  is sorted (a radix select by ``tl.histogram``, 4 passes of 256 bins, measured 1.5x slower on the H200);
 - writes the forced parts and the picks ascending (``tl.cumsum`` positions), then -1 up to the width.
 
 The list is ``_choose_parts``'s bit for bit on the same fp32 scores, ties included; the fp32 scores agree
@@ -70,10 +69,9 @@ if triton is not None:
         bits = xz.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as int order: every float above I32_MIN + 1
         key = tl.where(cand, key, tl.full([WP], -2147483648, tl.int32))  # below every candidate
-        # A 5-way search for the kk-th largest key, from the candidates' key range, in int64 (the range can
-        # exceed int32): four thresholds a pass, their counts packed in 16-bit fields of one int64 sum (the
-        # host keeps the width below 2**16), so a pass costs one reduction. It stops once exactly kk keys lie
-        # at or above lo (no tie straddles it) or the interval closes: ~log5(candidates) passes on spread scores.
+        # Bisection for the kk-th largest key, from the candidates' key range, in int64 (the range can
+        # exceed int32). It stops once exactly kk keys lie at or above lo (no tie straddles it) or the
+        # interval closes: ~log2(candidates) passes on spread scores instead of 32.
         lo = tl.min(tl.where(cand, key, 2147483647), 0).to(tl.int64)  # count(key >= lo) >= kk
         hi = tl.max(tl.where(cand, key, -2147483648), 0).to(tl.int64)
         c_lo = ncand
@@ -81,25 +79,11 @@ if triton is not None:
             lo = hi
             c_lo = kk
         while (hi - lo > 1) & (c_lo != kk):  # count(key >= hi) < kk
-            span = hi - lo
-            t1 = tl.minimum(lo + tl.maximum(span // 5, 1), hi - 1)
-            t2 = tl.minimum(lo + tl.maximum(span * 2 // 5, 2), hi - 1)
-            t3 = tl.minimum(lo + tl.maximum(span * 3 // 5, 3), hi - 1)
-            t4 = tl.minimum(lo + tl.maximum(span * 4 // 5, 4), hi - 1)
-            packed = tl.sum((key >= t1).to(tl.int64) | ((key >= t2).to(tl.int64) << 16)
-                            | ((key >= t3).to(tl.int64) << 32) | ((key >= t4).to(tl.int64) << 48), 0)
-            c1 = (packed & 0xFFFF).to(tl.int32)
-            c2 = ((packed >> 16) & 0xFFFF).to(tl.int32)
-            c3 = ((packed >> 32) & 0xFFFF).to(tl.int32)
-            c4 = ((packed >> 48) & 0xFFFF).to(tl.int32)
-            hi = tl.where(c4 < kk, t4, hi)  # the smallest threshold with too few
-            hi = tl.where(c3 < kk, t3, hi)
-            hi = tl.where(c2 < kk, t2, hi)
-            hi = tl.where(c1 < kk, t1, hi)
-            lo, c_lo = tl.where(c1 >= kk, t1, lo), tl.where(c1 >= kk, c1, c_lo)  # the largest with enough
-            lo, c_lo = tl.where(c2 >= kk, t2, lo), tl.where(c2 >= kk, c2, c_lo)
-            lo, c_lo = tl.where(c3 >= kk, t3, lo), tl.where(c3 >= kk, c3, c_lo)
-            lo, c_lo = tl.where(c4 >= kk, t4, lo), tl.where(c4 >= kk, c4, c_lo)
+            mid = lo + (hi - lo) // 2
+            c = tl.sum((key >= mid).to(tl.int32), 0)
+            lo = tl.where(c >= kk, mid, lo)
+            c_lo = tl.where(c >= kk, c, c_lo)
+            hi = tl.where(c >= kk, hi, mid)
         gt = cand & (key > lo)
         tie = cand & (key == lo)
         ngt = tl.sum(gt.to(tl.int32), 0)
@@ -134,8 +118,6 @@ def part_select(x: torch.Tensor, n: torch.Tensor, heads: str, num_heads: int, bl
     if scores is not None and (scores.shape != x.shape or scores.dtype != torch.float32 or not scores.is_contiguous()):
         raise ValueError("scores must be [bsz, w * P] fp32 contiguous")
     wp = 1 << max(width - 1, 0).bit_length()
-    if wp >= 1 << 16:  # the search's counts are 16-bit fields
-        raise ValueError(f"part_select selects from rows of fewer than 65536 parts, got {width}")
     if num_warps is None:  # ~16-32 parts a thread
         num_warps = 4 if wp <= 1024 else 8 if wp <= 4096 else 16
     dens = fp32_value(density)
