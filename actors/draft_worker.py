@@ -64,8 +64,8 @@ class DraftWorker:
 
     def backend(self, key: str) -> Any:
         from raysparse.methods.registry import create_backend
-        from raysparse.shard_executor import parse_key
         from raysparse.specattn.layer_map import resolve_layer_map
+        from raysparse.step_plan import parse_key
 
         b = self.backends.get(key)
         if b is None:

@@ -18,7 +18,8 @@ import torch
 
 from raysparse.config import parse_dtype
 from raysparse.kv_cache import KVCache
-from raysparse.shard_executor import ShardExecutor, StepPlan
+from raysparse.shard_executor import ShardExecutor
+from raysparse.step_plan import StepPlan
 
 
 @dataclass(frozen=True)

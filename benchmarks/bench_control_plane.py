@@ -38,7 +38,7 @@ def main() -> None:
     import ray
 
     from raysparse.orchestration.ray_env import start_ray
-    from raysparse.shard_executor import StepPlan
+    from raysparse.step_plan import StepPlan
 
     start_ray(None)
     actors = [ray.remote(Echo).options(num_cpus=0).remote() for _ in range(args.tp)]

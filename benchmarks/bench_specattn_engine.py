@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
     from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
     from raysparse.sampling import SamplingParams
-    from raysparse.shard_executor import method_key
+    from raysparse.step_plan import method_key
     from raysparse.workload import build_retrieval_task, load_haystack_text
 
     rows = []

@@ -32,7 +32,7 @@ import torch
 def measure(eng: Any, method: str, params: dict[str, Any], n: int, new: int, seed: int) -> dict[str, Any]:
     from raysparse.orchestration.engine_api import EngineRequest
     from raysparse.sampling import SamplingParams
-    from raysparse.shard_executor import method_key
+    from raysparse.step_plan import method_key
 
     g = torch.Generator().manual_seed(seed)
     vocab = eng.model_cfg.vocab_size
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the default model, 512 tokens")
     args = ap.parse_args()
     from raysparse.orchestration.engine import Engine, EngineConfig
-    from raysparse.shard_executor import method_key
+    from raysparse.step_plan import method_key
 
     contexts = [int(c) for c in args.contexts.split(",")]
     tps = [int(t) for t in args.tp.split(",")]
@@ -203,7 +203,7 @@ def main() -> None:
 def run_batched(args: Any, methods: list[tuple[str, dict[str, Any]]], contexts: list[int], tps: list[int],
                 model: str | None, random_weights: bool, dtype: str) -> None:
     from raysparse.orchestration.engine import Engine, EngineConfig
-    from raysparse.shard_executor import method_key
+    from raysparse.step_plan import method_key
 
     new = 48 if args.smoke else max(args.new_tokens, 4096)
     steps = max(int(s) for s in args.decode_steps.split(","))

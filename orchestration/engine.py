@@ -28,7 +28,7 @@ from raysparse.orchestration.engine_config import EngineConfig
 from raysparse.orchestration.replica import ReplicaGroup, choose_node
 from raysparse.orchestration.runner import ReplicaRunner
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
-from raysparse.shard_executor import method_key
+from raysparse.step_plan import method_key
 
 log = logging.getLogger("raysparse.engine")
 

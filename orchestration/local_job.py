@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from raysparse.orchestration.ray_env import LOCAL_RAY_ENV, WORKER_ENV, start_ray  # noqa: F401 - re-exported
-from raysparse.shard_executor import method_key
+from raysparse.step_plan import method_key
 
 
 class JobError(RuntimeError):

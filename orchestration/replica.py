@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raysparse.actors.shard_worker import ShardSpec, ShardWorker
-from raysparse.shard_executor import StepPlan
+from raysparse.step_plan import StepPlan
 
 NODE_ID_LABEL = "ray.io/node-id"
 COMPILED_ENV = "RAYSPARSE_COMPILED_GRAPH"

@@ -16,7 +16,7 @@ from typing import Any
 from raysparse.generate import FinishEvent, TokenEvent, text_delta
 from raysparse.orchestration.replica import ReplicaGroup, ShardLostError
 from raysparse.orchestration.scheduler import Scheduler, Sequence
-from raysparse.shard_executor import StepPlan
+from raysparse.step_plan import StepPlan
 
 log = logging.getLogger("raysparse.engine")
 

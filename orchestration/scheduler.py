@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raysparse.orchestration.engine_api import CapacityExceededError, EngineRequest, RequestHandle
-from raysparse.shard_executor import StepPlan
+from raysparse.step_plan import StepPlan
 
 
 @dataclass

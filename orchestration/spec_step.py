@@ -15,7 +15,7 @@ from typing import Any
 
 from raysparse.actors.draft_worker import DraftWorker
 from raysparse.actors.shard_worker import ShardSpec
-from raysparse.shard_executor import StepPlan, parse_key
+from raysparse.step_plan import StepPlan, parse_key
 
 
 class SpecStep:

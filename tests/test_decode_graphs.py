@@ -11,7 +11,8 @@ from raysparse.attention import DenseAttention
 from raysparse.decode_graphs import DecodeGraphs, bucket
 from raysparse.kv_cache import KVCache
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
-from raysparse.shard_executor import ShardExecutor, StepPlan, method_key
+from raysparse.shard_executor import ShardExecutor
+from raysparse.step_plan import StepPlan, method_key
 
 
 @pytest.fixture(scope="module", params=DEVICES)

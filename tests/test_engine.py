@@ -16,7 +16,7 @@ from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
 from raysparse.orchestration.engine_api import CapacityExceededError, InvalidRequestError, RequestHandle
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
 from raysparse.sampling import SamplingParams
-from raysparse.shard_executor import method_key
+from raysparse.step_plan import method_key
 
 pytestmark = pytest.mark.timeout(600)
 

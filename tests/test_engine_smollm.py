@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_helpers import SHARED_SELECTION, assert_same_selections, run, tp1_and_tp2
 
-from raysparse.shard_executor import method_key
+from raysparse.step_plan import method_key
 
 pytestmark = pytest.mark.timeout(900)
 CASES = [("dense", {}), ("sketch_walk", {"density": 0.2}), ("quest", {"density": 0.2})]

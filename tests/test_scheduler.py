@@ -13,7 +13,8 @@ from raysparse.orchestration.engine_api import EngineRequest, RequestHandle
 from raysparse.orchestration.runner import ReplicaRunner
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
 from raysparse.sampling import SamplingParams
-from raysparse.shard_executor import ShardExecutor, StepPlan, method_key
+from raysparse.shard_executor import ShardExecutor
+from raysparse.step_plan import StepPlan, method_key
 
 POISON = 13  # a prompt holding this token id makes the fake shard fail its whole step
 

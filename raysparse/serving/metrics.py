@@ -62,7 +62,7 @@ def density_by_method(shard_stats: list[list[dict[str, Any]]]) -> list[tuple[str
 
     ``method`` is the method's label (``name`` or ``name{param=value,...}``); phase ``all`` is prefill and
     decode together, ``decode`` the decode steps alone (absent before the first decode step)."""
-    from raysparse.shard_executor import parse_key
+    from raysparse.step_plan import parse_key
 
     sums: dict[tuple[str, str], list[float]] = {}
     for replica in shard_stats:
