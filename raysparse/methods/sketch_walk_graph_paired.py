@@ -7,11 +7,13 @@ layers, (num_pages + 1) * P, h_kv, r] (fp32), part p of KV page g at row g * P +
 cache's scratch page (padded rows' table entries and writes land there). A row finds its parts through the
 step's page table (``batch.extras["paged"]``), so the state grows with the KV cache (P * r / (B * d) of it:
 ~6% for Llama-8B's shapes), not with max batch x max positions, and nothing is freed when a sequence ends.
-Each step writes the new key into its part (stored when it is the part's first token: a page reused from a
-freed sequence holds stale sums; added otherwise), scores the new token's sketched query (its query
-group's mean, per KV head) against every part mean, combines the heads with the reference's
-``_combine_heads`` (mean or log-sum-exp in fp64, through ``head_reduce`` under tensor parallelism: the same
-reduce seam, so shards agree), and selects:
+The sums depend only on the sketch, the parts and the sparse layers (``state_key``), so every instance with
+the same ones (other densities or head combines) shares one state through ``cache.shared_state``.
+Each step sketches the new token's query-group means and keys per KV head (``decode_sketches``: one Triton
+launch on CUDA), writes the new key into its part (stored when it is the part's first token: a page reused
+from a freed sequence holds stale sums; added otherwise), scores the sketched query against every part
+mean, combines the heads with the reference's ``_combine_heads`` (mean or log-sum-exp in fp64, through
+``head_reduce`` under tensor parallelism: the same reduce seam, so shards agree), and selects:
 - ``decode_unit="part"``: every filled part of the sink and local blocks plus the top parts by the combined
   part scores, up to tau * P parts; the list is of parts (``unit`` = B / P tokens, which the decode kernel
   reads through the page table at token granularity);
