@@ -60,7 +60,7 @@ if triton is not None:
     def _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r,
                      H_KV: tl.constexpr, R: tl.constexpr):
         """KV head h's scores of a tile of parts, the new key folded into its part in registers (a store here
-        could land before another program's load): (scores, the updated part sums, their addresses)."""
+        could land before another program's load); empty parts -inf."""
         rr = tl.arange(0, R)
         at = (b * H_KV + h) * R + rr
         ptr = KS + row[:, None] * s_k0 + h * s_k1 + rr[None, :]
@@ -68,7 +68,18 @@ if triton is not None:
         kt = tl.where(here[:, None], tl.where(fresh, 0.0, kt) + tl.load(K + at)[None, :], kt)
         # the mean's division after the dot: one per part, not per element (exact alike for power-of-two counts)
         s = tl.div_rn(tl.div_rn(tl.sum(kt * tl.load(Q + at)[None, :], 1), cnt), sqrt_r)
-        return tl.where(ok, s, float("-inf")), kt, ptr
+        return tl.where(ok, s, float("-inf"))
+
+    @triton.jit
+    def _store_part(KS, K, b, row, fresh, s_k0, s_k1, H_KV: tl.constexpr, HP: tl.constexpr, R: tl.constexpr):
+        """Row b's new key sketches [H_KV, R] into its current part (state row ``row``): stored over the
+        part's stale sums when the token is the part's first (``fresh``), added otherwise."""
+        hh = tl.arange(0, HP)
+        rr = tl.arange(0, R)
+        mask = (hh < H_KV)[:, None]
+        at = KS + row * s_k0 + hh[:, None] * s_k1 + rr[None, :]
+        new = tl.load(K + (b * H_KV + hh[:, None]) * R + rr[None, :], mask=mask, other=0.0)
+        tl.store(at, tl.where(fresh, 0.0, tl.load(at, mask=mask, other=0.0)) + new, mask=mask)
 
     @triton.jit
     def _score_kernel(KS, TABLE, N, Q, K, S, s_t, s_k0, s_k1, bsz, sqrt_r,
@@ -78,7 +89,7 @@ if triton is not None:
         cols = tl.program_id(1) * TP + tl.arange(0, TP)
         h = tl.program_id(2)
         row, ok, here, fresh, cnt = _tile_parts(TABLE, N, b, cols, s_t, SIZE, P, WID)
-        s, _, _ = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R)
+        s = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R)
         tl.store(S + (h * bsz + b) * WID + cols, s, mask=cols < WID)
 
     @triton.jit
@@ -88,13 +99,7 @@ if triton is not None:
         nn = tl.load(N + b)
         cur = (nn - 1) // SIZE
         row = tl.load(TABLE + b * s_t + cur // P).to(tl.int64) * P + cur % P
-        hh = tl.arange(0, HP)
-        rr = tl.arange(0, R)
-        mask = (hh < H_KV)[:, None]
-        at = KS + row * s_k0 + hh[:, None] * s_k1 + rr[None, :]
-        new = tl.load(K + (b * H_KV + hh[:, None]) * R + rr[None, :], mask=mask, other=0.0)
-        old = tl.load(at, mask=mask, other=0.0)
-        tl.store(at, tl.where((nn - 1) % SIZE == 0, 0.0, old) + new, mask=mask)
+        _store_part(KS, K, b, row, (nn - 1) % SIZE == 0, s_k0, s_k1, H_KV, HP, R)
 
     @triton.jit
     def _combine_kernel(KS, TABLE, N, Q, K, X, s_t, s_k0, s_k1, sqrt_r,
@@ -105,21 +110,14 @@ if triton is not None:
         row, ok, here, fresh, cnt = _tile_parts(TABLE, N, b, cols, s_t, SIZE, P, WID)
         acc = tl.zeros([TP], dtype=tl.float64)
         for h in tl.static_range(H_KV):  # no store in the loop: every head's loads may be in flight at once
-            s, _, _ = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R)
-            s = s.to(tl.float64)
+            s = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R).to(tl.float64)
             if LSE:
                 s = tl.exp(s)
             acc += s
         tl.store(X + b * WID + cols, acc, mask=cols < WID)
         mine = here & ok
         if tl.sum(mine.to(tl.int32), 0) > 0:  # this tile holds the new token's part: store its updated sums
-            cur_row = tl.sum(tl.where(mine, row, 0), 0)
-            hh = tl.arange(0, HP)
-            rr = tl.arange(0, R)
-            m2 = (hh < H_KV)[:, None]
-            at = KS + cur_row * s_k0 + hh[:, None] * s_k1 + rr[None, :]
-            new = tl.load(K + (b * H_KV + hh[:, None]) * R + rr[None, :], mask=m2, other=0.0)
-            tl.store(at, tl.where(fresh, 0.0, tl.load(at, mask=m2, other=0.0)) + new, mask=m2)
+            _store_part(KS, K, b, tl.sum(tl.where(mine, row, 0), 0), fresh, s_k0, s_k1, H_KV, HP, R)
 
 
 def _check(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -95,6 +95,10 @@ class SparseMethod(AttentionBackend):
     def is_dense_layer(self, layer: int) -> bool:
         return layer in self.config.dense_layers
 
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers this method selects in (every layer not kept dense), ascending."""
+        return tuple(i for i in range(self.model_cfg.num_layers) if not self.is_dense_layer(i))
+
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Returns the output [n_q, h, d] and the attended causal pairs summed over KV heads."""

@@ -293,7 +293,7 @@ class SketchWalk(SparseMethod):
     def state_bytes(self, n: int) -> dict[str, int]:
         """Bytes of Sketch&Walk state per sequence of n tokens (all sparse layers), for capacity planning."""
         b = -(-n // self.config.block_size)
-        layers = sum(not self.is_dense_layer(i) for i in range(self.model_cfg.num_layers))
+        layers = len(self.sparse_layers())
         h_kv, cfg = self.model_cfg.num_kv_heads, self.config
         hs = h_kv if cfg.heads == "kv" else 1  # score heads: walks and A_hat
         sums = (1 + cfg.sub_blocks) * (1 if cfg.heads == "mean" else h_kv)  # qs rows + ks rows per block

@@ -32,17 +32,19 @@ def attach_graph_decode(backend: Any, cache: KVCache, max_batch: int, state_budg
         shared = PairedGraphDecode.state_key(backend) in cache.shared_state  # no new allocation
         need = 0 if shared else PairedGraphDecode.state_bytes(backend, cache.num_pages, cache.num_kv_heads)
         if need > state_budget_bytes:
-            log.warning("sketch_walk: the graph decode's state (%.2f GB) exceeds its budget (%.2f GB): decoding "
-                        "eagerly, much slower", need / 2**30, state_budget_bytes / 2**30)
-            return False
+            return _over_budget(need, state_budget_bytes)
         return _attach(backend, lambda: PairedGraphDecode(backend, cache), need)
     limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
     need = (max_batch + 1) * SketchWalkGraphDecode.state_bytes(backend, limit)
     if need > state_budget_bytes:
-        log.warning("sketch_walk: the graph decode's state (%.2f GB) exceeds its budget (%.2f GB): decoding "
-                    "eagerly, much slower", need / 2**30, state_budget_bytes / 2**30)
-        return False
+        return _over_budget(need, state_budget_bytes)
     return _attach(backend, lambda: SketchWalkGraphDecode(backend, cache, max_batch, limit), need)
+
+
+def _over_budget(need: int, budget: int) -> bool:
+    log.warning("sketch_walk: the graph decode's state (%.2f GB) exceeds its budget (%.2f GB): decoding eagerly, "
+                "much slower", need / 2**30, budget / 2**30)
+    return False
 
 
 def _attach(backend: SketchWalk, build: Any, need: int) -> bool:

@@ -55,7 +55,7 @@ class SketchWalkGraphDecode:
             raise ValueError(f"the graph path needs page size == block size, got {cache.page_size} and "
                              f"{cfg.block_size}")
         self.m, self.cfg = method, cfg
-        sparse = [i for i in range(method.model_cfg.num_layers) if not method.is_dense_layer(i)]
+        sparse = method.sparse_layers()
         self.index = {layer: i for i, layer in enumerate(sparse)}
         self.first = sparse[0] if sparse else None
         slots, r, dev = max_batch + 1, method.srht.sketch_dim, cache.device
@@ -75,7 +75,7 @@ class SketchWalkGraphDecode:
 
     @staticmethod
     def state_bytes(method: SketchWalk, max_blocks: int) -> int:
-        layers = sum(not method.is_dense_layer(i) for i in range(method.model_cfg.num_layers))
+        layers = len(method.sparse_layers())
         w = 0 if method.config.walk == "one-hop" else 4 * max_blocks**2
         return layers * (w + 8 * max_blocks * method.srht.sketch_dim)
 

@@ -53,7 +53,7 @@ import torch
 
 from raysparse.kernels.dispatch import decode_sketches
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import host_row_budget
+from raysparse.methods.base import host_row_budget, row_budget
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
 
@@ -93,7 +93,7 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         if not self.supports(cfg) or cache.page_size != cfg.block_size:
             raise ValueError(f"the paired graph decode does not serve {cfg}")
         self.m, self.cfg = method, cfg
-        sparse = [i for i in range(method.model_cfg.num_layers) if not method.is_dense_layer(i)]
+        sparse = method.sparse_layers()
         self.index = {layer: i for i, layer in enumerate(sparse)}
         self.first = sparse[0] if sparse else None
         self.parts = cfg.sub_blocks
@@ -119,13 +119,13 @@ class PairedGraphDecode(SketchWalkGraphDecode):
     def state_key(method: SketchWalk) -> tuple[Any, ...]:
         """What fixes the state's contents: the SRHT draw, the parts, the block size and the sparse layers."""
         cfg, srht = method.config, method.srht
-        sparse = tuple(i for i in range(method.model_cfg.num_layers) if not method.is_dense_layer(i))
-        return ("sketch_walk_parts", srht.dim, srht.sketch_dim, cfg.seed, cfg.sub_blocks, cfg.block_size, sparse)
+        return ("sketch_walk_parts", srht.dim, srht.sketch_dim, cfg.seed, cfg.sub_blocks, cfg.block_size,
+                method.sparse_layers())
 
     @staticmethod
     def state_bytes(method: SketchWalk, num_pages: int, num_kv_heads: int = 0) -> int:  # type: ignore[override]
         """The whole state's bytes: one allocation of (num_pages + 1) * P rows per sparse layer."""
-        layers = sum(not method.is_dense_layer(i) for i in range(method.model_cfg.num_layers))
+        layers = len(method.sparse_layers())
         h_kv = num_kv_heads or method.model_cfg.num_kv_heads
         return layers * 4 * (num_pages + 1) * method.config.sub_blocks * h_kv * method.srht.sketch_dim
 
@@ -252,9 +252,9 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         blk = cols // P
         nb = st["cb"] + 1
         forced = ((blk == 0) | (blk >= nb[:, None] - cfg.local_blocks)) & filled
-        budget = (cfg.density * nb.float()).round().clamp(min=1).long() * P  # row_budget, on the device
+        budget = row_budget(cfg.density, nb) * P  # on the device
         extra = (budget - forced.sum(-1)).clamp(min=0)
-        top = P * max(1, host_row_budget(cfg.density, w))  # static: any row's budget in parts
+        top = P * host_row_budget(cfg.density, w)  # static: any row's budget in parts
         k = min(w * P, top)
         # the forced blocks (sink, local; out-of-range ones at w) as their parts, empty ones dropped
         fparts = st["forced"][:, :, None] * P + torch.arange(P, device=dev)

@@ -207,7 +207,7 @@ class Socket(SparseMethod):
 
     def metadata_bytes_per_token(self, num_kv_heads: int | None = None) -> int:
         """Per token over all layers (dense layers store nothing): KVCache's ``metadata_bytes_per_token``."""
-        sparse = sum(not self.is_dense_layer(i) for i in range(self.model_cfg.num_layers))
+        sparse = len(self.sparse_layers())
         return sparse * self.metadata_bytes_per_token_per_layer(num_kv_heads)
 
 
