@@ -5,11 +5,10 @@ installed), ``triton`` (always Triton; with ``TRITON_INTERPRET=1`` this runs the
 is how the tests exercise them) or ``torch`` (always the reference). Shapes the kernels do not support
 (head dim or block size not a power of two >= 16) silently take the reference path.
 
-Single-sequence functions mirror ``raysparse.methods.sparse_attention`` / ``raysparse.methods.delta``;
-the method scorers (``scorer_dispatch``, re-exported here) mirror ``hadamard``, ``lsh``, SpecAttn's ``topp``
-and Quest's bounds in ``baselines``;
-the ``*_varlen`` functions take the packed ragged formats of ``formats`` and fall back to a per-sequence
-loop over the reference (with host reads, so only for CPU use). Importing this module does not import
+Single-sequence functions mirror the PyTorch references of ``reference``; the method scorers
+(``scorer_dispatch``, re-exported here) mirror those of ``scorer_reference``; the ``*_varlen`` functions
+take the packed ragged formats of ``formats`` and fall back to a per-sequence loop over the reference
+(with host reads, so only for CPU use). Importing this module does not import
 Triton: the kernel modules load on the first Triton call, so CPU-only processes (and the interpreter
 tests, which must set TRITON_INTERPRET before Triton is imported) are unaffected by it.
 """
@@ -21,10 +20,9 @@ import os
 
 import torch
 
-from raysparse.methods import sparse_attention as ref
-from raysparse.methods.selection import BlockSelection, TokenSelection
-
+from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
+from .selection import BlockSelection, TokenSelection
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -91,9 +89,7 @@ def strided_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows q[(-q_start) % gamma :: gamma] densely over their causal keys (k, v: [h_kv, q_start + n_q, d])."""
     if not use_triton(q, k, v, head_dim=q.shape[-1]):
-        from raysparse.methods.delta import strided_dense_attention as strided_ref  # heavy import, CPU only
-
-        return strided_ref(q, k, v, gamma, q_start, scale)
+        return ref.strided_dense_attention(q, k, v, gamma, q_start, scale)
     from .strided_dense import strided_dense
 
     n_q, n = q.shape[0], k.shape[1]
@@ -161,12 +157,10 @@ def strided_dense_attention_varlen(q: torch.Tensor, kv: KVSource, cu_seqlens_q: 
 
         out, lse = strided_dense(_like_kv(q, kv.k), kv, cu_seqlens_q, gamma, q_lens, k_lens, scale)
         return out.to(q.dtype), lse
-    from raysparse.methods.delta import strided_dense_attention as strided_ref
-
     outs, lses, lo = [], [], 0
     for i, (q_len, n) in enumerate(zip(q_lens, k_lens, strict=True)):
         k, v = _seq_kv(kv, i)
-        o, s = strided_ref(q[lo: lo + q_len], k, v, gamma, n - q_len, scale)
+        o, s = ref.strided_dense_attention(q[lo: lo + q_len], k, v, gamma, n - q_len, scale)
         outs.append(o)
         lses.append(s)
         lo += q_len

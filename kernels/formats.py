@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raysparse.methods.selection import SENTINEL, BlockSelection, TokenSelection
+from .selection import SENTINEL, BlockSelection, TokenSelection
 
 
 @dataclass(frozen=True)

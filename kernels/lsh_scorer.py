@@ -1,4 +1,4 @@
-"""SOCKET's kernels: SimHash bucketing of keys and the soft-collision scorer (``raysparse.methods.lsh``).
+"""SOCKET's kernels: SimHash bucketing of keys and the soft-collision scorer (reference: ``scorer_reference``).
 
 Bucketing: ``w [h, L, P, d]`` hyperplanes, ``x [h, m, d]`` keys -> ids ``[h, L, m]``, bit p of a table's id
 set iff (W_l x)_p > 0 (little-endian, an exact 0 counts as negative). One program takes ``BLOCK_M`` keys of

@@ -1,4 +1,4 @@
-"""Quest's kernels (``raysparse.methods.baselines``): per-page element-wise key bounds and the page scores.
+"""Quest's kernels (reference: ``scorer_reference``): per-page element-wise key bounds and the page scores.
 
 Bounds: keys ``k [h_kv, n, d]`` (any strides with a contiguous last dim, so a cache slice is passed as a
 view) -> ``lo, hi [h_kv, ceil(n / page), d]`` in K's dtype (min / max are exact in any dtype). One program

@@ -2,14 +2,14 @@
 says so (CUDA tensors, or ``RAYSPARSE_KERNELS=triton``), the methods' PyTorch reference otherwise; shapes a
 kernel does not take (a head dim that is not a power of two >= 16) take the reference.
 
-The references live with their methods (``raysparse.methods.hadamard`` / ``lsh`` / ``baselines``,
-``raysparse.specattn.topp``) and are imported lazily, so those modules can route through here without an
-import cycle; importing this module imports neither Triton nor the methods.
+The references are ``scorer_reference``'s (torch only); importing this module does not import Triton.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import scorer_reference as ref
 
 
 def _triton(*tensors: torch.Tensor) -> bool:
@@ -31,9 +31,7 @@ def srht_apply(x: torch.Tensor, signs: torch.Tensor, coords: torch.Tensor, slots
         from .sketch_scorer import srht_apply as fast
 
         return fast(x, signs, slots, coords.numel(), scale)
-    from raysparse.methods.hadamard import srht_reference
-
-    return srht_reference(x, signs, coords, scale)
+    return ref.srht_reference(x, signs, coords, scale)
 
 
 def decode_sketches(q: torch.Tensor, k_pages: torch.Tensor, slot_pages: torch.Tensor, slot_offsets: torch.Tensor,
@@ -72,13 +70,11 @@ def sketch_block_sums(q: torch.Tensor, k: torch.Tensor, q_start: int, block: int
         block_sketch(k[:, q_start:n].transpose(0, 1), cu, [q_start], [n_q], block, signs, slots, r, srht.scale, hk,
                      out=out[1])
         return out
-    from raysparse.methods.hadamard import srht_reference
-
     blk = torch.arange(q_start, n, device=q.device) // block - qb0
     sums = torch.zeros(2, nb - qb0, q.shape[-1], device=q.device)
     sums[0].index_add_(0, blk, q.float().sum(1) / hq)
     sums[1].index_add_(0, blk, k[:, q_start:n].float().sum(0) / hk)
-    return srht_reference(sums, signs, coords, srht.scale)
+    return ref.srht_reference(sums, signs, coords, srht.scale)
 
 
 # ---- SOCKET ------------------------------------------------------------------------------------------
@@ -89,9 +85,7 @@ def lsh_bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         from .lsh_scorer import bucket_ids
 
         return bucket_ids(w, x)
-    from raysparse.methods.lsh import bucket_ids_reference
-
-    return bucket_ids_reference(w, x)
+    return ref.bucket_ids_reference(w, x)
 
 
 def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, norms: torch.Tensor | None = None,
@@ -102,9 +96,7 @@ def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, norms: torch.Te
         from .lsh_scorer import collision_scores as fast
 
         return fast(probs, buckets, norms)
-    from raysparse.methods.lsh import collision_scores_reference
-
-    s = collision_scores_reference(probs, buckets, chunk_elems)
+    s = ref.collision_scores_reference(probs, buckets, chunk_elems)
     return s if norms is None else s * norms
 
 
@@ -131,30 +123,24 @@ def topp_mask(a: torch.Tensor, p: float, iters: int) -> torch.Tensor:
         from .topp import topp_mask as fast
 
         return fast(a, p, iters)
-    from raysparse.specattn.topp import topp_mask_reference
-
-    return topp_mask_reference(a, p, iters)
+    return ref.topp_mask_reference(a, p, iters)
 
 
 # ---- Quest ---------------------------------------------------------------------------------------------
 
 def quest_page_bounds(k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``baselines.page_bounds``: k [h_kv, n, d] -> per-page (min, max), two [h_kv, ceil(n / page), d]."""
+    """``page_bounds``: k [h_kv, n, d] -> per-page (min, max), two [h_kv, ceil(n / page), d]."""
     if _dim_ok(k.shape[-1]) and not page & (page - 1) and _triton(k):
         from .quest_bounds import page_bounds
 
         return page_bounds(k, page)
-    from raysparse.methods.baselines import page_bounds
-
-    return page_bounds(k, page)
+    return ref.page_bounds(k, page)
 
 
 def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``baselines.page_upper_bound`` on fp32 queries: q [h_kv, g, m, d], bounds [h_kv, P, d] -> [h_kv, m, P]."""
+    """``page_upper_bound`` on fp32 queries: q [h_kv, g, m, d], bounds [h_kv, P, d] -> [h_kv, m, P]."""
     if _dim_ok(q.shape[-1]) and _triton(q, lo, hi):
         from .quest_bounds import page_scores
 
         return page_scores(q, lo, hi)
-    from raysparse.methods.baselines import page_upper_bound
-
-    return page_upper_bound(q.float(), lo, hi)
+    return ref.page_upper_bound(q.float(), lo, hi)

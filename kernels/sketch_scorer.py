@@ -1,7 +1,7 @@
 """Sketch&Walk's scorer kernels: the subsampled randomized Hadamard sketch (``SRHT.apply``) and, fused with
 it, the per-block sums of the head-averaged Q or K (a ragged segment reduction).
 
-SRHT (``raysparse.methods.hadamard``): a row x of ``dim`` values is zero-padded to d' = next_pow2(dim),
+SRHT (``scorer_reference.srht_reference``): a row x of ``dim`` values is zero-padded to d' = next_pow2(dim),
 multiplied by the random signs, put through the orthonormal fast Walsh-Hadamard transform (log2 d'
 butterfly stages on the register tile) and subsampled to the r drawn coordinates, scaled by sqrt(d'/r).
 The subsample is a scatter on store: column c of the transform goes to output column ``slots[c]`` (-1:

@@ -3,7 +3,7 @@
 For sequence i (query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of the packed ``q [T, h, d]``, the last
 ``q_len`` of its ``n`` keys, so ``q_start = n - q_len``), the rows are the absolute positions p with
 ``p % gamma == 0``: local rows ``first, first + gamma, ...`` with ``first = (-q_start) % gamma``, exactly
-``q[first::gamma]`` of ``raysparse.methods.delta.strided_dense_attention``. The outputs of all sequences
+``q[first::gamma]`` of ``reference.strided_dense_attention``. The outputs of all sequences
 are packed along the row axis (``cu_rows``, from ``strided_rows``): out ``[R, h, d]``, lse ``[R, h]``.
 
 One program takes ``BLOCK_QT`` consecutive strided rows of one KV head with all g query heads of the

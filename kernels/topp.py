@@ -1,4 +1,4 @@
-"""SpecAttn's sorting-free top-p (``raysparse.specattn.topp.topp_mask``) without a sort and in few passes.
+"""SpecAttn's sorting-free top-p (``scorer_reference.topp_mask_reference``) without a sort and in few passes.
 
 The reference bisects a threshold over [0, max(a)] for a fixed number of iterations, one pass over the
 row per iteration. The bisection is a walk down a binary tree whose node thresholds depend only on the
@@ -141,7 +141,7 @@ def _split_sizes(n: int, want: int) -> tuple[int, int]:
 
 def topp_mask(a: torch.Tensor, p: float, iters: int, splits: int | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean mask [..., n] of ``raysparse.specattn.topp.topp_mask`` for 0 < p < 1 (non-negative a).
+    """Boolean mask [..., n] of ``scorer_reference.topp_mask_reference`` for 0 < p < 1 (non-negative a).
     ``splits`` pins the programs per row (default: from shapes); ``out``: an int8 [rows, n] buffer."""
     if triton is None:
         raise RuntimeError("triton is not installed")

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
 from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
@@ -124,21 +125,6 @@ class QuestConfig(MethodConfig):
         super().__post_init__()
         if self.page_size <= 0 or self.page_size & (self.page_size - 1) or self.block_size % self.page_size:
             raise ValueError(f"page_size must be a power of two dividing block_size, got {self.page_size}")
-
-
-def page_bounds(k: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise min and max of the keys [h_kv, n, d] of each page: two [h_kv, ceil(n / page), d]."""
-    h_kv, n, d = k.shape
-    pad = -(-n // page) * page - n
-    lo = F.pad(k, (0, 0, 0, pad), value=math.inf).view(h_kv, -1, page, d).amin(2)
-    hi = F.pad(k, (0, 0, 0, pad), value=-math.inf).view(h_kv, -1, page, d).amax(2)
-    return lo, hi
-
-
-def page_upper_bound(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """q [h_kv, g, m, d], bounds [h_kv, P, d] -> sum_d max(q_d lo_d, q_d hi_d), max over g: [h_kv, m, P]."""
-    ub = q.clamp(min=0) @ hi.float().unsqueeze(1).mT + q.clamp(max=0) @ lo.float().unsqueeze(1).mT
-    return ub.amax(1)
 
 
 class Quest(SparseMethod):

@@ -32,7 +32,6 @@ correction therefore raises perplexity there; this is the formula as specified, 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -43,41 +42,13 @@ import torch
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kernels import dispatch
+from raysparse.kernels.reference import strided_dense_attention  # noqa: F401 - re-exported
 from raysparse.methods import baselines  # noqa: F401  - registers the default base, streaming
 from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec
 from raysparse.methods.registry import create_backend, register
 from raysparse.methods.selection import SENTINEL, BlockSelection
 
 MODES = ("delta", "recompute", "sparse-only")
-_CHUNK_ELEMS = 1 << 24  # scores materialised per chunk of dense rows
-
-
-def strided_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: int, q_start: int,
-                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal dense attention of the queries at absolute positions i with i mod gamma == 0.
-
-    q: [n_q, h, d], positions q_start .. q_start + n_q - 1; k, v: [h_kv, n, d] with n = q_start + n_q.
-    Returns out [m, h, d] (dtype of q) and lse [m, h] (fp32) for the rows q[(-q_start) % gamma :: gamma].
-    """
-    n_q, h, d = q.shape
-    h_kv, n, _ = k.shape
-    scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    first = (-q_start) % gamma
-    rows = q[first::gamma].float()
-    m = rows.shape[0]
-    pos = q_start + first + gamma * torch.arange(m, device=q.device)
-    kpos = torch.arange(n, device=q.device)
-    out = torch.empty(m, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(m, h, dtype=torch.float32, device=q.device)
-    step = max(1, _CHUNK_ELEMS // (h * n))
-    for r0 in range(0, m, step):
-        r1 = min(m, r0 + step)
-        s = torch.einsum("mhgd,hnd->mhgn", rows[r0:r1].view(r1 - r0, h_kv, -1, d), k.float()) * scale
-        s = s.masked_fill(kpos > pos[r0:r1, None, None, None], -math.inf)
-        lse[r0:r1] = torch.logsumexp(s, -1).flatten(1)
-        p = torch.softmax(s, -1)
-        out[r0:r1] = torch.einsum("mhgn,hnd->mhgd", p, v.float()).flatten(1, 2)
-    return out.to(q.dtype), lse
 
 
 @dataclass(frozen=True)

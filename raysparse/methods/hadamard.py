@@ -5,7 +5,8 @@ log2(d) vectorised butterfly stages. ``SRHT`` is the d x r sketch ``H_d = D W S 
 signs ``D``, the orthonormal transform ``W`` (after zero-padding d to the next power of two d'), and ``r``
 coordinates sampled without replacement, scaled so that E[<x H_d, y H_d>] = <x, y> over the draw.
 ``SRHT.apply`` goes through ``raysparse.kernels.dispatch`` (a fused Triton kernel on CUDA tensors);
-``srht_reference`` is the plain PyTorch path and the kernel's oracle.
+``fwht`` and ``srht_reference``, the plain PyTorch path and the kernel's oracle, live in
+``raysparse.kernels.scorer_reference`` (the CPU fallback of the dispatch) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,34 +16,11 @@ import math
 import torch
 
 from raysparse.kernels import dispatch
+from raysparse.kernels.scorer_reference import fwht, srht_reference  # noqa: F401 - re-exported
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Walsh-Hadamard transform over the last dim (a power of two): x @ H / sqrt(d), where
-    H is the symmetric Sylvester matrix H_2d = [[H_d, H_d], [H_d, -H_d]]."""
-    d = x.shape[-1]
-    if d <= 0 or d & (d - 1):
-        raise ValueError(f"fwht needs a power-of-two last dimension, got {d}")
-    lead = x.shape[:-1]
-    y = x.reshape(-1, d)
-    h = 1
-    while h < d:
-        # Butterfly stage: entries j and j + h of every 2h-long segment become (a + b, a - b).
-        pairs = y.view(-1, d // (2 * h), 2, h)
-        a, b = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=2).view(-1, d)
-        h *= 2
-    return y.view(*lead, d) / math.sqrt(d)
-
-
-def srht_reference(x: torch.Tensor, signs: torch.Tensor, coords: torch.Tensor, scale: float) -> torch.Tensor:
-    """x: [..., dim] -> fp32 [..., r]: pad to len(signs), flip signs, fast transform, keep ``coords``, scale."""
-    xp = torch.nn.functional.pad(x.float(), (0, signs.numel() - x.shape[-1])) * signs
-    return fwht(xp).index_select(-1, coords) * scale
 
 
 class SRHT:

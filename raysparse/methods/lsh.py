@@ -9,7 +9,8 @@ Conventions shared by every function here (and relied on by SOCKET's stored buck
   the bucket whose keys carry id r.
 
 ``bucket_ids`` and ``collision_scores`` go through ``raysparse.kernels.dispatch`` (Triton kernels on CUDA
-tensors); the ``*_reference`` functions are the plain PyTorch paths and the kernels' oracles.
+tensors); the ``*_reference`` functions, the plain PyTorch paths and the kernels' oracles, live in
+``raysparse.kernels.scorer_reference`` (the dispatch's CPU fallback) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 import torch
 
 from raysparse.kernels import dispatch
+from raysparse.kernels.scorer_reference import bucket_ids_reference, collision_scores_reference  # noqa: F401 - re-exported
 
 MAX_PLANES = 15  # bucket ids of up to 15 bits fit int16; 2**P probabilities per table and head past that
 
@@ -62,13 +64,6 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dispatch.lsh_bucket_ids(w, x)
 
 
-def bucket_ids_reference(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``bucket_ids`` in plain PyTorch."""
-    proj = torch.einsum("hlpd,hmd->hlpm", w, x.float())
-    weights = (1 << torch.arange(w.shape[2], device=x.device, dtype=torch.int32))[:, None]
-    return ((proj > 0).int() * weights).sum(2, dtype=torch.int32)
-
-
 def soft_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float) -> torch.Tensor:
     """SOCKET's Algorithm 2. w: ``[h, L, P, d]``, q: ``[h, g, d]`` (g query heads per KV head).
 
@@ -90,20 +85,3 @@ def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, chunk_elems: in
     (any integer dtype) -> fp32 ``[h, n]``, multiplied by the value norms ``[h, n]`` when given (fused in
     the kernel: SOCKET's soft score)."""
     return dispatch.collision_scores(probs, buckets, norms, chunk_elems)
-
-
-def collision_scores_reference(probs: torch.Tensor, buckets: torch.Tensor, chunk_elems: int = 1 << 23) -> torch.Tensor:
-    """``collision_scores`` without norms, in plain PyTorch.
-
-    Reads only the bucket ids (never the keys). Gathered in token chunks of about ``chunk_elems`` table
-    entries, so the transient index and gathered values stay bounded for long contexts."""
-    h, tables, r = probs.shape
-    n = buckets.shape[-1]
-    flat = probs.reshape(-1)
-    base = (torch.arange(h * tables, device=probs.device, dtype=torch.int32) * r).view(h, tables, 1)
-    out = torch.empty(h, n, dtype=torch.float32, device=probs.device)
-    step = max(1, chunk_elems // max(1, h * tables))
-    for c0 in range(0, n, step):
-        idx = buckets[:, :, c0: c0 + step].int() + base  # [h, L, m]
-        out[:, c0: c0 + step] = flat.index_select(0, idx.reshape(-1)).view(idx.shape).sum(1)
-    return out

@@ -12,8 +12,8 @@ lo <= theta* < lo + max(a) / 2**k, so the result contains the minimal set and ev
 within max(a) / 1024 (k = 10) below theta*. When the top element alone reaches the target the answer is
 exactly the (tied) maxima, checked before the search. Everything is batched over the leading dimensions
 (speculative steps, KV heads) with no host synchronisation and no sort. ``topp_mask`` goes through
-``raysparse.kernels.dispatch`` (a few-pass Triton kernel on CUDA tensors); ``topp_mask_reference`` is the
-plain PyTorch path and the kernel's oracle.
+``raysparse.kernels.dispatch`` (a few-pass Triton kernel on CUDA tensors); ``topp_mask_reference`` (in
+``raysparse.kernels.scorer_reference``, re-exported here) is the plain PyTorch path and the kernel's oracle.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from raysparse.kernels import dispatch
-
-SEARCH_ITERS = 10
+from raysparse.kernels.scorer_reference import SEARCH_ITERS, topp_mask_reference  # noqa: F401 - re-exported
 
 
 def topp_mask(a: torch.Tensor, p: float, iters: int = SEARCH_ITERS) -> torch.Tensor:
@@ -36,27 +35,6 @@ def topp_mask(a: torch.Tensor, p: float, iters: int = SEARCH_ITERS) -> torch.Ten
     if p >= 1.0:
         return a.float() > 0
     return dispatch.topp_mask(a, p, iters)
-
-
-def topp_mask_reference(a: torch.Tensor, p: float, iters: int = SEARCH_ITERS) -> torch.Tensor:
-    """``topp_mask`` in plain PyTorch, one pass over the rows per iteration."""
-    if not 0.0 < p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {p}")
-    a = a.float()
-    positive = a > 0
-    if p >= 1.0:
-        return positive
-    target = p * a.sum(-1, keepdim=True)
-    hi = a.amax(-1, keepdim=True)
-    top_ok = (a * (a >= hi)).sum(-1, keepdim=True) >= target
-    lo = torch.zeros_like(hi)
-    for _ in range(iters):
-        mid = (lo + hi) * 0.5
-        ok = (a * (a >= mid)).sum(-1, keepdim=True) >= target
-        lo = torch.where(ok, mid, lo)
-        hi = torch.where(ok, hi, mid)
-    lo = torch.where(top_ok, a.amax(-1, keepdim=True), lo)
-    return (a >= lo) & positive
 
 
 def round_to_chunks(mask: torch.Tensor, chunk: int) -> torch.Tensor:
