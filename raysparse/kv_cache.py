@@ -94,6 +94,20 @@ class KVCache:
         self._reserved: dict[int, int] = {}
         self._lens: dict[int, int] = {}
 
+    def page_pool(self, key: Any, per_page: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
+        """A method's per-page state: ``[num_pages + 1, *per_page]`` indexed by physical page id (the scratch
+        page included, so padded rows of a captured step have somewhere to write), allocated at first use.
+
+        Why per page: the state then lives and dies with the page, needs no per-sequence bookkeeping or
+        freeing, and a batch reads it through the same page table as K/V. ``key`` names what fixes the
+        contents (method, layer, parameters), so instances with equal keys share one pool."""
+        full = ("page_pool", key)
+        t = self.shared_state.get(full)
+        if t is None:
+            t = torch.full((self.num_pages + 1, *per_page), fill, dtype=dtype, device=self.device)
+            self.shared_state[full] = t
+        return t
+
     # ---- capacity ----------------------------------------------------------------------------
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None,

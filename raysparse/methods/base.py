@@ -20,7 +20,14 @@ from raysparse.attention import AttentionBackend, causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 
 # Triton on CUDA tensors, the PyTorch reference otherwise (same signatures, same results within tolerance).
-from raysparse.kernels.dispatch import block_sparse_attention, sparse_decode_attention
+from raysparse.kernels.dispatch import (
+    block_sparse_attention,
+    sparse_decode_attention,
+    sparse_decode_attention_varlen,
+    use_triton,
+)
+from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.paged_torch import paged_decode_torch
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.registry import MethodSpec
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs
@@ -75,14 +82,33 @@ class SparseMethod(AttentionBackend):
         self.graph_path: Any = None
 
     @property
+    def batched_decode(self) -> bool:
+        """The method selects a whole decode batch at once (``decode_select``): fixed shapes, per-page
+        state, no host reads, so the step can be captured in a CUDA graph."""
+        return type(self).decode_select is not SparseMethod.decode_select
+
+    @property
     def graph_decode(self) -> bool:
-        return self.graph_path is not None and self.tracer is None  # a tracer needs the eager path
+        # A tracer needs the per-sequence reference path: it sees each sequence's gathered K/V.
+        return (self.graph_path is not None or self.batched_decode) and self.tracer is None
 
     def graph_prepare(self, rows: list[int], cache: KVCache) -> None:
-        self.graph_path.prepare(rows, cache)
+        if self.graph_path is not None:
+            self.graph_path.prepare(rows, cache)
 
     def account_graph_decode(self, ctx_lens: list[int], num_kv_heads: int) -> None:
-        self.graph_path.account(ctx_lens, num_kv_heads)
+        if self.graph_path is not None:
+            self.graph_path.account(ctx_lens, num_kv_heads)
+            return
+        for layer in range(self.model_cfg.num_layers):
+            self._meter_decode(layer, ctx_lens, num_kv_heads)
+
+    def _meter_decode(self, layer: int, ctx_lens: list[int], num_kv_heads: int) -> None:
+        """Host-side density accounting of a batched decode step (the selection's size is a function of
+        the length alone, so nothing is read back from the device)."""
+        dense = self.is_dense_layer(layer)
+        keys = sum(n if dense else self.decode_keys(layer, n) for n in ctx_lens)
+        self.meter.add(layer, float(keys * num_kv_heads), float(sum(ctx_lens) * num_kv_heads), decode=True)
 
     # ---- to implement ------------------------------------------------------------------------
     def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
@@ -90,6 +116,35 @@ class SparseMethod(AttentionBackend):
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
         raise NotImplementedError(f"{self.name} has no decode selection")
+
+    # ---- the batched seam (implement for the fast path) ------------------------------------------
+    decode_unit: int = 1  # what ``decode_select``'s entries count: tokens (1) or blocks of that many tokens
+
+    def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
+        """Brings this layer's per-page state (``KVCache.page_pool``) up to date with the step's new tokens,
+        whose K/V are already in the cache. Runs in prefill and decode, inside a captured decode step, so
+        it must read only device tensors (``batch.slot_pages``, ``batch.slot_offsets``, the cache)."""
+
+    def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        """The batch's decode selection: int32 ``[B, h_kv, W]`` ascending entries (``decode_unit``),
+        SENTINEL-padded, with W fixed by the method's parameters and the page-width bucket
+        (``view.width_tokens``) alone. No host reads: this runs inside a captured CUDA graph."""
+        raise NotImplementedError(f"{self.name} has no batched decode selection")
+
+    def decode_keys(self, layer: int, n: int) -> int:
+        """Keys per KV head the batched selection attends at a context of n keys (host-side meter)."""
+        raise NotImplementedError(f"{self.name} has no batched decode selection")
+
+    def _decode_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        kv, blocks = cache.paged(layer, batch)
+        if self.is_dense_layer(layer):
+            idx, unit = blocks, cache.page_size
+        else:
+            self.update_state(layer, cache, batch)
+            idx, unit = self.decode_select(layer, q, DecodeView(kv, batch, cache)), self.decode_unit
+        out, _ = paged_decode_attention(q, kv, idx, unit)
+        self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)  # thrown away under a capture
+        return out
 
     # ---- overridable per-sequence attention ----------------------------------------------------
     def is_dense_layer(self, layer: int) -> bool:
@@ -148,17 +203,54 @@ class SparseMethod(AttentionBackend):
         return out
 
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        if self.batched_decode and not self.is_dense_layer(layer):
+            self.update_state(layer, cache, batch)  # the decode steps read it
         return self._run(layer, q, cache, batch, decode=False)
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         if batch.extras.get("graph") and self.graph_path is not None:
             return self.graph_path.decode(layer, q, cache, batch)
+        if self.batched_decode and self.tracer is None:
+            return self._decode_batched(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=True)
 
     def release(self, seq_id: int) -> None:
         self._seq_state.pop(seq_id, None)
         if self.graph_path is not None:
             self.graph_path.release(seq_id)
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """What a batched decode selection reads, all fixed-shape device tensors (a captured step's buffers):
+    this layer's paged K/V with the batch's page table [B, W pages] and lengths [B], and the step's new
+    tokens' slots. Padded rows of a captured step have length 1 and live in the cache's scratch page."""
+
+    kv: PagedKV
+    batch: BatchMeta
+    cache: KVCache  # for the method's per-page pools (``KVCache.page_pool``)
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        return self.kv.seqlens
+
+    @property
+    def width_tokens(self) -> int:
+        """Tokens the page-width bucket can hold: the static bound every selection width derives from."""
+        return self.kv.page_table.shape[1] * self.page_size
+
+
+def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
+                           unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared attend of the batched seam: Triton's split-K decode on GPUs, the in-place PyTorch gather
+    elsewhere; both read the selected rows straight from their pages."""
+    if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
+        return sparse_decode_attention_varlen(q, kv, indices, unit)
+    return paged_decode_torch(q, kv, indices, unit)
 
 
 def row_budget(density: float, causal_units: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
-from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.kv_cache import BatchMeta, KVCache
+from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
 from raysparse.methods.registry import register
-from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
+from raysparse.methods.selection import SENTINEL, BlockSelection, TokenSelection, indices_from_mask, topk_mask
 
 _CHUNK_ELEMS = 1 << 24  # scores materialised per chunk in the quadratic oracle / page bounds
 
@@ -115,6 +116,31 @@ class Streaming(SparseMethod):
         idx = torch.cat([torch.arange(sinks, device=dev), torch.arange(max(sinks, n - local), n, device=dev)])
         return TokenSelection(per_head(idx.to(torch.int32), k.shape[0]), 1)
 
+    # ---- batched decode: sinks then the window, a function of each row's length alone ----------------
+    def _window_max(self, width: int) -> int:
+        """The widest window any row of a ``width``-token bucket gets (the budget grows with the length)."""
+        sinks = min(self.config.sink_tokens, width)
+        return int(self._local(torch.tensor([width]), sinks, 1)[0])
+
+    def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        width = view.width_tokens
+        n = view.seqlens.long()[:, None]  # [B, 1]
+        sinks = n.clamp(max=self.config.sink_tokens)
+        local = self._local(n, sinks, 1)
+        start = torch.maximum(sinks, n - local)
+        s_cols = torch.arange(min(self.config.sink_tokens, width), device=n.device)
+        w_cols = torch.arange(min(self._window_max(width), width), device=n.device)
+        sink_part = torch.where(s_cols < sinks, s_cols, SENTINEL)
+        win = start + w_cols
+        # Valid entries stay a prefix: a row short of its sinks has an empty window.
+        idx = torch.cat([sink_part, torch.where(win < n, win, SENTINEL)], 1)
+        return idx.to(torch.int32)[:, None, :].expand(-1, view.kv.k.shape[1], -1)
+
+    def decode_keys(self, layer: int, n: int) -> int:
+        sinks = min(self.config.sink_tokens, n)
+        local = int(self._local(torch.tensor([n]), sinks, 1)[0])
+        return sinks + n - max(sinks, n - local)
+
 
 # ---- Quest -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -161,6 +187,74 @@ class Quest(SparseMethod):
         top = max(scalar_budget(self.config.density, pages) - n_forced, 0)
         mask = topk_mask(score, top, torch.ones_like(score, dtype=torch.bool), forced.expand(h_kv, -1))
         return TokenSelection(indices_from_mask(mask, top + n_forced), self.config.page_size)
+
+    # ---- batched decode over per-page bounds ------------------------------------------------------
+    @property
+    def decode_unit(self) -> int:  # type: ignore[override]
+        return self.config.page_size
+
+    def _pools(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per cache page, KV head and Quest page: the keys' element-wise min and max (K's dtype, exact)."""
+        per_page = (cache.num_kv_heads, cache.page_size // self.config.page_size, cache.cfg.head_dim)
+        key = ("quest", layer, self.config.page_size)
+        return (cache.page_pool(key + ("min",), per_page, cache.dtype),
+                cache.page_pool(key + ("max",), per_page, cache.dtype))
+
+    def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
+        """Recomputes the bounds of each Quest page a step ends in (its keys up to the newest): a decode
+        step's every row, and in prefill the tokens that close a Quest page or end a sequence's chunk."""
+        p = self.config.page_size
+        pages, offs = batch.slot_pages, batch.slot_offsets
+        if batch.is_prefill:
+            last = torch.zeros_like(offs, dtype=torch.bool)
+            last[torch.tensor(batch.last_token_rows(), device=offs.device)] = True
+            rows = ((offs % p == p - 1) | last).nonzero().squeeze(1)
+            pages, offs = pages[rows], offs[rows]
+        lo_pool, hi_pool = self._pools(layer, cache)
+        sub = offs // p
+        cols = torch.arange(p, device=offs.device)
+        k = cache.k[layer][pages[:, None], :, sub[:, None] * p + cols]  # [M, p, h_kv, d]
+        valid = (cols <= offs[:, None] % p)[..., None, None]
+        lo_pool[pages, :, sub] = torch.where(valid, k, math.inf).amin(1).to(cache.dtype)
+        hi_pool[pages, :, sub] = torch.where(valid, k, -math.inf).amax(1).to(cache.dtype)
+
+    def _static_width(self, pages: int) -> int:
+        """Entries of the widest row of a bucket of ``pages`` Quest pages: forced pages plus the budget."""
+        return min(pages, max(scalar_budget(self.config.density, pages), 2))
+
+    def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        p = self.config.page_size
+        lo_pool, hi_pool = self._pools(layer, view.cache)
+        b, h, d = q.shape
+        table = view.kv.page_table.long()  # [B, W]
+        h_kv, sub = lo_pool.shape[1], lo_pool.shape[2]
+        lo = lo_pool[table].permute(0, 2, 1, 3, 4).reshape(b, h_kv, -1, d)  # [B, h_kv, pages, d]
+        hi = hi_pool[table].permute(0, 2, 1, 3, 4).reshape(b, h_kv, -1, d)
+        qg = q.float().view(b, h_kv, -1, d)
+        score = (qg.clamp(min=0) @ hi.float().mT + qg.clamp(max=0) @ lo.float().mT).amax(2)  # [B, h_kv, pages]
+        pages = table.shape[1] * sub
+        n_pages = (view.seqlens.long() + p - 1) // p  # [B]
+        j = torch.arange(pages, device=q.device)
+        valid = j < n_pages[:, None]
+        forced = (j == 0) | (j == n_pages[:, None] - 1)
+        keep = row_budget(self.config.density, n_pages).clamp(min=torch.where(n_pages == 1, 1, 2))  # [B]
+        inf = torch.tensor(math.inf, device=q.device)
+        keyed = torch.where(forced[:, None], inf, torch.where(valid[:, None], score, -inf))
+        width = self._static_width(pages)
+        # Stable: among equal scores the lower page wins, as in the per-sequence reference.
+        order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices[..., :width]
+        in_row = valid.gather(1, order.flatten(1)).view_as(order)
+        take = (torch.arange(width, device=q.device) < keep[:, None, None]) & in_row
+        big = torch.iinfo(torch.int64).max
+        chosen = torch.where(take, order, big).sort(dim=-1).values
+        return torch.where(chosen == big, SENTINEL, chosen).to(torch.int32)
+
+    def decode_keys(self, layer: int, n: int) -> int:
+        p = self.config.page_size
+        pages = -(-n // p)
+        forced = 1 if pages == 1 else 2
+        chosen = min(pages, forced + max(scalar_budget(self.config.density, pages) - forced, 0))
+        return chosen * p - (pages * p - n)  # the current (last) page is always chosen
 
     def select_prefill(self, ctx, q, k, v) -> BlockSelection:
         b, p = self.config.block_size, self.config.page_size

@@ -1,0 +1,150 @@
+"""The batched decode seam (``SparseMethod.decode_select`` over per-page state, the shared paged attend) against
+each method's per-sequence reference (``select_decode`` over gathered K/V), on ragged batches, and through the
+model's padded graph-decode path against the reference path's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICES, prefill_then_decode, tiny_model
+
+from raysparse.config import ModelConfig
+from raysparse.decode_graphs import DecodeGraphs
+from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.paged_torch import paged_decode_torch
+from raysparse.kv_cache import KVCache
+from raysparse.methods.base import DecodeView, SeqContext
+from raysparse.methods.registry import create_backend
+from raysparse.methods.selection import SENTINEL, TokenSelection
+from raysparse.methods.sparse_attention import sparse_decode_attention
+
+# (method, parameters): every method with a batched decode, at budgets where selection matters.
+CASES = [
+    ("streaming", {}),
+    ("streaming", {"density": 0.2, "sink_tokens": 8}),
+    ("quest", {"density": 0.2}),
+    ("quest", {"density": 0.05}),
+]
+
+
+def _cfg(layers: int = 3) -> ModelConfig:
+    return ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=80, num_layers=layers, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                       tie_word_embeddings=False)
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _rows(indices: torch.Tensor) -> list[list[int]]:
+    """Each row's valid entries (a selection's padding width is not part of what it selects)."""
+    return [[x for x in row if x != SENTINEL] for row in indices.tolist()]
+
+
+def _widen(batch, cache: KVCache, width: int) -> None:
+    """Pads the step's page table to ``width`` pages with the scratch page, as a graph bucket does."""
+    cache.paged(0, batch)
+    table, seqlens, blocks = batch.extras["paged"]
+    wide = torch.full((table.shape[0], width), cache.scratch_page, dtype=table.dtype)
+    wide[:, : table.shape[1]] = table
+    batch.extras["paged"] = (wide, seqlens, blocks)
+
+
+@pytest.mark.parametrize("name,params", CASES)
+def test_batched_decode_matches_reference(name, params):
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    cfg = _cfg()
+    method = create_backend(name, cfg, dense_layers=(0,), **params)
+    cache = KVCache(cfg, num_pages=80, page_size=32)
+    lens = [int(x) for x in torch.randint(1, 400, (4,), generator=g)]
+    sids = [3, 0, 2, 1]
+    for sid, n in zip(sids, lens, strict=True):
+        cache.allocate(sid, n + 40)
+    batch = cache.prepare(sids, lens, True)  # one ragged prefill writes every prompt's K/V and the state
+    t = sum(lens)
+    for layer in range(cfg.num_layers):
+        cache.write(layer, torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, 16, generator=g), batch)
+        method.update_state(layer, cache, batch) if not method.is_dense_layer(layer) else None
+    for step in range(37):  # crosses Quest-page and cache-page boundaries
+        batch = cache.prepare(sids, [1] * 4, False)
+        _widen(batch, cache, 16)
+        for layer in range(1, cfg.num_layers):
+            cache.write(layer, torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g), batch)
+            q = torch.randn(4, 4, 16, generator=g)
+            method.update_state(layer, cache, batch)
+            kv, _ = cache.paged(layer, batch)
+            got = method.decode_select(layer, q, DecodeView(kv, batch, cache))
+            assert got.dtype == torch.int32 and got.shape[:2] == (4, 2)
+            unit = method.decode_unit
+            for i, sid in enumerate(sids):
+                n = batch.ctx_lens[i]
+                k, v = cache.gather(layer, batch, i)
+                ctx = SeqContext(layer, sid, n - 1, n, cache.metadata[layer].setdefault(sid, {}))
+                ref = method.select_decode(ctx, q[i], k, v)
+                want = ref.to_tokens(n).indices
+                have = TokenSelection(got[i], unit).to_tokens(n).indices
+                assert _rows(have) == _rows(want), f"seed {seed}: {name} step {step} layer {layer} seq {sid}"
+                row = got[i]
+                assert ((row != SENTINEL).cumprod(-1).sum(-1) == (row != SENTINEL).sum(-1)).all(), "valid prefix"
+                assert sum(map(len, _rows(have))) == method.decode_keys(layer, n) * 2
+                out, _ = paged_decode_torch(q[i : i + 1], PagedKV(kv.k, kv.v, kv.page_table[i : i + 1],
+                                                                  kv.seqlens[i : i + 1]), got[i : i + 1], unit)
+                ref_out, _ = sparse_decode_attention(q[i], k, v, ref)
+                torch.testing.assert_close(out[0], ref_out, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, seed=seed: f"seed {seed}: {m}")
+
+
+def test_paged_decode_torch_matches_gathering_reference():
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    cfg = _cfg(1)
+    cache = KVCache(cfg, num_pages=80, page_size=16)
+    lens = [int(x) for x in torch.randint(1, 200, (5,), generator=g)]
+    for sid, n in enumerate(lens):
+        cache.allocate(sid, n)
+    batch = cache.prepare(list(range(5)), lens, True)
+    cache.write(0, torch.randn(sum(lens), 2, 16, generator=g), torch.randn(sum(lens), 2, 16, generator=g), batch)
+    kv, _ = cache.paged(0, batch)
+    for unit in (1, 4, 16):
+        width = 12
+        sel = torch.full((5, 2, width), SENTINEL, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            units = -(-n // unit)
+            for h in range(2):
+                m = int(torch.randint(1, min(units, width) + 1, (), generator=g))
+                sel[i, h, :m] = torch.randperm(units, generator=g)[:m].sort().values.to(torch.int32)
+        q = torch.randn(5, 4, 16, generator=g)
+        out, lse = paged_decode_torch(q, kv, sel, unit)
+        for i in range(5):
+            k, v = cache.gather(0, batch, i)
+            o, s = sparse_decode_attention(q[i], k, v, TokenSelection(sel[i], unit))
+            torch.testing.assert_close(out[i], o, rtol=1e-5, atol=1e-5, msg=lambda m, seed=seed: f"seed {seed}: {m}")
+            torch.testing.assert_close(lse[i], s, rtol=1e-5, atol=1e-5, msg=lambda m, seed=seed: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,params", CASES)
+def test_graph_decode_tokens_match_reference_path(device, name, params):
+    """Through the model: the padded graph step (eager on the CPU, captured on a GPU) gives the reference
+    path's logits (and so its greedy tokens) and density on a ragged batch."""
+    seed = _seed()
+    model = tiny_model(device, 2, 2, 3)
+    lens = [int(x) for x in torch.randint(40, 300, (3,), generator=torch.Generator().manual_seed(seed))]
+    out, meters = [], []
+    for graph in (False, True):
+        backend = create_backend(name, model.cfg, dense_layers=(0,), **params)
+        assert backend.graph_decode
+        if not graph:
+            backend.tracer = lambda *a: None  # forces the per-sequence reference path
+        cache = KVCache(model.cfg, 48, 64, device=device)
+        graphs = DecodeGraphs(model, cache, max_batch=4)
+        out.append(prefill_then_decode(model, cache, backend, graphs, lens, 6, torch.Generator().manual_seed(seed),
+                                       graph))
+        meters.append(backend.meter)
+    tol = 1e-4 if device == "cpu" else 2e-2
+    torch.testing.assert_close(out[1], out[0], rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+    assert torch.equal(out[1].argmax(-1), out[0].argmax(-1)), f"seed {seed}"
+    assert meters[1].decode_attended == pytest.approx(meters[0].decode_attended)
+    assert meters[1].decode_causal == pytest.approx(meters[0].decode_causal)
