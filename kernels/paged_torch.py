@@ -47,3 +47,19 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = (p @ v).view(b, h, d)
     return out.to(q.dtype), lse.view(b, h)
+
+
+def stable_top(score: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best allowed entries of each row of fp32 ``score`` [..., N], ties to the lower index (the
+    order of a stable descending sort, which is what the per-sequence references use), through one
+    ``topk`` over exact int64 keys: the score's order-preserving 32 bits above the inverted index.
+
+    Returns the indices [..., k] (best first) and whether each is allowed (rows may have fewer)."""
+    bits = score.float().contiguous().view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()  # monotone in the float's value
+    j = torch.arange(score.shape[-1], device=score.device, dtype=torch.int64)
+    keys = (ordered << 32) | (0xFFFFFFFF - j)
+    keys = torch.where(allowed, keys, torch.iinfo(torch.int64).min)
+    k = min(k, score.shape[-1])
+    top = torch.topk(keys, k, dim=-1, sorted=True)
+    return top.indices, top.values != torch.iinfo(torch.int64).min

@@ -24,6 +24,12 @@ CASES = [
     ("streaming", {"density": 0.2, "sink_tokens": 8}),
     ("quest", {"density": 0.2}),
     ("quest", {"density": 0.05}),
+    ("psaw", {"start_layer": 1, "phi": 0.3, "sink": 8}),
+    ("etf", {"start_layer": 1}),
+    ("socket", {"density": 0.2, "sink_tokens": 8, "local_tokens": 16, "tables": 12}),
+    ("socket_hard", {"density": 0.2, "sink_tokens": 8, "local_tokens": 16, "tables": 6, "planes": 4}),
+    ("delta", {"base": "quest", "density": 0.2}),
+    ("socket", {"top_k": 24, "sink_tokens": 4, "local_tokens": 4, "tables": 8, "value_norm": False}),
 ]
 
 
@@ -82,7 +88,7 @@ def test_batched_decode_matches_reference(name, params):
                 n = batch.ctx_lens[i]
                 k, v = cache.gather(layer, batch, i)
                 ctx = SeqContext(layer, sid, n - 1, n, cache.metadata[layer].setdefault(sid, {}))
-                ref = method.select_decode(ctx, q[i], k, v)
+                ref = getattr(method, "base", method).select_decode(ctx, q[i], k, v)  # Delta: its base's
                 want = ref.to_tokens(n).indices
                 have = TokenSelection(got[i], unit).to_tokens(n).indices
                 assert _rows(have) == _rows(want), f"seed {seed}: {name} step {step} layer {layer} seq {sid}"

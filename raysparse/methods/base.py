@@ -106,7 +106,7 @@ class SparseMethod(AttentionBackend):
     def _meter_decode(self, layer: int, ctx_lens: list[int], num_kv_heads: int) -> None:
         """Host-side density accounting of a batched decode step (the selection's size is a function of
         the length alone, so nothing is read back from the device)."""
-        dense = self.is_dense_layer(layer)
+        dense = self.dense_decode_layer(layer)
         keys = sum(n if dense else self.decode_keys(layer, n) for n in ctx_lens)
         self.meter.add(layer, float(keys * num_kv_heads), float(sum(ctx_lens) * num_kv_heads), decode=True)
 
@@ -135,12 +135,17 @@ class SparseMethod(AttentionBackend):
         """Keys per KV head the batched selection attends at a context of n keys (host-side meter)."""
         raise NotImplementedError(f"{self.name} has no batched decode selection")
 
+    def dense_decode_layer(self, layer: int) -> bool:
+        """Layers whose decode attends every key (the dense layers, and any a method leaves dense in decode)."""
+        return self.is_dense_layer(layer)
+
     def _decode_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         kv, blocks = cache.paged(layer, batch)
-        if self.is_dense_layer(layer):
+        if not self.is_dense_layer(layer):
+            self.update_state(layer, cache, batch)
+        if self.dense_decode_layer(layer):
             idx, unit = blocks, cache.page_size
         else:
-            self.update_state(layer, cache, batch)
             idx, unit = self.decode_select(layer, q, DecodeView(kv, batch, cache)), self.decode_unit
         out, _ = paged_decode_attention(q, kv, idx, unit)
         self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)  # thrown away under a capture

@@ -43,8 +43,9 @@ from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kernels import dispatch
 from raysparse.kernels.reference import strided_dense_attention  # noqa: F401 - re-exported
+from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import baselines  # noqa: F401  - registers the default base, streaming
-from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec
+from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec
 from raysparse.methods.registry import create_backend, register
 from raysparse.methods.selection import SENTINEL, BlockSelection
 
@@ -123,6 +124,27 @@ class Delta(SparseMethod):
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
         self.base.release(seq_id)
+
+    # ---- batched decode: the base's (Delta corrects prefill only) ---------------------------------
+    @property
+    def batched_decode(self) -> bool:  # type: ignore[override]
+        return self.base.batched_decode
+
+    @property
+    def decode_unit(self) -> int:  # type: ignore[override]
+        return self.base.decode_unit
+
+    def dense_decode_layer(self, layer: int) -> bool:
+        return self.base.dense_decode_layer(layer)
+
+    def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
+        self.base.update_state(layer, cache, batch)
+
+    def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        return self.base.decode_select(layer, q, view)
+
+    def decode_keys(self, layer: int, n: int) -> int:
+        return self.base.decode_keys(layer, n)
 
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:

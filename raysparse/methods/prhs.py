@@ -33,7 +33,7 @@ import torch
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import SeqContext, SparseMethod, method_spec
+from raysparse.methods.base import DecodeView, SeqContext, SparseMethod, method_spec
 from raysparse.methods.cis import CISConfig, cis_step
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
 from raysparse.methods.psaw import (
@@ -42,11 +42,12 @@ from raysparse.methods.psaw import (
     covering_blocks,
     depth_fraction,
     start_layer,
+    window_lo,
     window_prefill,
     window_start,
 )
 from raysparse.methods.registry import register
-from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask
+from raysparse.methods.selection import SENTINEL, BlockSelection, TokenSelection, indices_from_mask
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,33 @@ class PrHSMethod(SparseMethod):
         dev = k.device
         idx = torch.cat([torch.arange(min(sink, n), device=dev), torch.arange(min(max(sink, lo), n), n, device=dev)])
         return TokenSelection(idx.to(torch.int32).unsqueeze(0).expand(k.shape[0], -1).contiguous(), 1)
+
+    # ---- batched decode: PSAW's window and ETF's dense decode (CIS keeps per-sequence anchors) ------
+    @property
+    def batched_decode(self) -> bool:  # type: ignore[override]
+        return not self.use_cis
+
+    def dense_decode_layer(self, layer: int) -> bool:
+        return self.is_dense_layer(layer) or self.psaw_frac(layer) == 0.0  # ETF, and PSAW at l_s: dense
+
+    def _window_lo(self, layer: int, n: torch.Tensor) -> torch.Tensor:
+        """Lowest visible non-sink key of the newest query of rows with n keys (``window_start`` in fp64)."""
+        return window_lo(self.psaw_frac(layer), n - 1)
+
+    def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        sink, width = self.config.sink, view.width_tokens
+        n = view.seqlens.long()[:, None]
+        start = torch.maximum(self._window_lo(layer, n), n.clamp(max=sink))
+        widest = width - int(self._window_lo(layer, torch.tensor(width)))  # windows widen with n
+        s_cols = torch.arange(min(sink, width), device=n.device)
+        w_cols = torch.arange(min(widest, width), device=n.device)
+        win = start + w_cols
+        idx = torch.cat([torch.where(s_cols < n, s_cols, SENTINEL), torch.where(win < n, win, SENTINEL)], 1)
+        return idx.to(torch.int32)[:, None, :].expand(-1, view.kv.k.shape[1], -1)
+
+    def decode_keys(self, layer: int, n: int) -> int:
+        lo = max(window_start(self.psaw_frac(layer), n) - 1, 0)
+        return min(self.config.sink, n) + n - min(max(self.config.sink, lo), n)
 
     # ---- retrieval ratio -----------------------------------------------------------------------
     def retrieval_ratio_per_layer(self) -> list[float | None]:

@@ -60,10 +60,14 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.kernels.dispatch import triton_wanted
+from raysparse.kernels.paged_collision import paged_collision, paged_collision_torch
+from raysparse.kernels.paged_torch import stable_top
+from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
-from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
 from raysparse.methods.registry import register
-from raysparse.methods.selection import TokenSelection
+from raysparse.methods.selection import SENTINEL, TokenSelection
 
 GROUP_REDUCES = ("mean", "max")
 NORM_BYTES = 4  # fp32 ||v||_2 per key and KV head
@@ -186,6 +190,75 @@ class Socket(SparseMethod):
         parts.append(torch.arange(n - local, n, device=dev).expand(h_kv, -1))
         idx = torch.cat(parts, 1).sort(dim=-1).values  # disjoint parts: deduplicated, width sink+local+top
         return TokenSelection(idx.to(torch.int32).contiguous(), 1)
+
+    # ---- batched decode over per-page bucket ids and value norms ---------------------------------
+    def _pools(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per cache page and KV head: the L bucket ids of each slot ``[h_kv, L, page]`` and ``||v||`` of each
+        slot ``[h_kv, page]``, keyed by what fixes the hash (seed, tables, planes, the shard's heads)."""
+        c, h_kv = self.config, cache.num_kv_heads
+        key = ("socket", layer, c.seed, c.tables, c.planes, self.kv_head_offset)
+        ids = cache.page_pool(key + ("ids",), (h_kv, c.tables, cache.page_size), lsh.bucket_dtype(c.planes))
+        return ids, cache.page_pool(key + ("norm",), (h_kv, cache.page_size), torch.float32)
+
+    def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
+        """Hashes the step's new keys into their slots (a rollback's rewritten slots are rehashed too)."""
+        ids_pool, norm_pool = self._pools(layer, cache)
+        pages, offs = batch.slot_pages, batch.slot_offsets
+        k = cache.k[layer][pages, :, offs]  # [T, h_kv, d]
+        v = cache.v[layer][pages, :, offs]
+        w = self.planes_for(layer, k.shape[1], k.device)
+        ids = lsh.bucket_ids(w, k.transpose(0, 1))  # [h_kv, L, T]
+        ids_pool[pages, :, :, offs] = ids.permute(2, 0, 1).to(ids_pool.dtype)
+        norm_pool[pages, :, offs] = torch.linalg.vector_norm(v.float(), dim=-1)
+
+    def _batch_probs(self, layer: int, q: torch.Tensor, h_kv: int) -> torch.Tensor:
+        """``bucket_probs`` of every row at once: q [B, h, d] -> [B, h_kv, L, R]."""
+        b, h, d = q.shape
+        w = self.planes_for(layer, h_kv, q.device)
+        qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)  # [h_kv, B * g, d]
+        p = lsh.hard_bucket_probs(w, qg) if self.config.hard else lsh.soft_bucket_probs(w, qg, self.config.tau)
+        p = p.view(h_kv, b, h // h_kv, *p.shape[2:])
+        p = p.mean(2) if self.config.group_reduce == "mean" else p.amax(2)
+        return p.transpose(0, 1)
+
+    def _budget_rows(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``budget`` on device for lengths n [B, 1]: (sink, local, k)."""
+        c = self.config
+        sink = n.clamp(max=c.sink_tokens)
+        local = (n - sink).clamp(max=c.local_tokens)
+        k = torch.full_like(n, c.top_k) if c.top_k is not None else row_budget(c.density, n) - sink - local
+        return sink, local, torch.minimum(k.clamp(min=0), n - sink - local)
+
+    def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        c, width = self.config, view.width_tokens
+        ids_pool, norm_pool = self._pools(layer, view.cache)
+        h_kv = ids_pool.shape[1]
+        probs = self._batch_probs(layer, q, h_kv)
+        norms = None if c.hard or not c.value_norm else norm_pool
+        if triton_wanted(q, ids_pool):
+            score = paged_collision(probs, ids_pool, norms, view.kv.page_table, view.seqlens)
+        else:
+            score = paged_collision_torch(probs, ids_pool, norms, view.kv.page_table, view.seqlens)
+        n = view.seqlens.long()[:, None]  # [B, 1]
+        sink, local, top = self._budget_rows(n)
+        j = torch.arange(width, device=q.device)
+        allowed = ((j >= sink) & (j < n - local))[:, None, :].expand_as(score)
+        k_max = self.budget(width)[2] if c.top_k is None else min(c.top_k, width)
+        order, ok = stable_top(score, allowed, max(k_max, 1))
+        ok = ok & (torch.arange(order.shape[-1], device=q.device) < top[:, :, None])
+        s_cols = torch.arange(min(c.sink_tokens, width), device=q.device)
+        l_cols = torch.arange(min(c.local_tokens, width), device=q.device)
+        sinks = torch.where(s_cols < sink, s_cols, -1)[:, None, :].expand(-1, h_kv, -1)
+        locs = n - local + l_cols
+        locs = torch.where(locs < n, locs, -1)[:, None, :].expand(-1, h_kv, -1)
+        big = torch.iinfo(torch.int64).max
+        parts = torch.cat([sinks, torch.where(ok, order, -1), locs], -1)
+        # Disjoint parts (sinks, scored middle, local window): one ascending sort deduplicates nothing.
+        chosen = torch.where(parts >= 0, parts, big).sort(dim=-1).values
+        return torch.where(chosen == big, SENTINEL, chosen).to(torch.int32)
+
+    def decode_keys(self, layer: int, n: int) -> int:
+        return sum(self.budget(n))
 
     # ---- SparseMethod ---------------------------------------------------------------------------
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,

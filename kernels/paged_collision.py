@@ -1,0 +1,79 @@
+"""SOCKET's soft-collision scores of a decode batch, read from per-page bucket ids through the page table.
+
+``probs [B, h, L, R]`` fp32 (the batch's group-reduced bucket distributions), ``ids [pages + 1, h, L, page]``
+(a cache page's bucket ids per KV head and table, any integer dtype), ``norms [pages + 1, h, page]`` fp32 or
+None, ``page_table [B, W]`` int32 and ``seqlens [B]`` -> fp32 ``[B, h, W * page]``: ``sum_l probs[l,
+id_l(j)]`` (times ``||v_j||``) for every token j of each row, -inf past the row's length. Fixed shapes, no
+host read: it runs inside a captured decode step. The PyTorch form is the reference and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import tl, triton
+
+_TABLE_CHUNK = 8  # tables gathered at once by the PyTorch form (bounds its int64 index tensor)
+
+
+def paged_collision_torch(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None,
+                          page_table: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+    b, h, tables, _ = probs.shape
+    page = ids.shape[-1]
+    width = page_table.shape[1]
+    rows = ids[page_table.long()]  # [B, W, h, L, page]
+    rows = rows.permute(0, 2, 3, 1, 4).reshape(b, h, tables, width * page)
+    score = torch.zeros(b, h, width * page, dtype=torch.float32, device=probs.device)
+    for t0 in range(0, tables, _TABLE_CHUNK):
+        t1 = min(tables, t0 + _TABLE_CHUNK)
+        score += probs[:, :, t0:t1].gather(-1, rows[:, :, t0:t1].long()).sum(2)
+    if norms is not None:
+        score *= norms[page_table.long()].permute(0, 2, 1, 3).reshape(b, h, width * page)
+    j = torch.arange(width * page, device=probs.device)
+    return score.masked_fill(j >= seqlens.long()[:, None, None], float("-inf"))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_collision_kernel(P, IDS, NORM, PT, SEQ, Out, tables, width,
+                                stride_pb, stride_ph, stride_pl, stride_ip, stride_ih, stride_il,
+                                stride_np, stride_nh, stride_tb, stride_ob, stride_oh,
+                                PAGE: tl.constexpr, HAS_NORM: tl.constexpr):
+        j = tl.program_id(0)  # one page of the row
+        h = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2).to(tl.int64)
+        n = tl.load(SEQ + b)
+        tok = j * PAGE + tl.arange(0, PAGE)
+        ok = tok < n
+        out_row = Out + b * stride_ob + h * stride_oh + tok
+        if j * PAGE < n:
+            pg = tl.load(PT + b * stride_tb + j).to(tl.int64)
+            off = tl.arange(0, PAGE)
+            id_row = IDS + pg * stride_ip + h * stride_ih + off
+            prob_row = P + b * stride_pb + h * stride_ph
+            acc = tl.zeros([PAGE], dtype=tl.float32)
+            for t in range(tables):
+                ids = tl.load(id_row + t * stride_il).to(tl.int32)
+                acc += tl.load(prob_row + t * stride_pl + ids)
+            if HAS_NORM:
+                acc *= tl.load(NORM + pg * stride_np + h * stride_nh + off)
+            tl.store(out_row, tl.where(ok, acc, float("-inf")))
+        else:
+            tl.store(out_row, tl.full([PAGE], float("-inf"), tl.float32))
+
+
+def paged_collision(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None, page_table: torch.Tensor,
+                    seqlens: torch.Tensor) -> torch.Tensor:
+    """The Triton form: one program per (page of the row, KV head, row)."""
+    b, h, tables, _ = probs.shape
+    page, width = ids.shape[-1], page_table.shape[1]
+    probs = probs if probs.dtype == torch.float32 and probs.is_contiguous() else probs.float().contiguous()
+    out = torch.empty(b, h, width * page, dtype=torch.float32, device=probs.device)
+    nrm = norms if norms is not None else probs
+    _paged_collision_kernel[(width, h, b)](
+        probs, ids, nrm, page_table, seqlens, out, tables, width,
+        probs.stride(0), probs.stride(1), probs.stride(2), ids.stride(0), ids.stride(1), ids.stride(2),
+        nrm.stride(0), nrm.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
+        PAGE=page, HAS_NORM=norms is not None, num_warps=2)
+    return out

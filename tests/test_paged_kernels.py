@@ -1,0 +1,71 @@
+"""The batched seam's kernels against their PyTorch forms, on ragged paged batches: SOCKET's paged collision
+scores and the split-K decode over token or block selections read through the page table. Without a GPU the
+kernels run in Triton's interpreter (shapes stay small: it pays per program)."""
+
+from __future__ import annotations
+
+import torch
+from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
+
+from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.paged_collision import paged_collision, paged_collision_torch
+from raysparse.kernels.paged_torch import paged_decode_torch
+from raysparse.kernels.selection import SENTINEL
+from raysparse.kernels.sparse_decode import sparse_decode
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _table(g: torch.Generator, lens: list[int], page: int, width: int, pages: int) -> torch.Tensor:
+    """Distinct random physical pages per row, the scratch page (``pages``) past each row's last page."""
+    perm = torch.randperm(pages, generator=g)
+    table = torch.full((len(lens), width), pages, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        m = -(-n // page)
+        table[i, :m] = perm[used: used + m].to(torch.int32)
+        used += m
+    return table
+
+
+def test_paged_collision_matches_torch():
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    page, pages, h, tables, planes = 16, 24, 2, 5, 4
+    lens = [int(x) for x in torch.randint(1, 90, (3,), generator=g)]
+    table = _table(g, lens, page, 8, pages)
+    ids = torch.randint(0, 1 << planes, (pages + 1, h, tables, page), generator=g, dtype=torch.int64).to(torch.uint8)
+    norms = torch.rand(pages + 1, h, page, generator=g)
+    probs = torch.softmax(torch.randn(3, h, tables, 1 << planes, generator=g), -1)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    for nrm in (norms, None):
+        want = paged_collision_torch(probs, ids, nrm, table, seqlens)
+        got = paged_collision(*(t.to(DEV) if t is not None else None for t in (probs, ids, nrm, table, seqlens)))
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_sparse_decode_paged_matches_torch():
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    page, pages, h_kv, g_heads, d = 16, 30, 2, 2, 16
+    lens = [int(x) for x in torch.randint(1, 120, (3,), generator=g)]
+    table = _table(g, lens, page, 8, pages)
+    k = torch.randn(pages + 1, h_kv, page, d, generator=g)
+    v = torch.randn(pages + 1, h_kv, page, d, generator=g)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(3, h_kv * g_heads, d, generator=g)
+    for unit in (1, 4, 16):
+        width = 10
+        sel = torch.full((3, h_kv, width), SENTINEL, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            units = -(-n // unit)
+            for hh in range(h_kv):
+                m = int(torch.randint(1, min(units, width) + 1, (), generator=g))
+                sel[i, hh, :m] = torch.randperm(units, generator=g)[:m].sort().values.to(torch.int32)
+        want, want_lse = paged_decode_torch(q, PagedKV(k, v, table, seqlens), sel, unit)
+        kv = PagedKV(k.to(DEV), v.to(DEV), table.to(DEV), seqlens.to(DEV))
+        got, lse = sparse_decode(q.to(DEV), kv, sel.to(DEV), unit)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+        torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
