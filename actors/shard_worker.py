@@ -18,6 +18,7 @@ import torch
 
 from raysparse.config import parse_dtype
 from raysparse.kv_cache import KVCache
+from raysparse.runtime_config import RuntimeConfig
 from raysparse.shard_executor import ShardExecutor
 from raysparse.step_plan import StepPlan
 
@@ -25,7 +26,8 @@ from raysparse.step_plan import StepPlan
 @dataclass(frozen=True)
 class ShardSpec:
     """What every shard of a group loads. ``random_weights``: the config only, weights drawn from
-    ``seed`` (the same on every rank, so the shards slice one model) - for speed runs of big models."""
+    ``seed`` (the same on every rank, so the shards slice one model) - for speed runs of big models.
+    ``runtime``: which kernels and collectives the shard runs (``EngineConfig.runtime``)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -37,6 +39,7 @@ class ShardSpec:
     collective_timeout_s: float = 300.0
     cuda_graphs: bool = True
     max_batch: int = 64  # the largest decode batch a captured graph must hold
+    runtime: RuntimeConfig = RuntimeConfig()
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -118,10 +121,12 @@ class ShardWorker:
             model = build_model(hf_config, dtype=dtype, device=self.device)
         else:
             model = load_model(src, dtype=dtype, device=self.device, hf_config=hf_config)
-        reduce, reduce_path = make_all_reduce(self.device, dtype, model.cfg.hidden_size) if world_size > 1 else (
-            None, "none")
+        rt = spec.runtime
+        reduce, reduce_path = (make_all_reduce(self.device, dtype, model.cfg.hidden_size, mode=rt.allreduce)
+                               if world_size > 1 else (None, "none"))
         reduce_norm = make_reduce_norm(reduce, reduce_path, self.device, dtype, model.cfg.hidden_size,
-                                       max_rows=max(spec.max_batch, 64)) if reduce is not None else None
+                                       max_rows=max(spec.max_batch, 64), enabled=rt.fused_allreduce,
+                                       fused_ops=rt.fused_ops) if reduce is not None else None
         apply_tensor_parallel(model, rank, world_size, reduce=reduce, reduce_norm=reduce_norm)
         pages = -(-spec.kv_cache_tokens // spec.page_size)
         cache = KVCache(model.cfg, pages, spec.page_size, dtype, self.device, model.num_kv_heads)
@@ -131,7 +136,7 @@ class ShardWorker:
             from raysparse.decode_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(model, cache, spec.max_batch)
-        self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync, graphs)
+        self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync, graphs, rt)
         return {"rank": rank, "kv_heads": model.num_kv_heads, "kv_offset": getattr(model, "kv_head_offset", 0),
                 "kv_pages": pages, "page_size": spec.page_size, "device": self.device,
                 "all_reduce": reduce_path + ("+norm" if reduce_norm is not None else "")}

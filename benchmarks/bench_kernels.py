@@ -10,9 +10,8 @@ Llama-3.1-8B's head layout (32 query heads, 8 KV heads, dim 128) in bf16, K/V in
 Prefill: causal SDPA, then the autotuned block-sparse kernel at each density (speedup, fraction of the
 ideal 1/density, error against the reference), then a sweep of every autotune config at two points, so
 one run shows which tile shape wins at long context. Decode (budget 1/16 of the context, CUDA-graph
-replay): the one-launch kernel (splits combine themselves) beside the former path (split kernel plus
-combine kernel, former split rule) and the one-launch kernel with the former split rule, so the gain of
-each change is visible; a split-count sweep; the replay floor of a one-kernel graph for scale.
+replay): the one-launch kernel (splits combine themselves) beside itself under the former split rule, so
+the split rule's gain is visible; a split-count sweep; the replay floor of a one-kernel graph for scale.
 Writes ``$OUT/bench_kernels.json`` (``OUT`` defaults to ./results) after each part; a failing
 configuration is recorded with its error and the run goes on.
 """
@@ -178,8 +177,8 @@ def decode_rows(plan: Plan, n: int, batch: int, unit: int, q: torch.Tensor, kv: 
     new_s = sd.num_splits_for(batch, H_KV, budget, unit, q.device, D, q.element_size())[0]
     old_s = old_splits(batch, budget, unit, sms)
 
-    def measure(fn, splits: int) -> dict[str, Any]:
-        call = lambda: fn(q, kv, idx, unit, num_splits=splits, out=out, lse=lse)  # noqa: E731
+    def measure(splits: int) -> dict[str, Any]:
+        call = lambda: sd.sparse_decode(q, kv, idx, unit, num_splits=splits, out=out, lse=lse)  # noqa: E731
         m: dict[str, Any] = {"splits": splits, "ms_launch": timer(plan, call)}
         m["ms"] = timer(plan, call, graph=True) if plan.device == "cuda" else m["ms_launch"]
         call()
@@ -192,22 +191,20 @@ def decode_rows(plan: Plan, n: int, batch: int, unit: int, q: torch.Tensor, kv: 
 
     rec: dict[str, Any] = {"kind": "decode", "n": n, "batch": batch, "unit": unit, "max_sel": budget,
                            "sdpa_ms": sdpa_ms}
-    for name, fn, splits in (("new", sd.sparse_decode, new_s), ("old", sd.sparse_decode_two_launch, old_s),
-                             ("new_oldsplits", sd.sparse_decode, old_s)):
+    for name, splits in (("new", new_s), ("new_oldsplits", old_s)):
         try:
-            rec[name] = measure(fn, splits)
+            rec[name] = measure(splits)
         except Exception as e:  # noqa: BLE001 - keep the other variants
             rec.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}"[:300])
             traceback.print_exc(limit=3)
-    new, old = rec.get("new", {}), rec.get("old", {})
+    new, old = rec.get("new", {}), rec.get("new_oldsplits", {})
     if "ms" in new:
         rec.update(ms=new["ms"], splits=new["splits"], gbs=nbytes / (new["ms"] * 1e-3) / 1e9, rel_err=new["rel_err"])
         rec["frac_copy_bw"] = rec["gbs"] / copy_gbs if copy_gbs else None
         rec["speedup"] = sdpa_ms / new["ms"] if sdpa_ms else None
     if "ms" in old:
-        rec.update(ms_old=old["ms"], splits_old=old["splits"])
+        rec.update(ms_new_oldsplits=old["ms"], splits_old=old["splits"])
         rec["gain"] = old["ms"] / new["ms"] if "ms" in new else None
-        rec["ms_new_oldsplits"] = rec.get("new_oldsplits", {}).get("ms")
     sweep = []
     if unit == BLOCK:
         for s in plan.split_sweep:
@@ -253,8 +250,8 @@ PREFILL_COLS = [("n", "n"), ("impl", "impl"), ("density", "density"), ("ms", "ms
 SWEEP_COLS = [("n", "n"), ("density", "density"), ("rows", "rows"), ("kb_step", "kb_step"), ("warps", "warps"),
               ("stages", "stages"), ("ms", "ms"), ("tflops", "TFLOP/s"), ("frac_ideal", "frac"), ("rel_err", "rel_err")]
 DECODE_COLS = [("n", "n"), ("batch", "batch"), ("unit", "unit"), ("sdpa_ms", "SDPA ms"), ("ms", "1-launch ms"),
-               ("splits", "splits"), ("ms_old", "2-launch ms (old)"), ("splits_old", "old splits"),
-               ("ms_new_oldsplits", "1-launch old splits"), ("gain", "old/new"), ("speedup", "vs SDPA"),
+               ("splits", "splits"), ("splits_old", "old splits"), ("ms_new_oldsplits", "1-launch old splits"),
+               ("gain", "old/new"), ("speedup", "vs SDPA"),
                ("gbs", "GB/s"), ("frac_copy_bw", "frac_copy"), ("rel_err", "rel_err")]
 
 

@@ -12,7 +12,7 @@ j * batch + b), every part sum random (as stale sums of reused pages; the fresh 
 
 The whole selection (scores, heads' combine, part list; ``decode_unit="part"``): ``ms_sel_ref`` the PyTorch
 form (both switches off), ``ms_sel_mixed`` the part-score kernels + PyTorch's combine and choice
-(``RAYSPARSE_PART_SELECT=off``), ``ms_sel_kernel`` ``part_combine`` + ``part_select`` (two launches: the
+(``RuntimeConfig(part_select=False)``), ``ms_sel_kernel`` ``part_combine`` + ``part_select`` (two launches: the
 default on CUDA), of which ``ms_combine`` and ``ms_select`` alone.
 
 Agreement, every case, from the same state: ``max_abs_diff`` of the finite scores (the empty parts must be

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common when ru
 from bench_common import environment, table, time_ms, wall_ms, write_json  # noqa: E402
 
 from raysparse.methods.sketch_walk import GRAPH_DECODE  # noqa: E402
-from raysparse.methods.sketch_walk_graph import SELECT_ENV, SketchWalkGraphDecode  # noqa: E402
+from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode  # noqa: E402
 
 BLOCK, DENSITY = 64, 0.1
 
@@ -184,7 +184,7 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
         return want
 
     ws.walk_select = compare
-    SketchWalkGraphDecode._wanted = staticmethod(lambda q, env, dflt, forced: env == SELECT_ENV)
+    SketchWalkGraphDecode.select = True  # the kernel, also on the CPU (in the interpreter)
     sids = list(range(args.batch))
     ids = [int(p[-1]) for p in prompts]
     with torch.no_grad():

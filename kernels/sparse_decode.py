@@ -16,10 +16,9 @@ and its log2-sum-exp.
 One launch (``sparse_decode``): after writing its partial, each program bumps an int32 counter of its
 (sequence, KV head) in a small persistent workspace; the program that brings it to ``num_splits`` is the
 last, combines the group's partials into the output and sets the counter back to 0, so the next call (or
-graph replay) finds the workspace clean. With a single split the program writes the output directly.
-``sparse_decode_two_launch`` keeps the former split-then-combine-kernel path for comparison (and as a
-fallback: ``RAYSPARSE_DECODE_TWO_LAUNCH=1`` makes ``sparse_decode`` use it). The split
-count comes from shapes and the SM count only and nothing is read back to the host, so either call can be
+graph replay) finds the workspace clean. With a single split the program writes the output directly. (A
+separate combine kernel after the splits measured 1.1-1.2x slower at batch 1, BENCHMARKS.md.) The split
+count comes from shapes and the SM count only and nothing is read back to the host, so a call can be
 captured in a CUDA graph. Calls sharing a device must be stream-ordered (they share the counters).
 """
 
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -59,7 +57,6 @@ _COMBINE_TOKENS = 2
 _SMEM_PER_SM = 200 * 1024  # what the K/V pipeline buffers may use of an H100/H200 SM's 228 KB
 _COMBINE_ELEMS = 8192  # partial-output elements per combine step (64 fp32 registers per thread)
 _WORKSPACE_MIN = 4096
-TWO_LAUNCH = os.environ.get("RAYSPARSE_DECODE_TWO_LAUNCH", "0") not in ("", "0")  # fallback switch
 _workspaces: dict[torch.device, torch.Tensor] = {}
 _retired: list[torch.Tensor] = []  # outgrown workspaces stay allocated: a captured graph may still use one
 
@@ -147,8 +144,7 @@ if triton is not None:
                              max_sel, per_split, num_splits, qk_scale,
                              G: tl.constexpr, G_PAD: tl.constexpr, G_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                              UNIT: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PREC: tl.constexpr, CNT_CHUNK: tl.constexpr, FUSED: tl.constexpr,
-                             COMBINE_CHUNK: tl.constexpr):
+                             PREC: tl.constexpr, CNT_CHUNK: tl.constexpr, COMBINE_CHUNK: tl.constexpr):
         split = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.program_id(2)
@@ -194,7 +190,7 @@ if triton is not None:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         out, lse2 = finish_rows(acc, m_i, l_i)
         g_ok = gi < G
-        if FUSED & (num_splits == 1):  # the only split: no partials, no counter
+        if num_splits == 1:  # the only split: no partials, no counter
             tl.store(Out + seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=g_ok[:, None])
             tl.store(LSE + seq.to(tl.int64) * stride_lb + head * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
@@ -202,39 +198,14 @@ if triton is not None:
             row = (seq * (h_kv * G) + head).to(tl.int64) * num_splits + split  # [batch, h, splits]
             tl.store(PO + row[:, None] * HEAD_DIM + d[None, :], out, mask=g_ok[:, None])
             tl.store(PL + row, lse2, mask=g_ok)
-            if FUSED:
-                # Every thread's partial stores precede the counter's release (one thread does the atomic).
-                tl.debug_barrier()
-                ctr = CNT + seq * h_kv + kvh
-                done = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
-                if done == num_splits - 1:
-                    tl.store(ctr, 0)  # every split has arrived: reset for the next call
-                    _combine_group(PO, PL, Out, LSE, seq, kvh, h_kv * G, num_splits, stride_ob, stride_oh,
-                                   stride_lb, stride_lh, G, G_P2, HEAD_DIM, COMBINE_CHUNK)
-
-    @triton.jit
-    def _decode_combine_kernel(PO, PL, Out, LSE, stride_ob, stride_oh, num_splits,
-                               HEAD_DIM: tl.constexpr, NS_PAD: tl.constexpr, CHUNK: tl.constexpr):
-        head = tl.program_id(0)
-        seq = tl.program_id(1)
-        row = seq.to(tl.int64) * tl.num_programs(0) + head  # (seq, head) in [batch, h]
-        s = tl.arange(0, NS_PAD)
-        mx = tl.max(tl.load(PL + row * num_splits + s, mask=s < num_splits, other=float("-inf")), 0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        d = tl.arange(0, HEAD_DIM)
-        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        l_sum = tl.zeros((), dtype=tl.float32)
-        for c in range(0, num_splits, CHUNK):
-            sc = c + tl.arange(0, CHUNK)
-            ok = sc < num_splits
-            w = tl.exp2(tl.load(PL + row * num_splits + sc, mask=ok, other=float("-inf")) - mx)
-            o = tl.load(PO + (row * num_splits + sc)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-            acc += tl.sum(w[:, None] * o, 0)
-            l_sum += tl.sum(w, 0)
-        empty = l_sum == 0.0
-        l_safe = tl.where(empty, 1.0, l_sum)
-        tl.store(Out + seq.to(tl.int64) * stride_ob + head * stride_oh + d, (acc / l_safe).to(Out.dtype.element_ty))
-        tl.store(LSE + row, tl.where(empty, float("-inf"), (mx + tl.log2(l_safe)) * 0.6931471805599453))
+            # Every thread's partial stores precede the counter's release (one thread does the atomic).
+            tl.debug_barrier()
+            ctr = CNT + seq * h_kv + kvh
+            done = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                tl.store(ctr, 0)  # every split has arrived: reset for the next call
+                _combine_group(PO, PL, Out, LSE, seq, kvh, h_kv * G, num_splits, stride_ob, stride_oh,
+                               stride_lb, stride_lh, G, G_P2, HEAD_DIM, COMBINE_CHUNK)
 
 
 def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1, scale: float | None = None,
@@ -242,21 +213,7 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [batch, h, d]; indices: int32 [batch, h_kv, max_sel]. Returns out [batch, h, d] (q's dtype) and
     lse [batch, h] fp32 (natural log); a query with no valid key gets zeros and lse = -inf. ``out``/``lse``
-    may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves (unless
-    ``RAYSPARSE_DECODE_TWO_LAUNCH=1`` selects the former path, read at import)."""
-    return _decode(q, kv, indices, unit, scale, num_splits, out, lse, fused=not TWO_LAUNCH)
-
-
-def sparse_decode_two_launch(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1,
-                             scale: float | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
-                             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sparse_decode`` through the former path: the split kernel, then a separate combine kernel."""
-    return _decode(q, kv, indices, unit, scale, num_splits, out, lse, fused=False)
-
-
-def _decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int, scale: float | None,
-            num_splits: int | None, out: torch.Tensor | None, lse: torch.Tensor | None, fused: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     batch, h, d = q.shape
@@ -280,11 +237,11 @@ def _decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int, sca
     else:
         per = -(-max(max_sel, 1) // num_splits)
         splits = -(-max(max_sel, 1) // per)
-    # With one split the fused kernel writes the output directly: no partials to hold.
-    ps = 0 if fused and splits == 1 else splits
+    # With one split the kernel writes the output directly: no partials to hold.
+    ps = 0 if splits == 1 else splits
     part_o = torch.empty(max(1, batch * h * ps * d), dtype=torch.float32, device=q.device)  # [batch, h, splits, d]
     part_l = torch.empty(max(1, batch * h * ps), dtype=torch.float32, device=q.device)  # [batch, h, splits]
-    counters = _workspace(q.device, batch * a.h_kv) if fused else part_l
+    counters = _workspace(q.device, batch * a.h_kv)
     g_p2 = next_pow2(g)
     # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
     page = a.page_size if a.paged else 1
@@ -293,11 +250,7 @@ def _decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int, sca
         q.stride(0), q.stride(1), *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), max_sel, per, splits, scale * LOG2E,
         G=g, G_PAD=max(16, g_p2), G_P2=g_p2, HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=_BLOCK_N,
-        PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK, FUSED=fused,
+        PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK,
         COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), num_warps=4,
         num_stages=1 if interpreting() else _STAGES)
-    if not fused:
-        ns_pad = next_pow2(splits)
-        _decode_combine_kernel[(h, batch)](part_o, part_l, out, lse, out.stride(0), out.stride(1), splits,
-                                           HEAD_DIM=d, NS_PAD=ns_pad, CHUNK=min(ns_pad, 16), num_warps=4)
     return out, lse

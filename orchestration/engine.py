@@ -73,7 +73,7 @@ class Engine:
             self.use_gpu = self.cfg.device == "cuda" or (self.cfg.device == "auto" and gpus >= self.cfg.tp)
             spec = ShardSpec(str(src.directory), self.cfg.dtype, self.cfg.kv_cache_tokens, self.cfg.page_size,
                              self.cfg.random_weights, self.cfg.seed, cuda_graphs=self.cfg.cuda_graphs,
-                             max_batch=self.cfg.max_batch)
+                             max_batch=self.cfg.max_batch, runtime=self.cfg.runtime)
             load: dict[str, int] = {}
             for i in range(self.cfg.replicas):
                 node = choose_node(self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, load)

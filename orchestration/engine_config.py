@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raysparse.config import parse_dtype
+from raysparse.runtime_config import RuntimeConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class EngineConfig:
     draft: bool = True  # start the SpecAttn draft actor (one per replica)
     cuda_graphs: bool = True  # GPUs: replay decode steps from captured CUDA graphs (methods that allow it)
     decode_steps: int = 1  # decode steps per call to the shards while no prompt waits (multi-step decode)
+    runtime: RuntimeConfig = RuntimeConfig()  # which kernels and collectives the shards run (validated there)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -47,3 +49,5 @@ class EngineConfig:
             raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
         if self.load_timeout_s <= 0:
             raise ValueError("load_timeout_s must be > 0")
+        if not isinstance(self.runtime, RuntimeConfig):
+            raise ValueError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")

@@ -14,6 +14,9 @@ LOCAL_RAY_ENV = {
 # take a shared multi-GPU host's GPUs out of service).
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
               "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# The project's two environment variables: the kernel path override (``kernels.dispatch``) and the weights
+# cache (``loader``). Every other switch travels in ``EngineConfig.runtime``.
+FORWARDED = ("RAYSPARSE_KERNELS", "RAYSPARSE_CACHE")
 
 
 def start_ray(address: str | None, num_cpus: int | None = None, env: dict[str, str] | None = None) -> bool:
@@ -25,8 +28,8 @@ def start_ray(address: str | None, num_cpus: int | None = None, env: dict[str, s
         return False
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(k, WORKER_ENV[k])
-    # the project's own switches (RAYSPARSE_*) reach the workers on any cluster, not only a local one
-    own = {k: v for k, v in os.environ.items() if k.startswith("RAYSPARSE_")}
+    # they reach the workers on any cluster, not only a local one
+    own = {k: os.environ[k] for k in FORWARDED if k in os.environ}
     runtime_env = {"env_vars": {**WORKER_ENV, **own, **(env or {})}}
     if address is None:
         for k, v in LOCAL_RAY_ENV.items():

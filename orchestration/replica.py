@@ -10,14 +10,14 @@ in a collective, are not waited for); ``stop`` then kills the rest and frees the
 Decode steps of GPU groups go through a Ray compiled graph over the shards' ``execute`` (shared-memory
 channels: ~0.14 ms a round trip against ~1.2 ms for plain actor calls, ``benchmarks/bench_control_plane.py``),
 compiled at the first decode step and torn down with the group; prefill steps, whose length is unbounded,
-and side calls stay plain calls. ``RAYSPARSE_COMPILED_GRAPH``: ``auto`` (GPU groups; on the CPU the channels'
-spinning costs more than it saves), ``on``, ``off``. A failure inside the compiled graph is a lost shard.
+and side calls stay plain calls. ``RuntimeConfig.compiled_graph`` (the spec's ``runtime``): ``auto`` (GPU
+groups; on the CPU the channels' spinning costs more than it saves), ``on``, ``off``. A failure inside the
+compiled graph is a lost shard.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +26,6 @@ from raysparse.actors.shard_worker import ShardSpec, ShardWorker
 from raysparse.step_plan import StepPlan
 
 NODE_ID_LABEL = "ray.io/node-id"
-COMPILED_ENV = "RAYSPARSE_COMPILED_GRAPH"
 log = logging.getLogger(__name__)
 
 
@@ -127,9 +126,7 @@ class ReplicaGroup:
         return [done[r] for r in refs]
 
     def compiled_wanted(self) -> bool:
-        mode = os.environ.get(COMPILED_ENV, "auto")
-        if mode not in ("auto", "on", "off"):
-            raise ValueError(f"{COMPILED_ENV} must be auto, on or off, got {mode!r}")
+        mode = self.spec.runtime.compiled_graph  # validated with the engine's config
         return mode == "on" or (mode == "auto" and self.use_gpu)
 
     def _compiled(self) -> Any:

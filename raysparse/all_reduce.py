@@ -9,15 +9,14 @@ peer maps, meets the peers at a barrier, and each rank sums all peers' buffers i
 NCCL kernel, no proxy thread. Its barriers on entry and exit make back-to-back calls on the one buffer safe.
 Messages above ``max_bytes`` (prefill chunks) go through NCCL, where bandwidth matters and its ring wins.
 
-``RAYSPARSE_ALLREDUCE``: ``auto`` (default: symmetric memory where it is available and its result is
-verified against NCCL at start-up on every rank, else NCCL), ``nccl``, or ``symm_mem`` (an error if it
-cannot be set up or does not verify).
+The path is the engine's ``RuntimeConfig.allreduce``: ``auto`` (default: symmetric memory where it is
+available and its result is verified against NCCL at start-up on every rank, else NCCL), ``nccl``, or
+``symm_mem`` (an error if it cannot be set up or does not verify).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -25,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ENV = "RAYSPARSE_ALLREDUCE"
-MODES = ("auto", "nccl", "symm_mem")
+from raysparse.runtime_config import ALLREDUCE as MODES
+
 log = logging.getLogger(__name__)
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -119,16 +118,15 @@ def verify(reduce: Reduce, group: dist.ProcessGroup | None, device: torch.device
 
 
 def make_all_reduce(device: torch.device | str, dtype: torch.dtype, hidden: int,
-                    group: dist.ProcessGroup | None = None, mode: str | None = None) -> tuple[Reduce, str]:
-    """The group's SUM all-reduce and the name of the path chosen (``gloo``, ``nccl`` or ``symm_mem``).
-    Collective: every rank of the group calls it at the same point."""
-    mode = mode if mode is not None else os.environ.get(ENV, "auto")
+                    group: dist.ProcessGroup | None = None, mode: str = "auto") -> tuple[Reduce, str]:
+    """The group's SUM all-reduce and the name of the path chosen (``gloo``, ``nccl`` or ``symm_mem``);
+    ``mode``: ``RuntimeConfig.allreduce``. Collective: every rank of the group calls it at the same point."""
     if mode not in MODES:
-        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+        raise ValueError(f"all-reduce mode must be one of {', '.join(MODES)}, got {mode!r}")
     device = torch.device(device)
     if device.type != "cuda":
         if mode == "symm_mem":
-            raise ValueError(f"{ENV}=symm_mem needs CUDA devices")
+            raise ValueError("the symm_mem all-reduce needs CUDA devices")
         return collective_all_reduce(group), dist.get_backend(group)
     if mode == "nccl":
         return collective_all_reduce(group), "nccl"
@@ -148,25 +146,23 @@ def make_all_reduce(device: torch.device | str, dtype: torch.dtype, hidden: int,
         elif reduce is not None:
             reason = "set-up failed on another rank"
     if mode == "symm_mem":
-        raise RuntimeError(f"{ENV}=symm_mem: symmetric-memory all-reduce unusable ({reason})")
+        raise RuntimeError(f"all-reduce symm_mem: symmetric-memory all-reduce unusable ({reason})")
     log.warning("symmetric-memory all-reduce unusable (%s); using NCCL", reason)
     return collective_all_reduce(group), "nccl"
 
 
 ReduceNorm = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor]]
-FUSED_ENV = "RAYSPARSE_FUSED_ALLREDUCE"
 
 
 def make_reduce_norm(reduce: Reduce, path: str, device: torch.device | str, dtype: torch.dtype, hidden: int,
-                     group: dist.ProcessGroup | None = None, max_rows: int = 64) -> ReduceNorm | None:
+                     group: dist.ProcessGroup | None = None, max_rows: int = 64, enabled: bool = True,
+                     fused_ops: str = "auto") -> ReduceNorm | None:
     """All-reduce + residual add + RMSNorm as one launch (``kernels/allreduce_norm.py``) where the group
     reduces through symmetric memory; None where it does not, or where the fused kernel's results differ
     from the unfused ones on any rank at start-up (checked here on fresh random rows). Collective.
-    ``RAYSPARSE_FUSED_ALLREDUCE=off`` keeps them apart."""
-    mode = os.environ.get(FUSED_ENV, "auto")
-    if mode not in ("auto", "off"):
-        raise ValueError(f"{FUSED_ENV} must be auto or off, got {mode!r}")
-    if mode == "off" or path != "symm_mem":
+    ``enabled`` False (``RuntimeConfig.fused_allreduce``) keeps them apart; ``fused_ops``: the model's mode
+    (``RuntimeConfig.fused_ops``), which the unfused path the kernel is checked against runs in."""
+    if not enabled or path != "symm_mem":
         return None
     device = torch.device(device)
     name = (group if group is not None else dist.group.WORLD).group_name
@@ -190,6 +186,7 @@ def make_reduce_norm(reduce: Reduce, path: str, device: torch.device | str, dtyp
 
     gen = torch.Generator(device=device).manual_seed(4321 + dist.get_rank(group))
     norm = RMSNorm(hidden, 1e-5).to(device=device, dtype=dtype)
+    norm.fused_mode = fused_ops
     norm.weight.data.copy_(1 + 0.1 * torch.randn(hidden, generator=gen, device=device))
     dist.broadcast(norm.weight.data, 0, group=group)  # one norm weight on every rank, as in the model
     ok = True

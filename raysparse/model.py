@@ -7,16 +7,15 @@ except that attention and MLP outputs pass through ``self.reduce`` (identity on 
 On CUDA the decoder layer's small elementwise ops run as fused Triton kernels (``raysparse.kernels.fused_ops``):
 each residual add with the norm after it (the MLP's output is carried to the next layer's input norm or the
 final norm as ``pending``), RoPE with the paged cache write, SiLU * up. They round as the PyTorch code here
-does, which is their oracle and the path everywhere else. ``RAYSPARSE_FUSED_OPS`` picks: ``auto`` (default:
-fused on CUDA tensors when Triton is installed), ``triton`` (always, so the CPU tests run the kernels in
-Triton's interpreter) or ``torch`` (never). With rows frozen by early token freezing the layer's residual
-adds stay separate PyTorch ops over the live rows.
+does, which is their oracle and the path everywhere else. ``set_fused_ops`` (the engine's
+``RuntimeConfig.fused_ops``) picks: ``auto`` (default: fused on CUDA tensors when Triton is installed),
+``triton`` (always, so the CPU tests run the kernels in Triton's interpreter) or ``torch`` (never). With
+rows frozen by early token freezing the layer's residual adds stay separate PyTorch ops over the live rows.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 from types import ModuleType
 
@@ -29,16 +28,15 @@ from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.rope import RotaryEmbedding, apply_rope
 
-FUSED_ENV = "RAYSPARSE_FUSED_OPS"
+FUSED_MODES = ("auto", "triton", "torch")
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def fused_ops(x: torch.Tensor) -> ModuleType | None:
-    """The fused kernels' module when ``RAYSPARSE_FUSED_OPS`` chooses them for ``x``'s device, else None.
-    Imported on first use: CPU processes never import Triton, and tests set TRITON_INTERPRET before it."""
-    mode = os.environ.get(FUSED_ENV, "auto").lower()
-    if mode not in ("auto", "triton", "torch"):
-        raise ValueError(f"{FUSED_ENV} must be auto, triton or torch, got {mode!r}")
+def fused_ops(x: torch.Tensor, mode: str = "auto") -> ModuleType | None:
+    """The fused kernels' module when ``mode`` chooses them for ``x``'s device, else None. Imported on first
+    use: CPU processes never import Triton, and tests set TRITON_INTERPRET before it."""
+    if mode not in FUSED_MODES:
+        raise ValueError(f"fused ops mode must be auto, triton or torch, got {mode!r}")
     if mode == "torch" or not _HAS_TRITON or (mode == "auto" and not x.is_cuda):
         return None
     from raysparse.kernels import fused_ops as ops
@@ -47,20 +45,22 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
 
 
 class RMSNorm(nn.Module):
+    fused_mode = "auto"  # ``fused_ops``'s mode; ``LlamaForCausalLM.set_fused_ops`` sets the model's
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops(x)
+        ops = fused_ops(x, self.fused_mode)
         if ops is not None:
             return ops.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h), h) for h = residual + x: the residual add fused with the norm that follows it."""
-        ops = fused_ops(x)
+        ops = fused_ops(x, self.fused_mode)
         if ops is not None and x.dtype == residual.dtype:
             return ops.add_rms_norm(x, residual, self.weight, self.eps)
         h = residual + x
@@ -119,6 +119,8 @@ def merge_projections(model: nn.Module) -> None:
 
 
 class Attention(nn.Module):
+    fused_mode = "auto"
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -140,7 +142,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        ops = fused_ops(x)
+        ops = fused_ops(x, self.fused_mode)
         # The kernel takes a power-of-two head dim and one dtype for q, k, cos and sin (the model's).
         if (ops is not None and isinstance(cache, KVCache) and self.head_dim & (self.head_dim - 1) == 0
                 and q.dtype == k.dtype == cos.dtype):
@@ -157,6 +159,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused_mode = "auto"
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -167,7 +171,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.merged(x) if self.merged is not None else None
         gate, up = gu if gu is not None else (self.gate_proj(x), self.up_proj(x))
-        ops = fused_ops(x)
+        ops = fused_ops(x, self.fused_mode)
         return self.down_proj(ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up)
 
 
@@ -244,6 +248,8 @@ class LlamaBody(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    fused_mode = "auto"
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.cfg = cfg
@@ -254,6 +260,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         # Set by tensor parallelism (a vocab-parallel head): assembles every rank's slice of the logits.
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def set_fused_ops(self, mode: str) -> None:
+        """The fused elementwise kernels' mode (``fused_ops``) for every module of the model."""
+        if mode not in FUSED_MODES:
+            raise ValueError(f"fused ops mode must be auto, triton or torch, got {mode!r}")
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP, LlamaForCausalLM)):
+                m.fused_mode = mode
 
     @property
     def num_kv_heads(self) -> int:
@@ -275,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions, h.dtype)
         mlp = None
-        fused = fused_ops(h) is not None
+        fused = fused_ops(h, self.fused_mode) is not None
         for i, layer in enumerate(self.model.layers):
             if fused:  # each MLP's residual add rides in the next layer's fused input norm
                 h, mlp = layer.forward_pending(h, mlp, cos, sin, cache, batch, backend)

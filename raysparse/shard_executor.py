@@ -24,6 +24,7 @@ from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.model import LlamaForCausalLM
+from raysparse.runtime_config import RuntimeConfig
 from raysparse.sampling import Sampler, SamplingParams
 from raysparse.step_plan import StepPlan, parse_key
 
@@ -46,8 +47,10 @@ def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], tor
 class ShardExecutor:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, rank: int = 0, world_size: int = 1,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, sync: Callable[[], None] | None = None,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, runtime: RuntimeConfig | None = None):
         self.model, self.cache, self.rank, self.world_size = model, cache, rank, world_size
+        self.runtime = runtime or RuntimeConfig()
+        model.set_fused_ops(self.runtime.fused_ops)
         self.graphs = graphs
         self.use_graphs = graphs is not None  # benchmarks compare eager and captured decode on one engine
         self._share_reduce = reduce
@@ -101,7 +104,7 @@ class ShardExecutor:
                 from raysparse.methods.sketch_walk_attach import attach_graph_decode
 
                 attach_graph_decode(b, self.cache, self.graphs.max_batch,
-                                    max_positions=self.model.cfg.max_position_embeddings)
+                                    max_positions=self.model.cfg.max_position_embeddings, runtime=self.runtime)
             self.backends[key] = b
         return b
 

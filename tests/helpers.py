@@ -33,10 +33,11 @@ def free_port() -> int:
 
 
 def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list[int]], out_path: str,
-              reduce_norm: bool = False) -> None:
+              reduce_norm: bool = False, fused_ops: str = "auto") -> None:
     """One gloo rank: shard the model, run a packed ragged prefill, rank 0 saves every token's logits.
     ``reduce_norm``: the layers take the fused all-reduce + add + norm seam (emulated here in PyTorch, as the
-    group's kernel would compute it), so the MLP outputs stay partial sums until the next norm."""
+    group's kernel would compute it), so the MLP outputs stay partial sums until the next norm. ``fused_ops``:
+    the model's fused elementwise kernels (``RuntimeConfig.fused_ops``)."""
     import torch.distributed as dist
 
     from raysparse.loader import model_from_state
@@ -55,6 +56,7 @@ def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list
 
         model = apply_tensor_parallel(model_from_state(hf_config, state), rank, world,
                                       reduce_norm=emulated if reduce_norm else None)
+        model.set_fused_ops(fused_ops)
         cache = fresh_cache(model, 2048)
         for i, seq in enumerate(ids):
             cache.allocate(i, len(seq))
@@ -67,11 +69,13 @@ def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list
         dist.destroy_process_group()
 
 
-def run_tp(world: int, hf_config, state, ids: list[list[int]], tmp_path, reduce_norm: bool = False) -> dict:
+def run_tp(world: int, hf_config, state, ids: list[list[int]], tmp_path, reduce_norm: bool = False,
+           fused_ops: str = "auto") -> dict:
     import torch.multiprocessing as mp
 
     out = str(tmp_path / f"tp{world}.pt")
-    mp.spawn(tp_worker, args=(world, free_port(), hf_config, state, ids, out, reduce_norm), nprocs=world, join=True)
+    mp.spawn(tp_worker, args=(world, free_port(), hf_config, state, ids, out, reduce_norm, fused_ops), nprocs=world,
+             join=True)
     return torch.load(out)
 
 

@@ -9,6 +9,7 @@ from engine_helpers import kill_shard_mid_request
 from helpers import random_state, tiny_hf_config
 
 from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
+from raysparse.runtime_config import RuntimeConfig
 from raysparse.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,15 +26,14 @@ def _generate(engine: Engine, ps: list[tuple[int, ...]], method: str, params: di
     return [h.result(120).token_ids for h in hs]
 
 
-def test_compiled_decode_matches_plain_calls_and_survives_a_killed_shard(tmp_path, monkeypatch):
+def test_compiled_decode_matches_plain_calls_and_survives_a_killed_shard(tmp_path):
     cfg = tiny_hf_config(num_kv_heads=2, group=2, layers=3)
     random_state(cfg, seed=int(torch.randint(0, 1000, ()))).save_pretrained(tmp_path)
     ps = _prompts()
-    econf = EngineConfig(model=str(tmp_path), tp=2, kv_cache_tokens=2048, page_size=64, cpus_per_shard=0.5,
-                         draft=False, decode_steps=2, name="compiled")
     results = {}
     for mode in ("off", "on"):
-        monkeypatch.setenv("RAYSPARSE_COMPILED_GRAPH", mode)
+        econf = EngineConfig(model=str(tmp_path), tp=2, kv_cache_tokens=2048, page_size=64, cpus_per_shard=0.5,
+                             draft=False, decode_steps=2, name="compiled", runtime=RuntimeConfig(compiled_graph=mode))
         with Engine(econf) as eng:
             group = eng.runners[0].group
             results[mode] = [_generate(eng, ps, m, p) for m, p in (("dense", {}), ("sketch_walk", {"density": 0.3}))]

@@ -16,7 +16,7 @@ from raysparse.attention import DenseAttention
 from raysparse.kernels import fused_ops
 from raysparse.kv_cache import KVCache
 from raysparse.loader import model_from_state
-from raysparse.model import FUSED_ENV, RMSNorm
+from raysparse.model import RMSNorm
 from raysparse.rope import RotaryEmbedding, apply_rope
 
 # bf16 only on a GPU: the interpreter's bf16 is not what the GPU computes.
@@ -149,16 +149,16 @@ def _run(model, prompt: list[int], steps: list[int], freeze: bool) -> tuple[torc
 
 
 @pytest.mark.parametrize("dtype,freeze", [(d, False) for d in DTYPES] + [(torch.float32, True)])
-def test_model_forward_fused_matches_plain(dtype, freeze, monkeypatch):
+def test_model_forward_fused_matches_plain(dtype, freeze):
     """A tiny model's prefill and decode steps with the fused path forced on equal the PyTorch path's."""
     cfg = tiny_hf_config(num_kv_heads=2, group=3, layers=2)
     model = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 10_000, ()))).state_dict(),
                              dtype=dtype).to(DEV)
     prompt = torch.randint(0, cfg.vocab_size, (int(torch.randint(5, 20, ())),)).tolist()
     steps = torch.randint(0, cfg.vocab_size, (3,)).tolist()
-    monkeypatch.setenv(FUSED_ENV, "torch")
+    model.set_fused_ops("torch")
     ref, ref_cache = _run(model, prompt, steps, freeze)
-    monkeypatch.setenv(FUSED_ENV, "triton")
+    model.set_fused_ops("triton")
     got, cache = _run(model, prompt, steps, freeze)
     scale = ref.abs().max().item()
     tol = {torch.float32: 1e-5 if DEV.type == "cpu" else 1e-4, torch.float16: 5e-3, torch.bfloat16: 5e-2}[dtype]
@@ -168,16 +168,25 @@ def test_model_forward_fused_matches_plain(dtype, freeze, monkeypatch):
             torch.testing.assert_close(a, b, **_tol(dtype))
 
 
-def test_switch_values(monkeypatch):
+def test_switch_values():
     from raysparse.model import fused_ops as choose
 
     x = torch.zeros(1, device=DEV)
-    monkeypatch.setenv(FUSED_ENV, "torch")
-    assert choose(x) is None
-    monkeypatch.setenv(FUSED_ENV, "triton")
-    assert choose(x) is fused_ops
-    monkeypatch.setenv(FUSED_ENV, "auto")
-    assert (choose(x) is fused_ops) == x.is_cuda
-    monkeypatch.setenv(FUSED_ENV, "fast")
+    assert choose(x, "torch") is None
+    assert choose(x, "triton") is fused_ops
+    assert (choose(x) is fused_ops) == x.is_cuda  # "auto", the default
     with pytest.raises(ValueError):
-        choose(x)
+        choose(x, "fast")
+
+
+def test_set_fused_ops_reaches_every_module():
+    """The model's mode is what its norms, attention and MLP blocks use; a bad mode is refused."""
+    cfg = tiny_hf_config(num_kv_heads=2, group=2, layers=2)
+    model = model_from_state(cfg, random_state(cfg).state_dict())
+    model.set_fused_ops("torch")
+    layer = model.model.layers[1]
+    modes = {m.fused_mode for m in (model, model.model.norm, layer.input_layernorm, layer.self_attn, layer.mlp)}
+    assert modes == {"torch"}
+    assert RMSNorm(4, 1e-5).fused_mode == "auto"  # other models keep the default
+    with pytest.raises(ValueError, match="fused ops mode"):
+        model.set_fused_ops("fast")

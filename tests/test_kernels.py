@@ -23,7 +23,7 @@ from raysparse.kernels.block_sparse_prefill import (
     configs_for,
 )
 from raysparse.kernels.formats import PackedKV, PagedKV, pack_block_selections, pack_token_selections
-from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode, sparse_decode_two_launch
+from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode
 from raysparse.kernels.strided_dense import strided_dense, strided_rows
 from raysparse.methods import sparse_attention as ref
 from raysparse.methods.delta import strided_dense_attention as strided_ref
@@ -179,14 +179,11 @@ def _nan_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full_like(q, float("nan")), torch.full(q.shape[:2], float("nan"), device=DEV)
 
 
-@pytest.mark.parametrize("single_launch", [True, False], ids=["one-launch", "two-launch"])
 @pytest.mark.parametrize("g,d,unit,layout,dtype,num_splits", DECODE_CASES)
-def test_sparse_decode(g: int, d: int, unit: int, layout: str, dtype: torch.dtype, num_splits: int | None,
-                       single_launch: bool) -> None:
+def test_sparse_decode(g: int, d: int, unit: int, layout: str, dtype: torch.dtype, num_splits: int | None) -> None:
     q, kv, idx, ref_o, ref_l = _decode_case(g, d, unit, layout, dtype, torch.Generator().manual_seed(7 * g + d + unit))
-    fn = sparse_decode if single_launch else sparse_decode_two_launch
     out, lse = _nan_outputs(q)
-    fn(q, kv, idx, unit, num_splits=num_splits, out=out, lse=lse)
+    sparse_decode(q, kv, idx, unit, num_splits=num_splits, out=out, lse=lse)
     torch.testing.assert_close(out.float(), ref_o, **_tol(dtype))
     torch.testing.assert_close(lse, ref_l, **_tol(dtype))
     assert torch.isneginf(lse[2, :g]).all()
@@ -194,7 +191,7 @@ def test_sparse_decode(g: int, d: int, unit: int, layout: str, dtype: torch.dtyp
 
 def test_single_launch_decode_repeats_on_one_workspace() -> None:
     """The counters are reset by the kernel: a second call on the same workspace (a graph replay) gives
-    bit-identical results, the two-launch path agrees, and the workspace is left zeroed. Many splits, so
+    bit-identical results and the workspace is left zeroed. Many splits, so
     several programs race for the last-arrival role."""
     q, kv, idx, ref_o, ref_l = _decode_case(4, 128, 1, "paged", torch.float16, torch.Generator().manual_seed(21))
     runs = []
@@ -206,9 +203,6 @@ def test_single_launch_decode_repeats_on_one_workspace() -> None:
     assert not bool(decode_mod._workspace(q.device, q.shape[0] * H_KV).any())
     torch.testing.assert_close(runs[0][0].float(), ref_o, **_tol(torch.float16))
     torch.testing.assert_close(runs[0][1], ref_l, **_tol(torch.float16))
-    two = sparse_decode_two_launch(q, kv, idx, 1, num_splits=7)
-    torch.testing.assert_close(two[0], runs[0][0], atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(two[1], runs[0][1], atol=1e-5, rtol=1e-5)
 
 
 def test_split_heuristic_fills_the_gpu() -> None:

@@ -22,12 +22,8 @@ from triton_env import DEV  # before raysparse.kernels: without a GPU it picks t
 
 import raysparse.kernels.part_scores as ps
 from raysparse.kernels.common import interpreting
-from raysparse.methods.sketch_walk_graph_paired import (
-    PAIRED_ENV,
-    PART_SCORES_ENV,
-    PART_SELECT_ENV,
-    PairedGraphDecode,
-)
+from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode
+from raysparse.runtime_config import RuntimeConfig
 
 B = 16  # tokens per block (a KV page)
 REAL = 3  # real rows; two padded rows follow
@@ -114,20 +110,18 @@ def test_part_scores_refuse_bad_shapes():
         ps.part_scores(ks, table, one, q, q, 2, 3)  # rows not whole pages
 
 
-@pytest.mark.parametrize("env", [PART_SCORES_ENV, PART_SELECT_ENV])
-def test_switch_picks_the_kernel(monkeypatch, env):
+@pytest.mark.parametrize("flag", ["part_scores", "part_select"])
+def test_switch_picks_the_kernel(monkeypatch, flag):
     cpu = torch.zeros(1)
     monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
-    for mode, want in (("on", True), ("off", False)):
-        monkeypatch.setenv(env, mode)
-        assert PairedGraphDecode._wanted(cpu, env, "on", None) is want
-    monkeypatch.delenv(env)
-    assert PairedGraphDecode._wanted(cpu, env, "on", None)  # on by default
+    for on in (True, False):
+        assert PairedGraphDecode._wanted(cpu, getattr(RuntimeConfig(**{flag: on}), flag), None) is on
+    assert PairedGraphDecode._wanted(cpu, getattr(RuntimeConfig(), flag), None)  # on by default
+    assert PairedGraphDecode._wanted(cpu, False, True)  # a forced kernel wins over the config
     monkeypatch.setenv("RAYSPARSE_KERNELS", "auto")
-    assert not PairedGraphDecode._wanted(cpu, env, "on", None)  # CPU tensors keep PyTorch
-    monkeypatch.setenv(env, "maybe")
-    with pytest.raises(ValueError, match=env):
-        PairedGraphDecode._wanted(cpu, env, "on", None)
+    assert not PairedGraphDecode._wanted(cpu, True, None)  # CPU tensors keep PyTorch
+    with pytest.raises(ValueError, match=flag):
+        RuntimeConfig(**{flag: "maybe"})
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -144,7 +138,6 @@ def test_paired_graph_decode_with_the_kernel(model, scoring, monkeypatch):
 
     if model.lm_head.weight.device.type == "cpu" and not interpreting():
         pytest.skip("CPU tensors run the kernels only in Triton's interpreter")
-    monkeypatch.setenv(PAIRED_ENV, "on")
     seed = int(torch.randint(0, 2**31 - 1, ()))
     params = {**scoring, "density": float(torch.empty(()).uniform_(0.15, 0.5)), "local_blocks": 1 + seed % 2}
     lens, steps = [100, 14, 158], 3

@@ -22,7 +22,7 @@ import raysparse.kernels.part_scores as ps
 import raysparse.kernels.part_select as psel
 from raysparse.kernels.common import interpreting
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
-from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PairedGraphDecode
+from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode
 
 
 def _seed() -> torch.Generator:
@@ -162,7 +162,6 @@ def test_paired_graph_decode_with_the_select_kernel(model, scoring, scores_kerne
 
     if model.lm_head.weight.device.type == "cpu" and not interpreting():
         pytest.skip("CPU tensors run the kernels only in Triton's interpreter")
-    monkeypatch.setenv(PAIRED_ENV, "on")
     seed = int(torch.randint(0, 2**31 - 1, ()))
     params = {**scoring, "decode_unit": "part", "density": float(torch.empty(()).uniform_(0.15, 0.5)),
               "local_blocks": 1 + seed % 2}

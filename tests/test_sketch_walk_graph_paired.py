@@ -14,7 +14,8 @@ from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.methods.sketch_walk_attach import attach_graph_decode
-from raysparse.methods.sketch_walk_graph_paired import PAIRED_ENV, PairedGraphDecode, order_keys
+from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode, order_keys
+from raysparse.runtime_config import RuntimeConfig
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -113,8 +114,7 @@ SCORINGS = [pytest.param({"heads": h, "sub_blocks": p, "decode_unit": u}, id=f"{
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)
-def test_paired_graph_decode_matches_reference(model, scoring, monkeypatch):
-    monkeypatch.setenv(PAIRED_ENV, "on")
+def test_paired_graph_decode_matches_reference(model, scoring):
     seed = int(torch.randint(0, 2**31 - 1, ()))
     params = {**scoring, "density": float(torch.empty(()).uniform_(0.15, 0.5)), "local_blocks": 1 + seed % 2,
               "token_query": ("last", "decode")[seed % 3 == 0]}
@@ -149,36 +149,36 @@ def test_paired_graph_decode_matches_reference(model, scoring, monkeypatch):
             assert torch.equal(mine.long(), ref.long()), f"step {j // len(sparse)} layer {layer} seq {sid}"
 
 
-def test_switch_and_settings_gate_the_paired_path(model, monkeypatch):
+def test_switch_and_settings_gate_the_paired_path(model):
     if model.lm_head.weight.is_cuda:
         pytest.skip("host-side bookkeeping: the CPU run covers it")
     cache = KVCache(model.cfg, 40, 16)
 
-    def attach(max_batch: int = 2, budget: int = 8 << 30, **params):
+    def attach(max_batch: int = 2, budget: int = 8 << 30, runtime: RuntimeConfig | None = None, **params):
         backend = create_backend("sketch_walk", model.cfg, **{"block_size": 16, "density": 0.3, **params})
-        return attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=budget), backend
+        return attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=budget,
+                                   runtime=runtime), backend
 
-    monkeypatch.delenv(PAIRED_ENV, raising=False)
     ok, backend = attach()  # the default scoring: on by default
     assert ok and isinstance(backend.graph_path, PairedGraphDecode)
-    monkeypatch.setenv(PAIRED_ENV, "off")
-    ok, backend = attach()
+    assert backend.graph_path.runtime == RuntimeConfig()
+    ok, backend = attach(runtime=RuntimeConfig(sw_graph_paired=False))
     assert not ok and backend.graph_path is None
-    monkeypatch.setenv(PAIRED_ENV, "maybe")
-    with pytest.raises(ValueError, match=PAIRED_ENV):
-        attach()
-    monkeypatch.setenv(PAIRED_ENV, "on")
+    runtime = RuntimeConfig(part_scores=False)
+    ok, backend = attach(runtime=runtime)
+    assert ok and backend.graph_path.runtime is runtime  # the path's kernels follow the engine's config
+    with pytest.raises(ValueError, match="sw_graph_paired"):
+        RuntimeConfig(sw_graph_paired="off")
     assert not attach(walk="product", decode_unit="block")[0]
     assert not attach(token_query="never")[0]
     assert not attach(heads="kv")[0]
     assert not attach(block_size=32)[0]  # page size != block size
 
 
-def test_state_is_one_page_indexed_allocation(model, monkeypatch, caplog):
+def test_state_is_one_page_indexed_allocation(model, caplog):
     """(num_pages + 1) * P rows per sparse layer, whatever the batch: the budget is checked against that."""
     if model.lm_head.weight.is_cuda:
         pytest.skip("host-side bookkeeping: the CPU run covers it")
-    monkeypatch.setenv(PAIRED_ENV, "on")
     pages, parts = int(torch.randint(8, 60, ())), (1, 2, 4, 8)[int(torch.randint(0, 4, ()))]
     cache = KVCache(model.cfg, pages, 16)
     backend = create_backend("sketch_walk", model.cfg, block_size=16, sub_blocks=parts)
@@ -221,7 +221,6 @@ def test_no_room_for_the_state_decodes_eagerly(model, monkeypatch, caplog):
     decode instead of failing the request, and says so in the log."""
     if model.lm_head.weight.is_cuda:
         pytest.skip("host-side bookkeeping: the CPU run covers it")
-    monkeypatch.setenv(PAIRED_ENV, "on")
 
     def no_room(*_args, **_kwargs):
         raise torch.OutOfMemoryError("no room")

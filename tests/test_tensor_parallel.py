@@ -57,14 +57,13 @@ def test_tp2_fused_reduce_norm_seam_matches_tp1(fused_ops, tmp_path, monkeypatch
     """With the group's all-reduce fused into the following add + norm, the MLP output is carried as a
     partial sum into the next layer's norm (the fused-ops layer loop) or reduced at the layer's end (the
     plain one), and the last layer's into the final norm: the logits stay those of one device."""
-    monkeypatch.setenv("RAYSPARSE_FUSED_OPS", fused_ops)
-    if fused_ops == "triton":
+    if fused_ops == "triton":  # the spawned ranks run the kernels in Triton's interpreter
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = tiny_hf_config(num_kv_heads=2, group=2, layers=2)
     state = random_state(cfg, seed=int(torch.randint(0, 1000, ())))
     ids = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (12, 7)]
-    tp1 = run_tp(1, cfg, state.state_dict(), ids, tmp_path)["logits"]
-    tp2 = run_tp(2, cfg, state.state_dict(), ids, tmp_path, reduce_norm=True)
+    tp1 = run_tp(1, cfg, state.state_dict(), ids, tmp_path, fused_ops=fused_ops)["logits"]
+    tp2 = run_tp(2, cfg, state.state_dict(), ids, tmp_path, reduce_norm=True, fused_ops=fused_ops)
     # plain loop: the post-attention norm per layer; fused loop: also the next layer's and the final norm
     assert tp2["reduce_norm_calls"] == (2 if fused_ops == "torch" else 4)
     assert (tp2["logits"] - tp1).abs().max().item() < 1e-4

@@ -27,15 +27,17 @@ from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.methods.sketch_walk import GRAPH_DECODE
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
+from raysparse.runtime_config import RuntimeConfig
 
 B = 16
 SLOTS = 4  # 3 real slots + the scratch slot
 
 
-def _path(params: dict, width: int) -> SketchWalkGraphDecode:
+def _path(params: dict, width: int, runtime: RuntimeConfig | None = None) -> SketchWalkGraphDecode:
     cfg = ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=4))
     method = create_backend("sketch_walk", cfg, block_size=B, **{"walk": "one-hop", **GRAPH_DECODE, **params})
-    return SketchWalkGraphDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width)
+    return SketchWalkGraphDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width,
+                                 runtime=runtime)
 
 
 def _draw(g: torch.Generator, path: SketchWalkGraphDecode, width: int, local: int):
@@ -126,9 +128,8 @@ def test_graph_decode_with_the_kernel(monkeypatch, token_query):
     from test_sketch_walk_graph import _run
 
     import raysparse.kernels.walk_select as ws
-    from raysparse.methods.sketch_walk_graph import SELECT_ENV
 
-    monkeypatch.setattr(SketchWalkGraphDecode, "_wanted", staticmethod(lambda q, env, dflt, forced: env == SELECT_ENV))
+    monkeypatch.setattr(SketchWalkGraphDecode, "select", True)
     picks: list[torch.Tensor] = []
     real = ws.walk_select
     monkeypatch.setattr(ws, "walk_select", lambda *a, **k: picks.append(real(*a, **k)) or picks[-1])
@@ -152,19 +153,17 @@ def test_graph_decode_with_the_kernel(monkeypatch, token_query):
 
 
 def test_one_hop_state_has_no_w(monkeypatch):
-    """One-hop never reads W: the graph path allocates none and budgets none; the switch takes on/off."""
-    from raysparse.methods.sketch_walk_graph import SELECT_ENV
-
+    """One-hop never reads W: the graph path allocates none and budgets none; ``runtime.walk_select``
+    switches the kernel."""
     hop, roll = _path({}, 16), _path({"walk": "rollout"}, 16)
     assert hop.w is None and roll.w is not None
     layers, r = len(hop.index), hop.qs.shape[-1]
     assert SketchWalkGraphDecode.state_bytes(hop.m, 16) == layers * 8 * 16 * r
     assert SketchWalkGraphDecode.state_bytes(roll.m, 16) == layers * (4 * 16**2 + 8 * 16 * r)
     q = torch.zeros(1, 4, 16, device=DEV)
-    monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")
-    for mode, want in (("on", True), ("off", False)):
-        monkeypatch.setenv(SELECT_ENV, mode)
-        assert hop._wanted(q, SELECT_ENV, "on", None) == want
-    monkeypatch.setenv(SELECT_ENV, "yes")
-    with pytest.raises(ValueError, match=SELECT_ENV):
-        hop._wanted(q, SELECT_ENV, "on", None)
+    monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
+    assert hop.runtime.walk_select and hop._wanted(q, hop.runtime.walk_select, hop.select)  # on by default
+    off = _path({}, 16, RuntimeConfig(walk_select=False))
+    assert not off._wanted(q, off.runtime.walk_select, off.select)
+    with pytest.raises(ValueError, match="walk_select"):
+        RuntimeConfig(walk_select="yes")

@@ -11,7 +11,8 @@ token_query last, heads pair-lse, sub_blocks 8, decode_unit part; SPEC's form is
 token_query="never" with ``GRAPH_DECODE`` (heads="mean", sub_blocks=1, decode_unit="block"). At density 0.2
 on the default model they retrieve 0.47 against 0.17 for SPEC's head mean over whole blocks (dense 0.64).
 The batched CUDA-graph decode: ``sketch_walk_graph`` for ``GRAPH_DECODE``'s scoring,
-``sketch_walk_graph_paired`` for the paired modes (``RAYSPARSE_SW_GRAPH_PAIRED=off`` decodes them eagerly).
+``sketch_walk_graph_paired`` for the paired modes (``RuntimeConfig.sw_graph_paired`` False decodes them
+eagerly).
 
 The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
 every mode are in docs/sketch_walk.md.

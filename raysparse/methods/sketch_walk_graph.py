@@ -18,8 +18,8 @@ state (the reference's qs, ks and A_hat) is copied into a free slot and W built 
 the slot is its state (the reference path refuses it). Padded rows use a scratch slot.
 
 One-hop on CUDA tensors: the whole per-layer selection (state update, scores, top-k, block list) is two
-Triton launches (``kernels/walk_select.py``) instead of ~40 small kernels; ``RAYSPARSE_WALK_SELECT=off``
-keeps the PyTorch form. It ranks by the bf16 logits, which the reference's exp(s * log_softmax) orders
+Triton launches (``kernels/walk_select.py``) instead of ~40 small kernels; ``RuntimeConfig.walk_select``
+False keeps the PyTorch form. It ranks by the bf16 logits, which the reference's exp(s * log_softmax) orders
 alike except where rounding merges distinct values (that module's docstring says where).
 
 Memory per slot: 4 * L_s * Bmax^2 (not for one-hop) + 8 * L_s * Bmax * r bytes (Bmax = blocks of the longest
@@ -29,7 +29,6 @@ sequence the cache can hold); the path is not attached when ``max_batch + 1`` sl
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -37,20 +36,18 @@ import torch
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import row_budget
 from raysparse.methods.sketch_walk import SketchWalk, rollout_step, walk_weights
-
-# "on": the walk update as two Triton launches (kernels/walk_decode.py). Off by default: measured slower than
-# this file's PyTorch form on an H200 (22.1 against 15.7 ms per 8B decode step at 64K; its walk GEMV runs on
-# too few programs), kept until that kernel is split across programs.
-FUSED_ENV = "RAYSPARSE_WALK_KERNEL"
-# "on" (default, CUDA tensors): one-hop's whole selection as two Triton launches (kernels/walk_select.py)
-# instead of ~40 kernels of ~2-3 us each per sparse layer, even in a graph; its score GEMV is spread over
-# ~32 programs per row, which is what the walk kernel above lacked. "off": the PyTorch form.
-SELECT_ENV = "RAYSPARSE_WALK_SELECT"
+from raysparse.runtime_config import RuntimeConfig
 
 
 class SketchWalkGraphDecode:
-    def __init__(self, method: SketchWalk, cache: KVCache, max_batch: int, max_blocks: int) -> None:
+    # One-hop's Triton selection (kernels/walk_select.py): instead of ~40 kernels of ~2-3 us each per sparse
+    # layer, two launches, even in a graph. None: ``runtime.walk_select`` on CUDA tensors; tests force it.
+    select: bool | None = None
+
+    def __init__(self, method: SketchWalk, cache: KVCache, max_batch: int, max_blocks: int,
+                 runtime: RuntimeConfig | None = None) -> None:
         cfg = method.config
+        self.runtime = runtime or RuntimeConfig()
         if cache.page_size != cfg.block_size:
             raise ValueError(f"the graph path needs page size == block size, got {cache.page_size} and "
                              f"{cfg.block_size}")
@@ -70,8 +67,6 @@ class SketchWalkGraphDecode:
         self._rows: torch.Tensor | None = None  # the walk's rows, carried from one sparse layer to the next
         self._step: dict[str, Any] | None = None  # the step's length-only constants (``step_constants``)
         self._n: torch.Tensor | None = None  # the step's lengths as int64
-        self.fused: bool | None = None  # the Triton update (kernels/walk_decode.py): None = on CUDA tensors
-        self.select: bool | None = None  # one-hop's Triton selection (kernels/walk_select.py): None = as above
 
     @staticmethod
     def state_bytes(method: SketchWalk, max_blocks: int) -> int:
@@ -165,7 +160,7 @@ class SketchWalkGraphDecode:
         if m.head_reduce is not None:
             new = m.head_reduce(new)
         r = new.shape[-1]
-        if cfg.walk == "one-hop" and (r & (r - 1)) == 0 and self._wanted(q, SELECT_ENV, "on", self.select):
+        if cfg.walk == "one-hop" and (r & (r - 1)) == 0 and self._wanted(q, self.runtime.walk_select, self.select):
             from raysparse.kernels.walk_select import walk_select
 
             return walk_select(self.qs[:, li], self.ks[:, li], slots, n, new, cfg.block_size, cfg.density,
@@ -175,14 +170,7 @@ class SketchWalkGraphDecode:
             self._step = self.step_constants(n, w)
         st = self._step
         first = layer == self.first or cfg.walk == "one-hop" or self._rows is None
-        if cfg.walk != "one-hop" and self._wanted(q, FUSED_ENV, "off", self.fused):
-            from raysparse.kernels.walk_decode import walk_decode_rows
-
-            rows = walk_decode_rows(self.qs[:, li], self.ks[:, li], self.w[:, li, :w, :w], slots, n, new,
-                                    None if first else self._rows, cfg.block_size, cfg.exponent, cfg.residual,
-                                    cfg.walk != "rollout", cfg.token_query != "never")
-        else:
-            rows = self.rows_reference(li, slots, n, new, w, None if first else self._rows, st)
+        rows = self.rows_reference(li, slots, n, new, w, None if first else self._rows, st)
         self._rows = rows
         return self._choose(rows, st)
 
@@ -213,21 +201,17 @@ class SketchWalkGraphDecode:
         return min(w, int(round(self.cfg.density * w)) + 1)
 
     @staticmethod
-    def _wanted(q: torch.Tensor, env: str, default: str, forced: bool | None) -> bool:
-        """A Triton path's switch: ``forced`` if set, else the env var (on/off) and CUDA tensors."""
+    def _wanted(q: torch.Tensor, enabled: bool, forced: bool | None) -> bool:
+        """A Triton path's switch: ``forced`` if set, else its runtime flag and CUDA tensors."""
         from raysparse.kernels.dispatch import triton_wanted
 
         if forced is not None:
             return forced
-        mode = os.environ.get(env, default)
-        if mode not in ("on", "off"):
-            raise ValueError(f"{env} must be on or off, got {mode!r}")
-        return mode == "on" and triton_wanted(q)
+        return enabled and triton_wanted(q)
 
     def rows_reference(self, li: int, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor, w: int,
                        prev: torch.Tensor | None, st: dict[str, Any] | None = None) -> torch.Tensor:
-        """The PyTorch form of one sparse layer's state update and walk (``walk_decode_rows`` is the fused
-        one): returns this step's rows of R, normalised."""
+        """One sparse layer's state update and walk: returns this step's rows of R, normalised."""
         st = st if st is not None else self.step_constants(n, w)
         cb, cnt = st["cb"], st["cnt"]
         qs, ks = self.qs[:, li, :w], self.ks[:, li, :w]

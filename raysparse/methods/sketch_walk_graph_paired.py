@@ -26,19 +26,19 @@ state is dropped), so no later call could read them either. That saves 1 / (1 + 
 
 On CUDA tensors the part scores (state update, part means, per-head dots, empty parts masked) are two
 Triton launches (``kernels/part_scores.py``) that read the part sums once instead of ~4 times;
-``RAYSPARSE_PART_SCORES=off`` keeps the PyTorch form. The scores differ only by fp32 rounding (the dots are
+``RuntimeConfig.part_scores`` False keeps the PyTorch form. The scores differ only by fp32 rounding (the dots are
 summed in another order, then divided by the count), so a selection can differ only where two scores are
 that close. With ``decode_unit="part"`` the heads' combine rides in that launch (``part_combine``: the
 per-head scores never reach memory, the state is stored there too) and ``kernels/part_select.py``
 finalises it and writes the part list in one more launch, ``_choose_parts``'s list bit for bit on the same
-fp32 scores (``RAYSPARSE_PART_SELECT=off`` keeps ``_combine_heads`` + ``_choose_parts``; with the part
+fp32 scores (``RuntimeConfig.part_select`` False keeps ``_combine_heads`` + ``_choose_parts``; with the part
 scores off the kernel selects from PyTorch's partial). ``decode_unit="block"`` keeps the PyTorch combine
 and choice.
 
 Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
 lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors
 of each step; no host sync. Verified on the GPU machine (captured, the lists the PyTorch form's); attached by
-default, ``RAYSPARSE_SW_GRAPH_PAIRED=off`` keeps the eager decode.
+default, ``RuntimeConfig.sw_graph_paired`` False keeps the eager decode.
 
 Memory: 4 * L_s * (num_pages + 1) * P * h_kv * r bytes (h_kv: the KV heads this shard holds).
 """
@@ -46,7 +46,6 @@ Memory: 4 * L_s * (num_pages + 1) * P * h_kv * r bytes (h_kv: the KV heads this 
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -56,22 +55,9 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import host_row_budget, row_budget
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
 from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
+from raysparse.runtime_config import RuntimeConfig
 
-# "on" (default): attach this path for the paired scorings; "off": they decode eagerly.
-PAIRED_ENV = "RAYSPARSE_SW_GRAPH_PAIRED"
-# "on" (default, CUDA tensors): the part scores as two Triton launches (kernels/part_scores.py); "off": PyTorch
-PART_SCORES_ENV = "RAYSPARSE_PART_SCORES"
-# "on" (default, CUDA tensors, decode_unit="part"): the heads' combine and the part selection as Triton
-# launches (kernels/part_select.py; with the part scores' kernel the combine rides in it); "off": PyTorch
-PART_SELECT_ENV = "RAYSPARSE_PART_SELECT"
 _KEY_FLOOR = torch.iinfo(torch.int64).min  # below every candidate's key
-
-
-def paired_enabled() -> bool:
-    mode = os.environ.get(PAIRED_ENV, "on")
-    if mode not in ("on", "off"):
-        raise ValueError(f"{PAIRED_ENV} must be on or off, got {mode!r}")
-    return mode == "on"
 
 
 def order_keys(x: torch.Tensor) -> torch.Tensor:
@@ -85,11 +71,17 @@ class PairedGraphDecode(SketchWalkGraphDecode):
     page-indexed state, entry, selection and accounting."""
 
     key_parts = True  # serves sub_blocks > 1
-    part_kernel: bool | None = None  # the Triton part scores: None = by PART_SCORES_ENV on CUDA tensors
-    select_kernel: bool | None = None  # the Triton combine + part selection: None = by PART_SELECT_ENV on CUDA
+    # The part scores as two Triton launches (kernels/part_scores.py). None: ``runtime.part_scores`` on CUDA
+    # tensors; tests force it.
+    part_kernel: bool | None = None
+    # With decode_unit="part", the heads' combine and the part selection as Triton launches
+    # (kernels/part_select.py; with the part scores' kernel the combine rides in it). None: ``runtime.part_select``
+    # on CUDA tensors.
+    select_kernel: bool | None = None
 
-    def __init__(self, method: SketchWalk, cache: KVCache) -> None:
+    def __init__(self, method: SketchWalk, cache: KVCache, runtime: RuntimeConfig | None = None) -> None:
         cfg = method.config
+        self.runtime = runtime or RuntimeConfig()
         if not self.supports(cfg) or cache.page_size != cfg.block_size:
             raise ValueError(f"the paired graph decode does not serve {cfg}")
         self.m, self.cfg = method, cfg
@@ -186,8 +178,8 @@ class PairedGraphDecode(SketchWalkGraphDecode):
         st = self._step
         ks = self.ks[li]  # a view: writes reach the state
         r = new.shape[-1]
-        kernel = (r & (r - 1)) == 0 and self._wanted(q, PART_SCORES_ENV, "on", self.part_kernel)
-        if cfg.decode_unit == "part" and self._wanted(q, PART_SELECT_ENV, "on", self.select_kernel):
+        kernel = (r & (r - 1)) == 0 and self._wanted(q, self.runtime.part_scores, self.part_kernel)
+        if cfg.decode_unit == "part" and self._wanted(q, self.runtime.part_select, self.select_kernel):
             return self._select_parts(ks, table, n, new, st, kernel), cfg.block_size // P
         s = self._part_scores(ks, table, n, new, st, kernel)  # [h_kv, bsz, w * P]
         if cfg.decode_unit == "part":
