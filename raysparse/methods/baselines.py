@@ -238,8 +238,8 @@ class Quest(SparseMethod):
         valid = j < n_pages[:, None]
         forced = (j == 0) | (j == n_pages[:, None] - 1)
         keep = row_budget(self.config.density, n_pages).clamp(min=torch.where(n_pages == 1, 1, 2))  # [B]
-        inf = torch.tensor(math.inf, device=q.device)
-        keyed = torch.where(forced[:, None], inf, torch.where(valid[:, None], score, -inf))
+        # Python scalars, not device tensors: a host-to-device copy cannot sit inside a graph capture.
+        keyed = torch.where(forced[:, None], math.inf, torch.where(valid[:, None], score, -math.inf))
         width = self._static_width(pages)
         # Stable: among equal scores the lower page wins, as in the per-sequence reference.
         order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices[..., :width]
