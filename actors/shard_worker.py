@@ -3,7 +3,9 @@
 Life cycle, driven by ``orchestration.replica.ReplicaGroup``: ``node_info`` (the group orders ranks by
 Ray node id), ``rendezvous`` on rank 0 (a free port on its node), ``setup`` on every rank (joins the
 group's torch.distributed process group: NCCL on GPUs, gloo on CPU; loads the weights, shards them and
-sizes the cache), then ``execute`` once per engine step with the same plan on every rank.
+sizes the cache), then ``execute`` once per engine step with the same plan on every rank. Tests, benchmarks
+and the distributed eval reach the executor through Ray's ``__ray_call__`` (``local_executor``) rather than
+through actor methods of their own.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class ShardWorker:
         self.spec = spec
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         # Ray runs the methods of this (threaded) actor on a pool of threads, and the current CUDA device is
-        # per thread: every entry point sets it (``_executor``, ``setup``).
+        # per thread: every entry point sets it (``local_executor``, ``setup``).
         self.gpu_index = local_gpu_index() if self.device == "cuda" else None
         if self.device == "cpu":
             torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 2) // 2))
@@ -145,35 +147,21 @@ class ShardWorker:
         if self.gpu_index is not None:
             torch.cuda.set_device(self.gpu_index)
 
-    def _executor(self) -> ShardExecutor:
+    def local_executor(self) -> ShardExecutor:
+        """The executor, with this thread's CUDA device set (what a ``__ray_call__`` function should use)."""
         if self.executor is None:
             raise RuntimeError("shard worker: setup first")
         self._use_gpu()
         return self.executor
 
     def execute(self, plan: StepPlan) -> dict[str, Any]:
-        return self._executor().execute(plan)
+        return self.local_executor().execute(plan)
 
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
-        return self._executor().verify(plan, message)
+        return self.local_executor().verify(plan, message)
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        return self._executor().stats(reset)
-
-    def record_selections(self, key: str) -> None:
-        self._executor().record_selections(key)
-
-    def selections(self) -> list[tuple[int, int, torch.Tensor]]:
-        return getattr(self._executor(), "selections", [])
-
-    def warm_graphs(self, key: str, batch_sizes: list[int], context: int) -> int:
-        return self._executor().warm_graphs(key, batch_sizes, context)
-
-    def coordinator_cost(self, key: str, batch: int = 1) -> float:
-        return self._executor().coordinator_cost(key, batch)
-
-    def set_cuda_graphs(self, on: bool) -> bool:
-        return self._executor().set_cuda_graphs(on)
+        return self.local_executor().stats(reset)
 
     def ping(self) -> bool:
         return True

@@ -29,6 +29,12 @@ from typing import Any
 import torch
 
 
+def on_shards(group: Any, fn: Any, *args: Any) -> list[Any]:
+    """``fn(executor, *args)`` on every shard of the group, in rank order, through Ray's ``__ray_call__`` (the
+    benchmark's hooks are the executor's, not actor methods); ``fn`` is a lambda, pickled by value."""
+    return group.call("__ray_call__", lambda worker, *a: fn(worker.local_executor(), *a), *args)
+
+
 def measure(eng: Any, method: str, params: dict[str, Any], n: int, new: int, seed: int) -> dict[str, Any]:
     from raysparse.orchestration.engine_api import EngineRequest
     from raysparse.sampling import SamplingParams
@@ -161,9 +167,9 @@ def main() -> None:
             for m, p in methods:  # warm-up: kernels compiled, allocator grown, graphs captured
                 measure(eng, m, p, min(contexts[0], 4096), 4, seed=1)
                 for n in contexts:
-                    group.call("warm_graphs", method_key(m, p), [1], n)
+                    on_shards(group, lambda ex, k, c: ex.warm_graphs(k, [1], c), method_key(m, p), n)
             for mode in modes:
-                on = group.call("set_cuda_graphs", mode == "graphs")[0]
+                on = on_shards(group, lambda ex, g: ex.set_cuda_graphs(g), mode == "graphs")[0]
                 for steps in steps_list if mode == "graphs" else steps_list[:1]:
                     # a benchmark-only switch of the scheduler's multi-step setting on a running engine
                     sched.cfg = dataclasses.replace(sched.cfg, decode_steps=steps)
@@ -174,7 +180,8 @@ def main() -> None:
                                      engine_start_s=start_s, device=eng.model_info()["device"],
                                      all_reduce=group.info[0].get("all_reduce"))
                             if on and r["decode_tok_s"]:  # in-graph collectives are timed on their own
-                                coord = max(group.call("coordinator_cost", method_key(m, p), 1))
+                                coord = max(on_shards(group, lambda ex, k: ex.coordinator_cost(k, 1),
+                                                      method_key(m, p)))
                                 r["coord_graph_s"] = coord
                                 r["coord_share"] = coord * r["decode_tok_s"]
                             rows.append(r)
@@ -219,7 +226,8 @@ def run_batched(args: Any, methods: list[tuple[str, dict[str, Any]]], contexts: 
             for m, p in methods:
                 measure(eng, m, p, min(contexts[0], 4096), 4, seed=1)
                 for n in contexts:
-                    group.call("warm_graphs", method_key(m, p), list(range(1, args.batch + 1)), n + new)
+                    on_shards(group, lambda ex, k, b, c: ex.warm_graphs(k, b, c), method_key(m, p),
+                              list(range(1, args.batch + 1)), n + new)
                 for n in contexts:
                     r = measure_batch(eng, m, p, n, args.batch, new, args.window, seed=n)
                     r.update(tp=tp, decode_steps=steps, all_reduce=group.info[0].get("all_reduce"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,6 +24,18 @@ def run(engine: Engine, method: str, params: dict[str, Any], ps: list[tuple[int,
         assert fin.finish_reason == "length", fin.error
         out.append(fin.token_ids)
     return out
+
+
+def on_shards(engine: Engine, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``fn(executor, *args)`` on every shard of replica 0, in rank order, through Ray's ``__ray_call__`` (the
+    test hooks are the executor's, not actor methods). ``fn`` is pickled by value, so it must be a lambda that
+    names nothing of this module: the workers cannot import it."""
+    return engine.runners[0].group.call("__ray_call__", lambda worker, *a: fn(worker.local_executor(), *a), *args)
+
+
+def record_selections(engine: Engine, key: str) -> None:
+    """From now on every shard keeps every sparse selection of ``key``'s backend (``assert_same_selections``)."""
+    on_shards(engine, lambda ex, k: ex.record_selections(k), key)
 
 
 def kill_shard_mid_request(engine: Engine, prompt: tuple[int, ...], tokens_first: int = 1, new: int = 200) -> str:
@@ -52,8 +64,8 @@ def kill_shard_mid_request(engine: Engine, prompt: tuple[int, ...], tokens_first
 def assert_same_selections(e1: Engine, e2: Engine, shared: bool) -> None:
     """Shards of e2 (TP=2) against e1 (TP=1), call by call: the same list on every shard when the method
     shares one selection across heads, else the shards' heads in rank order are TP=1's heads."""
-    (one,) = e1.runners[0].group.call("selections")
-    shards = e2.runners[0].group.call("selections")
+    (one,) = on_shards(e1, lambda ex: getattr(ex, "selections", []))
+    shards = on_shards(e2, lambda ex: getattr(ex, "selections", []))
     assert len(one) > 0 and all(len(s) == len(one) for s in shards)
     heads = [info["kv_heads"] for info in e2.runners[0].group.info]
     for i, (layer, _, full) in enumerate(one):

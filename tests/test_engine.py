@@ -7,7 +7,13 @@ import time
 
 import pytest
 import torch
-from engine_helpers import SHARED_SELECTION, assert_same_selections, kill_shard_mid_request, tp1_and_tp2
+from engine_helpers import (
+    SHARED_SELECTION,
+    assert_same_selections,
+    kill_shard_mid_request,
+    record_selections,
+    tp1_and_tp2,
+)
 from engine_helpers import run as run_one_at_a_time
 from helpers import random_state, tiny_hf_config
 
@@ -62,7 +68,7 @@ def test_tp2_matches_tp1_with_identical_selections(engines, method, params):
     e1, e2 = engines
     if method != "dense":
         for e in engines:
-            e.runners[0].group.call("record_selections", method_key(method, params))
+            record_selections(e, method_key(method, params))
     ps = prompts()
     assert run(e2, method, ps, params=params) == run(e1, method, ps, params=params)
     if method != "dense":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import SHARED_SELECTION, assert_same_selections, run, tp1_and_tp2
+from engine_helpers import SHARED_SELECTION, assert_same_selections, record_selections, run, tp1_and_tp2
 
 from raysparse.step_plan import method_key
 
@@ -31,7 +31,7 @@ def test_default_model_tp2_matches_tp1(engines, real_text, method, params):
     prompt = tuple(e1.tokenizer(real_text[start: start + 20000])["input_ids"][:600])
     if method != "dense":
         for e in engines:
-            e.runners[0].group.call("record_selections", method_key(method, params))
+            record_selections(e, method_key(method, params))
     assert run(e2, method, params, [prompt], new=8) == run(e1, method, params, [prompt], new=8)
     if method != "dense":
         assert_same_selections(e1, e2, method in SHARED_SELECTION)
