@@ -134,7 +134,10 @@ def test_paged_decode_torch_matches_gathering_reference():
 @pytest.mark.parametrize("name,params", CASES)
 def test_graph_decode_tokens_match_reference_path(device, name, params):
     """Through the model: the padded graph step (eager on the CPU, captured on a GPU) gives the reference
-    path's logits (and so its greedy tokens) and density on a ragged batch."""
+    path's logits (and so its greedy tokens) and density on a ragged batch. On a GPU the captured replay is
+    held to the same batched step run eagerly: there the per-sequence reference's scores differ from the
+    batched ones in the last bits (other GEMM shapes), which can flip near-tied selections; the CPU run
+    holds the batched selection to the reference exactly."""
     seed = _seed()
     model = tiny_model(device, 2, 2, 3)
     lens = [int(x) for x in torch.randint(40, 300, (3,), generator=torch.Generator().manual_seed(seed))]
@@ -142,7 +145,7 @@ def test_graph_decode_tokens_match_reference_path(device, name, params):
     for graph in (False, True):
         backend = create_backend(name, model.cfg, dense_layers=(0,), **params)
         assert backend.graph_decode
-        if not graph:
+        if not graph and device == "cpu":
             backend.tracer = lambda *a: None  # forces the per-sequence reference path
         cache = KVCache(model.cfg, 48, 64, device=device)
         graphs = DecodeGraphs(model, cache, max_batch=4)

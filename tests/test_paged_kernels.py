@@ -67,5 +67,6 @@ def test_sparse_decode_paged_matches_torch():
         want, want_lse = paged_decode_torch(q, PagedKV(k, v, table, seqlens), sel, unit)
         kv = PagedKV(k.to(DEV), v.to(DEV), table.to(DEV), seqlens.to(DEV))
         got, lse = sparse_decode(q.to(DEV), kv, sel.to(DEV), unit)
-        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
-        torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+        tol = 1e-4 if DEV.type == "cpu" else 1e-2  # fp32 dots run as TF32 on GPUs (``dot_precision``)
+        torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+        torch.testing.assert_close(lse.cpu(), want_lse, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
