@@ -70,3 +70,23 @@ def test_sparse_decode_paged_matches_torch():
         tol = 1e-4 if DEV.type == "cpu" else 1e-2  # fp32 dots run as TF32 on GPUs (``dot_precision``)
         torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
         torch.testing.assert_close(lse.cpu(), want_lse, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_paged_quest_scores_match_torch():
+    from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    page, qpage, pages, h_kv, g_heads, d = 32, 8, 20, 2, 3, 16
+    lens = [int(x) for x in torch.randint(1, 150, (3,), generator=g)]
+    table = _table(g, lens, page, 6, pages)
+    lo = torch.randn(pages + 1, h_kv, page // qpage, d, generator=g)
+    hi = lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=g)
+    q = torch.randn(3, h_kv * g_heads, d, generator=g)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    want = paged_quest_scores_torch(q, lo, hi, table, seqlens, qpage)
+    got = paged_quest_scores(*(t.to(DEV) for t in (q, lo, hi, table, seqlens)), qpage).cpu()
+    inf = torch.isinf(want)
+    assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], want[inf]), f"seed {seed}"  # the encoding
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")

@@ -44,6 +44,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from raysparse.kernels.dispatch import triton_wanted
+from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
+from raysparse.kernels.paged_torch import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
@@ -225,29 +228,16 @@ class Quest(SparseMethod):
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         p = self.config.page_size
         lo_pool, hi_pool = self._pools(layer, view.cache)
-        b, h, d = q.shape
-        table = view.kv.page_table.long()  # [B, W]
-        h_kv, sub = lo_pool.shape[1], lo_pool.shape[2]
-        lo = lo_pool[table].permute(0, 2, 1, 3, 4).reshape(b, h_kv, -1, d)  # [B, h_kv, pages, d]
-        hi = hi_pool[table].permute(0, 2, 1, 3, 4).reshape(b, h_kv, -1, d)
-        qg = q.float().view(b, h_kv, -1, d)
-        score = (qg.clamp(min=0) @ hi.float().mT + qg.clamp(max=0) @ lo.float().mT).amax(2)  # [B, h_kv, pages]
-        pages = table.shape[1] * sub
-        n_pages = (view.seqlens.long() + p - 1) // p  # [B]
-        j = torch.arange(pages, device=q.device)
-        valid = j < n_pages[:, None]
-        forced = (j == 0) | (j == n_pages[:, None] - 1)
-        keep = row_budget(self.config.density, n_pages).clamp(min=torch.where(n_pages == 1, 1, 2))  # [B]
-        # Python scalars, not device tensors: a host-to-device copy cannot sit inside a graph capture.
-        keyed = torch.where(forced[:, None], math.inf, torch.where(valid[:, None], score, -math.inf))
-        width = self._static_width(pages)
-        # Stable: among equal scores the lower page wins, as in the per-sequence reference.
-        order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices[..., :width]
-        in_row = valid.gather(1, order.flatten(1)).view_as(order)
-        take = (torch.arange(width, device=q.device) < keep[:, None, None]) & in_row
-        big = torch.iinfo(torch.int64).max
-        chosen = torch.where(take, order, big).sort(dim=-1).values
-        return torch.where(chosen == big, SENTINEL, chosen).to(torch.int32)
+        args = (q, lo_pool, hi_pool, view.kv.page_table, view.seqlens, p)
+        # +inf: forced (the first and current page); -inf: past the row's pages.
+        score = paged_quest_scores(*args) if triton_wanted(q, lo_pool) else paged_quest_scores_torch(*args)
+        n_pages = (view.seqlens.long() + p - 1) // p
+        forced = torch.where(n_pages == 1, 1, 2)
+        kk = (row_budget(self.config.density, n_pages) - forced).clamp(min=0)  # [B]
+        pages = score.shape[-1]
+        k_max = max(self._static_width(pages) - 2, 0)
+        return select_list(score.flatten(0, 1), kk.repeat_interleave(score.shape[1]), k_max,
+                           self._static_width(pages)).view(*score.shape[:2], -1)
 
     def decode_keys(self, layer: int, n: int) -> int:
         p = self.config.page_size
