@@ -54,6 +54,7 @@ the known width). The reference gathers K/V per step; the Triton path replaces t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +63,12 @@ from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kernels.dispatch import triton_wanted
 from raysparse.kernels.paged_collision import paged_collision, paged_collision_torch
-from raysparse.kernels.paged_torch import stable_top
+from raysparse.kernels.paged_torch import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
 from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
 from raysparse.methods.registry import register
-from raysparse.methods.selection import SENTINEL, TokenSelection
+from raysparse.methods.selection import TokenSelection
 
 GROUP_REDUCES = ("mean", "max")
 NORM_BYTES = 4  # fp32 ||v||_2 per key and KV head
@@ -242,20 +243,14 @@ class Socket(SparseMethod):
         n = view.seqlens.long()[:, None]  # [B, 1]
         sink, local, top = self._budget_rows(n)
         j = torch.arange(width, device=q.device)
-        allowed = ((j >= sink) & (j < n - local))[:, None, :].expand_as(score)
+        middle = ((j >= sink) & (j < n - local))[:, None, :]
+        forced = ((j < sink) | ((j >= n - local) & (j < n)))[:, None, :]
+        # The list selection's encoding: +inf forced (sinks, local window), -inf outside the middle.
+        score = torch.where(forced, math.inf, torch.where(middle, score, -math.inf))
         k_max = self.budget(width)[2] if c.top_k is None else min(c.top_k, width)
-        order, ok = stable_top(score, allowed, max(k_max, 1))
-        ok = ok & (torch.arange(order.shape[-1], device=q.device) < top[:, :, None])
-        s_cols = torch.arange(min(c.sink_tokens, width), device=q.device)
-        l_cols = torch.arange(min(c.local_tokens, width), device=q.device)
-        sinks = torch.where(s_cols < sink, s_cols, -1)[:, None, :].expand(-1, h_kv, -1)
-        locs = n - local + l_cols
-        locs = torch.where(locs < n, locs, -1)[:, None, :].expand(-1, h_kv, -1)
-        big = torch.iinfo(torch.int64).max
-        parts = torch.cat([sinks, torch.where(ok, order, -1), locs], -1)
-        # Disjoint parts (sinks, scored middle, local window): one ascending sort deduplicates nothing.
-        chosen = torch.where(parts >= 0, parts, big).sort(dim=-1).values
-        return torch.where(chosen == big, SENTINEL, chosen).to(torch.int32)
+        out_width = min(width, min(c.sink_tokens, width) + min(c.local_tokens, width) + k_max)
+        return select_list(score.flatten(0, 1), top.expand(-1, h_kv).flatten(), k_max,
+                           max(out_width, 1)).view(*score.shape[:2], -1)
 
     def decode_keys(self, layer: int, n: int) -> int:
         return sum(self.budget(n))
