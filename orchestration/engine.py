@@ -123,7 +123,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> str:
         """Raises InvalidRequestError for anything the engine would refuse; returns the method key."""
-        from raysparse.methods.registry import create_backend
+        from raysparse.methods.registry import create_backend, method_capabilities
 
         assert self.model_cfg is not None
         limit = self.model_cfg.max_position_embeddings
@@ -136,17 +136,17 @@ class Engine:
         key = method_key(req.method, req.method_params)
         if key not in self._methods_ok:
             try:
-                backend = create_backend(req.method, self.model_cfg, **dict(req.method_params))
+                create_backend(req.method, self.model_cfg, **dict(req.method_params))
                 err = ""
-                if getattr(backend, "speculative", False) and not self.cfg.draft:
-                    err = "specattn needs the draft actor, which this engine was started without"
+                if method_capabilities(req.method).needs_draft and not self.cfg.draft:
+                    err = f"{req.method} needs the draft actor, which this engine was started without"
             except (ValueError, TypeError) as e:
                 err = str(e)
             self._methods_ok[key] = err
         if self._methods_ok[key]:
             raise InvalidRequestError(self._methods_ok[key])
-        if req.method == "specattn" and not req.params.greedy:
-            raise InvalidRequestError("specattn decodes greedily: temperature must be 0")
+        if method_capabilities(req.method).greedy_only and not req.params.greedy:
+            raise InvalidRequestError(f"{req.method} decodes greedily: temperature must be 0")
         return key
 
     def submit(self, req: EngineRequest) -> RequestHandle:

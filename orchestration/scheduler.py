@@ -5,7 +5,8 @@ whole reservation (prompt + max new tokens) fits the free pages; a prefill step 
 of the head request's method up to ``max_prefill_tokens``; decode steps batch up to ``max_batch`` running
 sequences of one method key, rotating over keys. When both kinds of work exist the steps alternate, so
 a stream of arrivals never starves running decodes. A request whose reservation exceeds the whole cache
-is refused at submission (``CapacityExceededError``), never out of memory later.
+is refused at submission (``CapacityExceededError``), never out of memory later. What a method allows
+(chunked prefill, several decode steps per call) comes from its registry entry (``MethodCapabilities``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from raysparse.methods.registry import MethodCapabilities, method_capabilities
 from raysparse.orchestration.engine_api import CapacityExceededError, EngineRequest, RequestHandle
-from raysparse.step_plan import StepPlan
+from raysparse.step_plan import StepPlan, parse_key
 
 
 @dataclass
@@ -72,6 +74,19 @@ class Scheduler:
         self._to_free: list[int] = []
         self._rr = 0
         self._last_prefill = False
+        self._caps: dict[str, MethodCapabilities] = {}
+
+    def capabilities(self, key: str) -> MethodCapabilities:
+        """What the method of ``key`` allows, looked up once per key. The engine validated the method at
+        submission; a key that names no registered method (a bare policy key) gets the defaults."""
+        caps = self._caps.get(key)
+        if caps is None:
+            try:
+                caps = method_capabilities(parse_key(key)[0])
+            except (ValueError, TypeError):
+                caps = MethodCapabilities()
+            self._caps[key] = caps
+        return caps
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.cfg.page_size)
@@ -147,7 +162,7 @@ class Scheduler:
             self._rr += 1
             group = self._ready(key)[: self.cfg.max_batch]
             plan = StepPlan(key, False, [s.seq_id for s in group], [[s.tokens[-1]] for s in group])
-            if not (admissible or self._partial() or key.startswith('["specattn"')):
+            if not (admissible or self._partial()) and self.capabilities(key).multi_step_decode:
                 # Multi-step: fewer round trips while nothing else could run; never past a request's
                 # max_new_tokens (its pages), at most steps - 1 tokens computed after a stop token.
                 left = min(s.request.params.max_new_tokens - len(s.tokens) for s in group)
@@ -163,10 +178,10 @@ class Scheduler:
         """Prompts (or their next chunks) up to ``max_prefill_tokens``: sequences part-way through their prompt
         first, then new admissions of the same method. A prompt longer than what is left of the step's budget
         is split (chunked prefill), so a long prompt never holds decodes up for more than one budget's worth;
-        SpecAttn, whose draft prefills whole prompts, is never split."""
+        a method without ``chunked_prefill`` (e.g. one whose draft prefills whole prompts) is never split."""
         partial = self._partial()
         key = partial[0].key if partial else self.waiting[0].key
-        chunkable = not key.startswith('["specattn"')
+        chunkable = self.capabilities(key).chunked_prefill
         budget = self.cfg.max_prefill_tokens
         rows: list[tuple[Sequence, int]] = []  # (sequence, tokens of it in this step)
         for seq in [s for s in partial if s.key == key]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from raysparse.actors.draft_worker import DraftWorker
 from raysparse.actors.shard_worker import ShardSpec
+from raysparse.methods.registry import method_capabilities
 from raysparse.step_plan import StepPlan, parse_key
 
 
@@ -62,7 +63,8 @@ class SpecStep:
             return False
         if plan.key not in self.gammas:
             method, params = parse_key(plan.key)
-            self.gammas[plan.key] = int(params.get("gamma", 4)) if method == "specattn" else 0
+            needs_draft = method_capabilities(method).needs_draft
+            self.gammas[plan.key] = int(params.get("gamma", 4)) if needs_draft else 0
         return self.gammas[plan.key] > 0
 
     def run(self, runner: Any, plan: StepPlan) -> None:

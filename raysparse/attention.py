@@ -9,12 +9,15 @@ methods plug in without touching the model.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from raysparse.kv_cache import BatchMeta, KVCache
+from raysparse.runtime_config import RuntimeConfig
 
 
 @dataclass
@@ -64,6 +67,25 @@ def causal_pairs(q_len: int, ctx_len: int) -> int:
     return q_len * start + q_len * (q_len + 1) // 2
 
 
+@dataclass(frozen=True)
+class ShardContext:
+    """What a shard offers the backends it creates (``AttentionBackend.bind``), so a method takes what it
+    needs without the shard knowing which method it is.
+
+    - ``cache``: the shard's KV cache (None where backends are built outside a shard, e.g. the distributed
+      eval's per-sequence generators).
+    - ``max_batch``: the largest batch the shard's CUDA-graph runner captures; None when it replays no graphs.
+    - ``runtime``: the engine's runtime switches (``EngineConfig.runtime``).
+    - ``all_reduce``: the tensor-parallel group's SUM all-reduce (in place, returns its input); None on a
+      single shard. Whatever a method must agree on across shards goes through it.
+    """
+
+    cache: KVCache | None = None
+    max_batch: int | None = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 class AttentionBackend(ABC):
     """One layer's attention for a packed batch. Outputs are [T, num_heads, head_dim]."""
 
@@ -82,6 +104,16 @@ class AttentionBackend(ABC):
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - an optional hook, not abstract
         """Drops any per-sequence state the backend keeps outside the cache."""
+
+    def bind(self, shard: ShardContext) -> None:  # noqa: B027 - an optional hook, not abstract
+        """Called once by the shard that created this backend, before its first step: a method takes from
+        ``shard`` what it needs (a graph decode path over the cache, the group's all-reduce). Most need
+        nothing."""
+
+    def stats_dict(self) -> dict[str, Any] | None:
+        """The method's own statistics beyond density (e.g. speculative acceptance), reported by the shard
+        per method key; None when it keeps none."""
+        return None
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

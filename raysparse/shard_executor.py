@@ -6,20 +6,22 @@ lockstep) and rank 0 samples. No Ray here, so the same code runs in a Ray actor 
 
 Backends are created per method key (method name plus its parameters) on first use and shared by every
 sequence with that key; their per-sequence state lives in the cache's metadata and is released with the
-sequence. Under tensor parallelism anything a method must agree on across shards goes through
-``attach_group``: Sketch&Walk's block sums are SUM-all-reduced every layer (the walk coordinator), so every
-shard holds identical sketches, walk state and selections.
+sequence. Each new backend is bound to the shard (``AttentionBackend.bind`` with a ``ShardContext``: the
+cache, the graph runner's batch, the runtime config and the group's all-reduce) and takes what its method
+needs from it; this module names no method. A method's own statistics (``stats_dict``) are reported under
+its name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from raysparse.attention import AttentionBackend
+from raysparse.attention import AttentionBackend, ShardContext
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
@@ -28,20 +30,40 @@ from raysparse.runtime_config import RuntimeConfig
 from raysparse.sampling import Sampler, SamplingParams
 from raysparse.step_plan import StepPlan, parse_key
 
+# the executor's own entries in ``stats``; a method with one of these names reports as "method:<name>"
+_FIXED_STATS = frozenset({"coord_s", "kv_free_pages", "kv_pages", "density", "density_decode", "graphs"})
 
-def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Gives every method inside ``backend`` (Delta wraps a base) the group's SUM all-reduce."""
+
+@runtime_checkable
+class RoundVerifier(Protocol):
+    """A backend whose decode steps are rounds verified on the shards (``ShardExecutor.verify``): the
+    message is what the engine's draft actor proposed for the round."""
+
+    def verify_round(self, model: Any, cache: KVCache, seq_ids: list[int], tokens: list[list[int]],
+                     message: bytes, record_stats: bool) -> list[list[int]]: ...
+
+
+def bind_backend(backend: AttentionBackend, shard: ShardContext) -> None:
+    """Binds ``backend`` and every backend it wraps (``base``: Delta wraps one) to the shard. A wrapped
+    backend decodes inside its wrapper's decode, never from a graph capture of its own, so it gets no graph
+    runner (no fixed-shape state allocated for a path that would never run)."""
     seen: set[int] = set()
-    stack: list[Any] = [backend]
+    stack: list[tuple[Any, ShardContext]] = [(backend, shard)]
+    inner = dataclasses.replace(shard, max_batch=None)
     while stack:
-        b = stack.pop()
+        b, ctx = stack.pop()
         if id(b) in seen:
             continue
         seen.add(id(b))
-        if hasattr(b, "head_reduce"):
-            b.head_reduce = reduce
+        b.bind(ctx)
         if isinstance(getattr(b, "base", None), AttentionBackend):
-            stack.append(b.base)
+            stack.append((b.base, inner))
+
+
+def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Gives ``backend`` (and what it wraps) the group's SUM all-reduce alone, for backends built outside a
+    shard's executor (the distributed eval's generators)."""
+    bind_backend(backend, ShardContext(all_reduce=reduce))
 
 
 class ShardExecutor:
@@ -98,13 +120,10 @@ class ShardExecutor:
         if b is None:
             method, params = parse_key(key)
             b = create_backend(method, self.model.cfg, **params)
-            if self._reduce is not None and self.world_size > 1:
-                attach_group(b, self._reduce)
-            if self.graphs is not None:
-                from raysparse.methods.sketch_walk_attach import attach_graph_decode
-
-                attach_graph_decode(b, self.cache, self.graphs.max_batch,
-                                    max_positions=self.model.cfg.max_position_embeddings, runtime=self.runtime)
+            bind_backend(b, ShardContext(
+                cache=self.cache, max_batch=self.graphs.max_batch if self.graphs is not None else None,
+                runtime=self.runtime,
+                all_reduce=self._reduce if self._reduce is not None and self.world_size > 1 else None))
             self.backends[key] = b
         return b
 
@@ -209,42 +228,16 @@ class ShardExecutor:
         return self._share_reduce(t).tolist()
 
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
-        """One SpecAttn round: the draft's tokens and plans (``specattn.wire``) verified over this shard's
-        heads. Every rank holds the full logits after the last all-reduce, so every rank computes the same
-        greedy acceptance and rolls its cache back to the same length."""
-        from raysparse.specattn.wire import unpack_round
-
+        """One round of a method whose decode steps are draft-then-verify rounds (``RoundVerifier``): the
+        draft actor's ``message`` verified over this shard's heads by the backend. Every rank computes the
+        same acceptance; rank 0 alone records the round in the method's statistics."""
         t0 = time.perf_counter()
         self.free(plan.free)
         backend = self.backend(plan.key)
         try:
-            lo = getattr(self.model, "kv_head_offset", 0)
-            drafts, plans = unpack_round(message, lo, lo + self.cache.num_kv_heads, self.cache.device)
-            for sid, p in zip(plan.seq_ids, plans, strict=True):
-                if p.ctx_len != self.cache.seq_len(sid):
-                    raise RuntimeError(f"sequence {sid}: draft planned after {p.ctx_len} tokens, the verifier "
-                                       f"holds {self.cache.seq_len(sid)}")
-                backend.install(sid, p)  # type: ignore[attr-defined]
-            chunks = [[toks[-1], *d] for toks, d in zip(plan.tokens, drafts, strict=True)]
-            ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.cache.device)
-            batch = self.cache.prepare(plan.seq_ids, [len(c) for c in chunks], True)
-            try:
-                logits = self.model(ids, batch, self.cache, backend, all_logits=True)
-            finally:
-                backend.clear_plans()  # type: ignore[attr-defined]
-            verdict = logits.argmax(-1).tolist()
-            out, o = [], 0
-            for sid, c, d, p in zip(plan.seq_ids, chunks, drafts, plans, strict=True):
-                v = verdict[o: o + len(c)]
-                o += len(c)
-                n_acc = 0
-                while n_acc < len(d) and d[n_acc] == v[n_acc]:
-                    n_acc += 1
-                self.cache.truncate(sid, p.ctx_len + n_acc + 1)
-                out.append(d[:n_acc] + [v[n_acc]])
-                if self.rank == 0:
-                    st = backend.stats  # type: ignore[attr-defined]
-                    st.rounds, st.drafted, st.accepted = st.rounds + 1, st.drafted + len(d), st.accepted + n_acc
+            if not isinstance(backend, RoundVerifier):
+                raise TypeError(f"method {parse_key(plan.key)[0]!r} has no verification rounds")
+            out = backend.verify_round(self.model, self.cache, plan.seq_ids, plan.tokens, message, self.rank == 0)
             self._sync()
             return {"tokens": out, "error": None, "forward_s": time.perf_counter() - t0}
         except Exception as e:
@@ -301,11 +294,20 @@ class ShardExecutor:
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         self._fold_events()
-        out = {"coord_s": self.coord_s, "kv_free_pages": self.cache.free_pages, "kv_pages": self.cache.num_pages,
-               "density": {k: b.meter.overall() for k, b in self.backends.items()},
-               "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()},
-               "specattn": {k: b.stats.to_dict() for k, b in self.backends.items() if hasattr(b, "stats")},
-               "graphs": self.graphs.stats() if self.graphs is not None else None}
+        out: dict[str, Any] = {
+            "coord_s": self.coord_s, "kv_free_pages": self.cache.free_pages, "kv_pages": self.cache.num_pages,
+            "density": {k: b.meter.overall() for k, b in self.backends.items()},
+            "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()},
+            "graphs": self.graphs.stats() if self.graphs is not None else None}
+        # A method's own statistics under its name, per key: {method: {key: stats}} (callers read e.g.
+        # SpecAttn's acceptance as stats[name][key]); the fixed entries above are never overwritten.
+        for k, b in self.backends.items():
+            method_stats = b.stats_dict()
+            if method_stats is not None:
+                name = parse_key(k)[0]
+                if name in _FIXED_STATS:
+                    name = f"method:{name}"
+                out.setdefault(name, {})[k] = method_stats
         if reset:
             self.coord_s = 0.0
         return out

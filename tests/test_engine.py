@@ -91,6 +91,8 @@ def test_bad_requests_are_refused_up_front(engines):
         e1.submit(EngineRequest(p, method="nope"))
     with pytest.raises(InvalidRequestError, match="density"):
         e1.submit(EngineRequest(p, method="quest", method_params={"density": 7.0}))
+    with pytest.raises(InvalidRequestError, match="specattn needs the draft actor"):  # its declared needs_draft
+        e1.submit(EngineRequest(p, method="specattn"))
     with pytest.raises(InvalidRequestError, match="positions"):
         e1.submit(EngineRequest(p, SamplingParams(max_new_tokens=400)))
     with pytest.raises(InvalidRequestError, match="vocabulary"):

@@ -122,3 +122,28 @@ def test_chunked_prefill_gives_the_same_tokens_and_lets_decodes_through():
         finally:
             runner.stop()
     assert outs[64] == outs[4096]
+
+
+def test_method_capabilities_decide_chunked_prefill_and_multi_step_decode():
+    """The scheduler asks the method's registry entry, never its name: dense prompts are chunked and its
+    decodes run several steps per call; SpecAttn (whose draft prefills whole prompts, and whose decode step is
+    a round) gets neither."""
+    from raysparse.methods.registry import method_capabilities
+
+    for method in ("dense", "specattn"):
+        caps = method_capabilities(method)
+        sched = Scheduler(SchedulerConfig(32, 64, max_batch=8, max_prefill_tokens=100, decode_steps=4))
+        h = RequestHandle(EngineRequest(tuple(range(1, 251)), SamplingParams(max_new_tokens=8, ignore_eos=True),
+                                        method), lambda _rid: False)
+        seq = sched.make_sequence(h, method_key(method), frozenset(), 0.0)
+        sched.add(seq)
+        chunks = []
+        while not seq.prompt_done:
+            plan = sched.next_plan()
+            assert plan is not None and plan.prefill
+            chunks.append(len(plan.tokens[0]))
+        assert chunks == ([100, 100, 50] if caps.chunked_prefill else [250])
+        seq.tokens.append(1)
+        plan = sched.next_plan()
+        assert plan is not None and not plan.prefill and plan.steps == (4 if caps.multi_step_decode else 1)
+    assert not method_capabilities("specattn").chunked_prefill and method_capabilities("dense").multi_step_decode

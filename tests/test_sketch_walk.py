@@ -738,3 +738,34 @@ def test_real_density_near_budget(tiny_model):
     run_steps(tiny_model, sw, prompts, 8)
     for d in sw.meter.per_layer()[1:]:
         assert 0.17 < d < 0.25, sw.meter.per_layer()
+
+
+def test_shard_executor_binds_every_backend_it_creates():
+    """The executor binds each new backend (and what it wraps) to the shard through ``AttentionBackend.bind``:
+    Sketch&Walk takes the group's all-reduce as its walk coordinator under TP (inside Delta too) and none on
+    one shard; a wrapped backend gets no graph runner, since it never decodes from a capture of its own."""
+    import dataclasses
+
+    from raysparse.attention import ShardContext
+    from raysparse.shard_executor import ShardExecutor, bind_backend
+    from raysparse.step_plan import method_key
+
+    cfg = tiny_hf_config(layers=3)
+    model = model_from_state(cfg, random_state(cfg, seed=5).state_dict())
+    group = ShardExecutor(model, fresh_cache(model, 256), rank=0, world_size=2, reduce=lambda t: t)
+    sw = group.backend(method_key("sketch_walk"))
+    assert sw.head_reduce is not None and sw.graph_path is None  # no graph runner here
+    assert group.backend(method_key("delta", {"base": "sketch_walk"})).base.head_reduce is not None
+    assert ShardExecutor(model, fresh_cache(model, 256)).backend(method_key("sketch_walk")).head_reduce is None
+
+    seen: list[tuple[object, ShardContext]] = []
+
+    class Recording(DenseAttention):
+        def bind(self, shard: ShardContext) -> None:
+            seen.append((self, shard))
+
+    outer, inner = Recording(1), Recording(1)
+    outer.base = inner  # type: ignore[attr-defined]
+    ctx = ShardContext(max_batch=8, all_reduce=lambda t: t)
+    bind_backend(outer, ctx)
+    assert seen == [(outer, ctx), (inner, dataclasses.replace(ctx, max_batch=None))]

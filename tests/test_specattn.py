@@ -349,3 +349,43 @@ def test_map_command_bad_input_is_one_line(tmp_path, capsys):
         specattn_map_main(["--tokens", "zero"])
     assert e.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_shard_executor_verifies_a_round_through_the_backend():
+    """``ShardExecutor.verify`` reaches SpecAttn through the backend's ``verify_round`` (the executor imports
+    nothing of SpecAttn): with p = 1 a draft of the verifier's own greedy tokens is accepted whole, a draft
+    wrong at its second token is cut there and the cache rolled back, and rank 0's acceptance statistics are
+    reported under the method's name."""
+    from dataclasses import asdict
+
+    from raysparse.shard_executor import ShardExecutor
+    from raysparse.specattn.method import VerifyPlan
+    from raysparse.specattn.wire import pack_round
+    from raysparse.step_plan import StepPlan, method_key
+
+    cfg = tiny_hf_config(layers=3)
+    model = model_from_state(cfg, random_state(cfg, seed=11).state_dict())
+    params = asdict(SamplingParams(max_new_tokens=8, ignore_eos=True))
+    prompt = [5, 9, 2, 7, 11, 3, 40, 41]
+    ref, dense = ShardExecutor(model, fresh_cache(model, 256)), method_key("dense")
+    greedy = [ref.execute(StepPlan(dense, True, [0], [prompt], admit=[(0, 32, params)]))["tokens"][0]]
+    for _ in range(4):
+        greedy.append(ref.execute(StepPlan(dense, False, [0], [[greedy[-1]]]))["tokens"][0])
+    assert "dense" not in ref.stats()  # a method without statistics of its own reports none
+
+    ex, key = ShardExecutor(model, fresh_cache(model, 256)), method_key("specattn", {"top_p": 1.0, "gamma": 3})
+    first = ex.execute(StepPlan(key, True, [0, 1], [prompt, prompt], admit=[(0, 32, params), (1, 32, params)]))
+    assert first["tokens"] == [greedy[0], greedy[0]], first["error"]
+    backend = ex.backend(key)
+    wrong = (greedy[2] + 1) % cfg.vocab_size
+    drafts = [greedy[1:4], [greedy[1], wrong, greedy[3]]]
+    plans = [VerifyPlan(len(prompt), 4, True), VerifyPlan(len(prompt), 4, True)]
+    sparse_map = {j: backend.layer_map.mapping[j] for j in backend.stats.sparse_layers}
+    msg = pack_round(drafts, plans, sparse_map, backend.config.chunk_size)
+    res = ex.verify(StepPlan(key, False, [0, 1], [[greedy[0]], [greedy[0]]]), msg)
+    assert res["error"] is None and res["tokens"] == [greedy[1:5], greedy[1:3]]
+    assert [ex.cache.seq_len(s) for s in (0, 1)] == [len(prompt) + 4, len(prompt) + 2]
+    st = ex.stats()["specattn"][key]
+    assert (st["rounds"], st["drafted"], st["accepted"]) == (2, 6, 4)
+    bad = ex.verify(StepPlan(dense, False, [0], [[greedy[0]]]), msg)  # dense has no verification rounds
+    assert bad["tokens"] is None and "'dense' has no verification rounds" in bad["error"]

@@ -1,4 +1,8 @@
-"""The one registry of attention methods: every command's ``--method`` resolves here."""
+"""The one registry of attention methods: every command's ``--method`` resolves here.
+
+Besides its factory a method declares what the runtime must do differently for it (``MethodCapabilities``):
+the scheduler and the engine read these by the method's name, so no generic code names a method.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,29 @@ from raysparse.config import ModelConfig
 
 
 @dataclass(frozen=True)
+class MethodCapabilities:
+    """How a method runs in the engine; the defaults fit every method that decodes one token per step.
+
+    - ``needs_draft``: decode steps are draft-then-verify rounds, so the engine needs its draft actor.
+    - ``greedy_only``: the method decodes greedily only (temperature 0).
+    - ``chunked_prefill``: a prompt may be prefilled over several steps (a method whose draft prefills
+      whole prompts may not).
+    - ``multi_step_decode``: several decode steps may run in one call to the shards (``--decode-steps``);
+      not for a method whose decode step is a round of its own.
+    """
+
+    needs_draft: bool = False
+    greedy_only: bool = False
+    chunked_prefill: bool = True
+    multi_step_decode: bool = True
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     name: str
     description: str
     factory: Callable[..., AttentionBackend]  # (model config, **method params) -> backend
+    capabilities: MethodCapabilities = MethodCapabilities()
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -56,6 +79,11 @@ def get_method(name: str) -> MethodSpec:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown attention method {name!r}; choose one of: {', '.join(method_names())}") from None
+
+
+def method_capabilities(name: str) -> MethodCapabilities:
+    """What the runtime must do for method ``name`` (raises ValueError for an unknown one)."""
+    return get_method(name).capabilities
 
 
 def create_backend(name: str, cfg: ModelConfig, **params: Any) -> AttentionBackend:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from raysparse.attention import ShardContext
 from raysparse.config import ModelConfig
 from raysparse.methods.base import SeqContext, SparseMethod, host_row_budget, method_spec, row_budget
 from raysparse.methods.hadamard import SRHT, derive_seed
@@ -95,6 +96,18 @@ class SketchWalk(SparseMethod):
     @graph_path.setter
     def graph_path(self, path: Any) -> None:
         self._graph_path = path if self.config.sub_blocks == 1 or getattr(path, "key_parts", False) else None
+
+    def bind(self, shard: ShardContext) -> None:
+        """Under tensor parallelism the walk coordinator: the block sums are SUM-all-reduced every layer, so
+        every shard holds identical sketches, walk state and selections. With the shard's graph runner, the
+        graph decode path of this scoring (``sketch_walk_attach``) with its fixed-shape state."""
+        if shard.all_reduce is not None:
+            self.head_reduce = shard.all_reduce
+        if shard.cache is not None and shard.max_batch is not None:
+            from raysparse.methods.sketch_walk_attach import attach_graph_decode  # it imports this module
+
+            attach_graph_decode(self, shard.cache, shard.max_batch,
+                                max_positions=self.model_cfg.max_position_embeddings, runtime=shard.runtime)
 
     # ---- sketches and block scores --------------------------------------------------------------
     # Internally every tensor carries a leading score-head axis H: 1 for heads="mean" (whose state keeps

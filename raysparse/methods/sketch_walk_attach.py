@@ -1,6 +1,7 @@
 """Which Sketch&Walk instances decode from CUDA graphs: ``attach_graph_decode`` gives a backend the graph
 path its scoring has (``sketch_walk_graph`` for SPEC's head mean, ``sketch_walk_graph_paired`` for the
-paired scorings), with its fixed-shape state, or leaves it on the eager decode (and says so in the log)."""
+paired scorings), with its fixed-shape state, or leaves it on the eager decode (and says so in the log). A shard
+reaches it through ``SketchWalk.bind`` when it has a graph runner."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ Choices where SPEC is silent:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import SeqContext, SparseMethod, method_spec
-from raysparse.methods.registry import register
+from raysparse.methods.registry import MethodCapabilities, register
 from raysparse.methods.selection import SENTINEL, TokenSelection, indices_from_mask
 from raysparse.specattn.draft import default_draft_layers, validate_draft_layers
 from raysparse.specattn.layer_map import LayerMap, nearest_below_map
@@ -277,6 +277,53 @@ class SpecAttn(SparseMethod):
         super().release(seq_id)
         self._plans.pop(seq_id, None)
 
+    def stats_dict(self) -> dict[str, Any]:
+        return self.stats.to_dict()
 
-SPEC = register(method_spec(SpecAttn, "SpecAttn: self-speculative decoding, verifier attends draft top-p chunks "
-                                      "(use SpecAttnGenerator)"))
+    # ---- a verifier shard's round (``ShardExecutor.verify``) ------------------------------------------
+    def verify_round(self, model: Any, cache: KVCache, seq_ids: list[int], tokens: list[list[int]],
+                     message: bytes, record_stats: bool) -> list[list[int]]:
+        """Verifies the draft actor's round (``specattn.wire``) over this shard's KV heads: installs each
+        sequence's plan, runs the gamma + 1 positions through the prefill path, accepts greedily and rolls
+        the cache back past the first rejected token. Every rank holds the full logits after the last
+        all-reduce, so every rank accepts the same tokens; ``record_stats`` on one rank only, so a group
+        counts each round once. Returns the accepted tokens plus the verifier's own next token per sequence."""
+        from raysparse.specattn.wire import unpack_round  # wire imports this module
+
+        lo = getattr(model, "kv_head_offset", 0)
+        drafts, plans = unpack_round(message, lo, lo + cache.num_kv_heads, cache.device)
+        for sid, p in zip(seq_ids, plans, strict=True):
+            if p.ctx_len != cache.seq_len(sid):
+                raise RuntimeError(f"sequence {sid}: draft planned after {p.ctx_len} tokens, the verifier "
+                                   f"holds {cache.seq_len(sid)}")
+            self.install(sid, p)
+        chunks = [[toks[-1], *d] for toks, d in zip(tokens, drafts, strict=True)]
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=cache.device)
+        batch = cache.prepare(seq_ids, [len(c) for c in chunks], True)
+        try:
+            logits = model(ids, batch, cache, self, all_logits=True)
+        finally:
+            self.clear_plans()
+        verdict = logits.argmax(-1).tolist()
+        out, o = [], 0
+        for sid, c, d, p in zip(seq_ids, chunks, drafts, plans, strict=True):
+            v = verdict[o: o + len(c)]
+            o += len(c)
+            n_acc = 0
+            while n_acc < len(d) and d[n_acc] == v[n_acc]:
+                n_acc += 1
+            cache.truncate(sid, p.ctx_len + n_acc + 1)
+            out.append(d[:n_acc] + [v[n_acc]])
+            if record_stats:
+                st = self.stats
+                st.rounds, st.drafted, st.accepted = st.rounds + 1, st.drafted + len(d), st.accepted + n_acc
+        return out
+
+
+# Decode steps are draft-then-verify rounds (the engine's draft actor), accepted greedily; the draft prefills
+# whole prompts, so a prompt is never split, and a round is one call to the shards.
+SPEC = register(replace(
+    method_spec(SpecAttn, "SpecAttn: self-speculative decoding, verifier attends draft top-p chunks "
+                          "(use SpecAttnGenerator)"),
+    capabilities=MethodCapabilities(needs_draft=True, greedy_only=True, chunked_prefill=False,
+                                    multi_step_decode=False)))
