@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from raysparse.orchestration.ray_env import LOCAL_RAY_ENV, WORKER_ENV, start_ray  # noqa: F401 - re-exported
+from raysparse.runtime_config import RuntimeConfig
 from raysparse.step_plan import method_key
 
 
@@ -37,9 +38,11 @@ class RunOptions:
     tp: int = 1
     replicas: int = 1
     cpus_per_shard: float = 1.0
+    runtime: RuntimeConfig = RuntimeConfig()  # the shards' kernels and collectives (``--runtime``)
 
 
 def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:
+    from raysparse.methods.registry import method_capabilities
     from raysparse.orchestration.engine import Engine, EngineConfig
     from raysparse.orchestration.engine_api import EngineError, EngineRequest
     from raysparse.sampling import SamplingParams
@@ -49,7 +52,7 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
     kv_tokens = opts.context_tokens + opts.max_new_tokens + 256  # the chat template adds a few tokens
     cfg = EngineConfig(model=opts.model, dtype=opts.dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
                        kv_cache_tokens=kv_tokens, num_cpus=opts.num_cpus, cpus_per_shard=opts.cpus_per_shard,
-                       draft=opts.method == "specattn")
+                       draft=method_capabilities(opts.method).needs_draft, runtime=opts.runtime)
     engine = Engine(cfg)
     try:
         with console.status(f"starting {opts.replicas} replica(s) of {opts.tp} shard actor(s)"):

@@ -8,7 +8,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from raysparse.runtime_config import RuntimeConfig
 
 EXIT_USAGE, EXIT_FAILURE = 2, 1
 DEVICES = ("cpu", "cuda", "auto")  # where shard actors run (Ray gives each GPU shard its own device)
@@ -74,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-new-tokens", type=_positive_int, default=24)
     run.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     _add_cluster_args(run)
+    from raysparse.serving.commands import add_runtime_arg
+
+    add_runtime_arg(run)
     run.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     _add_eval_parser(sub)
     from raysparse.serving.commands import add_parsers as add_serving_parsers
@@ -194,13 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         get_method(args.method)
+        runtime = serving_commands.runtime_config(args.runtime)
     except ValueError as e:
         parser.exit(EXIT_USAGE, f"raysparse: error: {e}\n")
     _check_paths(args)
-    return _run(args)
+    return _run(args, runtime)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
     import json
 
     from rich.console import Console
@@ -212,7 +219,7 @@ def _run(args: argparse.Namespace) -> int:
     opts = RunOptions(model=args.model, method=args.method, method_params=method_params, text=args.text,
                       context_tokens=args.context_tokens, depth=args.depth, seed=args.seed,
                       max_new_tokens=args.max_new_tokens, dtype=args.dtype, address=args.address, tp=args.tp,
-                      replicas=args.replicas, cpus_per_shard=args.cpus_per_shard)
+                      replicas=args.replicas, cpus_per_shard=args.cpus_per_shard, runtime=runtime)
     try:
         result = run_retrieval(opts, console)
     except (JobError, ValueError, FileNotFoundError, ConnectionError, TimeoutError) as e:

@@ -37,6 +37,11 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -
     (["run", "--tp", "0"], "positive integer"),
     (["run", "--replicas", "two"], "positive integer"),
     (["run", "--cpus-per-shard", "0"], "cpus_per_shard must be > 0"),
+    (["run", "--runtime", "fused_ops=fast"], "runtime.fused_ops must be one of"),
+    (["run", "--runtime", "no_such_switch=1"], "unknown key 'no_such_switch'"),
+    (["serve", "--runtime", "walk_select=maybe"], "walk_select takes true or false"),
+    (["serve", "--runtime", "allreduce"], "expected KEY=VALUE"),
+    (["bench", "--runtime", "compiled_graph=sometimes"], "runtime.compiled_graph must be one of"),
 ])
 def test_bad_input_exits_with_one_clear_line(args, needle):
     assert_one_line_error(raysparse(*args, timeout=60), needle)
@@ -67,3 +72,22 @@ def test_main_job_answers_the_default_retrieval_question():
     assert 3800 <= result["prompt_tokens"] <= 4400
     assert result["method"] == "dense" and result["density"] == 1.0
     assert result["ttft_s"] > 0 and result["decode_tokens_per_s"] > 0
+
+
+def test_runtime_flag_reaches_the_engine_config():
+    """``--runtime KEY=VALUE`` (repeatable, the last of a key wins) becomes the engine's RuntimeConfig,
+    for every command built on the shared engine flags (serve, bench, the JSONL job)."""
+    from raysparse.cli import build_parser
+    from raysparse.jobs.longcontext import build_parser as job_parser
+    from raysparse.runtime_config import RuntimeConfig
+    from raysparse.serving.commands import engine_config
+
+    want = RuntimeConfig(fused_ops="torch", compiled_graph="off", sw_graph_paired=False, walk_select=True)
+    flags = ["--runtime", "fused_ops=torch", "--runtime", "compiled-graph=off", "--runtime", "sw_graph_paired=off",
+             "--runtime", "walk_select=no", "--runtime", "walk_select=true"]
+    for argv in (["serve", *flags], ["bench", *flags]):
+        assert engine_config(build_parser().parse_args(argv)).runtime == want
+    job = job_parser().parse_args(["--input", "in.jsonl", "--output", "out.jsonl", *flags])
+    assert engine_config(job).runtime == want
+    assert engine_config(build_parser().parse_args(["serve"])).runtime == RuntimeConfig()
+    assert build_parser().parse_args(["run", *flags]).runtime == flags[1::2]

@@ -11,7 +11,10 @@ import json
 import math
 import signal
 import sys
+from dataclasses import fields
 from typing import Any
+
+from raysparse.runtime_config import RuntimeConfig
 
 EXIT_USAGE, EXIT_FAILURE = 2, 1
 COMMANDS = ("serve", "generate", "bench")
@@ -55,6 +58,43 @@ def param(s: str) -> tuple[str, Any]:
         return key, value
 
 
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+def runtime_config(settings: list[str] | None) -> RuntimeConfig:
+    """``--runtime KEY=VALUE`` settings (repeatable; the last of a key wins) as a validated ``RuntimeConfig``.
+    Boolean fields take true/false (on/off, yes/no, 1/0). Raises ValueError with one line naming the bad
+    setting, so every command refuses it before a model loads."""
+    defaults = RuntimeConfig()
+    names = [f.name for f in fields(RuntimeConfig)]
+    values: dict[str, Any] = {}
+    for s in settings or []:
+        key, sep, value = s.partition("=")
+        key, value = key.strip().replace("-", "_"), value.strip()
+        if not sep or not key:
+            raise ValueError(f"--runtime {s!r}: expected KEY=VALUE")
+        if key not in names:
+            raise ValueError(f"--runtime {s!r}: unknown key {key!r}; choose from {', '.join(names)}")
+        if isinstance(getattr(defaults, key), bool):
+            if value.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"--runtime {s!r}: {key} takes true or false")
+            values[key] = value.lower() in _TRUE
+        else:
+            values[key] = value
+        try:  # each setting alone (the other fields at their valid defaults), to name the bad one
+            RuntimeConfig(**{key: values[key]})
+        except ValueError as e:
+            raise ValueError(f"--runtime {s!r}: {e}") from None
+    return RuntimeConfig(**values)
+
+
+def add_runtime_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runtime", action="append", default=[], metavar="KEY=VALUE",
+                   help="a runtime switch of the shards (repeatable), one of: "
+                        f"{', '.join(f.name for f in fields(RuntimeConfig))}; e.g. --runtime fused_ops=torch "
+                        "--runtime sw_graph_paired=false (see raysparse/runtime_config.py)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -72,6 +112,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="GPUs: run decode steps eagerly")
     p.add_argument("--random-weights", action="store_true",
                    help="seeded random weights from --model's config alone (speed runs of large models)")
+    add_runtime_arg(p)
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -81,7 +122,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                         kv_cache_tokens=args.kv_cache_tokens, max_batch=args.max_batch, device=args.device,
                         num_cpus=args.num_cpus, cpus_per_shard=args.cpus_per_shard, draft=not args.no_draft,
                         random_weights=args.random_weights, decode_steps=args.decode_steps,
-                        cuda_graphs=not args.no_cuda_graphs)
+                        cuda_graphs=not args.no_cuda_graphs, runtime=runtime_config(args.runtime))
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
