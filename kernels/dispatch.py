@@ -7,8 +7,10 @@ is how the tests exercise them) or ``torch`` (always the reference). Shapes the 
 
 Single-sequence functions mirror the PyTorch references of ``reference``; the method scorers
 (``scorer_dispatch``, re-exported here) mirror those of ``scorer_reference``; the ``*_varlen`` functions
-take the packed ragged formats of ``formats`` and fall back to a per-sequence loop over the reference
-(with host reads, so only for CPU use). Importing this module does not import
+take the packed ragged formats of ``formats`` and fall back to a per-sequence loop (with host reads, so only
+for CPU use). The CPU's block-sparse prefill is ``paged_torch.block_sparse_prefill_torch`` (one fused masked
+flash-attention call per chunk of query blocks, held to the reference by the tests), not the reference's
+einsum, so a sparse prefill costs less than dense SDPA there too. Importing this module does not import
 Triton: the kernel modules load on the first Triton call, so CPU-only processes (and the interpreter
 tests, which must set TRITON_INTERPRET before Triton is imported) are unaffected by it.
 """
@@ -22,6 +24,7 @@ import torch
 
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
+from .paged_torch import block_sparse_prefill_torch
 from .selection import BlockSelection, TokenSelection
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -64,7 +67,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [n_q, h, d], the last n_q of the n keys in k, v: [h_kv, n, d]. Returns out [n_q, h, d], lse [n_q, h]."""
     if not use_triton(q, k, v, sel.indices, head_dim=q.shape[-1], block=sel.block_size):
-        return ref.block_sparse_attention(q, k, v, sel, scale)
+        return block_sparse_prefill_torch(q, k, v, sel.indices, sel.block_size, scale)
     from .block_sparse_prefill import block_sparse_prefill
 
     cu_q = torch.arange(2, device=q.device, dtype=torch.int32) * q.shape[0]
@@ -127,7 +130,7 @@ def block_sparse_attention_varlen(q: torch.Tensor, kv: KVSource, sel: PackedBloc
         b0, b1 = int(sel.qblock_start[i]), int(sel.qblock_start[i + 1])
         k, v = _seq_kv(kv, i)
         one = BlockSelection(sel.indices[:, b0:b1], sel.block_size)
-        out[lo:hi], lse[lo:hi] = ref.block_sparse_attention(q[lo:hi], k, v, one, scale)
+        out[lo:hi], lse[lo:hi] = block_sparse_prefill_torch(q[lo:hi], k, v, one.indices, one.block_size, scale)
     return out, lse
 
 
