@@ -52,10 +52,11 @@ def ctx_for(n: int, state: dict, n_q: int = 1, layer: int = 2) -> SeqContext:
 
 
 def indexed(m: Socket, n: int, layer: int = 2):
-    """Fresh inputs with the hash index built by a dense prefill over all n keys."""
+    """Fresh inputs after a dense prefill over all n keys, with the reference hash index built."""
     q, k, v = rand_qkv(n)
     state: dict = {}
     m.prefill_seq(ctx_for(n, state, n, layer), torch.randn(n, H_KV * G, D), k, v)
+    m.update_index(ctx_for(n, state, n, layer), k, v)  # the reference index is built lazily: build it now
     return q, k, v, state
 
 

@@ -258,8 +258,12 @@ class Socket(SparseMethod):
     # ---- SparseMethod ---------------------------------------------------------------------------
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Dense attention (full density) while building the hash index of the keys."""
-        self.update_index(ctx, k, v)
+        """Dense attention (full density). The batched decode's hash index is the per-page pools, which
+        ``update_state`` fills; the per-sequence reference index is built lazily by ``select_decode``, and
+        only an index that exists is rehashed here (from ``q_start``: a rollback's rewritten slots), so the
+        runtime path hashes each key once."""
+        if "socket_buckets" in ctx.state:
+            self.update_index(ctx, k, v)
         return dense_attention(q, k, v), float(causal_pairs(q.shape[0], ctx.n) * k.shape[0])
 
     def attended_keys(self, ctx: SeqContext, sel: TokenSelection) -> float:
