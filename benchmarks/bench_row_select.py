@@ -8,7 +8,8 @@ CUDA events, median of many calls, L2 flushed before each (``bench_common.time_m
 
 - ``us_eager``: ``select_list`` called from Python; ``us_graph``: the same captured in a CUDA graph (proves
   it is capturable and removes launch overhead), for each path that applies (``single``: one program per
-  row, rows up to 16384 columns; ``multi``: the radix path, its chunk from ``default_chunk`` unless given);
+  row, rows up to 16384 columns, ``-w4`` / ``-w8`` with 4 / 8 warps; ``multi``: the radix path, its chunk
+  from ``default_chunk`` unless given; ``multi-atomic``: 11 + 11 + 10 bits, global atomics at every level);
 - ``us_torch``: ``select_list_torch`` (topk of k_max int64 keys, scatter, cumsum) in a graph;
   ``us_topk``: a bare ``torch.topk(score, k)`` in a graph (what a topk route costs before any list is made).
 
@@ -69,8 +70,14 @@ def case(shape: str, dist: str, smoke: bool, chunk: int | None) -> dict[str, Any
     paths: dict[str, dict[str, Any]] = {}
     if n <= 16384:
         paths["single"] = {"single_max": n}
+        if not smoke:
+            paths["single-w4"] = {"single_max": n, "num_warps": 4}
+            paths["single-w8"] = {"single_max": n, "num_warps": 8}
     if smoke or n > 2048:
-        paths["multi"] = {"single_max": 0, "chunk": chunk or (64 if smoke else default_chunk(rows, n))}
+        multi = {"single_max": 0, "chunk": chunk or (64 if smoke else default_chunk(rows, n))}
+        paths["multi"] = multi
+        # the first design: 11 + 11 + 10 bits, one global atomic per candidate at every level
+        paths["multi-atomic"] = dict(multi, bits=(11, 11, 10), local_hist=False)
     if smoke:
         timer = {"eager": lambda fn: wall_ms(fn, reps=1)}
     else:

@@ -104,6 +104,7 @@ def test_single_program_matches_torch(kind, rows, n, k_max, width):
     _check_triton(_seed(), kind, rows, n, k_max, width)
 
 
+@pytest.mark.parametrize("variant", [{}, {"bits": (11, 11, 10), "local_hist": False}], ids=["default", "11-11-10"])
 @pytest.mark.parametrize("kind", ["ties", "spread", "normal"])
 @pytest.mark.parametrize("rows,n,k_max,width,chunk", [
     (4, 37, 12, None, 16),  # 3 chunks, the last partial
@@ -112,8 +113,8 @@ def test_single_program_matches_torch(kind, rows, n, k_max, width):
     (6, 129, 40, 20, 16),  # truncated rows
     (2, 64, 64, None, 64),  # one chunk per row
 ])
-def test_multi_program_matches_torch(kind, rows, n, k_max, width, chunk):
-    _check_triton(_seed(), kind, rows, n, k_max, width, single_max=0, chunk=chunk)
+def test_multi_program_matches_torch(kind, rows, n, k_max, width, chunk, variant):
+    _check_triton(_seed(), kind, rows, n, k_max, width, single_max=0, chunk=chunk, **variant)
 
 
 @pytest.mark.parametrize("multi", [False, True], ids=["single", "multi"])
@@ -162,3 +163,6 @@ def test_rejects_bad_shapes():
         select_list_torch(s, torch.zeros(3, dtype=torch.long), 1, 2)
     with pytest.raises(ValueError):
         select_list_triton(s.to(DEV), torch.zeros(2, dtype=torch.long, device=DEV), 1, 2, single_max=0, chunk=24)
+    with pytest.raises(ValueError):
+        select_list_triton(s.to(DEV), torch.zeros(2, dtype=torch.long, device=DEV), 1, 2, single_max=0,
+                           bits=(8, 8, 8))
