@@ -65,21 +65,6 @@ def stable_top(score: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[torc
     return top.indices, top.values != torch.iinfo(torch.int64).min
 
 
-def select_list(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_width: int) -> torch.Tensor:
-    """Per row of fp32 ``score`` [R, N] (+inf: forced, -inf: excluded, finite: candidate), the ascending columns
-    of the forced entries and the ``kk`` [R] best candidates (ties to the lower column), -1 padded to
-    ``out_width``: int32 [R, out_width]."""
-    cand = torch.isfinite(score)
-    order, ok = stable_top(torch.where(cand, score, 0.0), cand, max(k_max, 1))
-    ok = ok & (torch.arange(order.shape[-1], device=score.device) < kk[:, None])
-    chosen = score == float("inf")
-    chosen.scatter_(-1, order, ok | chosen.gather(-1, order))
-    cols = torch.arange(score.shape[-1], device=score.device).expand_as(score)
-    big = torch.iinfo(torch.int64).max
-    picked = torch.where(chosen, cols, big).sort(dim=-1).values[:, :out_width]
-    return torch.where(picked == big, SENTINEL, picked).to(torch.int32)
-
-
 _PREFILL_ELEMS = 1 << 24  # gathered K/V elements per chunk of query blocks (bounds the CPU path's memory)
 _PREFILL_CHUNK = 8  # query blocks per fused call at most
 

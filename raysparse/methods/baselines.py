@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from raysparse.kernels.dispatch import triton_wanted
 from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
-from raysparse.kernels.paged_torch import select_list
+from raysparse.kernels.row_select import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec, row_budget

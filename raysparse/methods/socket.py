@@ -63,7 +63,7 @@ from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kernels.dispatch import triton_wanted
 from raysparse.kernels.paged_collision import paged_collision, paged_collision_torch
-from raysparse.kernels.paged_torch import select_list
+from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
 from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
