@@ -268,3 +268,65 @@ def test_methods_generate_and_report(model):
         assert backend.meter.overall() < 1.0
         if name in ("cis", "cpe"):
             assert 0 < backend.retrieval_ratio <= 1
+
+
+# ---- the batched decode seam: CIS state across changing batches -------------------------------------
+@pytest.mark.parametrize("name,params", [
+    ("cis", dict(density=0.15, sink=4, local=8, share_block=4, threshold=0.1)),
+    ("cpe", dict(start_layer=1, phi=0.3, topk=12, sink=2, local=3, share_block=3, radius=2, threshold=0.1)),
+])
+def test_cis_batched_state_follows_sequences_across_batches(name, params):
+    """Sequences join, leave, come back in other rows, padded rows fill buckets, a released id is prefilled
+    anew: the batched path (graph runner's padded steps and plain batched steps) keeps each sequence's anchors
+    and gives the per-sequence reference path's logits, density and retrieval counts."""
+    from helpers import tiny_model
+
+    from raysparse.decode_graphs import DecodeGraphs
+    from raysparse.kv_cache import KVCache
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    model = tiny_model("cpu", 2, 2, 3)
+    g = gen(seed)
+    prompts = {sid: torch.randint(0, 97, (n,), generator=g).tolist() for sid, n in enumerate((70, 130, 45))}
+    later = {2: torch.randint(0, 97, (60,), generator=g).tolist(), 3: torch.randint(0, 97, (90,), generator=g).tolist()}
+    # (action, sequences, steps); "graph": the graph runner's padded step, "plain": the model's batched decode
+    plan = [("graph", [0, 1, 2], 3), ("plain", [2, 0], 2), ("graph", [1, 2, 0], 2), ("renew", [2, 3], 0),
+            ("graph", [3, 2, 1], 5), ("plain", [0], 2), ("graph", [1, 3], 2)]
+    ids = torch.randint(0, 97, (sum(len(s) * k for _, s, k in plan),), generator=g).tolist()
+    runs = []
+    for batched in (False, True):
+        backend = create_backend(name, model.cfg, dense_layers=(0,), **params)
+        if not batched:
+            backend.tracer = lambda *a: None  # the per-sequence reference path
+        cache = KVCache(model.cfg, 48, 32)
+        graphs = DecodeGraphs(model, cache, max_batch=4)
+
+        def prefill(sid: int, prompt: list[int], cache=cache, backend=backend) -> None:
+            cache.allocate(sid, len(prompt) + 20)
+            model(torch.tensor(prompt), cache.prepare([sid], [len(prompt)], True), cache, backend)
+
+        for sid, p in prompts.items():
+            prefill(sid, p)
+        backend.meter.reset()
+        backend.reset_stats()
+        logits, it = [], iter(ids)
+        for action, sids, steps in plan:
+            if action == "renew":
+                cache.free(2)
+                backend.release(2)
+                for sid in sids:
+                    prefill(sid, later[sid])
+                continue
+            for _ in range(steps):
+                tok = [next(it) for _ in sids]
+                if batched and action == "graph":
+                    logits.append(graphs.decode("k", backend, sids, tok).clone())
+                else:
+                    logits.append(model(torch.tensor(tok), cache.prepare(sids, [1] * len(sids), False), cache, backend))
+        runs.append((torch.cat(logits), backend.meter.decode_attended, backend.meter.decode_causal,
+                     backend.retrieval_ratio_per_layer()))
+    (ref, att0, cau0, rho0), (got, att1, cau1, rho1) = runs
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+    assert (att1, cau1) == pytest.approx((att0, cau0)), f"seed {seed}"
+    assert rho1 == pytest.approx(rho0), f"seed {seed}"
+    assert all(0 < r < 1 for r in rho1[1:]), f"seed {seed}: both sharing and retrieval"

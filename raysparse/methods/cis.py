@@ -19,7 +19,11 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
   always kept and k grows with the context. Dilation adds up to 2 r m tokens on sharing steps; the meter
   reports the real density. ``threshold`` > 1 never shares.
 - Retrieval ratio rho = retrievals / (KV-head, step) pairs over the layers where CIS ran (the paper's
-  R_t / (H N) averaged over steps); the backend keeps the counts on device (no sync per step).
+  R_t / (H N) averaged over steps); the reference path keeps the counts on device (no sync per step).
+- Batched decode (``cis_batched_step``, below): the same steps for a whole padded batch in fixed shapes,
+  state in per-row buffers. The step writes each row's attended keys and retrievals on the device; the
+  backend reads them back once per step, after it (the size of a CIS selection is data-dependent, so the
+  meter cannot derive it from the length as it does for the other methods).
 
 The reference scores every head every step (then keeps the retrieved or shared set with ``torch.where``),
 so it is sync-free but not cheaper than the oracle; skipping the scoring of sharing heads is the fast
@@ -35,7 +39,10 @@ from typing import Any
 
 import torch
 
-from raysparse.methods.base import host_row_budget
+from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.paged_torch import stable_top
+from raysparse.kv_cache import KVCache
+from raysparse.methods.base import host_row_budget, row_budget
 from raysparse.methods.psaw import PrHSConfig
 from raysparse.methods.selection import SENTINEL, mask_from_indices
 
@@ -129,3 +136,203 @@ def cis_step(cfg: CISConfig, state: dict[str, Any], q: torch.Tensor, k: torch.Te
     middle = torch.where(share[:, None], mask_from_indices(torch.where(shared < n, shared, SENTINEL), n),
                          mask_from_indices(top, n))
     return (sinks | local | middle) & visible, ~share, min(n, cfg.sink + cfg.local + width)
+
+
+# ---- the batched decode seam ---------------------------------------------------------------------------
+# The same steps as ``cis_step`` for a whole decode batch, in fixed shapes and without host reads, so they run
+# inside a captured CUDA graph. The per-sequence state above becomes rows of static buffers (``CISRows``),
+# one set per row count (batch bucket): a graph reads its buffers by address, so they are never reallocated.
+# ``CISBatchedState.prepare`` (host side, before each step) moves each sequence's state into the row it
+# occupies: only when the batch's composition changes (a sequence joins or leaves), so steady decoding, and
+# chained multi-step replays, copy nothing. Sequences that leave the batch but live on are parked as
+# per-sequence tensors.
+
+
+def bounded_budget(cfg: CISConfig, n: int) -> tuple[int, int]:
+    """``cis_step``'s (k, m) after its clamps to the n candidates: the static bound at a width of n tokens
+    (both are non-decreasing in n, so the bound at the bucket's width holds for every row)."""
+    kk, m = cis_budget(cfg, n)
+    kk = min(kk, n)
+    return kk, min(m, kk)
+
+
+def set_width(cfg: CISConfig, n: int) -> int:
+    """Entries an anchor set of a step with at most n keys can hold (k + 2 r m, duplicates counted)."""
+    kk, m = bounded_budget(cfg, n)
+    return kk + 2 * cfg.radius * m
+
+
+def budget_rows(cfg: CISConfig, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bounded_budget`` on device for lengths n [B] (int64): (k, m) per row."""
+    if cfg.density is None:
+        k = torch.full_like(n, cfg.topk)
+    else:
+        k = (row_budget(cfg.density, n) - cfg.sink - cfg.local).clamp(min=0)
+    m = k // 3 if cfg.top_m is None else k.clamp(max=cfg.top_m)
+    kk = torch.minimum(k, n)
+    return kk, torch.minimum(m, kk)
+
+
+class CISRows:
+    """Every sparse layer's CIS state for the rows of a padded decode batch of ``rows`` rows. Anchor sets
+    keep their valid entries first (ascending, SENTINEL after), so a prefix of ``width`` entries holds a whole
+    set of a step with at most ``n`` keys when ``set_width(n) <= width`` (what parking keeps)."""
+
+    def __init__(self, layers: int, rows: int, cfg: CISConfig, h_kv: int, qdim: int, width: int,
+                 device: torch.device) -> None:
+        s = cfg.share_block
+        self.q = torch.zeros(layers, rows, s, h_kv, qdim, device=device)  # unit anchor queries
+        self.sets = torch.full((layers, rows, s, h_kv, width), SENTINEL, dtype=torch.int32, device=device)
+        self.valid = torch.zeros(layers, rows, s, h_kv, dtype=torch.bool, device=device)
+        self.step = torch.zeros(layers, rows, dtype=torch.long, device=device)  # decode steps so far
+        # The last step's keys attended (summed over KV heads) and KV heads that retrieved, per row.
+        self.counts = torch.zeros(layers, rows, 2, dtype=torch.long, device=device)
+
+    def reset(self, row: int) -> None:
+        """A new sequence: no step yet (the first step opens a block, which clears the anchors)."""
+        self.step[:, row] = 0
+        self.valid[:, row] = False
+
+    def save(self, row: int, width: int) -> tuple[torch.Tensor, ...]:
+        return (self.q[:, row].clone(), self.sets[:, row, ..., :width].clone(), self.valid[:, row].clone(),
+                self.step[:, row].clone())
+
+    def load(self, row: int, saved: tuple[torch.Tensor, ...]) -> None:
+        q, sets, valid, step = saved
+        width = min(sets.shape[-1], self.sets.shape[-1])
+        self.q[:, row] = q
+        self.sets[:, row] = SENTINEL
+        self.sets[:, row, ..., :width] = sets[..., :width]
+        self.valid[:, row] = valid
+        self.step[:, row] = step
+
+
+class CISBatchedState:
+    """Row buffers and parked states of the batched CIS decode, for the layers in ``layers``."""
+
+    def __init__(self, cfg: CISConfig, layers: tuple[int, ...], qdim: int, max_tokens: int) -> None:
+        self.cfg, self.qdim = cfg, qdim
+        self.index = {layer: i for i, layer in enumerate(layers)}
+        # Sets are sized for the longest sequence there can be (the cache's capacity, capped by the model's
+        # positions): fixed for the buffers' life, which captured graphs require.
+        self.width = max(set_width(cfg, max_tokens), 1)
+        self.buffers: dict[int, CISRows] = {}  # by row count
+        self.current: list[int] | None = None  # the sequence of each row of the buffers in use (-1: none)
+        self.parked: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    # The buffers are normal tensors, whichever mode the first step runs in: an inference tensor could not
+    # be updated in place by the host-side calls below, which run outside the model's inference mode.
+    @torch.inference_mode(False)
+    def prepare(self, rows: list[int], cache: KVCache) -> CISRows:
+        """Puts each row's sequence state in place (new sequences start empty); padding rows start empty."""
+        if self.current == rows:
+            return self.buffers[len(rows)]
+        self._park(cache)
+        buf = self.buffers.get(len(rows))
+        if buf is None:
+            buf = CISRows(len(self.index), len(rows), self.cfg, cache.num_kv_heads, self.qdim, self.width,
+                          cache.device)
+            self.buffers[len(rows)] = buf
+        for i, sid in enumerate(rows):
+            saved = self.parked.pop(sid, None) if sid >= 0 else None
+            if saved is None:
+                buf.reset(i)
+            else:
+                buf.load(i, saved)
+        self.current = list(rows)
+        return buf
+
+    def _park(self, cache: KVCache) -> None:
+        if self.current is None:
+            return
+        buf = self.buffers[len(self.current)]
+        for i, sid in enumerate(self.current):
+            if sid >= 0:
+                # Its sets hold at most set_width(its length) entries, all in that prefix.
+                self.parked[sid] = buf.save(i, max(set_width(self.cfg, cache.seq_len(sid)), 1))
+        self.current = None
+
+    @torch.inference_mode(False)
+    def forget(self, sid: int) -> None:
+        """Drops a sequence's state (released, or prefilled anew: its decode steps count from zero)."""
+        self.parked.pop(sid, None)
+        if self.current is not None and sid in self.current:
+            i = self.current.index(sid)
+            self.buffers[len(self.current)].reset(i)
+            self.current[i] = -1  # not parked when the batch changes
+
+    def rows(self, batch_rows: int) -> CISRows:
+        if self.current is None or len(self.current) != batch_rows:
+            raise RuntimeError(f"CIS batched decode: no state prepared for {batch_rows} rows (graph_prepare first)")
+        return self.buffers[batch_rows]
+
+
+def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv: PagedKV, width_tokens: int,
+                     visible_lo: torch.Tensor) -> torch.Tensor:
+    """``cis_step`` of every row at once: q [B, h, d], the rows' paged keys ``kv`` (page-width bucket of
+    ``width_tokens``), the lowest visible non-sink key per row [B] (PSAW in CPE; 0 elsewhere). Advances the
+    rows' state of sparse layer ``li`` in place and writes the step's counts; returns the selection, int32
+    [B, h_kv, W] ascending and SENTINEL-padded, W fixed by the parameters and ``width_tokens``."""
+    b, h, d = q.shape
+    h_kv, dev = kv.k.shape[1], q.device
+    g, s, r, wt = h // h_kv, cfg.share_block, cfg.radius, width_tokens
+    n = kv.seqlens.long()  # [B]
+    kk_w, m_w = bounded_budget(cfg, wt)
+    kk_n, m_n = budget_rows(cfg, n)
+    cq, sets, valid, step = buf.q[li], buf.sets[li], buf.valid[li], buf.step[li]
+    rows, heads = torch.arange(b, device=dev), torch.arange(h_kv, device=dev)
+    slot = step % s
+    valid.masked_fill_((slot == 0)[:, None, None], False)  # a block's first step has no anchor to share
+
+    # Share: the most recent anchor slot of this block with cosine > threshold, per (row, KV head).
+    qg = q.float().reshape(b, h_kv, g * d)
+    qn = qg / qg.norm(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    cos = (cq * qn[:, None]).sum(-1)  # [B, s, h_kv]
+    slots = torch.arange(s, device=dev)[None, :, None]
+    chosen = torch.where(valid & (cos > cfg.threshold), slots, -1).amax(1)  # [B, h_kv]
+    share = chosen >= 0
+    shared = sets[rows[:, None], chosen.clamp(min=0), heads[None, :]]  # [B, h_kv, width]
+
+    # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
+    pos = torch.arange(wt, device=dev)
+    nn = n[:, None]
+    inrange = pos < nn
+    sinks, local = pos < cfg.sink, pos >= nn - cfg.local
+    visible = (sinks | (pos >= visible_lo[:, None])) & inrange  # [B, W]
+    allowed = visible & ~sinks & ~local
+    keys = kv.k[kv.page_table.long()].permute(0, 2, 1, 3, 4).reshape(b, h_kv, wt, d)  # every key of the bucket
+    logits = torch.matmul(q.float().view(b, h_kv, g, d), keys.float().transpose(-1, -2)).div(math.sqrt(d))
+    keyed = logits.masked_fill(~inrange[:, None, None, :], -math.inf).softmax(-1).sum(2)  # [B, h_kv, W]
+    order, ok = stable_top(keyed, allowed[:, None, :].expand(-1, h_kv, -1), max(kk_w, 1))
+    rank = torch.arange(order.shape[-1], device=dev)
+    top = torch.where(ok & (rank < kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
+    # The dilation: the +-r neighbours of the top-m (offsets -r..-1, 1..r, as cis_step lists them).
+    j = torch.arange(2 * r, device=dev)
+    offs = j - r + (j >= r).long()
+    lead = top[..., :m_w]
+    nb = lead[..., None] + offs
+    nb_ok = ((lead >= 0) & (rank[:m_w] < m_n[:, None, None]))[..., None] & (nb >= 0)
+    cand = torch.cat([top, torch.where(nb_ok, nb, SENTINEL).flatten(-2)], -1)
+    big = torch.iinfo(torch.int64).max
+    packed = torch.where(cand >= 0, cand, big).sort(dim=-1).values[..., : buf.sets.shape[-1]]  # valid first
+    new_set = torch.nn.functional.pad(torch.where(packed == big, SENTINEL, packed).to(torch.int32),
+                                      (0, buf.sets.shape[-1] - packed.shape[-1]), value=SENTINEL)
+
+    # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
+    here = ~share
+    cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
+    sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
+    valid[rows, slot] = here
+    step.add_(1)
+
+    def as_mask(idx: torch.Tensor) -> torch.Tensor:  # entries in [0, n) -> bool [B, h_kv, W]
+        ok = (idx >= 0) & (idx < nn[..., None])
+        hit = torch.zeros(b, h_kv, wt + 1, dtype=torch.bool, device=dev)
+        return hit.scatter_(-1, torch.where(ok, idx.long(), wt), True)[..., :wt]
+
+    middle = torch.where(share[..., None], as_mask(shared), as_mask(top))
+    mask = ((sinks | local)[:, None, :] | middle) & visible[:, None, :]
+    buf.counts[li].copy_(torch.stack([mask.sum((1, 2)), here.sum(1)], -1))
+    out_width = max(min(wt, cfg.sink + cfg.local + min(kk_w + 2 * r * m_w, buf.sets.shape[-1])), 1)
+    flags, cols = mask.to(torch.uint8).sort(dim=-1, descending=True, stable=True)  # set entries first, ascending
+    return torch.where(flags[..., :out_width] > 0, cols[..., :out_width], SENTINEL).to(torch.int32)

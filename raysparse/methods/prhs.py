@@ -34,7 +34,7 @@ from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import DecodeView, SeqContext, SparseMethod, method_spec
-from raysparse.methods.cis import CISConfig, cis_step
+from raysparse.methods.cis import CISBatchedState, CISConfig, cis_batched_step, cis_step
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
 from raysparse.methods.psaw import (
     PrHSConfig,
@@ -66,6 +66,7 @@ class PrHSMethod(SparseMethod):
         layers = model_cfg.num_layers
         self._retrievals: list[torch.Tensor | int] = [0] * layers
         self._head_steps = [0] * layers
+        self._cis: CISBatchedState | None = None  # the batched decode's per-row CIS state, made at first use
 
     # ---- schedules -----------------------------------------------------------------------------
     @property
@@ -97,6 +98,9 @@ class PrHSMethod(SparseMethod):
 
     # ---- prefill -------------------------------------------------------------------------------
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        if self._cis is not None and layer == 0:
+            for sid in batch.seq_ids:  # the batched CIS state starts empty at a sequence's first decode step
+                self._cis.forget(sid)
         if self.use_etf and self.config.etf_kv == "copy":  # type: ignore[attr-defined]
             frozen = self.frozen_rows(layer, batch)
             if frozen is not None:  # Appendix G: frozen tokens keep the previous layer's K/V
@@ -149,19 +153,79 @@ class PrHSMethod(SparseMethod):
         idx = torch.cat([torch.arange(min(sink, n), device=dev), torch.arange(min(max(sink, lo), n), n, device=dev)])
         return TokenSelection(idx.to(torch.int32).unsqueeze(0).expand(k.shape[0], -1).contiguous(), 1)
 
-    # ---- batched decode: PSAW's window and ETF's dense decode (CIS keeps per-sequence anchors) ------
-    @property
-    def batched_decode(self) -> bool:  # type: ignore[override]
-        return not self.use_cis
-
+    # ---- batched decode: PSAW's window, ETF's dense decode, CIS over per-row state (cis.py) ----------------
     def dense_decode_layer(self, layer: int) -> bool:
-        return self.is_dense_layer(layer) or self.psaw_frac(layer) == 0.0  # ETF, and PSAW at l_s: dense
+        # ETF, and PSAW at l_s: dense; CIS selects on every sparse layer.
+        return self.is_dense_layer(layer) or (not self.use_cis and self.psaw_frac(layer) == 0.0)
+
+    def _cis_state(self, cache: KVCache) -> CISBatchedState:
+        if self._cis is None:
+            mc = self.model_cfg
+            self._cis = CISBatchedState(self.config, self.sparse_layers(),  # type: ignore[arg-type]
+                                        mc.num_heads // mc.num_kv_heads * mc.head_dim,
+                                        min(cache.capacity_tokens, mc.max_position_embeddings))
+        return self._cis
+
+    def graph_prepare(self, rows: list[int], cache: KVCache) -> None:
+        if self.use_cis:
+            self._cis_state(cache).prepare(rows, cache)
+        else:
+            super().graph_prepare(rows, cache)
+
+    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        eager = (self.use_cis and self.batched_decode and self.tracer is None and not batch.extras.get("graph")
+                 and not self.dense_decode_layer(layer))
+        if eager and layer == self.sparse_layers()[0]:  # no graph runner placed the rows: place them here
+            self.graph_prepare(batch.seq_ids, cache)
+        out = super().decode(layer, q, cache, batch)
+        if eager:
+            self._account_cis([layer], batch.ctx_lens, cache.num_kv_heads)
+        return out
+
+    def _meter_decode(self, layer: int, ctx_lens: list[int], num_kv_heads: int) -> None:
+        if self.use_cis and not self.dense_decode_layer(layer):
+            return  # data-dependent (shared or retrieved sets): ``_account_cis`` reads the step's count
+        super()._meter_decode(layer, ctx_lens, num_kv_heads)
+
+    def account_graph_decode(self, ctx_lens: list[int], num_kv_heads: int) -> None:
+        super().account_graph_decode(ctx_lens, num_kv_heads)
+        if self.use_cis:
+            self._account_cis(list(self.sparse_layers()), ctx_lens, num_kv_heads)
+
+    def _account_cis(self, layers: list[int], ctx_lens: list[int], num_kv_heads: int) -> None:
+        """Density and retrieval counts of the step just run at these CIS layers, for its real rows (the first
+        len(ctx_lens)): one host read of the counts the step wrote on the device, after the step."""
+        state = self._cis
+        if state is None or not layers:
+            return
+        idx = [state.index[layer] for layer in layers]
+        counts = state.rows(len(state.current or ())).counts[idx, : len(ctx_lens)].sum(1).tolist()
+        causal = float(sum(ctx_lens) * num_kv_heads)
+        for layer, (keys, retrieved) in zip(layers, counts, strict=True):
+            self.meter.add(layer, float(keys), causal, decode=True)
+            self._retrievals[layer] = self._retrievals[layer] + retrieved
+            self._head_steps[layer] += len(ctx_lens) * num_kv_heads
+
+    def step_keys(self, layer: int) -> list[int]:
+        """CIS: keys each row of the last batched step attended at this layer, summed over KV heads."""
+        state = self._cis
+        assert state is not None and state.current is not None, "no batched CIS step has run"
+        return state.rows(len(state.current)).counts[state.index[layer], :, 0].tolist()
+
+    def release(self, seq_id: int) -> None:
+        if self._cis is not None:
+            self._cis.forget(seq_id)
+        super().release(seq_id)
 
     def _window_lo(self, layer: int, n: torch.Tensor) -> torch.Tensor:
         """Lowest visible non-sink key of the newest query of rows with n keys (``window_start`` in fp64)."""
         return window_lo(self.psaw_frac(layer), n - 1)
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        if self.use_cis:
+            state = self._cis_state(view.cache)
+            return cis_batched_step(self.config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
+                                    view.kv, view.width_tokens, self._window_lo(layer, view.seqlens.long()))
         sink, width = self.config.sink, view.width_tokens
         n = view.seqlens.long()[:, None]
         start = torch.maximum(self._window_lo(layer, n), n.clamp(max=sink))
@@ -173,6 +237,8 @@ class PrHSMethod(SparseMethod):
         return idx.to(torch.int32)[:, None, :].expand(-1, view.kv.k.shape[1], -1)
 
     def decode_keys(self, layer: int, n: int) -> int:
+        if self.use_cis:
+            raise NotImplementedError("CIS's selection size is data-dependent: the step counts it (step_keys)")
         lo = max(window_start(self.psaw_frac(layer), n) - 1, 0)
         return min(self.config.sink, n) + n - min(max(self.config.sink, lo), n)
 
