@@ -8,7 +8,8 @@ record with every method's metrics and their ratios to dense measured the same w
     python benchmarks/bench_serving_gpu.py --quick               # a tiny random model on CPU (the dry run)
 
 Options pass through: ``--methods sketch_walk:0.1,psaw:0.1`` (method:density), ``--prompt-len``,
-``--num-prompts``, ``--output-len``, ``--max-concurrency``, ``--out``.
+``--num-prompts``, ``--output-len``, ``--max-concurrency``, ``--tokenizer`` (a local tokenizer directory, where
+the embedded model is not installed), ``--out``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def bench_args(a: argparse.Namespace, model: str) -> list[str]:
     if a.quick:
         return common + ["--num-cpus", "2", "--cpus-per-shard", "0.5", "--kv-cache-tokens", "4096"]
     kv = a.max_concurrency * (a.prompt_len + a.output_len + 64)
+    if a.tokenizer:
+        common += ["--tokenizer", a.tokenizer]
     return common + ["--random-weights", "--dtype", "bfloat16", "--device", "cuda", "--kv-cache-tokens", str(kv)]
 
 
@@ -47,6 +50,8 @@ def main() -> int:
     p.add_argument("--max-concurrency", type=int, default=4)
     p.add_argument("--slo-ttft-ms", type=float, default=10000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory that cuts the text into ids (default: the embedded model's)")
     p.add_argument("--out", default=None, help="record directory (default: benchmarks/records/serving_<date>)")
     a = p.parse_args()
     date = datetime.date.today().isoformat()
