@@ -35,9 +35,13 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
     zero output and an lse of -inf."""
     b, h, d = q.shape
     h_kv, page = kv.k.shape[1], kv.k.shape[2]
+    heads = torch.arange(h_kv, device=q.device)[None, :, None]
+    if unit == page and not q.is_cuda:
+        # Whole pages (dense layers, block selections): gather page tiles, not tokens, and attend in one
+        # fused CPU flash-attention call; the fp32 form below stays the device-agnostic oracle.
+        return _paged_pages_cpu(q, kv, indices, scale)
     tok, ok = selected_tokens(indices, unit, kv.seqlens)  # [B, h_kv, S]
     pages = kv.page_table.long().gather(1, (tok // page).flatten(1)).view_as(tok)
-    heads = torch.arange(h_kv, device=q.device)[None, :, None]
     k = kv.k[pages, heads, tok % page].float()  # [B, h_kv, S, d]
     v = kv.v[pages, heads, tok % page].float()
     qg = q.float().view(b, h_kv, h // h_kv, d)
@@ -47,6 +51,29 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     out = (p @ v).view(b, h, d)
     return out.to(q.dtype), lse.view(b, h)
+
+
+def _paged_pages_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
+                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, d = q.shape
+    h_kv, page = kv.k.shape[1], kv.k.shape[2]
+    g, width = h // h_kv, indices.shape[-1]
+    heads = torch.arange(h_kv, device=q.device)[None, :, None]
+    logical = indices.long().clamp(min=0)
+    pages = kv.page_table.long().gather(1, logical.flatten(1)).view_as(logical)  # [B, h_kv, W]
+    k = kv.k[pages, heads].reshape(b * h_kv, 1, width * page, d).to(q.dtype)  # page tiles, in order
+    v = kv.v[pages, heads].reshape(b * h_kv, 1, width * page, d).to(q.dtype)
+    tok = (logical[..., None] * page + torch.arange(page, device=q.device)).flatten(2)
+    ok = ((indices != SENTINEL)[..., None].expand(-1, -1, -1, page).flatten(2)
+          & (tok < kv.seqlens.long()[:, None, None])).view(b * h_kv, 1, 1, -1)
+    mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = op(q.view(b * h_kv, g, 1, d), k.expand(-1, g, -1, -1), v.expand(-1, g, -1, -1), attn_mask=mask,
+                  scale=scale)
+    none = ~ok.view(b * h_kv, -1).any(-1)[:, None, None]  # a row that selects no key: zeros and -inf
+    out = out.masked_fill(none[..., None], 0.0).view(b, h, d)
+    lse = lse.float().masked_fill(none, float("-inf")).view(b, h)
+    return out, lse
 
 
 def stable_top(score: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

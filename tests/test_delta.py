@@ -158,3 +158,24 @@ def test_registry_config_and_validation():
     for bad in ({"mode": "nope"}, {"gamma": 0}, {"base": "delta"}, {"base": "dense"}, {"base": "no-such"}):
         with pytest.raises(ValueError):
             create_backend("delta", cfg, **bad)
+
+
+def test_delta_over_a_row_state_base_decodes_per_sequence():
+    """A base whose batched decode keeps per-row state (CIS) is not borrowed by Delta: Delta is not offered to
+    the graph runner, decodes through the per-sequence path, and meters the base's sparse decode."""
+    from helpers import prefill_then_decode, tiny_model
+
+    from raysparse.decode_graphs import DecodeGraphs
+    from raysparse.kv_cache import KVCache
+    from raysparse.methods.registry import create_backend
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    model = tiny_model("cpu", 2, 2, 3)
+    lens = [int(x) for x in torch.randint(100, 200, (2,), generator=torch.Generator().manual_seed(seed))]
+    backend = create_backend("delta", model.cfg, base="cis", density=0.2, dense_layers=(0,))
+    assert not backend.batched_decode and not DecodeGraphs.supports(backend)
+    cache = KVCache(model.cfg, 16, 64)
+    out = prefill_then_decode(model, cache, backend, DecodeGraphs(model, cache, max_batch=2), lens, 3,
+                              torch.Generator().manual_seed(seed), False)
+    assert torch.isfinite(out).all(), f"seed {seed}"
+    assert backend.meter.decode_overall() < 1.0, f"seed {seed}"

@@ -119,6 +119,9 @@ class SparseMethod(AttentionBackend):
 
     # ---- the batched seam (implement for the fast path) ------------------------------------------
     decode_unit: int = 1  # what ``decode_select``'s entries count: tokens (1) or blocks of that many tokens
+    # The batched decode keeps per-row state that ``graph_prepare`` places and meters on the device (CIS):
+    # a wrapper that borrows only ``decode_select`` (Delta) cannot drive it and stays per sequence.
+    row_state: bool = False
 
     def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
         """Brings this layer's per-page state (``KVCache.page_pool``) up to date with the step's new tokens,

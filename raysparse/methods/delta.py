@@ -128,7 +128,7 @@ class Delta(SparseMethod):
     # ---- batched decode: the base's (Delta corrects prefill only) ---------------------------------
     @property
     def batched_decode(self) -> bool:  # type: ignore[override]
-        return self.base.batched_decode
+        return self.base.batched_decode and not self.base.row_state
 
     @property
     def decode_unit(self) -> int:  # type: ignore[override]

@@ -158,6 +158,10 @@ class PrHSMethod(SparseMethod):
         # ETF, and PSAW at l_s: dense; CIS selects on every sparse layer.
         return self.is_dense_layer(layer) or (not self.use_cis and self.psaw_frac(layer) == 0.0)
 
+    @property
+    def row_state(self) -> bool:  # type: ignore[override]
+        return self.use_cis
+
     def _cis_state(self, cache: KVCache) -> CISBatchedState:
         if self._cis is None:
             mc = self.model_cfg
