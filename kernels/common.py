@@ -161,6 +161,19 @@ if HAS_TRITON:
         tau = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + (f.to(tl.int32) & 1).to(tl.float32)))
         return tl.maximum(tau.to(tl.int32), 1)
 
+    @triton.jit
+    def take_at_threshold(cand, key, thr, kk, forced):
+        """A list selection's last step, given the threshold key ``thr`` of a row's kk-th best candidate:
+        the forced entries, every candidate above ``thr`` and the first ties at it in ascending column order
+        up to kk picks. Returns the take mask (int32), each taken entry's position in the ascending list and
+        how many are taken."""
+        gt = cand & (key > thr)
+        tie = cand & (key == thr)
+        ngt = tl.sum(gt.to(tl.int32), 0)
+        pick = (gt | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= kk - ngt))) & (kk > 0)
+        take = (forced | pick).to(tl.int32)
+        return take, tl.cumsum(take, 0) - 1, tl.sum(take, 0)
+
     # ---- the attention kernels' shared prologue, inner step and epilogue ----------------------------
 
     @triton.jit
@@ -228,4 +241,5 @@ if HAS_TRITON:
         return acc / l_safe[:, None], tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
 else:  # pragma: no cover - keeps the kernel modules importable (and their wrappers raising) without triton
     kv_row_offsets = kv_block_offset = group_tile_offsets = softmax_update = row_budget_units = None
+    take_at_threshold = None
     attend_rows = attend_block = finish_rows = None

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import fp32_value, row_budget_units, tl, triton
+from .common import fp32_value, row_budget_units, take_at_threshold, tl, triton
 
 HEADS = ("pair", "pair-lse")
 TINY64 = torch.finfo(torch.float64).tiny  # _combine_heads' clamp before the log
@@ -86,14 +86,7 @@ if triton is not None:
             lo = tl.where(c >= kk, mid, lo)
             c_lo = tl.where(c >= kk, c, c_lo)
             hi = tl.where(c >= kk, hi, mid)
-        gt = cand & (key > lo)
-        tie = cand & (key == lo)
-        ngt = tl.sum(gt.to(tl.int32), 0)
-        pick = (gt | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= kk - ngt))) & (kk > 0)
-
-        take = (forced | pick).to(tl.int32)
-        pos = tl.cumsum(take, 0) - 1
-        total = tl.sum(take, 0)
+        take, pos, total = take_at_threshold(cand, key, lo, kk, forced)
         tl.store(OUT + b * OUTW + pos, cols.to(tl.int32), mask=(take > 0) & (pos < OUTW))
         p = tl.arange(0, OP)
         tl.store(OUT + b * OUTW + p, tl.full([OP], -1, tl.int32), mask=(p < OUTW) & (p >= total))

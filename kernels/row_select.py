@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import next_pow2, tl, triton
+from .common import next_pow2, take_at_threshold, tl, triton
 from .dispatch import triton_wanted
 
 SINGLE_MAX = 8192  # largest row the one-program path holds in registers
@@ -145,14 +145,7 @@ if triton is not None:
             lo = tl.where(c >= kk, mid, lo)
             c_lo = tl.where(c >= kk, c, c_lo)
             hi = tl.where(c >= kk, hi, mid)
-        thr = lo.to(tl.int32)
-        gt = cand & (key > thr)
-        tie = cand & (key == thr)
-        ngt = tl.sum(gt.to(tl.int32), 0)
-        pick = (gt | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= kk - ngt))) & (kk > 0)
-        take = (forced | pick).to(tl.int32)
-        pos = tl.cumsum(take, 0) - 1
-        total = tl.sum(take, 0)
+        take, pos, total = take_at_threshold(cand, key, lo.to(tl.int32), kk, forced)
         row = OUT + r.to(tl.int64) * OUTW
         tl.store(row + pos, cols.to(tl.int32), mask=(take > 0) & (pos < OUTW))
         for p0 in range(0, OUTW, PB):

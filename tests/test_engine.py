@@ -77,6 +77,20 @@ def test_tp2_matches_tp1_with_identical_selections(engines, method, params):
         assert_same_selections(e1, e2, shared)
 
 
+SEAM_METHODS = ["streaming", "quest", "socket", "socket_hard", "psaw", "etf", "cis", "cpe"]
+
+
+@pytest.mark.parametrize("method", SEAM_METHODS)
+def test_tp2_matches_tp1_on_the_batched_seam(engines, method):
+    """Without a selection recorder (a tracer sends a method to its per-sequence reference path) both engines
+    decode through the batched seam, each shard selecting over its own KV heads' per-page state: TP=2's greedy
+    tokens (multi-step plans) equal TP=1's. A density of its own gives a backend no recorder has touched."""
+    e1, e2 = engines
+    ps = prompts()
+    params = {"density": 0.25}
+    assert run(e2, method, ps, params=params) == run(e1, method, ps, params=params)
+
+
 def test_walk_coordinator_time_is_measured(engines):
     _, e2 = engines
     run(e2, "sketch_walk", prompts(1), new=2)
