@@ -162,6 +162,26 @@ if HAS_TRITON:
         return tl.maximum(tau.to(tl.int32), 1)
 
     @triton.jit
+    def kth_key(cand, key, kk, ncand):
+        """The kk-th largest int32 order key among a row's ``ncand`` candidates (or a key with exactly kk
+        candidates at or above it): a bisection in int64 (the keys' range can exceed int32) from the
+        candidates' key range, stopping once exactly kk keys lie at or above ``lo`` (no tie straddles it),
+        ~log2(candidates) passes on spread scores instead of 32. Non-candidates' keys must be I32_MIN."""
+        lo = tl.min(tl.where(cand, key, 2147483647), 0).to(tl.int64)  # count(key >= lo) >= kk
+        hi = tl.max(tl.where(cand, key, -2147483648), 0).to(tl.int64)
+        c_lo = ncand
+        if tl.sum((key >= hi).to(tl.int32), 0) >= kk:  # the largest key alone has enough (or kk == 0)
+            lo = hi
+            c_lo = kk
+        while (hi - lo > 1) & (c_lo != kk):  # count(key >= hi) < kk
+            mid = lo + (hi - lo) // 2
+            c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0)  # mid lies in int32: compare narrow
+            lo = tl.where(c >= kk, mid, lo)
+            c_lo = tl.where(c >= kk, c, c_lo)
+            hi = tl.where(c >= kk, hi, mid)
+        return lo
+
+    @triton.jit
     def take_at_threshold(cand, key, thr, kk, forced):
         """A list selection's last step, given the threshold key ``thr`` of a row's kk-th best candidate:
         the forced entries, every candidate above ``thr`` and the first ties at it in ascending column order
@@ -241,5 +261,5 @@ if HAS_TRITON:
         return acc / l_safe[:, None], tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
 else:  # pragma: no cover - keeps the kernel modules importable (and their wrappers raising) without triton
     kv_row_offsets = kv_block_offset = group_tile_offsets = softmax_update = row_budget_units = None
-    take_at_threshold = None
+    take_at_threshold = kth_key = None
     attend_rows = attend_block = finish_rows = None

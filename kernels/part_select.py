@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import fp32_value, row_budget_units, take_at_threshold, tl, triton
+from .common import fp32_value, kth_key, row_budget_units, take_at_threshold, tl, triton
 
 HEADS = ("pair", "pair-lse")
 TINY64 = torch.finfo(torch.float64).tiny  # _combine_heads' clamp before the log
@@ -71,21 +71,7 @@ if triton is not None:
         bits = xz.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as int order: every float above I32_MIN + 1
         key = tl.where(cand, key, tl.full([WP], -2147483648, tl.int32))  # below every candidate
-        # Bisection for the kk-th largest key, from the candidates' key range, in int64 (the range can
-        # exceed int32). It stops once exactly kk keys lie at or above lo (no tie straddles it) or the
-        # interval closes: ~log2(candidates) passes on spread scores instead of 32.
-        lo = tl.min(tl.where(cand, key, 2147483647), 0).to(tl.int64)  # count(key >= lo) >= kk
-        hi = tl.max(tl.where(cand, key, -2147483648), 0).to(tl.int64)
-        c_lo = ncand
-        if tl.sum((key >= hi).to(tl.int32), 0) >= kk:  # the largest key alone has enough (or kk == 0)
-            lo = hi
-            c_lo = kk
-        while (hi - lo > 1) & (c_lo != kk):  # count(key >= hi) < kk
-            mid = lo + (hi - lo) // 2
-            c = tl.sum((key >= mid).to(tl.int32), 0)
-            lo = tl.where(c >= kk, mid, lo)
-            c_lo = tl.where(c >= kk, c, c_lo)
-            hi = tl.where(c >= kk, hi, mid)
+        lo = kth_key(cand, key, kk, ncand)  # the bisection that stops at an exact count
         take, pos, total = take_at_threshold(cand, key, lo, kk, forced)
         tl.store(OUT + b * OUTW + pos, cols.to(tl.int32), mask=(take > 0) & (pos < OUTW))
         p = tl.arange(0, OP)

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import next_pow2, take_at_threshold, tl, triton
+from .common import kth_key, next_pow2, take_at_threshold, tl, triton
 from .dispatch import triton_wanted
 
 SINGLE_MAX = 8192  # largest row the one-program path holds in registers
@@ -131,20 +131,7 @@ if triton is not None:
         key = tl.where(cand, _keys(x), -2147483648)  # below every candidate (-inf's key is above I32_MIN)
         ncand = tl.sum(cand.to(tl.int32), 0)
         kk = _row_kk(KK, r, ncand, K_MAX)
-        # Bisection for the kk-th largest key over the candidates' key range (int64: the range can exceed
-        # int32), stopping once exactly kk keys lie at or above lo (no tie straddles it).
-        lo = tl.min(tl.where(cand, key, 2147483647), 0).to(tl.int64)  # count(key >= lo) >= kk
-        hi = tl.max(key, 0).to(tl.int64)
-        c_lo = ncand
-        if tl.sum((key >= hi).to(tl.int32), 0) >= kk:  # the largest key alone has enough (or kk == 0)
-            lo = hi
-            c_lo = kk
-        while (hi - lo > 1) & (c_lo != kk):  # count(key >= hi) < kk
-            mid = lo + (hi - lo) // 2
-            c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0)  # mid lies in int32: compare narrow
-            lo = tl.where(c >= kk, mid, lo)
-            c_lo = tl.where(c >= kk, c, c_lo)
-            hi = tl.where(c >= kk, hi, mid)
+        lo = kth_key(cand, key, kk, ncand)
         take, pos, total = take_at_threshold(cand, key, lo.to(tl.int32), kk, forced)
         row = OUT + r.to(tl.int64) * OUTW
         tl.store(row + pos, cols.to(tl.int32), mask=(take > 0) & (pos < OUTW))
