@@ -91,6 +91,18 @@ def test_tp2_matches_tp1_on_the_batched_seam(engines, method):
     assert run(e2, method, ps, params=params) == run(e1, method, ps, params=params)
 
 
+@pytest.mark.parametrize("method", SEAM_METHODS)
+def test_batched_seam_tokens_equal_the_reference_path(engines, method):
+    """Through one engine (TP=1): the batched seam's greedy tokens equal the per-sequence reference path's.
+    The two method keys select alike (the second spells out the default dense layers) but are two backends:
+    the first records selections, which sends it down the reference path."""
+    e1, _ = engines
+    ref, seam = {"density": 0.35}, {"density": 0.35, "dense_layers": [0, 1]}
+    record_selections(e1, method_key(method, ref))
+    ps = prompts()
+    assert run(e1, method, ps, params=seam) == run(e1, method, ps, params=ref)
+
+
 def test_walk_coordinator_time_is_measured(engines):
     _, e2 = engines
     run(e2, "sketch_walk", prompts(1), new=2)
