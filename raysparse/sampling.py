@@ -7,12 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
+# Smallest accepted temperature and top_p. Below them the sampler's float32 arithmetic breaks down:
+# logits / temperature overflows to inf (softmax then gives NaN), and a top_p that rounds to 0 in float32
+# keeps no token at all. Such values are refused up front so a request never fails during generation.
+MIN_TEMPERATURE = 1e-4
+MIN_TOP_P = 1e-6
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
+    temperature: float = 0.0  # 0 means greedy; otherwise >= MIN_TEMPERATURE
+    top_p: float = 1.0  # in [MIN_TOP_P, 1]
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -22,8 +28,12 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < MIN_TOP_P:
+            raise ValueError(f"top_p must be >= {MIN_TOP_P}, got {self.top_p!r}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):

@@ -11,7 +11,7 @@ from helpers import fresh_cache, random_state, tiny_hf_config
 from raysparse.attention import DenseAttention
 from raysparse.generate import FinishEvent, GenerationRequest, Generator, TokenEvent
 from raysparse.loader import model_from_state
-from raysparse.sampling import Sampler, SamplingParams, top_p_filter
+from raysparse.sampling import MIN_TEMPERATURE, MIN_TOP_P, Sampler, SamplingParams, top_p_filter
 
 
 @pytest.mark.parametrize("bad", [
@@ -81,3 +81,26 @@ def test_seeded_requests_sample_the_same_alone_and_batched():
 
     both = run(reqs)
     assert both == {**run(reqs[:1]), **run(reqs[1:])}
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": 1e-300}, {"temperature": MIN_TEMPERATURE / 2}, {"top_p": 1e-300}, {"top_p": MIN_TOP_P / 2},
+])
+def test_values_that_would_underflow_in_the_sampler_are_refused(bad):
+    # Accepted, these used to fail only later, inside the sampler (NaN probabilities or no token kept).
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+        SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": MIN_TEMPERATURE}, {"temperature": 1.0, "top_p": MIN_TOP_P},
+    {"temperature": MIN_TEMPERATURE, "top_p": MIN_TOP_P},
+])
+def test_the_smallest_accepted_values_sample_the_most_likely_token(kw):
+    logits = torch.randn(4, 128, generator=torch.Generator().manual_seed(0)) * 30
+    params = [SamplingParams(seed=i, **kw) for i in range(4)]
+    sampler = Sampler()
+    for i, p in enumerate(params):
+        sampler.add(i, p)
+    # Both limits leave a single plausible token: the sampler must agree with argmax, not fail.
+    assert sampler.sample(logits, list(range(4)), params) == logits.argmax(-1).tolist()
