@@ -4,9 +4,17 @@
 
 Each input line is a JSON object with an optional ``id`` and one of ``prompt`` (text), ``prompt_ids`` or
 ``document`` + ``question``; optional ``method``, ``method_params`` and ``sampling`` override the file-wide
-flags. Each finished request becomes one output line (written and flushed as it finishes, so a killed job
-loses nothing it finished); a line that cannot run becomes an error line and the job goes on. Resuming:
-ids already in the output are skipped. Inside a Ray job the engine joins the job's cluster (RAY_ADDRESS).
+flags. Each finished request becomes one output line (appended and flushed as it finishes, so a killed job
+loses nothing it finished). Any failure of one line (not UTF-8, not JSON, invalid fields, text the tokenizer
+refuses such as a lone surrogate, an engine refusal or error, a timeout) becomes that line's error line and
+the job goes on; error lines count as finished, so a rerun does not try the line again.
+
+Ids and keys (``raysparse.jobs.records``): a line without an ``id`` (or not a JSON object in UTF-8) gets
+``line-N``, suffixed ``~K`` where a user id already claims it. The first line with an id owns it (one result
+or error line with that ``id``); each later line with the same id gets one error line with
+``"duplicate_of_line"`` (the owner's line number) and its own ``"line"``, keyed by (id, line). Resuming: keys
+already in the output are skipped, after a torn last line left by a killed run is cut off (its id is redone).
+Inside a Ray job the engine joins the job's cluster (RAY_ADDRESS).
 """
 
 from __future__ import annotations
@@ -21,14 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from raysparse.jobs.records import (
-    BadLine,
     Item,
     JobDefaults,
+    assign_ids,
+    dumps,
+    duplicate_line,
     error_line,
-    finished_ids,
-    line_id,
+    finished,
     parse_line,
+    repair_output,
     result_line,
+    split_lines,
 )
 from raysparse.serving.commands import add_engine_args, add_method_args, engine_config, method_params, positive_int
 
@@ -62,26 +73,26 @@ def run_job(args: argparse.Namespace, engine: Any) -> dict[str, int]:
     """Streams the input through ``engine``; returns counts (done, errors, skipped)."""
     from tqdm import tqdm
 
-    from raysparse.orchestration.engine_api import EngineError, EngineRequest
+    from raysparse.orchestration.engine_api import EngineRequest
 
     inp, out = Path(args.input), Path(args.output)
-    lines = inp.read_text(encoding="utf-8").splitlines()
-    done = finished_ids(out)
+    lines = split_lines(inp.read_bytes())  # bytes: one line that is not UTF-8 must not sink the file
+    ids = assign_ids(lines)
+    if repair_output(out):
+        print(f"{out}: cut off a torn last line left by an earlier run; its id is redone", file=sys.stderr)
+    done = finished(out)
     defaults = _defaults(args)
     counts = {"done": 0, "errors": 0, "skipped": 0}
-    if out.exists() and out.stat().st_size and not out.read_bytes().endswith(b"\n"):
-        with out.open("a", encoding="utf-8") as f:  # a torn line from a killed run: start on a new line
-            f.write("\n")
-    seen: set[str] = set()
+    owner: dict[str, int] = {}  # id -> the line that owns it
     inflight: deque[tuple[Item, Any]] = deque()
     tty = sys.stderr.isatty()
-    bar = tqdm(total=sum(1 for raw in lines if raw.strip()), desc="longcontext", unit="req", file=sys.stderr,
+    bar = tqdm(total=len(lines), desc="longcontext", unit="req", file=sys.stderr,
                mininterval=0.5 if tty else 10.0, dynamic_ncols=tty)
-    with out.open("a", encoding="utf-8") as f:
+    with out.open("ab") as f:
 
         def write(obj: dict[str, Any], kind: str) -> None:
-            f.write(json.dumps(obj, ensure_ascii=False) + "\n")
-            f.flush()
+            f.write(dumps(obj))
+            f.flush()  # per line: a killed job keeps every line it finished, and tears at most the last
             counts[kind] += 1
             bar.update(1)
 
@@ -91,32 +102,40 @@ def run_job(args: argparse.Namespace, engine: Any) -> dict[str, int]:
                 try:
                     fin = handle.result(args.timeout)
                 except TimeoutError:
-                    handle.abort()
+                    try:
+                        handle.abort()
+                    except Exception:  # the error line below says what happened
+                        pass
                     write(error_line(item.id, item.line, f"timed out after {args.timeout:.0f} s"), "errors")
+                    continue
+                except Exception as e:  # one request's failure is its own line's error
+                    write(error_line(item.id, item.line, f"{type(e).__name__}: {e}"), "errors")
                     continue
                 write(result_line(item, fin), "errors" if fin.finish_reason == "error" else "done")
 
-        for n, raw in enumerate(lines, start=1):
-            if not raw.strip():
+        for n, raw in lines:
+            rid = ids[n]
+            if rid in owner:
+                if (rid, n) in done.duplicates:
+                    counts["skipped"] += 1
+                    bar.update(1)
+                else:
+                    write(duplicate_line(rid, n, owner[rid]), "errors")
                 continue
-            try:
-                rid = line_id(json.loads(raw), n)
-            except json.JSONDecodeError:
-                rid = f"line-{n}"
-            if rid in done:
+            owner[rid] = n
+            if rid in done.ids:
                 counts["skipped"] += 1
                 bar.update(1)
                 continue
-            if rid in seen:
-                write(error_line(rid, n, f"duplicate id {rid!r}"), "errors")
-                continue
-            seen.add(rid)
             try:
-                item = parse_line(raw, n, defaults, lambda text, chat: engine.encode(text, chat=chat))
+                if raw is None:
+                    raise ValueError("the line is not UTF-8")
+                item = parse_line(raw, n, defaults, lambda text, chat: engine.encode(text, chat=chat), rid=rid)
+                # ascii(): the request id goes to logs and metrics, which need not take any string
                 handle = engine.submit(EngineRequest(item.prompt_ids, item.params, item.method, item.method_params,
-                                                     request_id=f"{rid}@{time.time_ns()}"))
-            except (BadLine, EngineError, ValueError) as e:
-                write(error_line(rid, n, str(e)), "errors")
+                                                     request_id=f"{ascii(rid)}@{time.time_ns()}"))
+            except Exception as e:  # whatever one line raises (the tokenizer's TypeError too)
+                write(error_line(rid, n, str(e) or type(e).__name__), "errors")
                 continue
             inflight.append((item, handle))
             drain(args.max_inflight - 1)
