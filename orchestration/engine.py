@@ -10,6 +10,7 @@ parameters, sampling values, positions, KV capacity - so a bad request is refuse
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from raysparse.actors.shard_worker import ShardSpec
 from raysparse.config import ModelConfig
 from raysparse.orchestration.engine_api import (
     CapacityExceededError,
+    DuplicateRequestError,
     EngineRequest,
     EngineUnavailableError,
     InvalidRequestError,
@@ -46,6 +48,13 @@ class Engine:
         self.source_name = ""
         self.use_gpu = False
         self.name = cfg.name or f"raysparse-{uuid.uuid4().hex[:6]}"
+        # Requests in flight by id. An id is taken from submission until the request's finish event, so
+        # abort by id reaches one request only. Lock order: _id_lock, then a runner's cond, then
+        # _inflight_lock (taken by a finishing request while its runner holds cond, so never held around
+        # a call into a runner).
+        self._inflight: dict[str, RequestHandle] = {}
+        self._inflight_lock = threading.Lock()
+        self._id_lock = threading.Lock()  # taking an id and aborting by id, one at a time
 
     # ---- life cycle -------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -157,14 +166,36 @@ class Engine:
         if not ready:
             raise EngineUnavailableError("no replica is ready (rebuilding after a failure)")
         runner = min(ready, key=lambda r: r.load())
-        handle = RequestHandle(req, self.abort)
+        handle = RequestHandle(req, lambda _rid: self._abort_handle(handle), self._forget)
         stops = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos)
         seq = runner.sched.make_sequence(handle, key, stops, time.perf_counter())  # may raise CapacityExceeded
-        runner.add(seq)
+        with self._id_lock:
+            with self._inflight_lock:
+                if req.request_id in self._inflight:
+                    raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
+                self._inflight[req.request_id] = handle
+            runner.add(seq)
         return handle
 
+    def _forget(self, handle: RequestHandle) -> None:
+        """The request finished (its runner released it first): its id is free again."""
+        with self._inflight_lock:
+            if self._inflight.get(handle.request_id) is handle:
+                del self._inflight[handle.request_id]
+
+    def _abort_handle(self, handle: RequestHandle) -> bool:
+        """Aborts this request only: a newer request that reuses the id after it finished is untouched."""
+        with self._id_lock:  # no other request can take the id while the runners look for it
+            with self._inflight_lock:
+                if self._inflight.get(handle.request_id) is not handle:
+                    return False
+            return any(r.abort(handle.request_id) for r in self.runners)
+
     def abort(self, request_id: str) -> bool:
-        return any(r.abort(request_id) for r in self.runners)
+        """Aborts the request in flight with this id; False when there is none."""
+        with self._inflight_lock:
+            handle = self._inflight.get(request_id)
+        return handle is not None and self._abort_handle(handle)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -200,5 +231,5 @@ class Engine:
         return [r.group.stats(reset) for r in self.runners if r.state == "ready"]
 
 
-__all__ = ["CapacityExceededError", "Engine", "EngineConfig", "EngineRequest", "EngineUnavailableError",
-           "InvalidRequestError", "RequestHandle"]
+__all__ = ["CapacityExceededError", "DuplicateRequestError", "Engine", "EngineConfig", "EngineRequest",
+           "EngineUnavailableError", "InvalidRequestError", "RequestHandle"]

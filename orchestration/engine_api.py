@@ -2,7 +2,8 @@
 
 Each error class maps to one gRPC status code (``code``) so every front end answers the same way:
 bad input is INVALID_ARGUMENT, a request that can never fit the KV cache (or a full queue) is
-RESOURCE_EXHAUSTED, and an engine that is loading, rebuilding, draining or stopped is UNAVAILABLE.
+RESOURCE_EXHAUSTED, a request id that is already in flight is ALREADY_EXISTS, and an engine that is
+loading, rebuilding, draining or stopped is UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class CapacityExceededError(EngineError):
 
 class EngineUnavailableError(EngineError):
     code = "UNAVAILABLE"
+
+
+class DuplicateRequestError(EngineError):
+    """A request id names at most one request in flight: abort by id must reach exactly that one."""
+
+    code = "ALREADY_EXISTS"
 
 
 _ids = itertools.count()
@@ -79,10 +86,12 @@ class RequestHandle:
     Thread-safe; events are buffered, so a slow consumer never blocks the engine. ``abort`` asks the
     engine to stop the request; its finish event then has reason ``abort``."""
 
-    def __init__(self, request: EngineRequest, on_abort: Callable[[str], Any]) -> None:
+    def __init__(self, request: EngineRequest, on_abort: Callable[[str], Any],
+                 on_finish: Callable[[RequestHandle], Any] | None = None) -> None:
         self.request = request
         self._q: queue.Queue[Event] = queue.Queue()
         self._on_abort = on_abort
+        self._on_finish = on_finish  # the engine frees the request id here
         self.finished = threading.Event()
         self.finish: FinishEvent | None = None
 
@@ -96,6 +105,8 @@ class RequestHandle:
         if isinstance(ev, FinishEvent):
             self.finish = ev
             self.finished.set()
+            if self._on_finish is not None:
+                self._on_finish(self)
         self._q.put(ev)
 
     def get(self, timeout: float | None = None) -> Event:
@@ -110,7 +121,9 @@ class RequestHandle:
                 return
 
     def abort(self) -> None:
-        self._on_abort(self.request_id)
+        # A finished request has nothing left to stop, and its id may already name a newer request.
+        if not self.finished.is_set():
+            self._on_abort(self.request_id)
 
     def result(self, timeout: float | None = None) -> FinishEvent:
         """Blocks until the request finishes and returns its finish event."""

@@ -84,11 +84,15 @@ def test_bad_inputs_get_their_status_codes(served):
     bad = [
         (dict(token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(text=""), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text=" \t\n  "), grpc.StatusCode.INVALID_ARGUMENT),  # empty once stripped
         (dict(token_ids=[3] * (MAX_POS - 10), max_new_tokens=20), grpc.StatusCode.INVALID_ARGUMENT),  # context
         (dict(token_ids=[3], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT),
+        # would underflow in the sampler (they used to pass here and fail during generation)
+        (dict(token_ids=[3], temperature=1e-300), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], temperature=1.0, top_p=1e-300), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], method="no_such_method"), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], method="psaw", method_params={"bogus": 1}), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], method="psaw", method_params={"density": 2.0}), grpc.StatusCode.INVALID_ARGUMENT),
@@ -104,6 +108,90 @@ def test_bad_inputs_get_their_status_codes(served):
         assert ok.finish_reason == "length" and len(ok.token_ids) == 3  # still serving
     assert client.health() == "SERVING"
     _wait_kv_free(client)
+
+
+def test_one_request_id_is_in_flight_at_most_once(served):
+    """Two clients with one request id: the second is refused and neither disturbs the other's request."""
+    srv, client, _ = served
+    _wait_kv_free(client)
+    rid = f"shared-{time.time_ns()}"
+    n = 60
+    with RaySparseClient(f"127.0.0.1:{srv.port}") as other:
+        stream = client.stream(request_id=rid, token_ids=[7, 8, 9], max_new_tokens=n, ignore_eos=True, timeout=120)
+        chunks = [next(stream)]
+        for call in (lambda: other.generate(request_id=rid, token_ids=[4, 5], max_new_tokens=3, timeout=30),
+                     lambda: list(other.stream(request_id=rid, token_ids=[4, 5], max_new_tokens=3, timeout=30))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+            assert rid in e.value.details()
+        chunks += list(stream)  # the refused duplicates ended nothing: the first request runs to its length
+        fin = chunks[-1].finish
+        assert fin.finish_reason == "length" and fin.usage.completion_tokens == n
+        assert sum(len(c.token_ids) for c in chunks[:-1]) == n and {c.request_id for c in chunks} == {rid}
+        # A finished request frees its id, and the end of its call aborts nothing that reuses the id.
+        for _ in range(3):
+            done = other.generate(request_id=rid, token_ids=[4, 5], max_new_tokens=2, ignore_eos=True, timeout=30)
+            assert done.finish_reason == "length"
+            again = client.generate(request_id=rid, token_ids=[7, 8, 9], max_new_tokens=8, ignore_eos=True,
+                                    timeout=60)
+            assert again.finish_reason == "length" and len(again.token_ids) == 8
+        # Abort by id reaches the one request that holds it.
+        out: dict = {}
+        th = threading.Thread(target=lambda: out.setdefault("c", client.generate(
+            request_id=rid, token_ids=[7, 8, 9], max_new_tokens=KV_TOKENS - 16, ignore_eos=True, timeout=120)))
+        th.start()
+        deadline = time.monotonic() + 30
+        while client.server_info().running == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert other.abort(rid)
+        th.join(timeout=30)
+        assert out["c"].finish_reason == "abort"
+    _wait_kv_free(client)
+
+
+def test_unknown_method_names_add_no_metric_series(served):
+    srv, client, _ = served
+
+    def series() -> set[str]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).read().decode()
+        return {line.rsplit(" ", 1)[0] for line in body.splitlines()
+                if line.startswith("raysparse_") and 'method="' in line}
+
+    def unknown(i: int) -> None:
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(token_ids=[3], method=f"no_such_method_{i}_{time.time_ns()}", max_new_tokens=2, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    unknown(-1)  # the first one may open the ("invalid", "invalid_argument") series
+    name = 'raysparse_requests_total{method="invalid",outcome="invalid_argument"}'
+    before, count = series(), _metric(srv, name)
+    for i in range(40):
+        unknown(i)
+    assert series() == before
+    assert _metric(srv, name) == count + 40
+
+
+def test_undecodable_requests_are_invalid_argument(served):
+    """Bytes that are no valid message (e.g. a string field that is not UTF-8) are the client's error."""
+    _, client, _ = served
+    raw = {m: client.channel.unary_unary(f"/raysparse.v1.RaySparse/{m}", request_serializer=None,
+                                         response_deserializer=None) for m in ("Abort", "GetServerInfo")}
+    generate = client.channel.unary_stream("/raysparse.v1.RaySparse/Generate", request_serializer=None,
+                                           response_deserializer=None)
+    not_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (Generate: text, Abort: request_id), length 2, invalid UTF-8
+    truncated = b"\x0a\x10ab"  # announces 16 bytes, holds 2
+    for payload in (not_utf8, truncated):
+        for call in (lambda p=payload: list(generate(p, timeout=30)), lambda p=payload: raw["Abort"](p, timeout=30)):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert "decoded" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        raw["GetServerInfo"](b"\xff\xff", timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ok = client.generate(token_ids=[5, 6, 7], max_new_tokens=3, ignore_eos=True, timeout=30)
+    assert ok.finish_reason == "length"  # still serving
 
 
 def test_unavailable_while_the_engine_is_not_ready():

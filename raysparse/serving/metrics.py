@@ -3,10 +3,15 @@
 Latency histograms follow vLLM's names and meaning: TTFT (submission to first token), ITL (between two
 consecutive tokens of one request) and E2E (the whole call). KV usage and the measured density per method
 are gauges refreshed by the server's poller.
+
+Label values come from closed sets, so no client can grow the number of series: a method label is a
+registered method's name or ``invalid``, an outcome is a finish reason or a status code's name, and the
+density gauge keeps at most ``MAX_DENSITY_SERIES`` method settings (their parameters come from clients).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -15,9 +20,17 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+MAX_DENSITY_SERIES = 64
+
+
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    INVALID = "invalid"  # the method label of a call whose method is not a registered one
+
+    def __init__(self, registry: CollectorRegistry | None = None, methods: Iterable[str] | None = None) -> None:
+        """``methods``: the method names that may appear as labels (default: the registered methods)."""
         self.registry = registry or CollectorRegistry()
+        self._methods = frozenset(methods) if methods is not None else None
+        self._density_labels: set[str] = set()
         r = self.registry
         self.requests = Counter("raysparse_requests", "Generate calls by attention method and outcome",
                                 ["method", "outcome"], registry=r)
@@ -48,8 +61,20 @@ class ServerMetrics:
         self.kv_usage.set(used / cap if cap else 0.0)
         self.serving.set(1.0 if info.get("serving") else 0.0)
 
+    def method(self, name: str) -> str:
+        """The label of the method a client named: the name itself when registered, else ``invalid``."""
+        if self._methods is None:  # looked up on first use: the registry imports every method
+            from raysparse.methods.registry import method_names
+
+            self._methods = frozenset(method_names())
+        return name if name in self._methods else self.INVALID
+
     def observe_density(self, shard_stats: list[list[dict[str, Any]]]) -> None:
         for method, phase, value in density_by_method(shard_stats):
+            # Settings carry client-chosen parameter values: past the cap, new ones are not exported.
+            if method not in self._density_labels and len(self._density_labels) >= MAX_DENSITY_SERIES:
+                continue
+            self._density_labels.add(method)
             self.density.labels(method, phase).set(value)
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> Any:

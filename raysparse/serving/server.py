@@ -21,8 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from raysparse.serving.metrics import ServerMetrics
 from raysparse.serving.proto import raysparse_pb2 as pb
-from raysparse.serving.proto import raysparse_pb2_grpc as pb_grpc
-from raysparse.serving.servicer import RaySparseServicer
+from raysparse.serving.servicer import RaySparseServicer, add_to_server
 
 log = logging.getLogger("raysparse.serving")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RaySparse"].full_name  # raysparse.v1.RaySparse
@@ -72,7 +71,7 @@ class InferenceServer:
             self._owns_ray = start_ray(self.engine.cfg.address, self.engine.cfg.num_cpus)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.cfg.max_workers),
                              options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_RaySparseServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)  # not the generated one: undecodable requests are INVALID_ARGUMENT
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)

@@ -4,17 +4,23 @@ Every refusal is decided before a request reaches the engine's queue or by ``Eng
 typed errors carry the status code (``engine_api``). A call that ends early - the client cancels, its
 deadline passes, the connection drops - aborts its engine request from the RPC's termination callback, so
 its KV pages come back at the replica's next step even while the request is still waiting.
+
+Client input never reaches an error path of its own: a request whose bytes do not parse is
+INVALID_ARGUMENT (``add_to_server``), a request id already in flight is ALREADY_EXISTS, and metric labels
+take their values from closed sets (``ServerMetrics.method``).
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from raysparse.generate import FinishEvent, TokenEvent
 from raysparse.orchestration.engine_api import EngineError, EngineRequest, InvalidRequestError
@@ -25,6 +31,45 @@ from raysparse.serving.proto import raysparse_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_NEW_TOKENS = 64
 _POLL_S = 0.1  # how often a streaming call notices that its client went away
+_SERVICE = pb.DESCRIPTOR.services_by_name["RaySparse"]
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Stands for a request whose bytes do not parse (e.g. a string field that is not UTF-8)."""
+
+    error: str
+
+
+def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return UndecodableRequest(str(e) or "malformed message")
+    return deserialize
+
+
+def add_to_server(servicer: RaySparseServicer, server: grpc.Server) -> None:
+    """What the generated ``add_RaySparseServicer_to_server`` does, with deserializers that never raise.
+
+    grpc's server answers a request it cannot deserialize with INTERNAL before any handler runs; such a
+    request is the client's fault, so it reaches the handler as an ``UndecodableRequest``, which every
+    handler refuses with INVALID_ARGUMENT. The handlers follow the service descriptor, so a method added
+    to the proto is served the same way."""
+    handlers = {}
+    for m in _SERVICE.methods:
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(getattr(servicer, m.name),
+                                request_deserializer=_tolerant(getattr(pb, m.input_type.name).FromString),
+                                response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+
+
+def _refuse_undecodable(request: Any, context: grpc.ServicerContext) -> None:
+    if isinstance(request, UndecodableRequest):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request cannot be decoded: {request.error}")
 
 
 def _method_params(msg: pb.GenerateRequest) -> tuple[tuple[str, Any], ...]:
@@ -58,8 +103,8 @@ class RaySparseServicer(pb_grpc.RaySparseServicer):
     def _request(self, msg: pb.GenerateRequest) -> EngineRequest:
         kind = msg.WhichOneof("prompt")
         if kind == "text":
-            if not msg.text:
-                raise InvalidRequestError("prompt is empty")
+            if not msg.text.strip():  # whitespace alone tokenizes to nothing useful (or to nothing at all)
+                raise InvalidRequestError("prompt is empty (or whitespace only)")
             ids = self.engine.encode(msg.text, chat=msg.chat)
         elif kind == "token_ids":
             ids = list(msg.token_ids.ids)
@@ -71,7 +116,10 @@ class RaySparseServicer(pb_grpc.RaySparseServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         t0 = time.perf_counter()
-        method = request.method or "dense"
+        if isinstance(request, UndecodableRequest):
+            self._refuse(context, self.metrics.INVALID, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the request cannot be decoded: {request.error}")
+        method = self.metrics.method(request.method or "dense")  # the metrics' label, not the request's
         if getattr(self.engine, "state", "") != "ready":
             self._refuse(context, method, grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state}")
         try:
@@ -134,11 +182,13 @@ class RaySparseServicer(pb_grpc.RaySparseServicer):
 
     # ---- unary calls --------------------------------------------------------------------------------
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        _refuse_undecodable(request, context)
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         return pb.AbortResponse(found=bool(self.engine.abort(request.request_id)))
 
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
+        _refuse_undecodable(request, context)
         if getattr(self.engine, "model_cfg", None) is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine is {self.engine.state}")
         i = self.engine.model_info()
@@ -148,6 +198,7 @@ class RaySparseServicer(pb_grpc.RaySparseServicer):
                             methods=list(i["methods"]), has_tokenizer=self.engine.tokenizer is not None)
 
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfo:
+        _refuse_undecodable(request, context)
         return server_info_to_proto(self.engine.server_info())
 
 
