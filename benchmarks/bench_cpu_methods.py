@@ -77,7 +77,7 @@ def main() -> int:
     meta = {"context_tokens": args.context_tokens, "new_tokens": args.new_tokens, "threads": args.threads,
             "density": args.density, "torch": torch.__version__}
     (out / "bench_cpu_methods.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(f"\n| method | TTFT s | vs dense | decode tok/s | vs dense | density | decode density |")
+    print("\n| method | TTFT s | vs dense | decode tok/s | vs dense | density | decode density |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         dd = r["decode_density"]

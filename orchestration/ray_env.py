@@ -34,7 +34,9 @@ def start_ray(address: str | None, num_cpus: int | None = None, env: dict[str, s
     if address is None:
         for k, v in LOCAL_RAY_ENV.items():
             os.environ.setdefault(k, v)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+        # address="local": always an instance of our own, never whatever cluster already runs on the host (a
+        # `ray start` or RAY_ADDRESS, which plain ray.init() would join, or hang on if it is stale).
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                  runtime_env=runtime_env, log_to_driver=True)
         return True
     ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
