@@ -5,20 +5,45 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import struct
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from raysparse.runtime_config import RuntimeConfig
 
 EXIT_USAGE, EXIT_FAILURE = 2, 1
+PIPE_WIDTH = 10_000  # columns of a console writing to a pipe or file: wide enough that nothing wraps
 DEVICES = ("cpu", "cuda", "auto")  # where shard actors run (Ray gives each GPU shard its own device)
 T = TypeVar("T")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each flag's default, unless its help already words one (``default: ...``) or there is
+    nothing to show (None, False, an empty list): ``(default: None)`` would tell the reader nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        if ("default" in help_text or default is argparse.SUPPRESS or default is None or default is False
+                or default == [] or not (action.option_strings or action.nargs in (argparse.OPTIONAL, "*"))):
+            return help_text
+        if isinstance(default, tuple):  # the form the flag takes: 256,1024 rather than (256, 1024)
+            shown = ",".join(map(str, default))
+        else:
+            shown = str(default)
+        return f"{help_text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)  # subcommands' parsers too (parser_class)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, no usage dump
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -74,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--context-tokens", type=_positive_int, default=4096, help="haystack size in tokens")
     run.add_argument("--depth", type=_fraction, default=0.5, help="relative position of the needle (0..1)")
     run.add_argument("--seed", type=int, default=0, help="seed of the haystack offset and the needle value")
-    run.add_argument("--max-new-tokens", type=_positive_int, default=24)
-    run.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    run.add_argument("--max-new-tokens", type=_positive_int, default=24, help="tokens the answer may take")
+    run.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                     help="weights and activations")
     _add_cluster_args(run)
     from raysparse.serving.commands import add_runtime_arg
 
@@ -155,7 +181,8 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
                     help="where eval.json and eval.png go (default: results/eval)")
     ev.add_argument("--device", default="cpu", help="where the shards run: cpu, cuda (one GPU per shard) or auto "
                     "(GPUs when the cluster has --tp of them) (default: cpu)")
-    ev.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ev.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="weights and activations (default: float32)")
     ev.add_argument("--threads", type=_positive_int, default=None,
                     help="torch CPU threads per shard (default: this machine's cores shared out over the shards)")
     _add_cluster_args(ev)
@@ -204,17 +231,117 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.exit(EXIT_USAGE, f"raysparse: error: {e}\n")
     _check_paths(args)
+    _check_run_inputs(args)
     return _run(args, runtime)
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A rich console that wraps at the terminal's width on a terminal and never wraps when piped: rich would
+    otherwise cut a pipe's lines at 80 columns, which splits report lines for whoever parses or greps them."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # a closed or odd stream: treat it as a pipe
+        tty = False
+    if tty:
+        return Console(stderr=stderr)
+    # soft_wrap keeps printed lines whole; the wide width lets tables take their natural width.
+    return Console(stderr=stderr, soft_wrap=True, width=PIPE_WIDTH)
+
+
+def _gguf_context_length(path: Path) -> int | None:
+    """``<arch>.context_length`` from a GGUF file's metadata, read without loading tensors (the ``gguf``
+    package's reader maps every tensor first, seconds on a small CPU); None if the file does not say."""
+    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    with path.open("rb") as f:
+        def read(fmt: str) -> Any:
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError("truncated GGUF header")
+            return struct.unpack(fmt, data)[0]
+
+        def string() -> bytes:
+            return f.read(read("<Q"))
+
+        def skip(kind: int) -> None:
+            if kind in scalars:
+                f.seek(struct.calcsize(scalars[kind]), os.SEEK_CUR)
+            elif kind == 8:
+                f.seek(read("<Q"), os.SEEK_CUR)
+            elif kind == 9:
+                item, count = read("<I"), read("<Q")
+                if item in scalars:
+                    f.seek(count * struct.calcsize(scalars[item]), os.SEEK_CUR)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                raise ValueError(f"unknown GGUF value type {kind}")
+
+        if f.read(4) != b"GGUF" or read("<I") < 2:  # version 1 had 32-bit counts; not worth a path of its own
+            return None
+        read("<Q")  # tensor count
+        for _ in range(read("<Q")):
+            key, kind = string(), read("<I")
+            if key.endswith(b".context_length") and kind in scalars:
+                return int(read(scalars[kind]))
+            skip(kind)
+    return None
+
+
+def model_max_positions(model: str | None) -> int | None:
+    """The model's position limit from its config alone (no weights, no transformers import), so commands
+    can refuse a too-long context before the 20-odd seconds of loading; None if it cannot be read cheaply
+    (the engine still checks after loading). Raises ModelNotFoundError for a source that is not a model."""
+    import json
+
+    from raysparse.loader import resolve_source
+
+    src = resolve_source(model)
+    try:
+        if src.gguf_file is not None:
+            return _gguf_context_length(src.directory / src.gguf_file)
+        limit = json.loads((src.directory / "config.json").read_text()).get("max_position_embeddings")
+        return limit if isinstance(limit, int) and limit > 0 else None
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def _check_run_inputs(args: argparse.Namespace) -> None:
+    """What ``run`` can refuse before any model loads: the model source, the context size against the
+    model's positions, and the haystack text (the default falls back to a generated haystack, so only an
+    explicit ``--text`` is read here)."""
+    from raysparse.loader import ModelNotFoundError
+    from raysparse.workload import MIN_CONTEXT_TOKENS, load_haystack_text
+
+    def refuse(message: str) -> NoReturn:
+        raise SystemExit(f"raysparse: error: {message}")
+
+    if args.context_tokens < MIN_CONTEXT_TOKENS:
+        refuse(f"--context-tokens must be at least {MIN_CONTEXT_TOKENS}, got {args.context_tokens}")
+    try:
+        limit = model_max_positions(args.model)
+    except ModelNotFoundError as e:
+        refuse(str(e))
+    if limit is not None and args.context_tokens + args.max_new_tokens > limit:
+        refuse(f"--context-tokens {args.context_tokens} plus {args.max_new_tokens} new tokens exceeds "
+               f"the model's {limit} positions")
+    if args.text is not None:
+        try:
+            load_haystack_text(args.text)
+        except (OSError, ValueError) as e:
+            refuse(f"--text {args.text!r}: {e}")
 
 
 def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
     import json
 
-    from rich.console import Console
-
     from raysparse.orchestration.local_job import JobError, RunOptions, run_retrieval
 
-    console = Console(stderr=False)
+    console = output_console()
     method_params = (("density", args.density),) if args.density is not None else ()
     opts = RunOptions(model=args.model, method=args.method, method_params=method_params, text=args.text,
                       context_tokens=args.context_tokens, depth=args.depth, seed=args.seed,
@@ -277,8 +404,6 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.context_tokens < MIN_CONTEXT_TOKENS:
         usage(f"--context-tokens must be at least {MIN_CONTEXT_TOKENS}, got {args.context_tokens}")
 
-    from rich.console import Console
-
     from raysparse.eval.distributed import ClusterOptions
     from raysparse.eval.job import EvalOptions, run_job
 
@@ -286,7 +411,7 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                              cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
     opts = EvalOptions(model=args.model, text=args.text, out=args.out, dtype=args.dtype, cluster=cluster)
     try:
-        run_job(cfg, opts, Console())
+        run_job(cfg, opts, output_console())
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
         print(f"raysparse: error: {e}".splitlines()[0], file=sys.stderr)
         return EXIT_FAILURE

@@ -169,3 +169,33 @@ def test_scaling_mode_spreads_replicas_over_a_local_cluster(tmp_path):
     assert rows[1]["scaling_efficiency"] == pytest.approx(rows[1]["output_throughput"]
                                                           / (2 * rows[0]["output_throughput"]))
     assert (out / "bench_scaling.png").is_file()
+
+
+def test_sweep_plot_names_tokens_units_model_and_method(tmp_path):
+    """The plot says what it shows: real prompt lengths on the axis (1,024, not 2^10), units on every axis,
+    and the model and method in the title."""
+    from raysparse.bench.report import bench_title, scaling_figure, sweep_figure, write_report
+
+    def row(n: int) -> dict:
+        return {"prompt_len": n, "output_throughput": 10.0, "total_token_throughput": 10.0 + n,
+                **{f"{s}_{m}_ms": float(n) for s in ("mean", "p99") for m in ("ttft", "tpot", "itl", "e2el")}}
+
+    report = {"model": "SmolLM2-135M-Instruct", "load": {"method": "psaw", "method_params": (("density", 0.1),)},
+              "sweep": [row(n) for n in (128, 1024, 4096)]}
+    title = bench_title(report)
+    assert title == "raysparse bench: SmolLM2-135M-Instruct, psaw (density=0.1)"
+    fig = sweep_figure(report["sweep"], title)
+    fig.canvas.draw()
+    assert "SmolLM2-135M-Instruct" in fig._suptitle.get_text() and "psaw" in fig._suptitle.get_text()
+    for ax in fig.axes:
+        assert ax.get_xlabel() == "prompt length (tokens)"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["128", "1,024", "4,096"]
+        assert not ax.xaxis.get_minorticklabels() or all(not t.get_text() for t in ax.xaxis.get_minorticklabels())
+    assert [ax.get_ylabel() for ax in fig.axes] == ["request latency (ms)", "per-token latency (ms)",
+                                                    "throughput (tokens/s)"]
+    scaling = scaling_figure([{**row(256), "replicas": r} for r in (1, 2, 4)], title)
+    scaling.canvas.draw()
+    assert "psaw" in scaling._suptitle.get_text()
+    assert [t.get_text() for t in scaling.axes[0].get_xticklabels()] == ["1", "2", "4"]
+    assert all("(" in ax.get_ylabel() for ax in scaling.axes)
+    assert (tmp_path / "bench_sweep.png") in write_report(tmp_path, report)

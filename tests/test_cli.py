@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -91,3 +92,84 @@ def test_runtime_flag_reaches_the_engine_config():
     assert engine_config(job).runtime == want
     assert engine_config(build_parser().parse_args(["serve"])).runtime == RuntimeConfig()
     assert build_parser().parse_args(["run", *flags]).runtime == flags[1::2]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["run", "--context-tokens", "9000"], "exceeds the model's 8192 positions"),
+    (["run", "--context-tokens", "8180"], "plus 24 new tokens exceeds the model's 8192 positions"),
+    (["run", "--context-tokens", "100"], "at least 256"),
+    (["run", "--text", "/nonexistent/haystack"], "no such file"),
+    (["run", "--text", "{empty_dir}"], "holds no .txt files"),
+])
+def test_inputs_are_refused_before_the_model_loads(tmp_path, args, needle):
+    """Loading the model takes 20-odd seconds; what can be checked without it is refused at once, before
+    anything is printed on stdout (the first line there is the loaded model's)."""
+    import time
+
+    args = [a.format(empty_dir=tmp_path) for a in args]
+    t0 = time.monotonic()
+    proc = raysparse(*args, timeout=120)
+    assert_one_line_error(proc, needle)
+    assert proc.stdout == ""
+    assert time.monotonic() - t0 < 15
+
+
+def test_bench_refuses_prompts_longer_than_the_model_before_loading(capsys):
+    from raysparse.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--prompt-lens", "256,8190", "--output-len", "8"])
+    assert e.value.code == 2
+    assert "--prompt-lens 8190 plus --output-len 8 exceeds the model's 8192 positions" in capsys.readouterr().err
+
+
+def test_help_shows_every_default(monkeypatch):
+    from raysparse.cli import build_parser
+    from raysparse.jobs.longcontext import build_parser as job_parser
+
+    monkeypatch.setenv("COLUMNS", "300")  # argparse wraps help at COLUMNS; keep each flag on one line
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    want = {"run": ["haystack size in tokens (default: 4096)",
+                    "(default: 24)", "(default: float32)", "(default: 0.5)"],
+            "serve": ["(default: 50051)", "(default: 9400)", "(default: 5.0)", "(default: 16384)"],
+            "generate": ["(default: 64)", "(default: 127.0.0.1:50051)", "(default: 0.0)"],
+            "bench": ["(default: 256,1024)", "(default: 32)", "(default: inf)", "(default: results/bench)"],
+            "eval": ["(default: 2048)", "(default: results/eval)", "(default: 16)"]}
+    for name, needles in want.items():
+        text = sub.choices[name].format_help()
+        for needle in needles:
+            assert needle in text, (name, needle)
+        assert "(default: None)" not in text and "(default: False)" not in text
+    job = job_parser().format_help()
+    assert "(default: 3600.0)" in job and "(default: 64)" in job
+
+
+def test_piped_output_is_not_wrapped(monkeypatch, capsys):
+    """Into a pipe, report lines stay whole (rich would cut them at 80 columns); on a terminal, rich follows
+    the terminal's width."""
+    import io
+
+    from raysparse import cli
+    from raysparse.orchestration import local_job
+
+    def fake_run(opts: local_job.RunOptions, console) -> dict:
+        result = {"answer": "1234567", "expected": "1234567", "correct": True, "prompt_tokens": opts.context_tokens,
+                  "ttft_s": 1.5, "decode_tokens_per_s": 42.0, "new_tokens": 8, "method": opts.method,
+                  "density": 1.0}
+        local_job._report(result, console)
+        return result
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(local_job, "run_retrieval", fake_run)
+    assert cli.main(["run", "--context-tokens", "512"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = [ln for ln in lines if ln.startswith("prompt tokens 512")]
+    assert len(report) == 1 and len(report[0]) > 80 and report[0].endswith("method dense, density 1.000"), lines
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    console = cli.output_console()
+    assert not console.soft_wrap and console.width < cli.PIPE_WIDTH

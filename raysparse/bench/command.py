@@ -13,6 +13,7 @@ import math
 import sys
 from typing import Any
 
+from raysparse.cli import output_console
 from raysparse.serving.commands import (
     EXIT_FAILURE,
     EXIT_USAGE,
@@ -43,21 +44,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--target", help="a running server (default: start one here over the engine flags below)")
     b.add_argument("--num-prompts", type=positive_int, default=32, help="requests per prompt length")
     b.add_argument("--prompt-lens", type=_int_list, default=(256, 1024), metavar="N,N",
-                   help="prompt lengths to sweep, in tokens (default: 256,1024)")
+                   help="prompt lengths to sweep, in tokens")
     b.add_argument("--output-len", type=positive_int, default=32, help="tokens generated per request")
     b.add_argument("--request-rate", type=rate, default=math.inf,
-                   help="requests/s with Poisson arrivals (default: inf, every request at once)")
+                   help="requests/s with Poisson arrivals (inf: every request at once)")
     b.add_argument("--burstiness", type=rate, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
-    b.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
+    b.add_argument("--max-concurrency", type=positive_int, default=None,
+                   help="cap on requests in flight (default: none)")
     b.add_argument("--slo", action="append", default=[], metavar="METRIC:MS",
                    help="goodput SLO, repeatable: ttft:MS, tpot:MS or e2el:MS")
     add_method_args(b)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrivals")
     b.add_argument("--text", metavar="PATH", help="text file or directory the prompts are cut from "
                    "(default: ../shared/data/text/, else a generated haystack)")
     b.add_argument("--tokenizer", metavar="PATH", help="tokenizer of the served model (default: --model's)")
     b.add_argument("--out", default="results/bench", metavar="DIR", help="bench.json and plots go here")
-    b.add_argument("--no-plot", action="store_true")
+    b.add_argument("--no-plot", action="store_true", help="write bench.json only")
     b.add_argument("--scaling", type=_int_list, default=None, metavar="R,R",
                    help="scaling mode: restart the engine with each replica count (first prompt length only)")
     b.add_argument("--local-nodes", type=positive_int, default=None,
@@ -84,9 +86,22 @@ def _tokenizer(args: argparse.Namespace) -> Any:
     return load(args.tokenizer or args.model)
 
 
-def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from rich.console import Console
+def _model_name(args: argparse.Namespace) -> str:
+    """The model the report names: the served one's (asked of the server, best effort) or --model's."""
+    if args.target:
+        try:
+            from raysparse.serving.client import RaySparseClient
 
+            with RaySparseClient(args.target) as client:
+                return client.model_info(timeout=5.0).model or f"server at {args.target}"
+        except Exception:  # an unreachable server fails the sweep itself, with its own message
+            return f"server at {args.target}"
+    from raysparse.loader import resolve_source
+
+    return resolve_source(args.model).name
+
+
+def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from raysparse.bench.loadgen import LoadConfig, PromptSampler
     from raysparse.bench.metrics import parse_slos
     from raysparse.workload import load_haystack_text
@@ -107,16 +122,25 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                           max_concurrency=args.max_concurrency, output_len=args.output_len, method=args.method,
                           method_params=tuple(sorted(method_params(args).items())), seed=args.seed)
         ecfg = engine_config(args)
+        model = _model_name(args)
+        if not args.target:  # refused here, before the tokenizer and the engine load
+            from raysparse.cli import model_max_positions
+
+            limit = model_max_positions(args.model)
+            longest = args.prompt_lens[0] if args.scaling else max(args.prompt_lens)  # scaling: the first only
+            if limit is not None and longest + args.output_len > limit:
+                return usage(f"--prompt-lens {longest} plus --output-len {args.output_len} exceeds the model's "
+                             f"{limit} positions")
         text, text_desc = load_haystack_text(args.text)
         tok = _tokenizer(args)
         sampler = PromptSampler(text, lambda s: tok(s, add_special_tokens=False)["input_ids"], args.seed)
     except (ValueError, FileNotFoundError, OSError) as e:
         return usage(str(e).splitlines()[0])
-    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)  # logs: no truncated columns
+    console = output_console(stderr=True)  # the terminal's width, or whole lines into a log
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "raysparse " + " ".join(sys.argv[1:]),
-        "text": text_desc, "load": {k: (None if isinstance(v, float) and math.isinf(v) else v)
+        "model": model, "text": text_desc, "load": {k: (None if isinstance(v, float) and math.isinf(v) else v)
                                     for k, v in load.__dict__.items()},
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate}
     try:
@@ -130,10 +154,10 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except Exception as e:  # a server that cannot start, a cluster that does not come up
         console.print(f"raysparse: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return EXIT_FAILURE
-    from raysparse.bench.report import print_table, write_report
+    from raysparse.bench.report import bench_title, print_table, write_report
 
     paths = write_report(args.out, report, plot=not args.no_plot)
-    print_table(report.get("sweep") or report["scaling"], f"raysparse bench ({args.method})", console)
+    print_table(report.get("sweep") or report["scaling"], bench_title(report), console)
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -27,12 +27,13 @@ class EvalOptions:
 def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
+    from raysparse.cli import output_console
     from raysparse.eval.distributed import check_tp, running_engine
     from raysparse.eval.report import plot, print_table, write_json
     from raysparse.workload import load_haystack_text
 
-    console = console or Console()
-    err = Console(stderr=True)
+    console = console or output_console()
+    err = output_console(stderr=True)  # progress lines stay whole in a log file
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     text, source = load_haystack_text(opts.text)

@@ -45,7 +45,10 @@ from raysparse.serving.commands import add_engine_args, add_method_args, engine_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m raysparse.jobs.longcontext", description=__doc__.split("\n\n")[0])
+    from raysparse.cli import HelpFormatter  # --help shows the defaults, as every raysparse command's does
+
+    p = argparse.ArgumentParser(prog="python -m raysparse.jobs.longcontext", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--input", required=True, help="JSONL file of requests")
     p.add_argument("--output", required=True, help="JSONL file of results (appended to; finished ids skipped)")
     add_method_args(p)

@@ -97,15 +97,18 @@ def add_runtime_arg(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights and activations")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards per replica")
     p.add_argument("--replicas", type=positive_int, default=1, help="data-parallel replicas over the nodes")
     p.add_argument("--address", help="an existing Ray cluster (default: a local instance)")
     p.add_argument("--kv-cache-tokens", type=positive_int, default=16384, help="KV cache per replica, in tokens")
     p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--num-cpus", type=positive_int, default=None, help="CPUs of the local Ray instance")
-    p.add_argument("--cpus-per-shard", type=float, default=1.0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the shards run (auto: GPUs when the cluster has --tp of them)")
+    p.add_argument("--num-cpus", type=positive_int, default=None,
+                   help="CPUs of the local Ray instance (default: all of this host's)")
+    p.add_argument("--cpus-per-shard", type=float, default=1.0, help="CPUs Ray reserves per shard actor")
     p.add_argument("--no-draft", action="store_true", help="no SpecAttn draft actor (specattn is then refused)")
     p.add_argument("--decode-steps", type=positive_int, default=1,
                    help="decode steps per shard call while no prompt waits (fewer round trips, burstier streams)")
@@ -127,7 +130,8 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="dense", help="attention method (see `raysparse run --help`)")
-    p.add_argument("--density", type=float, default=None, help="attention budget of methods that have one")
+    p.add_argument("--density", type=float, default=None,
+                   help="attention budget of methods that have one (default: the method's own)")
     p.add_argument("--param", type=param, action="append", default=[], metavar="KEY=VALUE",
                    help="another method parameter (repeatable), e.g. --param block_size=32")
 
@@ -146,7 +150,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Starts the gRPC server (raysparse.v1.RaySparse, grpc.health.v1, reflection) "
                                    "and a Prometheus /metrics endpoint, then loads the engine on Ray.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    s.add_argument("--port", type=port, default=50051)
+    s.add_argument("--port", type=port, default=50051, help="gRPC port (0: any free one)")
     s.add_argument("--metrics-port", type=port, default=9400, help="Prometheus port")
     s.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
     s.add_argument("--grace", type=float, default=5.0, help="seconds streams get to finish on shutdown")
@@ -158,11 +162,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default: {DEFAULT_TARGET})")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the text")
     add_method_args(g)
-    g.add_argument("--max-new-tokens", type=positive_int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens even past the end token")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
     g.add_argument("--json", action="store_true", help="print one JSON line instead of streaming text")
     add_bench_parser(sub)
