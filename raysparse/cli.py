@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import struct
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -251,65 +250,6 @@ def output_console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, soft_wrap=True, width=PIPE_WIDTH)
 
 
-def _gguf_context_length(path: Path) -> int | None:
-    """``<arch>.context_length`` from a GGUF file's metadata, read without loading tensors (the ``gguf``
-    package's reader maps every tensor first, seconds on a small CPU); None if the file does not say."""
-    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-    with path.open("rb") as f:
-        def read(fmt: str) -> Any:
-            size = struct.calcsize(fmt)
-            data = f.read(size)
-            if len(data) != size:
-                raise ValueError("truncated GGUF header")
-            return struct.unpack(fmt, data)[0]
-
-        def string() -> bytes:
-            return f.read(read("<Q"))
-
-        def skip(kind: int) -> None:
-            if kind in scalars:
-                f.seek(struct.calcsize(scalars[kind]), os.SEEK_CUR)
-            elif kind == 8:
-                f.seek(read("<Q"), os.SEEK_CUR)
-            elif kind == 9:
-                item, count = read("<I"), read("<Q")
-                if item in scalars:
-                    f.seek(count * struct.calcsize(scalars[item]), os.SEEK_CUR)
-                else:
-                    for _ in range(count):
-                        skip(item)
-            else:
-                raise ValueError(f"unknown GGUF value type {kind}")
-
-        if f.read(4) != b"GGUF" or read("<I") < 2:  # version 1 had 32-bit counts; not worth a path of its own
-            return None
-        read("<Q")  # tensor count
-        for _ in range(read("<Q")):
-            key, kind = string(), read("<I")
-            if key.endswith(b".context_length") and kind in scalars:
-                return int(read(scalars[kind]))
-            skip(kind)
-    return None
-
-
-def model_max_positions(model: str | None) -> int | None:
-    """The model's position limit from its config alone (no weights, no transformers import), so commands
-    can refuse a too-long context before the 20-odd seconds of loading; None if it cannot be read cheaply
-    (the engine still checks after loading). Raises ModelNotFoundError for a source that is not a model."""
-    import json
-
-    from raysparse.loader import resolve_source
-
-    src = resolve_source(model)
-    try:
-        if src.gguf_file is not None:
-            return _gguf_context_length(src.directory / src.gguf_file)
-        limit = json.loads((src.directory / "config.json").read_text()).get("max_position_embeddings")
-        return limit if isinstance(limit, int) and limit > 0 else None
-    except (OSError, ValueError, struct.error):
-        return None
-
-
 def _check_run_inputs(args: argparse.Namespace) -> None:
     """What ``run`` can refuse before any model loads: the model source, the context size against the
     model's positions, and the haystack text (the default falls back to a generated haystack, so only an
@@ -323,6 +263,8 @@ def _check_run_inputs(args: argparse.Namespace) -> None:
     if args.context_tokens < MIN_CONTEXT_TOKENS:
         refuse(f"--context-tokens must be at least {MIN_CONTEXT_TOKENS}, got {args.context_tokens}")
     try:
+        from raysparse.loader import model_max_positions
+
         limit = model_max_positions(args.model)
     except ModelNotFoundError as e:
         refuse(str(e))

@@ -124,7 +124,7 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ecfg = engine_config(args)
         model = _model_name(args)
         if not args.target:  # refused here, before the tokenizer and the engine load
-            from raysparse.cli import model_max_positions
+            from raysparse.loader import model_max_positions
 
             limit = model_max_positions(args.model)
             longest = args.prompt_lens[0] if args.scaling else max(args.prompt_lens)  # scaling: the first only
