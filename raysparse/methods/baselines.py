@@ -49,7 +49,15 @@ from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores
 from raysparse.kernels.row_select import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.methods.base import (
+    DecodeView,
+    MethodConfig,
+    SeqContext,
+    SparseMethod,
+    host_row_budget,
+    method_spec,
+    row_budget,
+)
 from raysparse.methods.registry import register
 from raysparse.methods.selection import SENTINEL, BlockSelection, TokenSelection, indices_from_mask, topk_mask
 
@@ -57,8 +65,9 @@ _CHUNK_ELEMS = 1 << 24  # scores materialised per chunk in the quadratic oracle 
 
 
 def scalar_budget(density: float, units: int) -> int:
-    """``row_budget`` for one row given as a Python int (a CPU scalar: no device sync)."""
-    return int(row_budget(density, torch.tensor(units)))
+    """``row_budget`` for one row given as a Python int, without tensors: the host-side density meter calls it
+    per row and layer after every decode step."""
+    return host_row_budget(density, units)
 
 
 def query_blocks(q: torch.Tensor, ctx: SeqContext, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,7 +150,8 @@ class Streaming(SparseMethod):
 
     def decode_keys(self, layer: int, n: int) -> int:
         sinks = min(self.config.sink_tokens, n)
-        local = int(self._local(torch.tensor([n]), sinks, 1)[0])
+        density = self.config.density  # the host form of ``_local`` (no tensors on the meter's path)
+        local = self.config.window if density is None else max(host_row_budget(density, n) - sinks, 1)
         return sinks + n - max(sinks, n - local)
 
 

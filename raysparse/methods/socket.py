@@ -66,7 +66,15 @@ from raysparse.kernels.paged_collision import paged_collision, paged_collision_t
 from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
-from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec, row_budget
+from raysparse.methods.base import (
+    DecodeView,
+    MethodConfig,
+    SeqContext,
+    SparseMethod,
+    host_row_budget,
+    method_spec,
+    row_budget,
+)
 from raysparse.methods.registry import register
 from raysparse.methods.selection import TokenSelection
 
@@ -177,7 +185,7 @@ class Socket(SparseMethod):
         if c.top_k is not None:
             k = c.top_k
         else:
-            k = int(row_budget(c.density, torch.tensor(n))) - sink - local
+            k = host_row_budget(c.density, n) - sink - local  # host ints: the meter calls this per step
         return sink, local, max(0, min(k, n - sink - local))
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
