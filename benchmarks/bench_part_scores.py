@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common when ru
 
 from bench_common import environment, table, time_ms, wall_ms, write_json  # noqa: E402
 
-from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode  # noqa: E402
+from raysparse.methods.sketch_walk_parts import PartsDecode  # noqa: E402
 
 DENSITY = 0.1
 
@@ -55,7 +55,7 @@ def smoke_device() -> str:
 
 
 def _layer_path(kv_heads: int, head_dim: int, r: int, block: int, parts: int, pages: int,
-                dev: str) -> PairedGraphDecode:
+                dev: str) -> PartsDecode:
     """A paired graph path of one sparse layer over a cache of ``pages`` pages (only its config, state and
     constants are used; the cache stands in for its shape alone, without KV tensors)."""
     from types import SimpleNamespace
@@ -73,7 +73,7 @@ def _layer_path(kv_heads: int, head_dim: int, r: int, block: int, parts: int, pa
                             sub_blocks=parts, decode_unit="part", sketch_dim=r, dense_layers=())
     cache = SimpleNamespace(page_size=block, num_kv_heads=kv_heads, num_pages=pages, device=torch.device(dev),
                             shared_state={})
-    return PairedGraphDecode(method, cache)
+    return PartsDecode(method, cache)
 
 
 def case(batch: int, context: int, r: int, smoke: bool, tile: int | None = None,
@@ -125,7 +125,7 @@ def case(batch: int, context: int, r: int, smoke: bool, tile: int | None = None,
     return rec
 
 
-def _selection(path: PairedGraphDecode, ks: torch.Tensor, start: torch.Tensor, table: torch.Tensor,
+def _selection(path: PartsDecode, ks: torch.Tensor, start: torch.Tensor, table: torch.Tensor,
                n: torch.Tensor, q: torch.Tensor, k: torch.Tensor, st: dict[str, Any], tile: int | None,
                warps: int | None, timer: Any, rest: Any, ref: Any, kernel: Any) -> dict[str, Any]:
     """The layer's whole part selection: agreement from one state, then the three forms' times."""

@@ -39,13 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common when ru
 from bench_common import environment, table, time_ms, wall_ms, write_json  # noqa: E402
 
 from raysparse.methods.sketch_walk import GRAPH_DECODE  # noqa: E402
-from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode  # noqa: E402
+from raysparse.methods.sketch_walk_rows import RowsDecode  # noqa: E402
 
 BLOCK, DENSITY = 64, 0.1
 
 
 def _layer_path(heads: int, kv_heads: int, head_dim: int, width: int, batch: int, dev: str,
-                block: int) -> SketchWalkGraphDecode:
+                block: int) -> RowsDecode:
     """A graph path of one sparse layer (only its config and state are used)."""
     from transformers import LlamaConfig
 
@@ -59,7 +59,7 @@ def _layer_path(heads: int, kv_heads: int, head_dim: int, width: int, batch: int
     method = create_backend("sketch_walk", cfg, block_size=block, density=DENSITY, walk="one-hop", dense_layers=(),
                             **GRAPH_DECODE)
     cache = KVCache(cfg, width + 1, block, torch.bfloat16, dev, num_kv_heads=1)
-    return SketchWalkGraphDecode(method, cache, max_batch=batch, max_blocks=width)
+    return RowsDecode(method, cache, max_batch=batch, max_blocks=width)
 
 
 def timing_case(batch: int, context: int, smoke: bool) -> dict[str, Any]:
@@ -114,7 +114,6 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
     from raysparse.decode_graphs import DecodeGraphs
     from raysparse.kv_cache import KVCache
     from raysparse.methods.registry import create_backend
-    from raysparse.methods.sketch_walk_attach import attach_graph_decode
 
     dev = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     if args.smoke:  # a random 4-layer model on random tokens: the script's CPU test
@@ -146,8 +145,8 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
         for sid, p in enumerate(prompts):
             cache.allocate(sid, len(p) + args.steps + 1)
             model(torch.tensor(p, device=dev), cache.prepare([sid], [len(p)], True), cache, backend)
-    assert attach_graph_decode(backend, cache, max_batch=args.batch)
-    path: SketchWalkGraphDecode = backend.graph_path
+    assert backend.build_batched(cache, max_batch=args.batch)
+    path: RowsDecode = backend.batch_decoder
     graphs = DecodeGraphs(model, cache, max_batch=args.batch, capture=False)  # eager: Python sees every layer
     counts = {"lists": 0, "rule_diff": 0, "diff": 0, "diff_rule": 0, "diff_scores": 0, "blocks": 0, "blocks_diff": 0,
               "state_diff": 0}
@@ -157,7 +156,7 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
         shim = copy.copy(path)  # the reference on copies of this layer's state
         shim.qs, shim.ks = qs.clone()[:, None], ks.clone()[:, None]
         scores: list[torch.Tensor] = []
-        shim._w_rows = lambda s, st: scores.append(s) or SketchWalkGraphDecode._w_rows(shim, s, st)
+        shim._w_rows = lambda s, st: scores.append(s) or RowsDecode._w_rows(shim, s, st)
         st = shim.step_constants(n, width)
         want = shim._choose(shim.rows_reference(0, slots, n, new, width, None, st), st)
         rule = shim._choose(_rule_rows(scores[-1][:, -1], st, qs.shape[-1], exponent), st)
@@ -184,7 +183,7 @@ def agreement(args: argparse.Namespace) -> dict[str, Any]:
         return want
 
     ws.walk_select = compare
-    SketchWalkGraphDecode.select = True  # the kernel, also on the CPU (in the interpreter)
+    RowsDecode.select = True  # the kernel, also on the CPU (in the interpreter)
     sids = list(range(args.batch))
     ids = [int(p[-1]) for p in prompts]
     with torch.no_grad():

@@ -66,9 +66,8 @@ def main() -> None:
         graphs = None
         if args.graphs:
             from raysparse.decode_graphs import DecodeGraphs
-            from raysparse.methods.sketch_walk_attach import attach_graph_decode
 
-            attach_graph_decode(backend, cache, args.batch)
+            backend.build_batched(cache, args.batch)
             graphs = DecodeGraphs(model, cache, max_batch=args.batch)
             if not DecodeGraphs.supports(backend):
                 print(f"{method}: no graph decode path; eager")

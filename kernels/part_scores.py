@@ -1,5 +1,5 @@
 """Sketch&Walk's paired part scores for a decode step in two launches (the graph path,
-``sketch_walk_graph_paired``, before its heads are combined), or in one launch with the heads' partial
+``sketch_walk_parts``, before its heads are combined), or in one launch with the heads' partial
 combine (``part_combine``, which ``kernels/part_select.py`` finalises and selects from).
 
 The state is page-indexed like the KV cache: ``ks`` [(num_pages + 1) * P, h_kv, r] per sparse layer, part p

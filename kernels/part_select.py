@@ -1,8 +1,8 @@
 """Sketch&Walk's paired decode selection at part granularity in one launch (the graph path,
-``sketch_walk_graph_paired``, ``decode_unit="part"``), after ``part_scores.part_combine`` (and, under tensor
+``sketch_walk_parts``, ``decode_unit="part"``), after ``part_scores.part_combine`` (and, under tensor
 parallelism, the ``head_reduce`` all-reduce of its partial).
 
-The PyTorch form, ``SketchWalk._combine_heads`` then ``PairedGraphDecode._choose_parts`` (fp64 exp and sum,
+The PyTorch form, ``SketchWalk._combine_heads`` then ``PartsDecode._choose_parts`` (fp64 exp and sum,
 the reduce, clamp, log, cast; then order keys, a masked ``torch.topk``, a concatenation, a sort and a cast:
 about 15 kernels per sparse layer), becomes ``_select_kernel``, one program per batch row:
 

@@ -1,4 +1,4 @@
-"""Sketch&Walk's one-hop decode selection in two launches (the graph path, ``sketch_walk_graph``).
+"""Sketch&Walk's one-hop decode selection in two launches (the graph path, ``sketch_walk_rows``).
 
 For ``walk="one-hop"`` a decode step's block list depends only on this layer's row of A_hat, so the
 PyTorch form (state update, scores, ``_w_rows``, ``_choose``: ~40 small kernels per sparse layer) becomes:

@@ -16,7 +16,7 @@ configured, never inside a request; ``EngineConfig.runtime`` carries it to every
 - ``compiled_graph``: decode steps through a Ray compiled graph (``orchestration.replica``): ``auto`` (GPU
   groups; on the CPU its channels' spinning costs more than it saves), ``on`` or ``off``.
 - ``sw_graph_paired``: the paired Sketch&Walk scorings decode from CUDA graphs
-  (``sketch_walk_graph_paired``); off, they decode eagerly.
+  (``sketch_walk_parts``); off, they decode per sequence.
 - ``part_scores`` / ``part_select``: that path's Triton part scores and its combine + part selection
   (``kernels/part_scores.py``, ``kernels/part_select.py``) on CUDA tensors; off, their PyTorch forms.
 - ``walk_select``: one-hop Sketch&Walk's Triton selection (``kernels/walk_select.py``) on the head-mean graph

@@ -266,10 +266,11 @@ class ShardExecutor:
         per-sparse-layer all-reduces of [2, batch, r] fp32, captured alone on this group and replayed (a
         timing event cannot sit inside the decode graph itself). Every rank must call it; 0 without one."""
         backend = self.backend(key)
-        path = getattr(backend, "graph_path", None)
-        if self.world_size == 1 or path is None or self._share_reduce is None or self.cache.device.type != "cuda":
+        sketch = getattr(backend, "srht", None)  # a method whose selection all-reduces sketches every layer
+        if (self.world_size == 1 or sketch is None or not getattr(backend, "batched_decode", False)
+                or self._share_reduce is None or self.cache.device.type != "cuda"):
             return 0.0
-        x = torch.zeros(2, batch, backend.srht.sketch_dim, device=self.cache.device)  # type: ignore[attr-defined]
+        x = torch.zeros(2, batch, sketch.sketch_dim, device=self.cache.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -277,7 +278,7 @@ class ShardExecutor:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(len(path.index)):
+            for _ in range(len(backend.sparse_layers())):  # type: ignore[attr-defined]
                 self._share_reduce(x)
         graph.replay()
         torch.cuda.synchronize()

@@ -77,27 +77,30 @@ def test_tp2_matches_tp1_with_identical_selections(engines, method, params):
         assert_same_selections(e1, e2, shared)
 
 
-SEAM_METHODS = ["streaming", "quest", "socket", "socket_hard", "psaw", "etf", "cis", "cpe"]
+SEAM_METHODS = ["streaming", "quest", "sketch_walk", "socket", "socket_hard", "psaw", "etf", "cis", "cpe"]
+# (method, its extra parameters): Delta decodes on its base's seam, Sketch&Walk's page-indexed state included
+SEAM_CASES = [(m, {}) for m in SEAM_METHODS] + [("delta", {"base": "sketch_walk"})]
+SEAM_IDS = [f"{m}-{p['base']}" if p else m for m, p in SEAM_CASES]
 
 
-@pytest.mark.parametrize("method", SEAM_METHODS)
-def test_tp2_matches_tp1_on_the_batched_seam(engines, method):
+@pytest.mark.parametrize("method, extra", SEAM_CASES, ids=SEAM_IDS)
+def test_tp2_matches_tp1_on_the_batched_seam(engines, method, extra):
     """Without a selection recorder (a tracer sends a method to its per-sequence reference path) both engines
     decode through the batched seam, each shard selecting over its own KV heads' per-page state: TP=2's greedy
     tokens (multi-step plans) equal TP=1's. A density of its own gives a backend no recorder has touched."""
     e1, e2 = engines
     ps = prompts()
-    params = {"density": 0.25}
+    params = {"density": 0.25, **extra}
     assert run(e2, method, ps, params=params) == run(e1, method, ps, params=params)
 
 
-@pytest.mark.parametrize("method", SEAM_METHODS)
-def test_batched_seam_tokens_equal_the_reference_path(engines, method):
+@pytest.mark.parametrize("method, extra", SEAM_CASES, ids=SEAM_IDS)
+def test_batched_seam_tokens_equal_the_reference_path(engines, method, extra):
     """Through one engine (TP=1): the batched seam's greedy tokens equal the per-sequence reference path's.
     The two method keys select alike (the second spells out the default dense layers) but are two backends:
     the first records selections, which sends it down the reference path."""
     e1, _ = engines
-    ref, seam = {"density": 0.35}, {"density": 0.35, "dense_layers": [0, 1]}
+    ref, seam = {"density": 0.35, **extra}, {"density": 0.35, "dense_layers": [0, 1], **extra}
     record_selections(e1, method_key(method, ref))
     ps = prompts()
     assert run(e1, method, ps, params=seam) == run(e1, method, ps, params=ref)

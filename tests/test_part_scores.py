@@ -22,7 +22,7 @@ from triton_env import DEV  # before raysparse.kernels: without a GPU it picks t
 
 import raysparse.kernels.part_scores as ps
 from raysparse.kernels.common import interpreting
-from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode
+from raysparse.methods.sketch_walk_parts import PartsDecode
 from raysparse.runtime_config import RuntimeConfig
 
 B = 16  # tokens per block (a KV page)
@@ -115,11 +115,11 @@ def test_switch_picks_the_kernel(monkeypatch, flag):
     cpu = torch.zeros(1)
     monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
     for on in (True, False):
-        assert PairedGraphDecode._wanted(cpu, getattr(RuntimeConfig(**{flag: on}), flag), None) is on
-    assert PairedGraphDecode._wanted(cpu, getattr(RuntimeConfig(), flag), None)  # on by default
-    assert PairedGraphDecode._wanted(cpu, False, True)  # a forced kernel wins over the config
+        assert PartsDecode._wanted(cpu, getattr(RuntimeConfig(**{flag: on}), flag), None) is on
+    assert PartsDecode._wanted(cpu, getattr(RuntimeConfig(), flag), None)  # on by default
+    assert PartsDecode._wanted(cpu, False, True)  # a forced kernel wins over the config
     monkeypatch.setenv("RAYSPARSE_KERNELS", "auto")
-    assert not PairedGraphDecode._wanted(cpu, True, None)  # CPU tensors keep PyTorch
+    assert not PartsDecode._wanted(cpu, True, None)  # CPU tensors keep PyTorch
     with pytest.raises(ValueError, match=flag):
         RuntimeConfig(**{flag: "maybe"})
 
@@ -134,20 +134,20 @@ def model(request):
                          ids=["pair-lse-P8-part", "pair-P4-block"])
 def test_paired_graph_decode_with_the_kernel(model, scoring, monkeypatch):
     """The same decode (lists, units, logits) through the kernel as through the PyTorch form."""
-    from test_sketch_walk_graph_paired import _run
+    from test_sketch_walk_parts import _run
 
     if model.lm_head.weight.device.type == "cpu" and not interpreting():
         pytest.skip("CPU tensors run the kernels only in Triton's interpreter")
     seed = int(torch.randint(0, 2**31 - 1, ()))
     params = {**scoring, "density": float(torch.empty(()).uniform_(0.15, 0.5)), "local_blocks": 1 + seed % 2}
     lens, steps = [100, 14, 158], 3
-    monkeypatch.setattr(PairedGraphDecode, "select_kernel", False)  # the per-head scores (test_part_select: the rest)
-    monkeypatch.setattr(PairedGraphDecode, "part_kernel", False)
+    monkeypatch.setattr(PartsDecode, "select_kernel", False)  # the per-head scores (test_part_select: the rest)
+    monkeypatch.setattr(PartsDecode, "part_kernel", False)
     want_picks, want_logits, _ = _run(model, params, lens, steps, True, seed)
     calls = []
     real = ps.part_scores
     monkeypatch.setattr(ps, "part_scores", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(PairedGraphDecode, "part_kernel", True)
+    monkeypatch.setattr(PartsDecode, "part_kernel", True)
     got_picks, got_logits, backend = _run(model, params, lens, steps, True, seed)
     sparse = sum(not backend.is_dense_layer(i) for i in range(model.cfg.num_layers))
     # eager: once per sparse layer and step (the released sequence's step too); captured: while capturing

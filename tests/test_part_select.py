@@ -1,5 +1,5 @@
 """Sketch&Walk's paired part selection in kernels (``part_scores.part_combine`` + ``kernels/part_select.py``)
-against the graph path's PyTorch form (``SketchWalk._combine_heads`` + ``PairedGraphDecode._choose_parts``),
+against the graph path's PyTorch form (``SketchWalk._combine_heads`` + ``PartsDecode._choose_parts``),
 and the paired graph decode with the kernels against it.
 
 Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
@@ -22,7 +22,7 @@ import raysparse.kernels.part_scores as ps
 import raysparse.kernels.part_select as psel
 from raysparse.kernels.common import interpreting
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
-from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode
+from raysparse.methods.sketch_walk_parts import PartsDecode
 
 
 def _seed() -> torch.Generator:
@@ -37,9 +37,9 @@ def _combine(heads: str, s: torch.Tensor, reduce=None, kv_heads: int = 0) -> tor
     return SketchWalk._combine_heads(m, s)[0]
 
 
-def _path(parts: int, density: float, local: int, heads: str) -> PairedGraphDecode:
+def _path(parts: int, density: float, local: int, heads: str) -> PartsDecode:
     """A paired path holding only what ``paired_constants`` and ``_choose_parts`` read."""
-    path = PairedGraphDecode.__new__(PairedGraphDecode)
+    path = PartsDecode.__new__(PartsDecode)
     path.cfg = SketchWalkConfig(block_size=B, density=density, local_blocks=local, sub_blocks=parts, heads=heads)
     path.parts = parts
     return path
@@ -158,7 +158,7 @@ def model(request):
 def test_paired_graph_decode_with_the_select_kernel(model, scoring, scores_kernel, reduce, monkeypatch):
     """The same decode (lists, units, logits) through the kernels as through the PyTorch form; with a
     reduce (a group of one) the "pair" divisor is the model's KV heads."""
-    from test_sketch_walk_graph_paired import _run
+    from test_sketch_walk_parts import _run
 
     if model.lm_head.weight.device.type == "cpu" and not interpreting():
         pytest.skip("CPU tensors run the kernels only in Triton's interpreter")
@@ -166,14 +166,14 @@ def test_paired_graph_decode_with_the_select_kernel(model, scoring, scores_kerne
     params = {**scoring, "decode_unit": "part", "density": float(torch.empty(()).uniform_(0.15, 0.5)),
               "local_blocks": 1 + seed % 2}
     lens, steps = [100, 14, 158], 3
-    monkeypatch.setattr(PairedGraphDecode, "part_kernel", False)
-    monkeypatch.setattr(PairedGraphDecode, "select_kernel", False)
+    monkeypatch.setattr(PartsDecode, "part_kernel", False)
+    monkeypatch.setattr(PartsDecode, "select_kernel", False)
     want_picks, want_logits, _ = _run(model, params, lens, steps, True, seed, [] if reduce else None)
     calls = []
     real = psel.part_select
     monkeypatch.setattr(psel, "part_select", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(PairedGraphDecode, "part_kernel", scores_kernel)
-    monkeypatch.setattr(PairedGraphDecode, "select_kernel", True)
+    monkeypatch.setattr(PartsDecode, "part_kernel", scores_kernel)
+    monkeypatch.setattr(PartsDecode, "select_kernel", True)
     reduced: list = []
     got_picks, got_logits, backend = _run(model, params, lens, steps, True, seed, reduced if reduce else None)
     sparse = sum(not backend.is_dense_layer(i) for i in range(model.cfg.num_layers))

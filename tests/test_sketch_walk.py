@@ -15,6 +15,7 @@ from helpers import fresh_cache, random_state, tiny_hf_config
 from raysparse.attention import DenseAttention
 from raysparse.config import ModelConfig
 from raysparse.generate import GenerationRequest, Generator
+from raysparse.kv_cache import KVCache
 from raysparse.loader import model_from_state
 from raysparse.methods.base import SeqContext
 from raysparse.methods.hadamard import SRHT, derive_seed, fwht
@@ -565,11 +566,17 @@ def test_part_decode_selects_top_parts_by_brute_force(heads, parts, local):
                 assert (sel.indices == sel.indices[:1]).all()
 
 
-def test_key_parts_keep_the_eager_decode():
-    """The batched graph decode scores whole key blocks: a backend with key parts declines it."""
-    m, whole = method(model_cfg(), sub_blocks=2), method(model_cfg())
-    m.graph_path = whole.graph_path = object()
-    assert m.graph_path is None and whole.graph_path is not None
+def test_head_mean_key_parts_keep_the_eager_decode():
+    """The head-mean batched decode scores whole key blocks: with key parts it is not built, while whole blocks
+    and the paired scorings (whose state keeps the parts) get theirs."""
+    cfg = model_cfg()
+    cache = KVCache(cfg, 8, 8)
+    mean_parts = method(cfg, sub_blocks=2)
+    assert not mean_parts.build_batched(cache, 4) and not mean_parts.batched_decode
+    assert method(cfg).build_batched(cache, 4)
+    paired = method(cfg, heads="pair-lse", sub_blocks=2, decode_unit="part", walk="one-hop", token_query="last")
+    assert paired.build_batched(cache, None)  # page-indexed: no slots to size
+    assert not method(cfg).build_batched(cache, None)  # head mean: its slots are sized by the graph runner
 
 
 # ---- 5. selection invariants, chunked prefill, density -------------------------------------------
@@ -754,7 +761,7 @@ def test_shard_executor_binds_every_backend_it_creates():
     model = model_from_state(cfg, random_state(cfg, seed=5).state_dict())
     group = ShardExecutor(model, fresh_cache(model, 256), rank=0, world_size=2, reduce=lambda t: t)
     sw = group.backend(method_key("sketch_walk"))
-    assert sw.head_reduce is not None and sw.graph_path is None  # no graph runner here
+    assert sw.head_reduce is not None and sw.batch_decoder is None  # pages of 16 are not blocks
     assert group.backend(method_key("delta", {"base": "sketch_walk"})).base.head_reduce is not None
     assert ShardExecutor(model, fresh_cache(model, 256)).backend(method_key("sketch_walk")).head_reduce is None
 

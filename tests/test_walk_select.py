@@ -26,21 +26,21 @@ from raysparse.kernels.walk_select import ZERO_Y, walk_select
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.methods.sketch_walk import GRAPH_DECODE
-from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
+from raysparse.methods.sketch_walk_rows import RowsDecode
 from raysparse.runtime_config import RuntimeConfig
 
 B = 16
 SLOTS = 4  # 3 real slots + the scratch slot
 
 
-def _path(params: dict, width: int, runtime: RuntimeConfig | None = None) -> SketchWalkGraphDecode:
+def _path(params: dict, width: int, runtime: RuntimeConfig | None = None) -> RowsDecode:
     cfg = ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=4))
     method = create_backend("sketch_walk", cfg, block_size=B, **{"walk": "one-hop", **GRAPH_DECODE, **params})
-    return SketchWalkGraphDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width,
+    return RowsDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width,
                                  runtime=runtime)
 
 
-def _draw(g: torch.Generator, path: SketchWalkGraphDecode, width: int, local: int):
+def _draw(g: torch.Generator, path: RowsDecode, width: int, local: int):
     """Small integers (and power-of-two block scales and counts) make every A_hat score exact in any
     summation order, so its bf16 rounding cannot differ between the two; scaled blocks spread the logits
     far enough that the reference's exp underflows for some entries, copied blocks tie."""
@@ -64,7 +64,7 @@ def _draw(g: torch.Generator, path: SketchWalkGraphDecode, width: int, local: in
     return qs.to(DEV), ks.to(DEV), slots.to(DEV), n.to(DEV), new.to(DEV)
 
 
-def _faithful(path: SketchWalkGraphDecode, qs, ks, slots, n, new, rows, width: int) -> bool:
+def _faithful(path: RowsDecode, qs, ks, slots, n, new, rows, width: int) -> bool:
     """Whether the reference's fp32 row values order the candidates as (not underflowed, bf16 logit) does,
     i.e. no rounding merged two distinct logits and no entry sits at the underflow threshold."""
     cfg = path.cfg
@@ -125,11 +125,11 @@ def test_select_matches_reference(params, width):
 def test_graph_decode_with_the_kernel(monkeypatch, token_query):
     """The graph path's steps (eager on the CPU, captured on a GPU) with the kernel switched on, against the
     per-sequence reference decode on a tiny model: same block lists, logits and metered density."""
-    from test_sketch_walk_graph import _run
+    from test_sketch_walk_rows import _run
 
     import raysparse.kernels.walk_select as ws
 
-    monkeypatch.setattr(SketchWalkGraphDecode, "select", True)
+    monkeypatch.setattr(RowsDecode, "select", True)
     picks: list[torch.Tensor] = []
     real = ws.walk_select
     monkeypatch.setattr(ws, "walk_select", lambda *a, **k: picks.append(real(*a, **k)) or picks[-1])
@@ -158,8 +158,8 @@ def test_one_hop_state_has_no_w(monkeypatch):
     hop, roll = _path({}, 16), _path({"walk": "rollout"}, 16)
     assert hop.w is None and roll.w is not None
     layers, r = len(hop.index), hop.qs.shape[-1]
-    assert SketchWalkGraphDecode.state_bytes(hop.m, 16) == layers * 8 * 16 * r
-    assert SketchWalkGraphDecode.state_bytes(roll.m, 16) == layers * (4 * 16**2 + 8 * 16 * r)
+    assert RowsDecode.state_bytes(hop.m, 16) == layers * 8 * 16 * r
+    assert RowsDecode.state_bytes(roll.m, 16) == layers * (4 * 16**2 + 8 * 16 * r)
     q = torch.zeros(1, 4, 16, device=DEV)
     monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
     assert hop.runtime.walk_select and hop._wanted(q, hop.runtime.walk_select, hop.select)  # on by default

@@ -77,9 +77,6 @@ class SparseMethod(AttentionBackend):
         # Set by the fidelity harness: called as tracer(ctx, q, k, v, selection, out) after each sparse
         # attention, so metrics see exactly what the method attended.
         self.tracer: Callable[..., None] | None = None
-        # A fixed-shape batched decode for CUDA graphs (``sketch_walk_graph``), attached by the shard when
-        # the method has one; the eager per-sequence path below stays the reference.
-        self.graph_path: Any = None
 
     @property
     def batched_decode(self) -> bool:
@@ -90,16 +87,14 @@ class SparseMethod(AttentionBackend):
     @property
     def graph_decode(self) -> bool:
         # A tracer needs the per-sequence reference path: it sees each sequence's gathered K/V.
-        return (self.graph_path is not None or self.batched_decode) and self.tracer is None
+        return self.batched_decode and self.tracer is None
 
-    def graph_prepare(self, rows: list[int], cache: KVCache) -> None:
-        if self.graph_path is not None:
-            self.graph_path.prepare(rows, cache)
+    def graph_prepare(self, rows: list[int], cache: KVCache) -> None:  # noqa: B027 - an optional hook
+        """Host side, before each batched decode step: places per-row state for ``rows`` (the sequence of each
+        row of the padded batch, -1 for padding) where ``decode_select`` reads it. The graph runner calls it
+        before a replay; an eager batched step calls it itself. Methods with per-page state alone need nothing."""
 
     def account_graph_decode(self, ctx_lens: list[int], num_kv_heads: int) -> None:
-        if self.graph_path is not None:
-            self.graph_path.account(ctx_lens, num_kv_heads)
-            return
         for layer in range(self.model_cfg.num_layers):
             self._meter_decode(layer, ctx_lens, num_kv_heads)
 
@@ -216,16 +211,18 @@ class SparseMethod(AttentionBackend):
         return self._run(layer, q, cache, batch, decode=False)
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        if batch.extras.get("graph") and self.graph_path is not None:
-            return self.graph_path.decode(layer, q, cache, batch)
         if self.batched_decode and self.tracer is None:
+            if not batch.extras.get("graph") and layer == self._first_selecting():
+                self.graph_prepare(list(batch.seq_ids), cache)  # no graph runner placed the rows: place them
             return self._decode_batched(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=True)
 
+    def _first_selecting(self) -> int:
+        """The first layer whose decode selects (the rows are placed before it)."""
+        return next((i for i in range(self.model_cfg.num_layers) if not self.dense_decode_layer(i)), -1)
+
     def release(self, seq_id: int) -> None:
         self._seq_state.pop(seq_id, None)
-        if self.graph_path is not None:
-            self.graph_path.release(seq_id)
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,9 @@ class Delta(SparseMethod):
     def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
         self.base.update_state(layer, cache, batch)
 
+    def graph_prepare(self, rows: list[int], cache: KVCache) -> None:
+        self.base.graph_prepare(rows, cache)
+
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         return self.base.decode_select(layer, q, view)
 

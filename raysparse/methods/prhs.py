@@ -179,8 +179,6 @@ class PrHSMethod(SparseMethod):
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         eager = (self.use_cis and self.batched_decode and self.tracer is None and not batch.extras.get("graph")
                  and not self.dense_decode_layer(layer))
-        if eager and layer == self.sparse_layers()[0]:  # no graph runner placed the rows: place them here
-            self.graph_prepare(batch.seq_ids, cache)
         out = super().decode(layer, q, cache, batch)
         if eager:
             self._account_cis([layer], batch.ctx_lens, cache.num_kv_heads)

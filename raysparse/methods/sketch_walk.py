@@ -10,9 +10,9 @@ Defaults (measured, BENCHMARKS.md "Sketch&Walk: head pairing and finer decode se
 token_query last, heads pair-lse, sub_blocks 8, decode_unit part; SPEC's form is walk="product",
 token_query="never" with ``GRAPH_DECODE`` (heads="mean", sub_blocks=1, decode_unit="block"). At density 0.2
 on the default model they retrieve 0.47 against 0.17 for SPEC's head mean over whole blocks (dense 0.64).
-The batched CUDA-graph decode: ``sketch_walk_graph`` for ``GRAPH_DECODE``'s scoring,
-``sketch_walk_graph_paired`` for the paired modes (``RuntimeConfig.sw_graph_paired`` False decodes them
-eagerly).
+The batched decode seam (``decode_select``, captured in CUDA graphs): its state and selection are in
+``sketch_walk_rows`` for ``GRAPH_DECODE``'s scoring and ``sketch_walk_parts`` for the paired modes
+(``RuntimeConfig.sw_graph_paired`` False decodes them per sequence).
 
 The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
 every mode are in docs/sketch_walk.md.
@@ -20,6 +20,7 @@ every mode are in docs/sketch_walk.md.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 
 from raysparse.attention import ShardContext
 from raysparse.config import ModelConfig
-from raysparse.methods.base import SeqContext, SparseMethod, host_row_budget, method_spec, row_budget
+from raysparse.kv_cache import KVCache
+from raysparse.methods.base import DecodeView, SeqContext, SparseMethod, host_row_budget, method_spec, row_budget
 from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
@@ -41,10 +43,14 @@ from raysparse.methods.sketch_walk_config import (
     WALKS,
     SketchWalkConfig,
 )
+from raysparse.runtime_config import RuntimeConfig
 
 # the config's names stay importable from here, where the method's users look for them
 __all__ = ["DECODE_UNITS", "GRAPH_DECODE", "HEADS", "TOKEN_QUERIES", "WALKS", "SketchWalk", "SketchWalkConfig",
            "block_counts", "renormalise", "rollout_step", "walk_weights"]
+
+log = logging.getLogger(__name__)
+
 
 def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
     """Tokens in each of the first ``num_blocks`` blocks of an n-token sequence (the last may be partial)."""
@@ -87,27 +93,98 @@ class SketchWalk(SparseMethod):
         # Tensor parallelism: a SUM all-reduce over the shards (docs/sketch_walk.md); None on one device.
         self.head_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    # The head-mean graph decode (sketch_walk_graph) scores whole key blocks only; with key parts only a path
-    # that serves them (``key_parts``: sketch_walk_graph_paired) is taken, else the eager path stays.
-    @property
-    def graph_path(self) -> Any:
-        return self._graph_path
-
-    @graph_path.setter
-    def graph_path(self, path: Any) -> None:
-        self._graph_path = path if self.config.sub_blocks == 1 or getattr(path, "key_parts", False) else None
-
     def bind(self, shard: ShardContext) -> None:
         """Under tensor parallelism the walk coordinator: the block sums are SUM-all-reduced every layer, so
-        every shard holds identical sketches, walk state and selections. With the shard's graph runner, the
-        graph decode path of this scoring (``sketch_walk_attach``) with its fixed-shape state."""
+        every shard holds identical sketches, walk state and selections. With the shard's cache, the batched
+        decode's fixed-shape state (``build_batched``)."""
         if shard.all_reduce is not None:
             self.head_reduce = shard.all_reduce
-        if shard.cache is not None and shard.max_batch is not None:
-            from raysparse.methods.sketch_walk_attach import attach_graph_decode  # it imports this module
+        if shard.cache is not None:
+            self.build_batched(shard.cache, shard.max_batch, runtime=shard.runtime,
+                               max_positions=self.model_cfg.max_position_embeddings)
 
-            attach_graph_decode(self, shard.cache, shard.max_batch,
-                                max_positions=self.model_cfg.max_position_embeddings, runtime=shard.runtime)
+    # ---- the batched seam -----------------------------------------------------------------------
+    # Two state layouts (docs/sketch_walk.md): the paired scorings keep key part sums per KV page
+    # (``sketch_walk_parts``, shared by every instance with the same sketch); SPEC's head mean keeps a slot of
+    # sums and walk rows per running sequence (``sketch_walk_rows``: row state, placed by ``graph_prepare``).
+    batch_decoder: Any = None
+
+    def build_batched(self, cache: KVCache, max_batch: int | None, runtime: RuntimeConfig | None = None,
+                      state_budget_bytes: int = 8 << 30, max_positions: int | None = None) -> bool:
+        """Allocates the batched decode's state over ``cache``; returns whether this instance now decodes on the
+        batched seam. It does not where its state would exceed ``state_budget_bytes`` or the device has no room
+        left (the log says so; the per-sequence decode then runs, much slower), where a page is not a block,
+        and for a head-mean instance without a graph runner (``max_batch`` None: its slots are sized by it)."""
+        from raysparse.methods.sketch_walk_parts import PartsDecode
+        from raysparse.methods.sketch_walk_rows import RowsDecode
+
+        self.batch_decoder = None
+        runtime = runtime or RuntimeConfig()
+        if cache.page_size != self.config.block_size:
+            return False
+        if self.config.heads != "mean":
+            if not runtime.sw_graph_paired or not PartsDecode.supports(self.config):
+                return False
+            shared = PartsDecode.state_key(self) in cache.shared_state  # no new allocation
+            need = 0 if shared else PartsDecode.state_bytes(self, cache.num_pages, cache.num_kv_heads)
+            return self._build(lambda: PartsDecode(self, cache, runtime), need, state_budget_bytes)
+        if max_batch is None or self.config.sub_blocks > 1:  # the head-mean rows score whole blocks
+            return False
+        limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
+        need = (max_batch + 1) * RowsDecode.state_bytes(self, limit)
+        return self._build(lambda: RowsDecode(self, cache, max_batch, limit, runtime), need, state_budget_bytes)
+
+    def _build(self, make: Callable[[], Any], need: int, budget: int) -> bool:
+        # The state is allocated when a method is first used, after the KV cache took its memory: where the
+        # device has no room left, the method decodes per sequence rather than failing the request that asked.
+        if need > budget:
+            log.warning("sketch_walk: the batched decode's state (%.2f GB) exceeds its budget (%.2f GB): decoding "
+                        "per sequence, much slower", need / 2**30, budget / 2**30)
+            return False
+        try:
+            self.batch_decoder = make()
+        except torch.OutOfMemoryError:
+            log.warning("sketch_walk: no device memory left for the batched decode's state (%.2f GB): decoding per "
+                        "sequence, much slower; a smaller KV cache (--kv-cache-tokens) leaves room for it",
+                        need / 2**30)
+            return False
+        return True
+
+    @property
+    def batched_decode(self) -> bool:  # type: ignore[override]
+        return self.batch_decoder is not None
+
+    @property
+    def row_state(self) -> bool:  # type: ignore[override]
+        return self.config.heads == "mean"
+
+    @property
+    def decode_unit(self) -> int:  # type: ignore[override]
+        cfg = self.config
+        return cfg.block_size // cfg.sub_blocks if cfg.decode_unit == "part" else cfg.block_size
+
+    def graph_prepare(self, rows: list[int], cache: KVCache) -> None:
+        """A sequence's prefill state moves into the batched decode's (its pages' part sums, or a slot) on its
+        first decode step; the per-sequence state is dropped then."""
+        if self.batch_decoder is not None:
+            self.batch_decoder.prepare(rows, cache)
+
+    def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        """One list per row, the same for every KV head (the heads are combined or averaged before the top-k);
+        the step's new key enters the sums inside this call, in the scoring launch, so ``update_state`` has
+        nothing to do."""
+        idx, unit = self.batch_decoder.layer_select(layer, q, view.cache, view.batch, view.kv.page_table,
+                                              view.kv.seqlens)
+        assert unit == self.decode_unit
+        return idx[:, None, :].expand(-1, view.cache.num_kv_heads, -1)  # the kernel reads the heads' stride 0
+
+    def decode_keys(self, layer: int, n: int) -> int:
+        return self.batch_decoder.row_keys(n)
+
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        if self.batch_decoder is not None:
+            self.batch_decoder.release(seq_id)
 
     # ---- sketches and block scores --------------------------------------------------------------
     # Internally every tensor carries a leading score-head axis H: 1 for heads="mean" (whose state keeps

@@ -13,7 +13,7 @@ WALKS = ("rollout", "product", "one-hop")
 TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv", "pair", "pair-lse")
 DECODE_UNITS = ("block", "part")
-# SPEC's scoring, the one the head-mean batched graph decode (sketch_walk_graph) implements.
+# SPEC's scoring, the one the head-mean batched graph decode (sketch_walk_rows) implements.
 GRAPH_DECODE = {"heads": "mean", "sub_blocks": 1, "decode_unit": "block"}
 
 

@@ -13,8 +13,7 @@ from helpers import DEVICES, prefill_then_decode, tiny_model
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
-from raysparse.methods.sketch_walk_attach import attach_graph_decode
-from raysparse.methods.sketch_walk_graph_paired import PairedGraphDecode, order_keys
+from raysparse.methods.sketch_walk_parts import PartsDecode, order_keys
 from raysparse.runtime_config import RuntimeConfig
 
 
@@ -37,13 +36,14 @@ def _fill_and_release(model, cache, backend, graphs, seed: int) -> None:
     other = create_backend("sketch_walk", model.cfg, block_size=cfg.block_size, walk=cfg.walk,
                            sub_blocks=cfg.sub_blocks, decode_unit=cfg.decode_unit, density=0.55,
                            heads="pair" if cfg.heads == "pair-lse" else "pair-lse")
-    assert attach_graph_decode(other, cache, max_batch=4, state_budget_bytes=0)  # nothing new to allocate
-    assert other.graph_path.ks is backend.graph_path.ks and other.graph_path.entered is backend.graph_path.entered
+    assert other.build_batched(cache, max_batch=4, state_budget_bytes=0)  # nothing new to allocate
+    mine, theirs = other.batch_decoder, backend.batch_decoder
+    assert mine.ks is theirs.ks and mine.entered is theirs.entered
     cache.allocate(sid, n + 2)
     model(torch.randint(0, 97, (n,), generator=g).to(cache.device), cache.prepare([sid], [n], True), cache, other)
     graphs.decode("filler", other, [sid], [int(torch.randint(0, 97, (), generator=g))])
     pages = torch.tensor(cache.page_list(sid))
-    assert backend.graph_path.ks[:, pages * cfg.sub_blocks].abs().amin(-1).gt(0).all()  # all sums set
+    assert backend.batch_decoder.ks[:, pages * cfg.sub_blocks].abs().amin(-1).gt(0).all()  # all sums set
     other.release(sid)
     cache.free(sid)
 
@@ -65,19 +65,19 @@ def _run(model, params, lens, steps, graph: bool, seed: int, reduced: list | Non
     picks: list = []
     graphs = None
     if graph:
-        assert attach_graph_decode(backend, cache, max_batch=4)
-        assert isinstance(backend.graph_path, PairedGraphDecode)
+        assert backend.build_batched(cache, max_batch=4)
+        assert isinstance(backend.batch_decoder, PartsDecode)
         graphs = DecodeGraphs(model, cache, max_batch=4, capture=capture)
         _fill_and_release(model, cache, backend, graphs, seed)
         if not graphs.capture:  # a captured graph replays without Python: only the eager run records lists
-            real = backend.graph_path._selection
+            real = backend.batch_decoder._selection
 
             def spy(*args):
                 idx, unit = real(*args)
                 picks.append((idx.clone(), unit))
                 return idx, unit
 
-            backend.graph_path._selection = spy
+            backend.batch_decoder._selection = spy
     else:
         def tracer(ctx, q, k, v, sel, out):
             if ctx.q_start == ctx.n - 1:
@@ -93,7 +93,7 @@ def _run(model, params, lens, steps, graph: bool, seed: int, reduced: list | Non
 def _assert_same_sums(backend, cache, ref_cache, lens: list[int], steps: int, tol: float) -> None:
     """The graph path's part sums of every sequence and sparse layer, read through its pages, are the
     reference's (the filled parts: the others may hold a reused page's stale sums)."""
-    path, P = backend.graph_path, backend.config.sub_blocks
+    path, P = backend.batch_decoder, backend.config.sub_blocks
     size, dev = backend.config.block_size // P, path.ks.device
     for layer, li in path.index.items():
         for sid, n in enumerate(lens):
@@ -156,17 +156,17 @@ def test_switch_and_settings_gate_the_paired_path(model):
 
     def attach(max_batch: int = 2, budget: int = 8 << 30, runtime: RuntimeConfig | None = None, **params):
         backend = create_backend("sketch_walk", model.cfg, **{"block_size": 16, "density": 0.3, **params})
-        return attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=budget,
+        return backend.build_batched(cache, max_batch=max_batch, state_budget_bytes=budget,
                                    runtime=runtime), backend
 
     ok, backend = attach()  # the default scoring: on by default
-    assert ok and isinstance(backend.graph_path, PairedGraphDecode)
-    assert backend.graph_path.runtime == RuntimeConfig()
+    assert ok and isinstance(backend.batch_decoder, PartsDecode)
+    assert backend.batch_decoder.runtime == RuntimeConfig()
     ok, backend = attach(runtime=RuntimeConfig(sw_graph_paired=False))
-    assert not ok and backend.graph_path is None
+    assert not ok and backend.batch_decoder is None
     runtime = RuntimeConfig(part_scores=False)
     ok, backend = attach(runtime=runtime)
-    assert ok and backend.graph_path.runtime is runtime  # the path's kernels follow the engine's config
+    assert ok and backend.batch_decoder.runtime is runtime  # the path's kernels follow the engine's config
     with pytest.raises(ValueError, match="sw_graph_paired"):
         RuntimeConfig(sw_graph_paired="off")
     assert not attach(walk="product", decode_unit="block")[0]
@@ -182,16 +182,16 @@ def test_state_is_one_page_indexed_allocation(model, caplog):
     pages, parts = int(torch.randint(8, 60, ())), (1, 2, 4, 8)[int(torch.randint(0, 4, ()))]
     cache = KVCache(model.cfg, pages, 16)
     backend = create_backend("sketch_walk", model.cfg, block_size=16, sub_blocks=parts)
-    need = PairedGraphDecode.state_bytes(backend, pages, cache.num_kv_heads)
+    need = PartsDecode.state_bytes(backend, pages, cache.num_kv_heads)
     sparse = sum(not backend.is_dense_layer(i) for i in range(model.cfg.num_layers))
     assert need == sparse * 4 * (pages + 1) * parts * cache.num_kv_heads * backend.srht.sketch_dim
     for max_batch in (1, 64):  # the batch does not size it
         cache = KVCache(model.cfg, pages, 16)
         caplog.clear()
-        assert not attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=need - 1)
+        assert not backend.build_batched(cache, max_batch=max_batch, state_budget_bytes=need - 1)
         assert "exceeds its budget" in caplog.text
-        assert attach_graph_decode(backend, cache, max_batch=max_batch, state_budget_bytes=need)
-        ks = backend.graph_path.ks
+        assert backend.build_batched(cache, max_batch=max_batch, state_budget_bytes=need)
+        ks = backend.batch_decoder.ks
         assert ks.shape == (sparse, (pages + 1) * parts, cache.num_kv_heads, backend.srht.sketch_dim)
         assert ks.numel() * ks.element_size() == need
 
@@ -205,8 +205,8 @@ def test_instances_with_one_sketch_share_one_state(model):
 
     def attach(**params):
         backend = create_backend("sketch_walk", model.cfg, **{"block_size": 16, **params})
-        assert attach_graph_decode(backend, cache, max_batch=2)
-        return backend.graph_path.ks
+        assert backend.build_batched(cache, max_batch=2)
+        return backend.batch_decoder.ks
 
     first = attach(density=0.1)
     assert attach(density=0.3, heads="pair") is first
@@ -225,12 +225,12 @@ def test_no_room_for_the_state_decodes_eagerly(model, monkeypatch, caplog):
     def no_room(*_args, **_kwargs):
         raise torch.OutOfMemoryError("no room")
 
-    monkeypatch.setattr(PairedGraphDecode, "__init__", no_room)
+    monkeypatch.setattr(PartsDecode, "__init__", no_room)
     backend = create_backend("sketch_walk", model.cfg, block_size=16)
-    with caplog.at_level("WARNING", logger="raysparse.methods.sketch_walk_attach"):
-        assert not attach_graph_decode(backend, KVCache(model.cfg, 8, 16), max_batch=2)
-    assert backend.graph_path is None
-    assert "no device memory left" in caplog.text and "decoding eagerly" in caplog.text
+    with caplog.at_level("WARNING", logger="raysparse.methods.sketch_walk"):
+        assert not backend.build_batched(KVCache(model.cfg, 8, 16), max_batch=2)
+    assert backend.batch_decoder is None
+    assert "no device memory left" in caplog.text and "decoding per sequence" in caplog.text
 
 
 def test_order_keys_order_like_the_values():

@@ -12,8 +12,7 @@ from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.methods.sketch_walk import GRAPH_DECODE
-from raysparse.methods.sketch_walk_attach import attach_graph_decode
-from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
+from raysparse.methods.sketch_walk_rows import RowsDecode
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -29,9 +28,9 @@ def _run(model, params, lens, steps, graph: bool, seed: int):
     picks: list[tuple[int, int, torch.Tensor]] = []
     graphs = None
     if graph:
-        assert attach_graph_decode(backend, cache, max_batch=4)
+        assert backend.build_batched(cache, max_batch=4)
         graphs = DecodeGraphs(model, cache, max_batch=4)
-        real = backend.graph_path._choose
+        real = backend.batch_decoder._choose
         if graphs.capture:  # a captured graph replays without Python: only the CPU run records lists
             real = None
 
@@ -41,7 +40,7 @@ def _run(model, params, lens, steps, graph: bool, seed: int):
             return out
 
         if real is not None:
-            backend.graph_path._choose = spy
+            backend.batch_decoder._choose = spy
     else:
         def tracer(ctx, q, k, v, sel, out):
             if ctx.q_start == ctx.n - 1:
@@ -64,7 +63,7 @@ def test_graph_decode_matches_reference(model, params):
     assert got_b.meter.attended == pytest.approx(ref_b.meter.attended)
     assert got_b.meter.decode_causal == pytest.approx(ref_b.meter.decode_causal)
     if got_logits.is_cuda:
-        assert got_b.graph_path is not None  # captured; per-step lists are checked on the CPU
+        assert got_b.batch_decoder is not None  # captured; per-step lists are checked on the CPU
         return
     # reference: one pick per (step, sparse layer, sequence) in that order; graph: one [batch(+pad), width]
     # tensor per (step, sparse layer)
@@ -83,9 +82,9 @@ def test_slots_are_released_and_bounded(model):
         pytest.skip("host-side bookkeeping: the CPU run covers it")
     cache = KVCache(model.cfg, 40, 16)
     backend = create_backend("sketch_walk", model.cfg, block_size=16, density=0.3, **GRAPH_DECODE)
-    assert not attach_graph_decode(backend, cache, max_batch=4, state_budget_bytes=1024)  # over budget: none
-    assert attach_graph_decode(backend, cache, max_batch=1)
-    path: SketchWalkGraphDecode = backend.graph_path
+    assert not backend.build_batched(cache, max_batch=4, state_budget_bytes=1024)  # over budget: none
+    assert backend.build_batched(cache, max_batch=1)
+    path: RowsDecode = backend.batch_decoder
     for sid in (0, 1):
         cache.allocate(sid, 40)
         model(torch.arange(30), cache.prepare([sid], [30], True), cache, backend)

@@ -1,4 +1,5 @@
-"""Sketch&Walk's decode for a whole batch in fixed-shape tensors: its CUDA-graph path (``decode_graphs``).
+"""Sketch&Walk's decode for a whole batch in fixed-shape tensors: the method's batched seam (``decode_select``,
+captured by ``decode_graphs``) for SPEC's head-mean scoring; ``SketchWalk.build_batched`` builds it.
 
 The reference decode (``sketch_walk.py``) keeps per-sequence state of growing size in the cache's metadata
 and runs one sequence at a time, which a captured graph cannot do. Here every running sequence owns a slot
@@ -10,7 +11,7 @@ of static buffers:
   the reference, the step's own walk uses the row scored by the new token's query (``token_query``) in
   place of the block mean's, which is what the state keeps. ``one-hop`` never reads W: it has none.
 Only SPEC's head-averaged sketches (``heads="mean"``) have this path; the paired scorings have theirs in
-``sketch_walk_graph_paired``.
+``sketch_walk_parts``.
 Lengths, slots and budgets are device tensors; the top-k is a stable sort of each row (ties toward lower
 blocks, as ``topk_mask``), so one step is the same kernels whatever the lengths. Tensors are cut to the
 graph's page-width bucket (a block is a page). A sequence enters on its first graph step: its prefill
@@ -23,7 +24,8 @@ False keeps the PyTorch form. It ranks by the bf16 logits, which the reference's
 alike except where rounding merges distinct values (that module's docstring says where).
 
 Memory per slot: 4 * L_s * Bmax^2 (not for one-hop) + 8 * L_s * Bmax * r bytes (Bmax = blocks of the longest
-sequence the cache can hold); the path is not attached when ``max_batch + 1`` slots exceed ``state_budget_bytes``.
+sequence the cache can hold); the method decodes per sequence when ``max_batch + 1`` slots exceed
+``state_budget_bytes``.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ from typing import Any
 import torch
 
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import row_budget
+from raysparse.methods.base import host_row_budget
 from raysparse.methods.sketch_walk import SketchWalk, rollout_step, walk_weights
 from raysparse.runtime_config import RuntimeConfig
 
 
-class SketchWalkGraphDecode:
+class RowsDecode:
     # One-hop's Triton selection (kernels/walk_select.py): instead of ~40 kernels of ~2-3 us each per sparse
     # layer, two launches, even in a graph. None: ``runtime.walk_select`` on CUDA tensors; tests force it.
     select: bool | None = None
@@ -110,41 +112,25 @@ class SketchWalkGraphDecode:
         if slot is not None:
             self._free.append(slot)
 
-    def account(self, ctx_lens: list[int], num_kv_heads: int) -> None:
-        """The density a replayed step used (host arithmetic: forced blocks + budget, last block partial)."""
+    def row_keys(self, n: int) -> int:
+        """Keys per KV head a row of n keys attends at a sparse layer (host arithmetic: forced blocks + budget,
+        the last block partial), what the density meter counts without reading the device."""
         B, local = self.cfg.block_size, self.cfg.local_blocks
-        attended = 0.0
-        for n in ctx_lens:
-            cb = (n - 1) // B
-            tau = int(row_budget(self.cfg.density, torch.tensor([cb + 1]))[0])
-            count = max(tau, min(cb + 1, local + 1))
-            attended += (count - 1) * B + (n - cb * B)
-        self._meter(attended, ctx_lens, num_kv_heads)
+        cb = (n - 1) // B
+        count = max(host_row_budget(self.cfg.density, cb + 1), min(cb + 1, local + 1))
+        return (count - 1) * B + (n - cb * B)
 
-    def _meter(self, attended: float, ctx_lens: list[int], num_kv_heads: int) -> None:
-        """Adds a step to the density meter: ``attended`` keys per KV head in every sparse layer."""
-        dense, meter = float(sum(ctx_lens)), self.m.meter
-        for layer in range(meter.num_layers):
-            a = dense if layer not in self.index else attended
-            meter.add(layer, a * num_kv_heads, dense * num_kv_heads, decode=True)
-
-    # ---- one layer, captured ------------------------------------------------------------------------
-    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        from raysparse.kernels.dispatch import sparse_decode_attention_varlen
-        from raysparse.kernels.formats import PagedKV
-
-        table, seqlens, dense_blocks = batch.extras["paged"]
-        kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
-        if layer not in self.index:
-            return sparse_decode_attention_varlen(q, kv, dense_blocks, unit=cache.page_size)[0]
+    # ---- one layer (captured on GPUs) ---------------------------------------------------------------
+    def layer_select(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, table: torch.Tensor,
+                     seqlens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This sparse layer's selection for every row of the batch: (ascending list [bsz, width] int32, -1
+        padded; the tokens an entry stands for). The step's new key is folded into the state on the way."""
         if layer == self.first or self._n is None:  # the lengths as int64, once per step
             self._n = seqlens.long()
-        idx, unit = self._selection(layer, q, cache, batch, self._n, table.shape[1])
-        lists = idx[:, None, :].expand(-1, cache.num_kv_heads, -1)  # the kernel reads the heads' stride 0
-        return sparse_decode_attention_varlen(q, kv, lists, unit=unit)[0]
+        return self._selection(layer, q, cache, batch, self._n, table.shape[1], table)
 
     def _selection(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,
-                   w: int) -> tuple[torch.Tensor, int]:
+                   w: int, table: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This layer's list for every row and the tokens each entry stands for (blocks here: a page)."""
         return self._select(layer, q, cache, batch, n, w), cache.page_size
 

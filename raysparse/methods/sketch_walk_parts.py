@@ -1,6 +1,6 @@
 """Sketch&Walk's fixed-shape batched decode for the paired head scoring (``heads="pair"`` / ``"pair-lse"``,
 any ``sub_blocks``, ``decode_unit`` part or block, ``walk="one-hop"``, ``token_query`` last or decode): the
-default's CUDA-graph path, beside ``sketch_walk_graph``'s head-mean one.
+default's CUDA-graph path, beside ``sketch_walk_rows``'s head-mean one.
 
 The key part sums are page-indexed like the KV cache (paged metadata, as vLLM keeps it): ``ks`` [sparse
 layers, (num_pages + 1) * P, h_kv, r] (fp32), part p of KV page g at row g * P + p, the last page being the
@@ -37,7 +37,7 @@ and choice.
 
 Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
 lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors
-of each step; no host sync. Verified on the GPU machine (captured, the lists the PyTorch form's); attached by
+of each step; no host sync. Verified on the GPU machine (captured, the lists the PyTorch form's); built by
 default, ``RuntimeConfig.sw_graph_paired`` False keeps the eager decode.
 
 Memory: 4 * L_s * (num_pages + 1) * P * h_kv * r bytes (h_kv: the KV heads this shard holds).
@@ -54,7 +54,7 @@ from raysparse.kernels.dispatch import decode_sketches
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import host_row_budget, row_budget
 from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
-from raysparse.methods.sketch_walk_graph import SketchWalkGraphDecode
+from raysparse.methods.sketch_walk_rows import RowsDecode
 from raysparse.runtime_config import RuntimeConfig
 
 _KEY_FLOOR = torch.iinfo(torch.int64).min  # below every candidate's key
@@ -66,7 +66,7 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
 
 
-class PairedGraphDecode(SketchWalkGraphDecode):
+class PartsDecode(RowsDecode):
     """Shares the head-mean path's step constants, accounting meter and block ``_choose``; its own
     page-indexed state, entry, selection and accounting."""
 
@@ -148,29 +148,27 @@ class PairedGraphDecode(SketchWalkGraphDecode):
     def release(self, sid: int) -> None:
         self.entered.discard(sid)  # its pages' sums go stale: their next user stores over each part
 
-    def account(self, ctx_lens: list[int], num_kv_heads: int) -> None:
-        """The density a step used, host arithmetic as the reference counts it (``attended_keys``)."""
+    def row_keys(self, n: int) -> int:
+        """Keys per KV head a row of n keys attends at a sparse layer, as the reference counts it
+        (``attended_keys``): host arithmetic, nothing read from the device."""
         if self.cfg.decode_unit == "block":
-            return super().account(ctx_lens, num_kv_heads)
+            return super().row_keys(n)
         cfg = self.cfg
         B, P = cfg.block_size, self.parts
         size = B // P
-        attended = 0.0
-        for n in ctx_lens:
-            nb, held = -(-n // B), -(-n // size)
-            forced = {0, *range(max(0, nb - cfg.local_blocks), nb)}
-            forced_tokens = sum(min(B, n - j * B) for j in forced)
-            forced_parts = sum(min(P, held - j * P) for j in forced)
-            extra = max(0, host_row_budget(cfg.density, nb) * P - forced_parts)
-            attended += forced_tokens + min(extra, held - forced_parts) * size  # other parts are full
-        self._meter(attended, ctx_lens, num_kv_heads)
+        nb, held = -(-n // B), -(-n // size)
+        forced = {0, *range(max(0, nb - cfg.local_blocks), nb)}
+        forced_tokens = sum(min(B, n - j * B) for j in forced)
+        forced_parts = sum(min(P, held - j * P) for j in forced)
+        extra = max(0, host_row_budget(cfg.density, nb) * P - forced_parts)
+        return forced_tokens + min(extra, held - forced_parts) * size  # the other parts are full
 
-    # ---- one layer, captured (``decode`` is the base class's) ---------------------------------------
+    # ---- one layer (captured on GPUs; ``layer_select`` is the head-mean path's) -----------------------------
     def _selection(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta, n: torch.Tensor,
-                   w: int) -> tuple[torch.Tensor, int]:
-        """This layer's selection for every row: (ascending list [bsz, width] int32, -1 padded; its unit)."""
+                   w: int, table: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This layer's selection for every row: (ascending list [bsz, width] int32, -1 padded; its unit).
+        ``table``: [bsz, w] int32 device page ids; padded rows point at the scratch page."""
         cfg, m, li, P = self.cfg, self.m, self.index[layer], self.parts
-        table = batch.extras["paged"][0]  # [bsz, w] int32 device page ids; padded rows: the scratch page
         # as the reference: each KV head's query group averaged, keys per head; a shard holds whole groups
         new = decode_sketches(q, cache.k[layer], batch.slot_pages, batch.slot_offsets, m.srht)  # [2, bsz, h_kv, r]
         if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
