@@ -14,8 +14,8 @@ Attention rules:
   heads of a KV group share its selection (native GQA; the draft's rows are averaged per KV group).
 - ``top_p >= 1``: the plan is "full" and every layer runs exact dense attention (SDPA, the same call as the
   plain decode path), so SpecAttn with p = 1 decodes exactly the verifier's greedy tokens.
-- ``decode`` (a plain ``Generator`` driving this backend by mistake, one token at a time): dense, metered
-  as dense. Nothing is sparse without the speculative generator.
+- ``decode`` (a plain ``Generator`` driving this backend by mistake, one token at a time): dense (every page
+  through the shared paged attend), metered as dense. Nothing is sparse without the speculative generator.
 
 Choices where SPEC is silent:
 - Chunk rounding applies to the verified context only (positions < t); the chunk around the newest
@@ -27,8 +27,13 @@ Choices where SPEC is silent:
   dense layers read all t; the new tokens are not counted on either side. ``kv_reduction`` covers every
   verifier layer, ``kv_reduction_sparse`` only the sparse ones. The draft's own reads (dense, over its
   layers) are reported apart as ``draft_kv_read_fraction`` (relative to one full-depth dense pass per step).
-- Host syncs: the verifier reference builds padded index lists (one sync per sequence and draft layer);
-  acceptance needs one sync per round. The fast path (Triton block-sparse over 16-token chunks) is not here.
+- Verification runs on the batched seam (``_verify_batched``): each of a step's gamma + 1 positions is a
+  decode row whose length ends at itself, and the shared paged attend (Triton's split-K decode on GPUs)
+  reads the planned keys in place, in token units; the rows' lists are built once per step. Each row reads
+  its keys again (gamma + 1 reads of a chunk, where a multi-row kernel would read it once). The per-sequence
+  ``verify_attention`` over gathered K/V stays as its test oracle and the fidelity tracer's path.
+- Host syncs: a plan's index lists are built on the host (one sync per sequence and draft layer);
+  acceptance needs one sync per round.
 - The fidelity tracer sees each sparse verification call as a decode step of gamma + 1 rows
   (``phase="decode"``) with a TokenSelection shared by the rows: every row is measured against dense
   attention over the same keys (its own causal prefix).
@@ -44,8 +49,9 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.kernels.formats import PagedKV
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import SeqContext, SparseMethod, method_spec
+from raysparse.methods.base import SeqContext, SparseMethod, method_spec, paged_decode_attention
 from raysparse.methods.registry import MethodCapabilities, register
 from raysparse.methods.selection import SENTINEL, TokenSelection, indices_from_mask
 from raysparse.specattn.draft import default_draft_layers, validate_draft_layers
@@ -233,6 +239,73 @@ class SpecAttn(SparseMethod):
 
     # ---- the AttentionBackend seam ------------------------------------------------------------------
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        plans = [self._plans.get(sid) for sid in batch.seq_ids]
+        if self.tracer is None and plans and all(p is not None for p in plans):
+            return self._verify_batched(layer, q, cache, batch, plans)  # type: ignore[arg-type]
+        return self._prefill_reference(layer, q, cache, batch)
+
+    def _verify_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta,
+                        plans: list[VerifyPlan]) -> torch.Tensor:
+        """A verification step on the batched seam: every one of the step's gamma + 1 positions per sequence
+        is a decode row of its own (its length ends at itself: the causal mask among the new tokens), and
+        the shared paged attend reads each row's keys in place, with no gather: the whole pages at dense
+        layers and full plans, the planned key list of the row's sequence (per KV head, the draft layer's
+        chunks then the new tokens, in token units) at sparse layers. The rows and lists are built once per
+        step, at its first layer. Density and KV reads are host arithmetic on the plans, as the reference's."""
+        rows = batch.extras.get("specattn_rows")
+        if rows is None:
+            rows = batch.extras["specattn_rows"] = self._verify_rows(cache, batch, plans)
+        table, seqlens, blocks, tokens = rows
+        kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
+        h_kv = cache.num_kv_heads
+        sparse = not (plans[0].full or self.is_dense_layer(layer))  # top_p decides ``full`` for every plan
+        if sparse:
+            out, _ = paged_decode_attention(q, kv, tokens[self.layer_map.mapping[layer]], 1)
+        else:
+            out, _ = paged_decode_attention(q, kv, blocks, cache.page_size)
+        for plan in plans:
+            n_q, held = plan.n_new, float(plan.ctx_len) * h_kv
+            read = float(plan.ctx_read[layer]) if sparse else held
+            self.stats.kv_read[layer] += read
+            self.stats.kv_held[layer] += held
+            causal = causal_pairs(n_q, plan.ctx_len + n_q) * h_kv
+            attended = n_q * read + h_kv * n_q * (n_q + 1) / 2 if sparse else causal
+            self.meter.add(layer, float(attended), float(causal), decode=True)
+        return out
+
+    def _verify_rows(self, cache: KVCache, batch: BatchMeta, plans: list[VerifyPlan]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The step's rows: page table [T, W], lengths [T] (row r of a sequence ends at ctx_len + r + 1),
+        every page [T, h_kv, W], and per draft layer the planned key lists [T, h_kv, S] (-1 padded)."""
+        for sid, plan, n, lo, hi in zip(batch.seq_ids, plans, batch.ctx_lens, batch.cu_q, batch.cu_q[1:],
+                                        strict=False):
+            if (plan.ctx_len, plan.n_new) != (n - (hi - lo), hi - lo):
+                raise RuntimeError(f"sequence {sid}: verification plan is for {plan.n_new} tokens after "
+                                   f"{plan.ctx_len}, the step has {hi - lo} after {n - (hi - lo)}")
+        kv, blocks = cache.paged(0, batch)
+        dev = cache.device
+        n_new = torch.tensor([p.n_new for p in plans], device=dev)
+        of_row = torch.repeat_interleave(torch.arange(len(plans), device=dev), n_new)
+        first = torch.tensor([p.ctx_len for p in plans], device=dev).repeat_interleave(n_new)
+        starts = torch.cumsum(n_new, 0) - n_new  # each sequence's first row
+        step = torch.arange(of_row.numel(), device=dev) - starts[of_row]
+        seqlens = (first + step + 1).to(torch.int32)
+        tokens: dict[int, torch.Tensor] = {}
+        if not plans[0].full:
+            for j in self.stats.sparse_layers:
+                d = self.layer_map.mapping[j]
+                if d in tokens:
+                    continue
+                lists = [p.tokens[j] for p in plans]
+                width = max(t.shape[-1] for t in lists)
+                padded = torch.stack([torch.nn.functional.pad(t.to(dev, torch.int32), (0, width - t.shape[-1]),
+                                                              value=SENTINEL) for t in lists])
+                tokens[d] = padded[of_row]
+        return kv.page_table[of_row].contiguous(), seqlens, blocks[of_row], tokens
+
+    def _prefill_reference(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        """Prompt prefill (dense) and, with a tracer, verification one sequence at a time over gathered K/V:
+        the test oracle of ``_verify_batched``."""
         out = torch.empty_like(q)
         h_kv = cache.num_kv_heads
         for i, sid in enumerate(batch.seq_ids):
@@ -265,11 +338,10 @@ class SpecAttn(SparseMethod):
         return out
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for i in range(batch.num_seqs):
-            k, v = cache.gather(layer, batch, i)
-            out[i: i + 1] = dense_attention(q[i: i + 1], k, v)
-            pairs = float(causal_pairs(1, batch.ctx_lens[i]) * cache.num_kv_heads)
+        kv, blocks = cache.paged(layer, batch)
+        out, _ = paged_decode_attention(q, kv, blocks, cache.page_size)
+        for n in batch.ctx_lens:
+            pairs = float(causal_pairs(1, n) * cache.num_kv_heads)
             self.meter.add(layer, pairs, pairs, decode=True)
         return out
 
