@@ -2,14 +2,16 @@
 
 Life cycle, driven by ``orchestration.replica.ReplicaGroup``: ``node_info`` (the group orders ranks by
 Ray node id), ``rendezvous`` on rank 0 (a free port on its node), ``setup`` on every rank (joins the
-group's torch.distributed process group: NCCL on GPUs, gloo on CPU; loads the weights, shards them and
-sizes the cache), then ``execute`` once per engine step with the same plan on every rank. Tests, benchmarks
+group's torch.distributed process group: NCCL on GPUs, gloo on CPU; reads only its own slices of the
+weights, ``loader.load_model_shard``, reporting the bytes read and the peak host memory as ``load``; sizes
+the cache), then ``execute`` once per engine step with the same plan on every rank. Tests, benchmarks
 and the distributed eval reach the executor through Ray's ``__ray_call__`` (``local_executor``) rather than
 through actor methods of their own.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -20,9 +22,12 @@ import torch
 
 from raysparse.config import parse_dtype
 from raysparse.kv_cache import KVCache
+from raysparse.model import merge_projections
 from raysparse.runtime_config import RuntimeConfig
 from raysparse.shard_executor import ShardExecutor
 from raysparse.step_plan import StepPlan
+
+log = logging.getLogger("raysparse.shard")
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,10 @@ class ShardWorker:
         import torch.distributed as dist
 
         from raysparse.all_reduce import make_all_reduce, make_reduce_norm
-        from raysparse.loader import build_model, load_hf_config, load_model, materialize, resolve_source
-        from raysparse.tensor_parallel import apply_tensor_parallel
+        from raysparse.checkpoint import LoadStats
+        from raysparse.config import ModelConfig
+        from raysparse.loader import build_model, load_hf_config, load_model_shard, materialize, resolve_source
+        from raysparse.tensor_parallel import connect_group, shard_layers
 
         spec, dtype = self.spec, parse_dtype(self.spec.dtype)
         self._use_gpu()
@@ -118,18 +125,24 @@ class ShardWorker:
         if src.gguf_file is not None:
             src = materialize(src)
         hf_config = load_hf_config(src)
-        if spec.random_weights:
-            torch.manual_seed(spec.seed)
-            model = build_model(hf_config, dtype=dtype, device=self.device)
-        else:
-            model = load_model(src, dtype=dtype, device=self.device, hf_config=hf_config)
+        cfg = ModelConfig.from_hf(hf_config)
         rt = spec.runtime
-        reduce, reduce_path = (make_all_reduce(self.device, dtype, model.cfg.hidden_size, mode=rt.allreduce)
+        reduce, reduce_path = (make_all_reduce(self.device, dtype, cfg.hidden_size, mode=rt.allreduce)
                                if world_size > 1 else (None, "none"))
-        reduce_norm = make_reduce_norm(reduce, reduce_path, self.device, dtype, model.cfg.hidden_size,
+        reduce_norm = make_reduce_norm(reduce, reduce_path, self.device, dtype, cfg.hidden_size,
                                        max_rows=max(spec.max_batch, 64), enabled=rt.fused_allreduce,
                                        fused_ops=rt.fused_ops) if reduce is not None else None
-        apply_tensor_parallel(model, rank, world_size, reduce=reduce, reduce_norm=reduce_norm)
+        if spec.random_weights:  # the same seed on every rank: each keeps its slices of one model
+            torch.manual_seed(spec.seed)
+            model = shard_layers(build_model(hf_config, dtype=dtype, device=self.device), rank, world_size)
+            if world_size > 1:
+                merge_projections(model)
+            load = LoadStats("random", rank, world_size, 0, 0, 0, 0, 0, 0, False, 0.0)
+        else:  # only this rank's slices of the checkpoint are read (safetensors)
+            model, load = load_model_shard(src, rank, world_size, dtype=dtype, device=self.device,
+                                           hf_config=hf_config)
+        log.info("shard %d/%d of %s: %s", rank, world_size, src.name, load.summary())
+        connect_group(model, reduce=reduce, reduce_norm=reduce_norm)
         pages = -(-spec.kv_cache_tokens // spec.page_size)
         cache = KVCache(model.cfg, pages, spec.page_size, dtype, self.device, model.num_kv_heads)
         sync = torch.cuda.synchronize if self.device == "cuda" else None
@@ -141,7 +154,7 @@ class ShardWorker:
         self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync, graphs, rt)
         return {"rank": rank, "kv_heads": model.num_kv_heads, "kv_offset": getattr(model, "kv_head_offset", 0),
                 "kv_pages": pages, "page_size": spec.page_size, "device": self.device,
-                "all_reduce": reduce_path + ("+norm" if reduce_norm is not None else "")}
+                "all_reduce": reduce_path + ("+norm" if reduce_norm is not None else ""), "load": load.as_dict()}
 
     def _use_gpu(self) -> None:
         if self.gpu_index is not None:

@@ -42,6 +42,7 @@ class RunOptions:
 
 
 def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:
+    from raysparse.checkpoint import LoadStats
     from raysparse.methods.registry import method_capabilities
     from raysparse.orchestration.engine import Engine, EngineConfig
     from raysparse.orchestration.engine_api import EngineError, EngineRequest
@@ -62,6 +63,9 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
         console.print(f"[bold]model[/]: {info['model']} ({info['layers']} layers, {info['heads']} heads, "
                       f"{info['kv_heads']} KV heads, {info['dtype']}, TP={opts.tp} x {opts.replicas} replica(s) "
                       f"on {info['device']}) ready in {time.perf_counter() - t0:.1f} s")
+        load = [s.get("load") for r in engine.server_info()["replicas"] for s in r["shards"] if s.get("load")]
+        for stats in load:  # what each rank read of the checkpoint, and its host memory
+            console.print(f"[bold]weights[/]: {LoadStats.from_dict(stats).summary()}")
         if opts.context_tokens + opts.max_new_tokens > info["max_positions"]:
             raise JobError(f"--context-tokens {opts.context_tokens} plus {opts.max_new_tokens} new tokens exceeds "
                            f"the model's {info['max_positions']} positions")
@@ -85,7 +89,7 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
                   "prompt_tokens": final.prompt_tokens, "ttft_s": final.ttft_s,
                   "decode_tokens_per_s": final.decode_tokens_per_s, "new_tokens": len(final.token_ids),
                   "method": opts.method, "density": density, "model": info["model"], "tp": opts.tp,
-                  "replicas": opts.replicas}
+                  "replicas": opts.replicas, "load": load}
         _report(result, console)
         return result
     finally:

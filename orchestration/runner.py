@@ -20,6 +20,9 @@ from raysparse.step_plan import StepPlan
 
 log = logging.getLogger("raysparse.engine")
 
+# what ``info`` (and so the server info) shows of each shard; ``load``: its ``LoadStats`` (bytes read, host memory)
+SHARD_INFO_KEYS = ("name", "rank", "node_id", "device", "kv_heads", "load")
+
 
 class ReplicaRunner:
     def __init__(self, index: int, group: ReplicaGroup, scheduler: Scheduler, tokenizer: Any | None,
@@ -203,5 +206,4 @@ class ReplicaRunner:
                 "kv_capacity_tokens": self.sched.cfg.capacity_pages * self.sched.cfg.page_size,
                 "steps": self.steps, "step_wall_s": self.step_wall_s, "step_forward_s": self.step_forward_s,
                 "rebuilds": self.rebuilds, "last_error": self.last_error,
-                "shards": [{k: v for k, v in i.items() if k in ("name", "rank", "node_id", "device", "kv_heads")}
-                           for i in self.group.info]}
+                "shards": [{k: v for k, v in i.items() if k in SHARD_INFO_KEYS} for i in self.group.info]}

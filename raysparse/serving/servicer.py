@@ -202,12 +202,20 @@ class RaySparseServicer(pb_grpc.RaySparseServicer):
         return server_info_to_proto(self.engine.server_info())
 
 
+def _shard_load(load: dict[str, Any] | None) -> pb.ShardLoad | None:
+    if not load:
+        return None
+    return pb.ShardLoad(**{k: load[k] for k in ("source", "bytes_read", "checkpoint_bytes", "host_peak_bytes",
+                                                 "host_rss_before_bytes", "seconds")})
+
+
 def server_info_to_proto(i: dict[str, Any]) -> pb.ServerInfo:
     reps = [pb.ReplicaInfo(index=r["index"], state=r["state"], running=r["running"], waiting=r["waiting"],
                            kv_used_tokens=r["kv_used_tokens"], kv_capacity_tokens=r["kv_capacity_tokens"],
                            steps=r.get("steps", 0), rebuilds=r.get("rebuilds", 0), last_error=r.get("last_error", ""),
                            shards=[pb.ShardInfo(name=s.get("name", ""), rank=s.get("rank", 0),
-                                                node_id=str(s.get("node_id", "")), device=str(s.get("device", "")))
+                                                node_id=str(s.get("node_id", "")), device=str(s.get("device", "")),
+                                                load=_shard_load(s.get("load")))
                                    for s in r.get("shards", [])])
             for r in i.get("replicas", [])]
     return pb.ServerInfo(state=i["state"], serving=i["serving"], running=i["running"], waiting=i["waiting"],

@@ -2,8 +2,7 @@ from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -21,7 +20,7 @@ class SamplingParams(_message.Message):
     seed: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "chat", "method", "method_params", "sampling", "request_id")
@@ -39,7 +38,7 @@ class GenerateRequest(_message.Message):
     method_params: _struct_pb2.Struct
     sampling: SamplingParams
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., method: _Optional[str] = ..., method_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: bool = ..., method: _Optional[str] = ..., method_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -109,7 +108,7 @@ class AbortResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+    def __init__(self, found: bool = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -143,23 +142,41 @@ class ModelInfo(_message.Message):
     device: str
     methods: _containers.RepeatedScalarFieldContainer[str]
     has_tokenizer: bool
-    def __init__(self, model: _Optional[str] = ..., layers: _Optional[int] = ..., heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., tp: _Optional[int] = ..., replicas: _Optional[int] = ..., device: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., layers: _Optional[int] = ..., heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., dtype: _Optional[str] = ..., tp: _Optional[int] = ..., replicas: _Optional[int] = ..., device: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., has_tokenizer: bool = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("name", "rank", "node_id", "device")
+    __slots__ = ("name", "rank", "node_id", "device", "load")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     name: str
     rank: int
     node_id: str
     device: str
-    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    load: ShardLoad
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ..., load: _Optional[_Union[ShardLoad, _Mapping]] = ...) -> None: ...
+
+class ShardLoad(_message.Message):
+    __slots__ = ("source", "bytes_read", "checkpoint_bytes", "host_peak_bytes", "host_rss_before_bytes", "seconds")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_RSS_BEFORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    bytes_read: int
+    checkpoint_bytes: int
+    host_peak_bytes: int
+    host_rss_before_bytes: int
+    seconds: float
+    def __init__(self, source: _Optional[str] = ..., bytes_read: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ..., host_peak_bytes: _Optional[int] = ..., host_rss_before_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("index", "state", "running", "waiting", "kv_used_tokens", "kv_capacity_tokens", "steps", "rebuilds", "last_error", "shards")
@@ -203,4 +220,4 @@ class ServerInfo(_message.Message):
     kv_capacity_tokens: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     tp: int
-    def __init__(self, state: _Optional[str] = ..., serving: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., tp: _Optional[int] = ...) -> None: ...
+    def __init__(self, state: _Optional[str] = ..., serving: bool = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., tp: _Optional[int] = ...) -> None: ...

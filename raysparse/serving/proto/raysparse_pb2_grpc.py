@@ -5,7 +5,7 @@ import warnings
 
 from raysparse.serving.proto import raysparse_pb2 as raysparse_dot_serving_dot_proto_dot_raysparse__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in raysparse/serving/proto/raysparse_pb2_grpc.py depends on'
+        + f' but the generated code in raysparse/serving/proto/raysparse_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class RaySparseStub:
+class RaySparseStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -56,7 +56,7 @@ class RaySparseStub:
                 _registered_method=True)
 
 
-class RaySparseServicer:
+class RaySparseServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
@@ -117,7 +117,7 @@ def add_RaySparseServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class RaySparse:
+class RaySparse(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
