@@ -112,3 +112,23 @@ def block_pairs(indices: torch.Tensor, block_size: int, q_start: int, n: int) ->
     cnt = (k_hi - k_lo).clamp(min=0) * qvalid[None, :, None, :]
     cnt = cnt * (indices != SENTINEL)[..., None]
     return cnt.sum(dim=(1, 2, 3))
+
+
+def packed_block_pairs(indices: torch.Tensor, qblock: torch.Tensor, q_start: torch.Tensor, n: torch.Tensor,
+                       block_size: int) -> torch.Tensor:
+    """Causal (query, key) pairs of each packed query block's list, summed over KV heads: [R] int64.
+
+    ``indices`` [h_kv, R, S] (a ``PackedBlockSelection``'s), ``qblock`` [R] the absolute query block of each
+    row, ``q_start`` and ``n`` [R] its sequence's first new position and length. ``block_pairs`` counted per
+    row without materialising a pair grid: a listed block below the query block holds B keys (only the last
+    block can be partial, and it is never below a query block), each seen by every valid query of the
+    block; the diagonal block gives each valid query the keys up to itself."""
+    b = block_size
+    lo = torch.maximum(qblock * b, q_start)  # the block's first and last valid query positions
+    hi = torch.minimum(qblock * b + b, n) - 1
+    rows = (hi - lo + 1).clamp(min=0)
+    listed = indices.long()
+    below = ((listed != SENTINEL) & (listed < qblock[None, :, None])).sum((0, 2))
+    diag = (listed == qblock[None, :, None]).sum((0, 2))
+    tri = ((lo - qblock * b + 1) + (hi - qblock * b + 1)) * rows // 2  # sum over valid queries of keys to itself
+    return rows * b * below + tri * diag

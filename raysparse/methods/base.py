@@ -22,15 +22,16 @@ from raysparse.config import ModelConfig
 # Triton on CUDA tensors, the PyTorch reference otherwise (same signatures, same results within tolerance).
 from raysparse.kernels.dispatch import (
     block_sparse_attention,
+    block_sparse_attention_varlen,
     sparse_decode_attention,
     sparse_decode_attention_varlen,
     use_triton,
 )
-from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.formats import PackedBlockSelection, PagedKV, pack_block_selections
 from raysparse.kernels.paged_torch import paged_decode_torch
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.registry import MethodSpec
-from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs
+from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs, packed_block_pairs
 
 # Parameters every command may pass; a method without them ignores them (dense has no density).
 SHARED_PARAMS = frozenset({"density", "dense_layers"})
@@ -149,6 +150,33 @@ class SparseMethod(AttentionBackend):
         self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)  # thrown away under a capture
         return out
 
+    # ---- the batched prefill seam (implement for the fast path) -----------------------------------
+    @property
+    def batched_prefill(self) -> bool:
+        """The method selects a whole prefill batch at once (``prefill_select``), and the shared varlen
+        kernel attends over the paged cache in place. It needs a page to be a block (the kernel reads key
+        blocks through the page table); otherwise, and under a tracer, the per-sequence path runs."""
+        return type(self).prefill_select is not SparseMethod.prefill_select
+
+    def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
+        """The batch's packed prefill selection: per KV head, each query block of every sequence (in batch
+        order) to its ascending key blocks, SENTINEL-padded (``PackedBlockSelection``). It reads the step's
+        new keys (``view.new_keys``) and the method's state, never a sequence's gathered K/V."""
+        raise NotImplementedError(f"{self.name} has no batched prefill selection")
+
+    def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        view = PrefillView.of(layer, batch, cache)
+        sel = self.prefill_select(layer, q, view)
+        out, _ = block_sparse_attention_varlen(q, view.kv, sel, view.cu_q_dev)
+        rows = view.qblocks(sel.block_size)
+        pairs = packed_block_pairs(sel.indices, rows.qblock, rows.q_start, rows.n, sel.block_size)
+        per_seq = torch.zeros(len(batch.seq_ids), dtype=torch.int64, device=pairs.device)
+        per_seq.index_add_(0, sel.qblock_seq.long(), pairs)
+        h_kv = cache.num_kv_heads
+        for n_q, n, attended in zip(batch.q_lens, batch.ctx_lens, per_seq.tolist(), strict=True):  # one sync
+            self.meter.add(layer, float(attended), float(causal_pairs(n_q, n) * h_kv), decode=False)
+        return out
+
     # ---- overridable per-sequence attention ----------------------------------------------------
     def is_dense_layer(self, layer: int) -> bool:
         return layer in self.config.dense_layers
@@ -208,6 +236,9 @@ class SparseMethod(AttentionBackend):
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         if self.batched_decode and not self.is_dense_layer(layer):
             self.update_state(layer, cache, batch)  # the decode steps read it
+        if (self.batched_prefill and self.tracer is None and not self.is_dense_layer(layer)
+                and cache.page_size == self.config.block_size):
+            return self._prefill_batched(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=False)
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
@@ -247,6 +278,85 @@ class DecodeView:
     def width_tokens(self) -> int:
         """Tokens the page-width bucket can hold: the static bound every selection width derives from."""
         return self.kv.page_table.shape[1] * self.page_size
+
+
+@dataclass(frozen=True)
+class QueryBlocks:
+    """The packed query blocks of a prefill step, as device tensors [R]: each one's sequence (batch index),
+    absolute block, its sequence's first new position and length; ``start`` [batch + 1] the first row of
+    each sequence (``PackedBlockSelection.qblock_start``)."""
+
+    seq: torch.Tensor
+    qblock: torch.Tensor
+    q_start: torch.Tensor
+    n: torch.Tensor
+    start: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PrefillView:
+    """What a batched prefill selection reads: this layer's paged K/V (with every sequence's page table and
+    full length), the step's batch and cache (per-page pools, per-sequence metadata), and per-step constants
+    built once and shared by the layers (``batch.extras``)."""
+
+    layer: int
+    kv: PagedKV
+    batch: BatchMeta
+    cache: KVCache
+
+    @classmethod
+    def of(cls, layer: int, batch: BatchMeta, cache: KVCache) -> PrefillView:
+        kv, _ = cache.paged(layer, batch)
+        return cls(layer, kv, batch, cache)
+
+    @property
+    def cu_q_dev(self) -> torch.Tensor:
+        cu = self.batch.extras.get("cu_q_dev")
+        if cu is None:
+            cu = self.batch.extras["cu_q_dev"] = torch.tensor(self.batch.cu_q, dtype=torch.int32,
+                                                              device=self.cache.device)
+        return cu
+
+    def new_keys(self) -> torch.Tensor:
+        """This layer's keys of the step's new tokens, packed as q: [T, h_kv, d] (from their slots)."""
+        return self.cache.k[self.layer][self.batch.slot_pages, :, self.batch.slot_offsets, :]
+
+    def context(self, i: int, state: dict[int, dict[str, Any]]) -> SeqContext:
+        """Sequence i's ``SeqContext`` at this layer (``state``: the method's per-sequence dict)."""
+        b = self.batch
+        sid, n = b.seq_ids[i], b.ctx_lens[i]
+        return SeqContext(self.layer, sid, n - b.q_lens[i], n, self.cache.metadata[self.layer].setdefault(sid, {}),
+                          state.setdefault(sid, {}))
+
+    def qblocks(self, block_size: int) -> QueryBlocks:
+        """The step's packed query blocks of ``block_size`` tokens (host arithmetic once per step and size)."""
+        key = ("qblocks", block_size)
+        rows = self.batch.extras.get(key)
+        if rows is None:
+            seq, qb, q0, nn, start = [], [], [], [], [0]
+            for i, (n_q, n) in enumerate(zip(self.batch.q_lens, self.batch.ctx_lens, strict=True)):
+                first, last = (n - n_q) // block_size, (n - 1) // block_size
+                seq += [i] * (last - first + 1)
+                qb += range(first, last + 1)
+                q0 += [n - n_q] * (last - first + 1)
+                nn += [n] * (last - first + 1)
+                start.append(len(qb))
+            dev = self.cache.device
+            t = torch.tensor([seq, qb, q0, nn], dtype=torch.int64).to(dev)
+            rows = self.batch.extras[key] = QueryBlocks(t[0], t[1], t[2], t[3],
+                                                        torch.tensor(start, dtype=torch.int32).to(dev))
+        return rows
+
+    def packed(self, indices: torch.Tensor, block_size: int) -> PackedBlockSelection:
+        """Rows [h_kv, R, W] in this step's query-block order as the kernels' packed selection."""
+        rows = self.qblocks(block_size)
+        return PackedBlockSelection(indices.to(torch.int32).contiguous(), rows.seq.to(torch.int32), rows.start,
+                                    block_size)
+
+    @staticmethod
+    def pack(sels: list[BlockSelection]) -> PackedBlockSelection:
+        """Per-sequence selections (batch order) packed: for methods whose selection runs per sequence."""
+        return pack_block_selections(sels)
 
 
 def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from raysparse.kernels.dispatch import triton_wanted
+from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
 from raysparse.kernels.row_select import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
@@ -52,6 +53,7 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import (
     DecodeView,
     MethodConfig,
+    PrefillView,
     SeqContext,
     SparseMethod,
     host_row_budget,
@@ -120,6 +122,16 @@ class Streaming(SparseMethod):
         kb = torch.arange(-(-ctx.n // b), device=q.device)[None, :]
         mask = (kb <= qb[:, None]) & ((kb < sinks) | (kb > qb[:, None] - local[:, None]))
         return BlockSelection(per_head(indices_from_mask(mask), k.shape[0]), b)
+
+    def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
+        """``select_prefill``'s rows for every query block of the batch at once: a function of positions."""
+        b = self.config.block_size
+        sinks = -(-self.config.sink_tokens // b)
+        qb = view.qblocks(b).qblock
+        local = self._local(qb + 1, sinks, b)
+        kb = torch.arange(-(-max(view.batch.ctx_lens) // b), device=qb.device)[None, :]
+        mask = (kb <= qb[:, None]) & ((kb < sinks) | (kb > qb[:, None] - local[:, None]))
+        return view.packed(per_head(indices_from_mask(mask), view.cache.num_kv_heads), b)
 
     def select_decode(self, ctx, q, k, v) -> TokenSelection:
         n, sinks = ctx.n, min(self.config.sink_tokens, ctx.n)

@@ -11,9 +11,10 @@ from raysparse.kernels.selection import (
     block_pairs,
     indices_from_mask,
     mask_from_indices,
+    packed_block_pairs,
     pad_sorted,
     topk_mask,
 )
 
 __all__ = ["SENTINEL", "BlockSelection", "TokenSelection", "block_pairs", "indices_from_mask", "mask_from_indices",
-           "pad_sorted", "topk_mask"]
+           "packed_block_pairs", "pad_sorted", "topk_mask"]

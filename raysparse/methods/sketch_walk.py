@@ -30,8 +30,17 @@ import torch.nn.functional as F
 
 from raysparse.attention import ShardContext
 from raysparse.config import ModelConfig
+from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import DecodeView, SeqContext, SparseMethod, host_row_budget, method_spec, row_budget
+from raysparse.methods.base import (
+    DecodeView,
+    PrefillView,
+    SeqContext,
+    SparseMethod,
+    host_row_budget,
+    method_spec,
+    row_budget,
+)
 from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
@@ -192,7 +201,7 @@ class SketchWalk(SparseMethod):
     # [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]); the pair modes sketch per KV head (qs,
     # ks [b, h_kv, r]) and combine the scores to H = 1 (a_hat [b, b], walk rows [rows, b]). ks has
     # b * sub_blocks rows.
-    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor
+    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k_new: torch.Tensor
                        ) -> tuple[int, int, torch.Tensor | None]:
         """Folds the new tokens (q: [n_q, h, d], k: [h_kv, n, d]) into this layer's block sketches and
         recomputes the A_hat rows of the query blocks they touch. Returns (first query block, b, and with
@@ -205,7 +214,7 @@ class SketchWalk(SparseMethod):
         dev = q.device
         r = self.srht.sketch_dim
         per_head = cfg.heads != "mean"
-        hs = k.shape[0] if per_head else 1
+        hs = k_new.shape[0] if per_head else 1
         if q0 == 0:  # a new sequence (or a re-prefill): start this layer's sketches afresh
             shape = (0, hs, r) if per_head else (0, r)
             st.update(qs=torch.zeros(shape, device=dev), ks=torch.zeros(shape, device=dev),
@@ -224,12 +233,12 @@ class SketchWalk(SparseMethod):
         n_q = n - q0
         if per_head:  # each KV head's query group averaged; a shard holds whole KV groups, so nothing to reduce
             q_avg = q.float().view(n_q, hs, -1, q.shape[-1]).mean(2)  # [n_q, H, d]
-            k_avg = k[:, q0:n].float().transpose(0, 1)
+            k_avg = k_new.float().transpose(0, 1)
         else:  # head sums over the heads held here, divided by the model's head counts when shards reduce
             hq = self.model_cfg.num_heads if self.head_reduce is not None else q.shape[1]
-            hk = self.model_cfg.num_kv_heads if self.head_reduce is not None else k.shape[0]
+            hk = self.model_cfg.num_kv_heads if self.head_reduce is not None else k_new.shape[0]
             q_avg = q.float().sum(1, keepdim=True) / hq
-            k_avg = k[:, q0:n].float().sum(0)[:, None] / hk
+            k_avg = k_new.float().sum(0)[:, None] / hk
         want_token = n_q == 1 and cfg.token_query != "never" or cfg.token_query == "last"
         # Sum per block (keys: per block part) first, then sketch the few sums (linear): O(b d log d), not
         # O(n d log d). The last token's own query rides along as one more query row, through the same reduce.
@@ -368,13 +377,26 @@ class SketchWalk(SparseMethod):
 
     # ---- SparseMethod ---------------------------------------------------------------------------
     def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
-        qb0, nb, token_row = self._update_sketch(ctx, q, k)
+        return self._prefill_rows(ctx, q, k[:, ctx.q_start: ctx.n])
+
+    def _prefill_rows(self, ctx: SeqContext, q: torch.Tensor, k_new: torch.Tensor) -> BlockSelection:
+        """One sequence's prefill selection from its new queries and keys alone (k_new [h_kv, n_q, d]): the
+        sketches hold every earlier token, so nothing of the context is read."""
+        qb0, nb, token_row = self._update_sketch(ctx, q, k_new)
         mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb)
         idx = indices_from_mask(mask, width)  # [H, nqb, width]
-        return BlockSelection(idx.expand(k.shape[0], -1, -1), self.config.block_size)
+        return BlockSelection(idx.expand(k_new.shape[0], -1, -1), self.config.block_size)
+
+    def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
+        """Each sequence's ``_prefill_rows`` from the step's packed new keys (its state is per sequence: block
+        sketches, A_hat rows and the walk), packed for the batch's one varlen attend."""
+        k_new, cu = view.new_keys(), view.batch.cu_q
+        return view.pack([self._prefill_rows(view.context(i, self._seq_state), q[cu[i]: cu[i + 1]],
+                                             k_new[cu[i]: cu[i + 1]].transpose(0, 1))
+                          for i in range(len(view.batch.seq_ids))])
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
-        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k)  # qb0 == nb - 1: the new token's block
+        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n])  # the new token's block
         if self.config.decode_unit == "part":
             return self._choose_parts(ctx.seq_state.pop("part_row"), ctx.n, k.shape[0])
         mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb)
