@@ -17,6 +17,8 @@ B = 16  # block size = page size: the varlen kernel reads key blocks through the
 CASES = [
     ("streaming", {"sink_tokens": 16, "window": 48}),
     ("streaming", {"density": 0.3, "sink_tokens": 8}),
+    ("quest", {"density": 0.3, "page_size": 4}),
+    ("quest", {"density": 0.15, "page_size": 16}),
     ("sketch_walk", {"density": 0.3}),  # the default: paired heads, key parts, one-hop
     ("sketch_walk", {**GRAPH_DECODE, "density": 0.25, "walk": "product", "local_blocks": 2}),
     ("sketch_walk", {"density": 0.3, "heads": "kv", "sub_blocks": 2, "decode_unit": "block"}),

@@ -269,8 +269,25 @@ class Quest(SparseMethod):
         return chosen * p - (pages * p - n)  # the current (last) page is always chosen
 
     def select_prefill(self, ctx, q, k, v) -> BlockSelection:
-        b, p = self.config.block_size, self.config.page_size
         lo, hi = self.bounds(ctx, k)
+        return self._prefill_rows(ctx, q, lo, hi)
+
+    def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
+        """``select_prefill``'s rows of each sequence from the per-page bound pools (which ``update_state``
+        brought up to the step's newest keys): no key is read again."""
+        lo_pool, hi_pool = self._pools(layer, view.cache)
+        p, cu, sels = self.config.page_size, view.batch.cu_q, []
+        for i, n in enumerate(view.batch.ctx_lens):
+            table = view.kv.page_table[i, : view.cache.pages_needed(n)].long()
+            pages = -(-n // p)
+            lo = lo_pool[table].transpose(0, 1).flatten(1, 2)[:, :pages].float()  # [h_kv, pages, d]
+            hi = hi_pool[table].transpose(0, 1).flatten(1, 2)[:, :pages].float()
+            sels.append(self._prefill_rows(view.context(i, self._seq_state), q[cu[i]: cu[i + 1]], lo, hi))
+        return view.pack(sels)
+
+    def _prefill_rows(self, ctx: SeqContext, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> BlockSelection:
+        b = self.config.block_size
+        p = self.config.page_size
         h_kv, pages, d = lo.shape
         qf, valid, qb = query_blocks(q, ctx, b)
         qmean = (qf * valid[..., None, None]).sum(1) / valid.sum(1).clamp(min=1)[:, None, None]  # [nqb, h, d]
