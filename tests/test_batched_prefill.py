@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, fresh_cache, tiny_model
+from helpers import DEVICES, tiny_model
 
 from raysparse.kernels.selection import block_pairs, indices_from_mask, packed_block_pairs
+from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.methods.sketch_walk import GRAPH_DECODE
 
@@ -37,7 +38,7 @@ def _prefill(model, name: str, params: dict, chunks: list[list[int]], seed: int,
     backend = create_backend(name, model.cfg, block_size=B, dense_layers=(0,), **params)
     if reference:
         backend.tracer = lambda *a, **k: None  # a tracer sends every layer down the per-sequence path
-    cache = fresh_cache(model, 2048, page_size=B)
+    cache = KVCache(model.cfg, num_pages=2048 // B, page_size=B, dtype=model.lm_head.weight.dtype, device=dev)
     total = [sum(c) for c in zip(*chunks, strict=True)]
     sids = list(range(len(total)))
     for sid, n in zip(sids, total, strict=True):
