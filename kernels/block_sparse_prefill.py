@@ -39,6 +39,7 @@ from .common import (
     kv_args,
     kv_block_offset,
     next_pow2,
+    softmax_update,
     tl,
     triton,
 )
@@ -50,13 +51,30 @@ _CNT_CHUNK = 512  # selection entries counted per step: one step up to 128K toke
 if triton is not None:
 
     @triton.jit
-    def _prefill_kernel(Q, K, V, Out, LSE, IDX, QB_SEQ, QB_START, CU_Q, SEQ_K, CU_K, PT,
+    def _attend_window(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale, qpos, kpos, n, lo,
+                       sink, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
+        """One key block under a per-row window (PSAW): a row sees the keys below ``sink`` and those from its
+        own ``lo`` up to itself; the block's other keys are masked out of its softmax."""
+        kn = tl.arange(0, BLOCK)
+        d = tl.arange(0, HEAD_DIM)
+        k_ok = kpos < n
+        k = tl.load(K + (k_base + kn * stride_kt)[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + (v_base + kn * stride_vt)[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        seen = (kpos[None, :] < sink) | (kpos[None, :] >= lo[:, None])
+        s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & seen, s, float("-inf"))
+        m_i, l_i, p, alpha = softmax_update(s, m_i, l_i, True)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _prefill_kernel(Q, K, V, Out, LSE, IDX, QB_SEQ, QB_START, CU_Q, SEQ_K, CU_K, PT, WLO,
                         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                        stride_ih, stride_iq, stride_pt, total_qblocks, max_sel, qk_scale,
+                        stride_ih, stride_iq, stride_pt, total_qblocks, max_sel, qk_scale, sink,
                         G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                         BLOCK_QT: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
-                        CNT_CHUNK: tl.constexpr, KB_STEP: tl.constexpr):
+                        CNT_CHUNK: tl.constexpr, KB_STEP: tl.constexpr, WINDOW: tl.constexpr):
         TILES: tl.constexpr = BLOCK // BLOCK_QT
         ROWS: tl.constexpr = BLOCK_QT * G_PAD
         pid = tl.program_id(0)
@@ -96,6 +114,20 @@ if triton is not None:
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        if WINDOW:  # a per-row window cuts into blocks below the diagonal too: every block is masked
+            lo = tl.load(WLO + tok, mask=row_ok, other=0)
+            for j in range(0, n_valid):
+                kb = tl.load(idx_row + j)
+                kpos = kb * BLOCK + kn
+                kb = tl.minimum(kb, (n - 1) // BLOCK)
+                k_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK,
+                                         PAGED)
+                v_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK,
+                                         PAGED)
+                m_i, l_i, acc = _attend_window(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc,
+                                               qk_scale, qpos, kpos, n, lo, sink, BLOCK, HEAD_DIM, PREC)
+            n_full = n_full * 0  # nothing left for the loops below
+            n_valid = n_valid * 0
         # Fully visible blocks, KB_STEP per step: no mask work at all. Two blocks make one [2 * BLOCK] key
         # tile gathered from two pages (bigger MMAs, half the per-step softmax and rescale overhead).
         n_main = n_full - n_full % KB_STEP
@@ -238,13 +270,17 @@ def _prefill(q: torch.Tensor, kv: KVSource, sel: PackedBlockSelection, cu_seqlen
     total_qb, max_sel = idx.shape[1], idx.shape[2]
     if total_qb == 0 or T == 0:
         return out, lse
+    window = sel.window_lo is not None
+    wlo = sel.window_lo.to(torch.int32).contiguous() if window else cu_seqlens_q  # unread without a window
+    if window and wlo.numel() != T:
+        raise ValueError(f"window_lo has {wlo.numel()} rows, q has {T}")
     args = (q, a.k, a.v, out, lse, idx, sel.qblock_seq.to(torch.int32), sel.qblock_start.to(torch.int32),
             cu_seqlens_q.to(torch.int32),
-            a.seqlens, a.cu_k, a.page_table, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            a.seqlens, a.cu_k, a.page_table, wlo, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1), *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride,
-            total_qb, max_sel, scale * LOG2E)
+            total_qb, max_sel, scale * LOG2E, sel.sink)
     meta = dict(G=g, G_PAD=g_pad, HEAD_DIM=d, BLOCK=b, PAGED=a.paged, PREC=dot_precision(q.dtype),
-                CNT_CHUNK=_CNT_CHUNK)
+                CNT_CHUNK=_CNT_CHUNK, WINDOW=window)
     if config is None and block_qt is None and interpreting():
         block_qt = b  # one program per query block: the interpreter pays per program
     if config is None and block_qt is not None:

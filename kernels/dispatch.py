@@ -130,7 +130,9 @@ def block_sparse_attention_varlen(q: torch.Tensor, kv: KVSource, sel: PackedBloc
         b0, b1 = int(sel.qblock_start[i]), int(sel.qblock_start[i + 1])
         k, v = _seq_kv(kv, i)
         one = BlockSelection(sel.indices[:, b0:b1], sel.block_size)
-        out[lo:hi], lse[lo:hi] = block_sparse_prefill_torch(q[lo:hi], k, v, one.indices, one.block_size, scale)
+        win = None if sel.window_lo is None else sel.window_lo[lo:hi]
+        out[lo:hi], lse[lo:hi] = block_sparse_prefill_torch(q[lo:hi], k, v, one.indices, one.block_size, scale,
+                                                            win, sel.sink)
     return out, lse
 
 

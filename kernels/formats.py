@@ -63,6 +63,10 @@ class PackedBlockSelection:
     qblock_seq: torch.Tensor  # int32 [total_qblocks]
     qblock_start: torch.Tensor  # int32 [batch + 1]
     block_size: int
+    # An optional per-row window inside the listed blocks (PSAW): query row t (packed, as q) sees the keys
+    # below ``sink`` and those from ``window_lo[t]`` up to itself; None: every causal key of a listed block.
+    window_lo: torch.Tensor | None = None  # int32 [T]
+    sink: int = 0
 
     @classmethod
     def single(cls, sel: BlockSelection) -> PackedBlockSelection:

@@ -97,10 +97,12 @@ _PREFILL_CHUNK = 8  # query blocks per fused call at most
 
 
 def block_sparse_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                               block: int, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               block: int, scale: float | None = None, window_lo: torch.Tensor | None = None,
+                               sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse causal attention of one sequence on the CPU: q [n_q, h, d], the last n_q of the n keys in
     k, v [h_kv, n, d]; ``indices`` [h_kv, n_qblocks, S] a ``BlockSelection``'s. Returns out [n_q, h, d] and
-    lse [n_q, h] (fp32), zeros and -inf for a row that selects no causal key.
+    lse [n_q, h] (fp32), zeros and -inf for a row that selects no causal key. ``window_lo`` [n_q]: each row
+    sees, inside the listed blocks, only the keys below ``sink`` and from its own bound up.
 
     Why not the reference's einsum: each query block's selected key blocks are gathered once and every block
     of a chunk attends in one fused flash-attention call with a mask (PyTorch's CPU kernel, which also gives
@@ -126,6 +128,9 @@ def block_sparse_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     # A chunk is as wide as its fullest row (host reads are free on the CPU): budgets grow along the
     # sequence, so narrow early chunks skip most of the padding.
     fill = (indices != SENTINEL).sum(-1).amax(0).tolist()
+    lo_rows = None
+    if window_lo is not None:  # per padded query row, padding rows see nothing extra (they are dropped)
+        lo_rows = torch.nn.functional.pad(window_lo.long(), (lead, nqb * block - lead - n_q)).view(nqb, block)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     for c0 in range(0, nqb, step):
         c1 = min(nqb, c0 + step)
@@ -137,6 +142,9 @@ def block_sparse_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         kvalid = (idx != SENTINEL)[..., None].expand(*idx.shape, block).flatten(2) & (kpos < n)
         qpos = ((qb0 + torch.arange(c0, c1, device=q.device))[:, None] * block + offs)  # [c, B]
         ok = kvalid[:, :, None, :] & (kpos[:, :, None, :] <= qpos[:, None, :, None])  # [c, h_kv, B, S*B]
+        if lo_rows is not None:
+            kp = kpos[:, :, None, :]
+            ok &= (kp < sink) | (kp >= lo_rows[c0:c1, None, :, None])
         entries = (c1 - c0) * h_kv
         mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
         o, s = op(qf[c0:c1].reshape(entries, g, block, d),

@@ -164,17 +164,26 @@ class SparseMethod(AttentionBackend):
         new keys (``view.new_keys``) and the method's state, never a sequence's gathered K/V."""
         raise NotImplementedError(f"{self.name} has no batched prefill selection")
 
+    def prefill_selects(self, layer: int) -> bool:
+        """Whether this (non-dense) layer's prefill goes through ``prefill_select``; a method whose prefill is
+        dense at some layers (PSAW below its start layer) keeps those on the dense path."""
+        return True
+
+    def prefill_pairs(self, view: PrefillView, sel: PackedBlockSelection) -> torch.Tensor:
+        """Causal pairs each sequence's rows attend under ``sel``, summed over KV heads: [batch] int64."""
+        rows = view.qblocks(sel.block_size)
+        pairs = packed_block_pairs(sel.indices, rows.qblock, rows.q_start, rows.n, sel.block_size)
+        per_seq = torch.zeros(len(view.batch.seq_ids), dtype=torch.int64, device=pairs.device)
+        return per_seq.index_add_(0, sel.qblock_seq.long(), pairs)
+
     def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         view = PrefillView.of(layer, batch, cache)
         sel = self.prefill_select(layer, q, view)
         out, _ = block_sparse_attention_varlen(q, view.kv, sel, view.cu_q_dev)
-        rows = view.qblocks(sel.block_size)
-        pairs = packed_block_pairs(sel.indices, rows.qblock, rows.q_start, rows.n, sel.block_size)
-        per_seq = torch.zeros(len(batch.seq_ids), dtype=torch.int64, device=pairs.device)
-        per_seq.index_add_(0, sel.qblock_seq.long(), pairs)
         h_kv = cache.num_kv_heads
-        for n_q, n, attended in zip(batch.q_lens, batch.ctx_lens, per_seq.tolist(), strict=True):  # one sync
-            self.meter.add(layer, float(attended), float(causal_pairs(n_q, n) * h_kv), decode=False)
+        attended = self.prefill_pairs(view, sel).tolist()  # one sync
+        for n_q, n, pairs in zip(batch.q_lens, batch.ctx_lens, attended, strict=True):
+            self.meter.add(layer, float(pairs), float(causal_pairs(n_q, n) * h_kv), decode=False)
         return out
 
     # ---- overridable per-sequence attention ----------------------------------------------------
@@ -237,7 +246,7 @@ class SparseMethod(AttentionBackend):
         if self.batched_decode and not self.is_dense_layer(layer):
             self.update_state(layer, cache, batch)  # the decode steps read it
         if (self.batched_prefill and self.tracer is None and not self.is_dense_layer(layer)
-                and cache.page_size == self.config.block_size):
+                and cache.page_size == self.config.block_size and self.prefill_selects(layer)):
             return self._prefill_batched(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=False)
 

@@ -26,14 +26,15 @@ schedule amounts to. The retrieval ratio rho is ``retrieval_ratio``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import DecodeView, SeqContext, SparseMethod, method_spec
+from raysparse.methods.base import DecodeView, PrefillView, SeqContext, SparseMethod, method_spec
 from raysparse.methods.cis import CISBatchedState, CISConfig, cis_batched_step, cis_step
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
 from raysparse.methods.psaw import (
@@ -42,6 +43,7 @@ from raysparse.methods.psaw import (
     covering_blocks,
     depth_fraction,
     start_layer,
+    visible_pairs,
     window_lo,
     window_prefill,
     window_start,
@@ -124,6 +126,36 @@ class PrHSMethod(SparseMethod):
             live[a:b] = True
         return covering_blocks(ctx.q_start, ctx.n, self.config.block_size, self.config.sink,
                                self.psaw_frac(ctx.layer), live, k.shape[0])
+
+    # ---- the batched prefill seam: PSAW's windows (ETF's frozen rows keep the per-sequence path) ------
+    @property
+    def batched_prefill(self) -> bool:  # type: ignore[override]
+        return self.use_psaw and not self.use_etf
+
+    def prefill_selects(self, layer: int) -> bool:
+        return self.psaw_frac(layer) > 0  # below l_s the prefill is dense
+
+    def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
+        """Every query block's covering key blocks (``covering_blocks``: from the window bound of its first
+        row, the lowest) and each row's own bound, which the kernel applies inside the blocks: the exact
+        token-level window of ``window_prefill`` in one varlen launch over the pages."""
+        b, sink, frac = self.config.block_size, self.config.sink, self.psaw_frac(layer)
+        rows = view.qblocks(b)
+        lo_first = window_lo(frac, torch.maximum(rows.qblock * b, rows.q_start))
+        kb = torch.arange(-(-max(view.batch.ctx_lens) // b), device=lo_first.device)[None, :]
+        mask = (kb <= rows.qblock[:, None]) & ((kb * b < sink) | (kb * b + b - 1 >= lo_first[:, None]))
+        sel = view.packed(indices_from_mask(mask)[None].expand(view.cache.num_kv_heads, -1, -1), b)
+        lo = window_lo(frac, view.batch.positions.to(lo_first.device))
+        return replace(sel, window_lo=lo.to(torch.int32), sink=sink)
+
+    def prefill_pairs(self, view: PrefillView, sel: PackedBlockSelection) -> torch.Tensor:
+        """Token-exact, as ``window_prefill`` counts: sinks plus each row's window."""
+        pos = view.batch.positions.to(sel.window_lo.device)
+        per_row = visible_pairs(pos, sel.window_lo.long(), sel.sink)
+        seq = torch.repeat_interleave(torch.arange(len(view.batch.q_lens), device=pos.device),
+                                      torch.tensor(view.batch.q_lens, device=pos.device))
+        per_seq = torch.zeros(len(view.batch.q_lens), dtype=torch.int64, device=pos.device)
+        return per_seq.index_add_(0, seq, per_row) * view.cache.num_kv_heads
 
     def prefill_seq(self, ctx, q, k, v) -> tuple[torch.Tensor, float]:
         rows, frac = self._live_rows(ctx), self.psaw_frac(ctx.layer)
