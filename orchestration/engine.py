@@ -154,8 +154,12 @@ class Engine:
             self._methods_ok[key] = err
         if self._methods_ok[key]:
             raise InvalidRequestError(self._methods_ok[key])
-        if method_capabilities(req.method).greedy_only and not req.params.greedy:
+        caps = method_capabilities(req.method)
+        if caps.greedy_only and not req.params.greedy:
             raise InvalidRequestError(f"{req.method} decodes greedily: temperature must be 0")
+        if caps.engine_greedy_only and not req.params.greedy:
+            raise InvalidRequestError(f"{req.method} samples only in-process; the engine's rounds accept greedily: "
+                                      "temperature must be 0")
         return key
 
     def submit(self, req: EngineRequest) -> RequestHandle:

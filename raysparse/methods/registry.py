@@ -20,6 +20,8 @@ class MethodCapabilities:
 
     - ``needs_draft``: decode steps are draft-then-verify rounds, so the engine needs its draft actor.
     - ``greedy_only``: the method decodes greedily only (temperature 0).
+    - ``engine_greedy_only``: the engine's shard rounds of the method accept greedily only, although the
+      method itself samples (in-process, e.g. ``SpecAttnGenerator``'s speculative-sampling rule).
     - ``chunked_prefill``: a prompt may be prefilled over several steps (a method whose draft prefills
       whole prompts may not).
     - ``multi_step_decode``: several decode steps may run in one call to the shards (``--decode-steps``);
@@ -28,6 +30,7 @@ class MethodCapabilities:
 
     needs_draft: bool = False
     greedy_only: bool = False
+    engine_greedy_only: bool = False
     chunked_prefill: bool = True
     multi_step_decode: bool = True
 

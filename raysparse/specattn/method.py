@@ -197,7 +197,7 @@ class SpecAttn(SparseMethod):
         if layer_map.num_layers != self.model_cfg.num_layers:
             raise ValueError(f"layer map is for {layer_map.num_layers} layers, "
                              f"the model has {self.model_cfg.num_layers}")
-        if layer_map.draft_layers != self.draft_layers:
+        if not layer_map.draft and layer_map.draft_layers != self.draft_layers:  # a separate draft has its own
             raise ValueError(f"layer map was made for draft layers {list(layer_map.draft_layers)}, this draft "
                              f"uses {list(self.draft_layers)}")
         self.layer_map = layer_map
@@ -392,10 +392,11 @@ class SpecAttn(SparseMethod):
         return out
 
 
-# Decode steps are draft-then-verify rounds (the engine's draft actor), accepted greedily; the draft prefills
+# Decode steps are draft-then-verify rounds (the engine's draft actor), accepted greedily in the engine
+# (SpecAttnGenerator also takes the speculative-sampling rule for sampled requests); the draft prefills
 # whole prompts, so a prompt is never split, and a round is one call to the shards.
 SPEC = register(replace(
     method_spec(SpecAttn, "SpecAttn: self-speculative decoding, verifier attends draft top-p chunks "
                           "(use SpecAttnGenerator)"),
-    capabilities=MethodCapabilities(needs_draft=True, greedy_only=True, chunked_prefill=False,
+    capabilities=MethodCapabilities(needs_draft=True, engine_greedy_only=True, chunked_prefill=False,
                                     multi_step_decode=False)))
