@@ -41,12 +41,13 @@ def test_registry_holds_the_named_methods():
 @pytest.mark.parametrize("name", [n for n in method_names() if n not in SPECIAL])
 def test_every_method_generates_and_reports_density(tiny, name):
     model, prompts = tiny
-    backend = create_backend(name, model.cfg, density=0.2)
+    budget = get_method(name).takes_density
+    backend = create_backend(name, model.cfg, **({"density": 0.2} if budget else {}))
     out = _generate(model, backend, prompts)
     assert sorted(out) == ["0", "1"] and all(len(t) == 6 for t in out.values())
     density = backend.meter.overall()
     assert 0.0 < density <= 1.0
-    if name != "dense":
+    if budget:
         assert density < 1.0, f"{name} attended everything at density 0.2"
 
 
@@ -56,7 +57,15 @@ def test_unknown_method_parameter_is_refused(tiny):
         create_backend("sketch_walk", model.cfg, nonsense=3)
 
 
-def test_dense_ignores_the_shared_density_flag(tiny):
+def test_methods_without_a_density_budget_refuse_density(tiny):
+    """dense, specattn (budget top_p), psaw and etf (budget: the depth schedule) refuse --density in one line;
+    dense still takes dense_layers (every layer is dense already) and equals plain dense attention."""
     model, prompts = tiny
-    assert _generate(model, create_backend("dense", model.cfg, density=0.3), prompts) == _generate(
+    refusing = sorted(n for n in method_names() if not get_method(n).takes_density)
+    assert refusing == ["dense", "etf", "psaw", "specattn"]
+    for name in refusing:
+        with pytest.raises(ValueError, match="no density budget") as e:
+            create_backend(name, model.cfg, density=0.3)
+        assert "\n" not in str(e.value)
+    assert _generate(model, create_backend("dense", model.cfg, dense_layers=[0]), prompts) == _generate(
         model, DenseAttention(model.cfg.num_layers), prompts)

@@ -41,6 +41,7 @@ class MethodSpec:
     description: str
     factory: Callable[..., AttentionBackend]  # (model config, **method params) -> backend
     capabilities: MethodCapabilities = MethodCapabilities()
+    takes_density: bool = True  # whether ``--density`` sets a budget; otherwise the factory refuses it
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -94,10 +95,12 @@ def create_backend(name: str, cfg: ModelConfig, **params: Any) -> AttentionBacke
 
 
 def _dense(cfg: ModelConfig, **params: Any) -> AttentionBackend:
-    unknown = set(params) - {"density", "dense_layers"}
+    if "density" in params:
+        raise ValueError("method 'dense' has no density budget, so --density does not apply to it")
+    unknown = set(params) - {"dense_layers"}  # every layer is dense already: dense_layers changes nothing
     if unknown:
         raise ValueError(f"method 'dense' takes no parameters, got {sorted(unknown)}")
     return DenseAttention(cfg.num_layers)
 
 
-register(MethodSpec("dense", "exact causal attention (SDPA)", _dense))
+register(MethodSpec("dense", "exact causal attention (SDPA)", _dense, takes_density=False))
