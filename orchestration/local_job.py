@@ -39,6 +39,7 @@ class RunOptions:
     replicas: int = 1
     cpus_per_shard: float = 1.0
     runtime: RuntimeConfig = RuntimeConfig()  # the shards' kernels and collectives (``--runtime``)
+    draft_model: str | None = None  # SpecAttn's separate draft checkpoint (``--draft-model``)
 
 
 def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:
@@ -53,7 +54,8 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
     kv_tokens = opts.context_tokens + opts.max_new_tokens + 256  # the chat template adds a few tokens
     cfg = EngineConfig(model=opts.model, dtype=opts.dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
                        kv_cache_tokens=kv_tokens, num_cpus=opts.num_cpus, cpus_per_shard=opts.cpus_per_shard,
-                       draft=method_capabilities(opts.method).needs_draft, runtime=opts.runtime)
+                       draft=method_capabilities(opts.method).needs_draft, runtime=opts.runtime,
+                       draft_model=opts.draft_model)
     engine = Engine(cfg)
     try:
         with console.status(f"starting {opts.replicas} replica(s) of {opts.tp} shard actor(s)"):

@@ -152,6 +152,9 @@ class VerifyPlan:
     full: bool
     tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     ctx_read: dict[int, int] = field(default_factory=dict)
+    # sparse layer j -> the draft layer its list came from (the planner's map, which a verifier shard's own
+    # backend need not hold: the draft actor's map, or a separate draft's); layers sharing one share a list
+    draft_of: dict[int, int] = field(default_factory=dict)
 
 
 def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: torch.Tensor,
@@ -227,6 +230,7 @@ class SpecAttn(SparseMethod):
                 per_draft[d] = (tok, count)
             for j in self.stats.sparse_layers:
                 plan.tokens[j], plan.ctx_read[j] = per_draft[self.layer_map.mapping[j]]
+                plan.draft_of[j] = self.layer_map.mapping[j]
         self._plans[seq_id] = plan
         return plan
 
@@ -260,7 +264,8 @@ class SpecAttn(SparseMethod):
         h_kv = cache.num_kv_heads
         sparse = not (plans[0].full or self.is_dense_layer(layer))  # top_p decides ``full`` for every plan
         if sparse:
-            out, _ = paged_decode_attention(q, kv, tokens[self.layer_map.mapping[layer]], 1)
+            out, _ = paged_decode_attention(q, kv, tokens[plans[0].draft_of.get(layer, self.layer_map.mapping[layer])],
+                                            1)
         else:
             out, _ = paged_decode_attention(q, kv, blocks, cache.page_size)
         for plan in plans:
@@ -293,7 +298,7 @@ class SpecAttn(SparseMethod):
         tokens: dict[int, torch.Tensor] = {}
         if not plans[0].full:
             for j in self.stats.sparse_layers:
-                d = self.layer_map.mapping[j]
+                d = plans[0].draft_of.get(j, self.layer_map.mapping[j])
                 if d in tokens:
                     continue
                 lists = [p.tokens[j] for p in plans]
