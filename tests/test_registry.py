@@ -69,3 +69,25 @@ def test_methods_without_a_density_budget_refuse_density(tiny):
         assert "\n" not in str(e.value)
     assert _generate(model, create_backend("dense", model.cfg, dense_layers=[0]), prompts) == _generate(
         model, DenseAttention(model.cfg.num_layers), prompts)
+
+
+def test_density_meter_reports_prefill_and_decode_apart():
+    """The meter's prefill and decode figures against plain sums of random calls."""
+    from raysparse.attention import DensityMeter
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    print(f"meter seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    meter = DensityMeter(3)
+    sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    assert meter.prefill_overall() is None and meter.decode_overall() is None
+    for _ in range(50):
+        decode = bool(torch.rand((), generator=g) < 0.5)
+        causal = float(torch.randint(1, 1000, (), generator=g))
+        attended = causal * float(torch.rand((), generator=g))
+        meter.add(int(torch.randint(0, 3, (), generator=g)), attended, causal, decode=decode)
+        sums[decode][0] += attended
+        sums[decode][1] += causal
+    assert meter.prefill_overall() == pytest.approx(sums[False][0] / sums[False][1])
+    assert meter.decode_overall() == pytest.approx(sums[True][0] / sums[True][1])
+    assert meter.overall() == pytest.approx((sums[False][0] + sums[True][0]) / (sums[False][1] + sums[True][1]))
