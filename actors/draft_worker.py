@@ -13,6 +13,12 @@ since then through the full model (a few tokens), so, as in the in-process gener
 verifier's cache, every verified token's K/V in the draft layers is full-depth; then it drafts from the
 newest token. (Keeping its own layer-skipping K/V of the accepted tokens instead measured an acceptance of
 0.12 against the shared cache's.)
+
+With a separate draft model (``--draft-model``, ``specattn.draft_model.SeparateDraft``) the actor loads that
+checkpoint only (its vocabulary and tokenizer checked against the verifier's), keeps its cache in step the
+same way, and maps its attention rows onto the verifier's KV heads. The verifier-to-draft layer map is the
+one saved next to the verifier under the draft's key (``raysparse specattn-map --draft-model``); without one
+it falls back to the same relative depth (the actor holds no verifier weights to measure one).
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from raysparse.kv_cache import KVCache
 
 
 class DraftWorker:
-    def __init__(self, spec: ShardSpec) -> None:
+    def __init__(self, spec: ShardSpec, draft_model: str | None = None) -> None:
         self.spec = spec
+        self.draft_model = draft_model
+        self.separate: Any = None  # the SeparateDraft when draft_model is set
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu":
             torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 2) // 2))
@@ -47,6 +55,9 @@ class DraftWorker:
         spec, dtype = self.spec, parse_dtype(self.spec.dtype)
         src = resolve_source(spec.model)
         hf_config = load_hf_config(src)
+        self.model_dir = str(src.directory)
+        if self.draft_model is not None:
+            return self._setup_separate(src, hf_config, dtype)
         if spec.random_weights:
             torch.manual_seed(spec.seed)
             self.model = build_model(hf_config, dtype=dtype, device=self.device)
@@ -62,13 +73,36 @@ class DraftWorker:
         self.dense = DenseAttention(self.model.cfg.num_layers)
         return {"device": self.device, "kv_pages": pages}
 
+    def _setup_separate(self, src: Any, hf_config: Any, dtype: torch.dtype) -> dict[str, Any]:
+        from raysparse.config import ModelConfig
+        from raysparse.specattn.draft_model import _tokenizer_or_none, load_separate_draft
+
+        self.verifier_cfg = ModelConfig.from_hf(hf_config)
+        assert self.draft_model is not None
+        self.separate = load_separate_draft(self.draft_model, self.verifier_cfg, _tokenizer_or_none(src),
+                                            self.spec.kv_cache_tokens, dtype, self.device)
+        return {"device": self.device, "kv_pages": self.separate.cache.num_pages, "draft": self.separate.key}
+
     def backend(self, key: str) -> Any:
         from raysparse.methods.registry import create_backend
         from raysparse.specattn.layer_map import resolve_layer_map
         from raysparse.step_plan import parse_key
 
         b = self.backends.get(key)
-        if b is None:
+        if b is None and self.separate is not None:
+            from raysparse.specattn.layer_map import load_layer_map, proportional_map
+
+            method, params = parse_key(key)
+            b = create_backend(method, self.verifier_cfg, **params)
+            L, m = self.verifier_cfg.num_layers, self.separate.num_layers
+            try:
+                lm = load_layer_map(model_dir=self.model_dir, num_layers=L, draft_layers=tuple(range(m)),
+                                    draft=self.separate.key)
+            except ValueError:
+                lm = None  # stale: the fallback below
+            b.set_layer_map(lm or proportional_map(L, m, self.separate.key))
+            self.backends[key] = b
+        elif b is None:
             method, params = parse_key(key)
             b = create_backend(method, self.model.cfg, **params)
             b.set_layer_map(resolve_layer_map(self.model, self.model_dir, b.draft_layers, self.tokenizer))
@@ -76,6 +110,9 @@ class DraftWorker:
         return b
 
     def free(self, seq_ids: list[int]) -> None:
+        if self.separate is not None:
+            self.separate.free(seq_ids)
+            return
         for sid in seq_ids:
             self.cache.free(sid)
             self._verified.pop(sid, None)
@@ -83,6 +120,9 @@ class DraftWorker:
     def prefill(self, key: str, items: list[tuple[int, int, list[int]]], free: list[int]) -> int:
         """items: (seq id, reserved tokens, prompt). Full-depth dense prefill into the draft's own cache."""
         self.free(free)
+        if self.separate is not None:
+            self.separate.prefill(items)
+            return len(items)
         for sid, max_tokens, _ in items:
             self.cache.allocate(sid, max_tokens)
         ids = torch.tensor([t for _, _, p in items for t in p], dtype=torch.long, device=self.device)
@@ -106,11 +146,12 @@ class DraftWorker:
     def propose(self, key: str, items: list[tuple[int, int, list[int], int]], free: list[int]) -> bytes:
         """items: (seq id, tokens in the sequence, its last tokens, lookahead). Returns the round's message."""
         from raysparse.specattn.draft import AttentionProbe, draft_forward
-        from raysparse.specattn.wire import pack_round
 
         t0 = time.perf_counter()
         self.free(free)
         b = self.backend(key)
+        if self.separate is not None:
+            return self._propose_separate(b, items, t0)
         layers, needed = b.draft_layers, b.needed_draft_layers()
         pending = [self._sync_seq(sid, total, tail) for sid, total, tail, _ in items]
         sids = [it[0] for it in items]
@@ -141,12 +182,25 @@ class DraftWorker:
             self._verified[sid] = ctx[i]
             plans.append(b.plan(sid, ctx[i], gam[i] + 1, rows[i]))
         b.clear_plans()
+        return self._message(b, drafts, plans, t0)
+
+    def _message(self, b: Any, drafts: list[list[int]], plans: list[Any], t0: float) -> bytes:
+        from raysparse.specattn.wire import pack_round
+
         sparse_map = {j: b.layer_map.mapping[j] for j in b.stats.sparse_layers}
         msg = pack_round(drafts, plans, sparse_map, b.config.chunk_size)
         self.bytes_sent += len(msg)
         self.rounds += 1
         self.propose_s += time.perf_counter() - t0
         return msg
+
+    def _propose_separate(self, b: Any, items: list[tuple[int, int, list[int], int]], t0: float) -> bytes:
+        """A round of the separate draft (greedy: the engine's rounds accept greedily)."""
+        prop = self.separate.propose(items, b.needed_draft_layers())
+        plans = [b.plan(sid, total - 1, gam + 1, rows)
+                 for (sid, total, _, gam), rows in zip(items, prop.rows, strict=True)]
+        b.clear_plans()
+        return self._message(b, prop.tokens, plans, t0)
 
     def stats(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "bytes_sent": self.bytes_sent,

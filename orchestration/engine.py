@@ -71,6 +71,10 @@ class Engine:
             if src.gguf_file is not None:  # convert once here, not once per shard
                 src = materialize(src)
             hf_config = load_hf_config(src)
+            if self.cfg.draft_model is not None:  # refused before any actor starts
+                from raysparse.specattn.draft_model import check_draft_paths
+
+                check_draft_paths(str(src.directory), self.cfg.draft_model)
             self.model_cfg = ModelConfig.from_hf(hf_config)
             try:
                 self.tokenizer = load_tokenizer(src)
@@ -100,7 +104,7 @@ class Engine:
             from raysparse.orchestration.spec_step import attach_spec_steps
 
             if self.cfg.draft:
-                attach_spec_steps(self, spec)
+                attach_spec_steps(self, spec, self.cfg.draft_model)
             for r in self.runners:
                 r.state = "ready"
                 r.thread.start()
@@ -154,8 +158,12 @@ class Engine:
             self._methods_ok[key] = err
         if self._methods_ok[key]:
             raise InvalidRequestError(self._methods_ok[key])
-        if method_capabilities(req.method).greedy_only and not req.params.greedy:
+        caps = method_capabilities(req.method)
+        if caps.greedy_only and not req.params.greedy:
             raise InvalidRequestError(f"{req.method} decodes greedily: temperature must be 0")
+        if caps.engine_greedy_only and not req.params.greedy:
+            raise InvalidRequestError(f"{req.method} samples only in-process; the engine's rounds accept greedily: "
+                                      "temperature must be 0")
         return key
 
     def submit(self, req: EngineRequest) -> RequestHandle:

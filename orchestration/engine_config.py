@@ -28,6 +28,7 @@ class EngineConfig:
     load_timeout_s: float = 900.0
     name: str = ""  # prefix of actor and placement group names; "" = raysparse-<random>
     draft: bool = True  # start the SpecAttn draft actor (one per replica)
+    draft_model: str | None = None  # SpecAttn's separate draft checkpoint (None: the self-speculative draft)
     cuda_graphs: bool = True  # GPUs: replay decode steps from captured CUDA graphs (methods that allow it)
     decode_steps: int = 1  # decode steps per call to the shards while no prompt waits (multi-step decode)
     runtime: RuntimeConfig = RuntimeConfig()  # which kernels and collectives the shards run (validated there)
@@ -49,5 +50,7 @@ class EngineConfig:
             raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
         if self.load_timeout_s <= 0:
             raise ValueError("load_timeout_s must be > 0")
+        if self.draft_model is not None and not self.draft:
+            raise ValueError("a draft model needs the draft actor (draft=True)")
         if not isinstance(self.runtime, RuntimeConfig):
             raise ValueError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")

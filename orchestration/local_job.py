@@ -39,6 +39,7 @@ class RunOptions:
     replicas: int = 1
     cpus_per_shard: float = 1.0
     runtime: RuntimeConfig = RuntimeConfig()  # the shards' kernels and collectives (``--runtime``)
+    draft_model: str | None = None  # SpecAttn's separate draft checkpoint (``--draft-model``)
 
 
 def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:
@@ -53,7 +54,8 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
     kv_tokens = opts.context_tokens + opts.max_new_tokens + 256  # the chat template adds a few tokens
     cfg = EngineConfig(model=opts.model, dtype=opts.dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
                        kv_cache_tokens=kv_tokens, num_cpus=opts.num_cpus, cpus_per_shard=opts.cpus_per_shard,
-                       draft=method_capabilities(opts.method).needs_draft, runtime=opts.runtime)
+                       draft=method_capabilities(opts.method).needs_draft, runtime=opts.runtime,
+                       draft_model=opts.draft_model)
     engine = Engine(cfg)
     try:
         with console.status(f"starting {opts.replicas} replica(s) of {opts.tp} shard actor(s)"):
@@ -84,11 +86,16 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
             raise JobError(str(e)) from None
         stats = engine.shard_stats()
         key = method_key(opts.method, opts.method_params)
-        density = stats[0][0]["density"].get(key, 1.0) if stats else 1.0
+        shard = stats[0][0] if stats else {}
+        density = shard.get("density", {}).get(key, 1.0)
+        # Prefill and decode apart: a decode-only method's prefill is dense, which the overall figure hides.
+        density_prefill = shard.get("density_prefill", {}).get(key)
+        density_decode = shard.get("density_decode", {}).get(key)
         result = {"answer": final.text, "expected": task.answer, "correct": task.is_correct(final.text),
                   "prompt_tokens": final.prompt_tokens, "ttft_s": final.ttft_s,
                   "decode_tokens_per_s": final.decode_tokens_per_s, "new_tokens": len(final.token_ids),
-                  "method": opts.method, "density": density, "model": info["model"], "tp": opts.tp,
+                  "method": opts.method, "density": density, "density_prefill": density_prefill,
+                  "density_decode": density_decode, "model": info["model"], "tp": opts.tp,
                   "replicas": opts.replicas, "load": load}
         _report(result, console)
         return result
@@ -120,4 +127,9 @@ def _report(r: dict[str, Any], console: Console) -> None:
     console.print(f"[bold]answer[/]: {r['answer'].strip()!r} (expected {r['expected']}): {verdict}")
     console.print(f"prompt tokens {r['prompt_tokens']}  |  time to first token {r['ttft_s']:.2f} s  |  "
                   f"decode {r['decode_tokens_per_s']:.1f} tokens/s over {r['new_tokens']} tokens  |  "
-                  f"method {r['method']}, density {r['density']:.3f}")
+                  f"method {r['method']}, density {r['density']:.3f} (prefill {_fmt(r['density_prefill'])}, "
+                  f"decode {_fmt(r['density_decode'])})")
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

@@ -5,7 +5,8 @@ prefill). A decode step becomes a round: the draft actor proposes (``DraftWorker
 shards verify (``ShardExecutor.verify``). The shards receive the draft's message as an ObjectRef, so it
 travels from the draft to the shards through Ray's object store without a hop through the driver, and
 the call reaches the shards before the draft has finished. The draft gets a GPU of its own when the
-cluster has one to spare, else it runs on CPU.
+cluster has one to spare; otherwise, on a GPU cluster, it shares a GPU with a shard (Ray does not hand that
+GPU to it, so it sees every GPU of its node and takes the first); on CPU it is a process of its own.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from raysparse.step_plan import StepPlan, parse_key
 
 
 class SpecStep:
-    def __init__(self, runner: Any, spec: ShardSpec, use_gpu: bool, prefix: str, runtime_env: dict | None = None):
+    def __init__(self, runner: Any, spec: ShardSpec, use_gpu: bool, prefix: str, runtime_env: dict | None = None,
+                 draft_model: str | None = None):
         self.runner, self.spec, self.use_gpu, self.prefix = runner, spec, use_gpu, prefix
+        self.draft_model = draft_model
         self.runtime_env = runtime_env
         self.actor: Any = None
         self.generation = 0
@@ -39,9 +42,12 @@ class SpecStep:
                                 # No CPU reserved: drafting and verification alternate, and a reservation
                                 # would make a TP group that fills the machine wait forever for its draft.
                                 "num_cpus": 0}
-        if self.runtime_env:
-            opts["runtime_env"] = self.runtime_env
-        self.actor = ray.remote(DraftWorker).options(**opts).remote(self.spec)
+        env = dict(self.runtime_env or {})
+        if self.use_gpu and not gpu:  # no GPU free: beside a shard, on a GPU Ray does not hand out to it
+            env["env_vars"] = {**env.get("env_vars", {}), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        if env:
+            opts["runtime_env"] = env
+        self.actor = ray.remote(DraftWorker).options(**opts).remote(self.spec, self.draft_model)
         ray.get(self.actor.setup.remote(), timeout=timeout_s)
 
     def stop(self) -> None:
@@ -120,9 +126,10 @@ class SpecStep:
         return {**out, "engine_rounds": self.rounds, "round_s": self.round_s}
 
 
-def attach_spec_steps(engine: Any, spec: ShardSpec) -> None:
-    """One draft actor per replica, started now (each loads its own copy of the model)."""
+def attach_spec_steps(engine: Any, spec: ShardSpec, draft_model: str | None = None) -> None:
+    """One draft actor per replica, started now (each loads its own copy of the draft: the verifier's
+    weights for the self-speculative draft, else the ``draft_model`` checkpoint)."""
     for runner in engine.runners:
-        step = SpecStep(runner, spec, engine.use_gpu, engine.name)
+        step = SpecStep(runner, spec, engine.use_gpu, engine.name, draft_model=draft_model)
         step.start(engine.cfg.load_timeout_s)
         runner.spec_step = step

@@ -56,6 +56,11 @@ class DensityMeter:
         c = sum(self.causal)
         return sum(self.attended) / c if c else 1.0
 
+    def prefill_overall(self) -> float | None:
+        """Density of the prefill calls alone (None when there were none)."""
+        c = sum(self.causal) - self.decode_causal
+        return (sum(self.attended) - self.decode_attended) / c if c > 0 else None
+
     def decode_overall(self) -> float | None:
         """Density of the decode steps alone (None when there were none)."""
         return self.decode_attended / self.decode_causal if self.decode_causal else None

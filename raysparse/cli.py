@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-new-tokens", type=_positive_int, default=24, help="tokens the answer may take")
     run.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                      help="weights and activations")
+    add_draft_model_arg(run)
     _add_cluster_args(run)
     from raysparse.serving.commands import add_runtime_arg
 
@@ -187,6 +188,27 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     _add_cluster_args(ev)
 
 
+def add_draft_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-model", metavar="PATH", default=None,
+                   help="SpecAttn's draft: a local Llama-family checkpoint sharing the model's tokenizer "
+                        "(default: the self-speculative draft, a subset of the model's own layers)")
+
+
+def check_draft_model(model: str | None, draft: str | None, methods: Sequence[str]) -> None:
+    """Refuses a --draft-model that no method uses or that cannot serve ``model`` (one clear line)."""
+    if draft is None:
+        return
+    from raysparse.methods.registry import method_capabilities
+
+    if not any(method_capabilities(m).needs_draft for m in methods):
+        raise ValueError(f"--draft-model is for methods with a draft (specattn), not {', '.join(methods)}")
+    if not Path(draft).expanduser().exists():
+        raise ValueError(f"--draft-model {draft!r}: no such file or directory")
+    from raysparse.specattn.draft_model import check_draft_paths
+
+    check_draft_paths(model, draft)
+
+
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     """The flags of every command that runs the model on the engine."""
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel shards per replica (default: 1)")
@@ -225,12 +247,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from raysparse.methods.registry import get_method
 
     try:
-        get_method(args.method)
+        spec = get_method(args.method)
+        if args.density is not None and not spec.takes_density:
+            from raysparse.methods.base import no_density_error
+
+            raise ValueError(no_density_error(args.method))
         runtime = serving_commands.runtime_config(args.runtime)
     except ValueError as e:
         parser.exit(EXIT_USAGE, f"raysparse: error: {e}\n")
     _check_paths(args)
     _check_run_inputs(args)
+    try:
+        check_draft_model(args.model, args.draft_model, [args.method])
+    except ValueError as e:
+        parser.exit(EXIT_USAGE, f"raysparse: error: {e}\n")
     return _run(args, runtime)
 
 
@@ -288,7 +318,8 @@ def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
     opts = RunOptions(model=args.model, method=args.method, method_params=method_params, text=args.text,
                       context_tokens=args.context_tokens, depth=args.depth, seed=args.seed,
                       max_new_tokens=args.max_new_tokens, dtype=args.dtype, address=args.address, tp=args.tp,
-                      replicas=args.replicas, cpus_per_shard=args.cpus_per_shard, runtime=runtime)
+                      replicas=args.replicas, cpus_per_shard=args.cpus_per_shard, runtime=runtime,
+                      draft_model=args.draft_model)
     try:
         result = run_retrieval(opts, console)
     except (JobError, ValueError, FileNotFoundError, ConnectionError, TimeoutError) as e:

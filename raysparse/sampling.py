@@ -72,6 +72,10 @@ class Sampler:
             g.manual_seed(params.seed)
         self._gens[seq_id] = g
 
+    def generator(self, seq_id: int) -> torch.Generator | None:
+        """The request's own generator (None for a greedy request): speculative acceptance draws from it too."""
+        return self._gens.get(seq_id)
+
     def remove(self, seq_id: int) -> None:
         self._gens.pop(seq_id, None)
 

@@ -31,7 +31,8 @@ from raysparse.sampling import Sampler, SamplingParams
 from raysparse.step_plan import StepPlan, parse_key
 
 # the executor's own entries in ``stats``; a method with one of these names reports as "method:<name>"
-_FIXED_STATS = frozenset({"coord_s", "kv_free_pages", "kv_pages", "density", "density_decode", "graphs"})
+_FIXED_STATS = frozenset({"coord_s", "kv_free_pages", "kv_pages", "density", "density_decode", "density_prefill",
+                          "graphs"})
 
 
 @runtime_checkable
@@ -299,6 +300,7 @@ class ShardExecutor:
             "coord_s": self.coord_s, "kv_free_pages": self.cache.free_pages, "kv_pages": self.cache.num_pages,
             "density": {k: b.meter.overall() for k, b in self.backends.items()},
             "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()},
+            "density_prefill": {k: b.meter.prefill_overall() for k, b in self.backends.items()},
             "graphs": self.graphs.stats() if self.graphs is not None else None}
         # A method's own statistics under its name, per key: {method: {key: stats}} (callers read e.g.
         # SpecAttn's acceptance as stats[name][key]); the fixed entries above are never overwritten.

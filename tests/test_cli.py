@@ -71,7 +71,7 @@ def test_main_job_answers_the_default_retrieval_question():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["correct"], result
     assert 3800 <= result["prompt_tokens"] <= 4400
-    assert result["method"] == "dense" and result["density"] == 1.0
+    assert result["method"] == "dense" and result["density"] == 1.0 and result["density_prefill"] == 1.0
     assert result["ttft_s"] > 0 and result["decode_tokens_per_s"] > 0
     (load,) = result["load"]  # the one shard read the whole converted checkpoint, slice by slice
     assert load["source"] == "safetensors" and load["bytes_read"] == load["checkpoint_bytes"] > 0

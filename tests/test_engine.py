@@ -17,7 +17,7 @@ from engine_helpers import (
 from engine_helpers import run as run_one_at_a_time
 from helpers import random_state, tiny_hf_config
 
-from raysparse.methods.registry import method_names
+from raysparse.methods.registry import get_method, method_names
 from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
 from raysparse.orchestration.engine_api import CapacityExceededError, InvalidRequestError, RequestHandle
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
@@ -29,6 +29,11 @@ pytestmark = pytest.mark.timeout(600)
 # Every method that runs through plain engine steps; specattn has its own test (draft actor).
 METHODS = [m for m in method_names() if m != "specattn"]
 PARAMS = {"density": 0.3}
+
+
+def params_of(method: str) -> dict:
+    """PARAMS for a method with a density budget; nothing for one without (it refuses --density)."""
+    return PARAMS if get_method(method).takes_density else {}
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +60,11 @@ def prompts(n: int = 2) -> list[tuple[int, ...]]:
 
 def run(engine: Engine, method: str, ps: list[tuple[int, ...]], new: int = 6,
         params: dict | None = None) -> list[tuple[int, ...]]:
-    return run_one_at_a_time(engine, method, ({} if method == "dense" else PARAMS) if params is None else params,
+    return run_one_at_a_time(engine, method, params_of(method) if params is None else params,
                              ps, new)
 
 
-CASES = [(m, {} if m == "dense" else PARAMS) for m in METHODS] + [
+CASES = [(m, params_of(m)) for m in METHODS] + [
     ("delta", {**PARAMS, "base": "sketch_walk"})]  # the coordinator reaches a wrapped base too
 
 

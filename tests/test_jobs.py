@@ -321,7 +321,7 @@ def test_ray_job_submit_processes_a_jsonl_file(two_node_cluster, tmp_path):
     lines = [{"id": f"ids-{i}", "prompt_ids": p, "sampling": {"max_new_tokens": 6, "ignore_eos": True}}
              for i, p in enumerate(ids)]
     lines += [{"id": "doc", "document": "The gate code is 4721.", "question": "What is the gate code?",
-               "method": "psaw", "method_params": {"density": 0.5}, "sampling": {"max_new_tokens": 4}},
+               "method": "psaw", "method_params": {"dense_layers": [0]}, "sampling": {"max_new_tokens": 4}},
               {"id": "bad-sampling", "prompt": "x", "sampling": {"top_p": 0}},
               {"id": "bad-method", "prompt": "x", "method": "no_such_method"},
               {"id": "finished-before", "prompt": "already in the output: skipped, never run"}]

@@ -41,12 +41,13 @@ def test_registry_holds_the_named_methods():
 @pytest.mark.parametrize("name", [n for n in method_names() if n not in SPECIAL])
 def test_every_method_generates_and_reports_density(tiny, name):
     model, prompts = tiny
-    backend = create_backend(name, model.cfg, density=0.2)
+    budget = get_method(name).takes_density
+    backend = create_backend(name, model.cfg, **({"density": 0.2} if budget else {}))
     out = _generate(model, backend, prompts)
     assert sorted(out) == ["0", "1"] and all(len(t) == 6 for t in out.values())
     density = backend.meter.overall()
     assert 0.0 < density <= 1.0
-    if name != "dense":
+    if budget:
         assert density < 1.0, f"{name} attended everything at density 0.2"
 
 
@@ -56,7 +57,37 @@ def test_unknown_method_parameter_is_refused(tiny):
         create_backend("sketch_walk", model.cfg, nonsense=3)
 
 
-def test_dense_ignores_the_shared_density_flag(tiny):
+def test_methods_without_a_density_budget_refuse_density(tiny):
+    """dense, specattn (budget top_p), psaw and etf (budget: the depth schedule) refuse --density in one line;
+    dense still takes dense_layers (every layer is dense already) and equals plain dense attention."""
     model, prompts = tiny
-    assert _generate(model, create_backend("dense", model.cfg, density=0.3), prompts) == _generate(
+    refusing = sorted(n for n in method_names() if not get_method(n).takes_density)
+    assert refusing == ["dense", "etf", "psaw", "specattn"]
+    for name in refusing:
+        with pytest.raises(ValueError, match="no density budget") as e:
+            create_backend(name, model.cfg, density=0.3)
+        assert "\n" not in str(e.value)
+    assert _generate(model, create_backend("dense", model.cfg, dense_layers=[0]), prompts) == _generate(
         model, DenseAttention(model.cfg.num_layers), prompts)
+
+
+def test_density_meter_reports_prefill_and_decode_apart():
+    """The meter's prefill and decode figures against plain sums of random calls."""
+    from raysparse.attention import DensityMeter
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    print(f"meter seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    meter = DensityMeter(3)
+    sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
+    assert meter.prefill_overall() is None and meter.decode_overall() is None
+    for _ in range(50):
+        decode = bool(torch.rand((), generator=g) < 0.5)
+        causal = float(torch.randint(1, 1000, (), generator=g))
+        attended = causal * float(torch.rand((), generator=g))
+        meter.add(int(torch.randint(0, 3, (), generator=g)), attended, causal, decode=decode)
+        sums[decode][0] += attended
+        sums[decode][1] += causal
+    assert meter.prefill_overall() == pytest.approx(sums[False][0] / sums[False][1])
+    assert meter.decode_overall() == pytest.approx(sums[True][0] / sums[True][1])
+    assert meter.overall() == pytest.approx((sums[False][0] + sums[True][0]) / (sums[False][1] + sums[True][1]))

@@ -285,16 +285,16 @@ def test_model_info_reflection_and_metrics(served):
 
     services = ProtoReflectionDescriptorDatabase(client.channel).get_services()
     assert "raysparse.v1.RaySparse" in services and "grpc.health.v1.Health" in services
-    before = _metric(srv, 'raysparse_requests_total{method="psaw",outcome="length"}') or 0.0
+    before = _metric(srv, 'raysparse_requests_total{method="streaming",outcome="length"}') or 0.0
     for _ in range(2):
-        client.generate(token_ids=list(range(5, 90)), method="psaw", method_params={"density": 0.3},
+        client.generate(token_ids=list(range(5, 90)), method="streaming", method_params={"density": 0.3},
                         max_new_tokens=4, ignore_eos=True, timeout=60)
-    assert _metric(srv, 'raysparse_requests_total{method="psaw",outcome="length"}') == before + 2
-    assert _metric(srv, 'raysparse_generation_tokens_total{method="psaw"}') >= 8
+    assert _metric(srv, 'raysparse_requests_total{method="streaming",outcome="length"}') == before + 2
+    assert _metric(srv, 'raysparse_generation_tokens_total{method="streaming"}') >= 8
     assert _metric(srv, 'raysparse_kv_cache_capacity_tokens') == KV_TOKENS
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        dens = _metric(srv, 'raysparse_attention_density{method="psaw{density=0.3}",phase="all"}')
+        dens = _metric(srv, 'raysparse_attention_density{method="streaming{density=0.3}",phase="all"}')
         if dens is not None:
             break
         time.sleep(0.1)

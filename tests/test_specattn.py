@@ -228,7 +228,9 @@ def test_specattn_with_p1_decodes_exactly_greedy(tiny):
     reqs = _requests(23)
     want, _ = _run(Generator(tiny, fresh_cache(tiny, 512), DenseAttention(tiny.cfg.num_layers)), reqs)
     cache = fresh_cache(tiny, 512)
-    backend = create_backend("specattn", tiny.cfg, top_p=1.0, density=0.3)  # --density is ignored
+    with pytest.raises(ValueError, match="no density budget"):  # the budget is top_p
+        create_backend("specattn", tiny.cfg, top_p=1.0, density=0.3)
+    backend = create_backend("specattn", tiny.cfg, top_p=1.0)
     assert isinstance(backend, SpecAttn) and backend.speculative
     got, streamed = _run(SpecAttnGenerator(tiny, cache, backend), reqs)
     assert got == want
@@ -248,9 +250,6 @@ def test_specattn_sparse_runs_batched_and_reads_less(tiny):
     assert 0 < s["kv_reduction"] < 1 and s["kv_reduction_sparse"] > s["kv_reduction"]
     assert s["kv_read_fraction_per_layer"][:2] == [1.0, 1.0]  # the first two layers are dense
     assert 0 < backend.meter.overall() < 1 and cache.free_pages == cache.num_pages
-    with pytest.raises(ValueError, match="greedily"):
-        next(SpecAttnGenerator(tiny, cache, backend).generate(
-            [GenerationRequest((1, 2), SamplingParams(temperature=0.7))]))
 
 
 class MaskedBackend(DenseAttention):

@@ -33,8 +33,15 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.registry import MethodSpec
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs, packed_block_pairs
 
-# Parameters every command may pass; a method without them ignores them (dense has no density).
+# Parameters every command may pass. A method whose config lacks one refuses it (``method_spec``), and so
+# does a method that has a density field but no density budget (``density_budget = False``).
 SHARED_PARAMS = frozenset({"density", "dense_layers"})
+
+
+def no_density_error(name: str) -> str:
+    """The one-line refusal of ``--density`` by a method without a density budget."""
+    return (f"method {name!r} has no density budget, so --density does not apply to it (its real prefill and "
+            "decode densities are reported)")
 
 
 @dataclass(frozen=True)
@@ -393,12 +400,14 @@ def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
     """A registry entry for ``cls``. Shared flags such as ``--density`` reach only methods whose config
     has that field; any other unknown parameter is an error."""
     fields = {f for f in cls.config_cls.__dataclass_fields__}
+    takes_density = "density" in fields and getattr(cls, "density_budget", True) is not False
 
     def factory(model_cfg: ModelConfig, **params: Any) -> AttentionBackend:
-        shared = {k: v for k, v in params.items() if k in SHARED_PARAMS and k not in fields}
-        unknown = set(params) - fields - set(shared)
+        if "density" in params and not takes_density:
+            raise ValueError(no_density_error(cls.name))
+        unknown = set(params) - fields
         if unknown:
             raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
-        return cls(model_cfg, cls.config_cls(**{k: v for k, v in params.items() if k in fields}))
+        return cls(model_cfg, cls.config_cls(**params))
 
-    return MethodSpec(cls.name, description, factory)
+    return MethodSpec(cls.name, description, factory, takes_density=takes_density)

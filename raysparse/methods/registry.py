@@ -20,6 +20,8 @@ class MethodCapabilities:
 
     - ``needs_draft``: decode steps are draft-then-verify rounds, so the engine needs its draft actor.
     - ``greedy_only``: the method decodes greedily only (temperature 0).
+    - ``engine_greedy_only``: the engine's shard rounds of the method accept greedily only, although the
+      method itself samples (in-process, e.g. ``SpecAttnGenerator``'s speculative-sampling rule).
     - ``chunked_prefill``: a prompt may be prefilled over several steps (a method whose draft prefills
       whole prompts may not).
     - ``multi_step_decode``: several decode steps may run in one call to the shards (``--decode-steps``);
@@ -28,6 +30,7 @@ class MethodCapabilities:
 
     needs_draft: bool = False
     greedy_only: bool = False
+    engine_greedy_only: bool = False
     chunked_prefill: bool = True
     multi_step_decode: bool = True
 
@@ -38,6 +41,7 @@ class MethodSpec:
     description: str
     factory: Callable[..., AttentionBackend]  # (model config, **method params) -> backend
     capabilities: MethodCapabilities = MethodCapabilities()
+    takes_density: bool = True  # whether ``--density`` sets a budget; otherwise the factory refuses it
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -91,10 +95,12 @@ def create_backend(name: str, cfg: ModelConfig, **params: Any) -> AttentionBacke
 
 
 def _dense(cfg: ModelConfig, **params: Any) -> AttentionBackend:
-    unknown = set(params) - {"density", "dense_layers"}
+    if "density" in params:
+        raise ValueError("method 'dense' has no density budget, so --density does not apply to it")
+    unknown = set(params) - {"dense_layers"}  # every layer is dense already: dense_layers changes nothing
     if unknown:
         raise ValueError(f"method 'dense' takes no parameters, got {sorted(unknown)}")
     return DenseAttention(cfg.num_layers)
 
 
-register(MethodSpec("dense", "exact causal attention (SDPA)", _dense))
+register(MethodSpec("dense", "exact causal attention (SDPA)", _dense, takes_density=False))

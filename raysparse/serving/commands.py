@@ -110,6 +110,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPUs of the local Ray instance (default: all of this host's)")
     p.add_argument("--cpus-per-shard", type=float, default=1.0, help="CPUs Ray reserves per shard actor")
     p.add_argument("--no-draft", action="store_true", help="no SpecAttn draft actor (specattn is then refused)")
+    p.add_argument("--draft-model", metavar="PATH", default=None,
+                   help="SpecAttn's draft: a local Llama-family checkpoint sharing the model's tokenizer "
+                        "(default: the self-speculative draft, a subset of the model's own layers)")
     p.add_argument("--decode-steps", type=positive_int, default=1,
                    help="decode steps per shard call while no prompt waits (fewer round trips, burstier streams)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="GPUs: run decode steps eagerly")
@@ -124,8 +127,9 @@ def engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig(model=args.model, dtype=args.dtype, tp=args.tp, replicas=args.replicas, address=args.address,
                         kv_cache_tokens=args.kv_cache_tokens, max_batch=args.max_batch, device=args.device,
                         num_cpus=args.num_cpus, cpus_per_shard=args.cpus_per_shard, draft=not args.no_draft,
-                        random_weights=args.random_weights, decode_steps=args.decode_steps,
-                        cuda_graphs=not args.no_cuda_graphs, runtime=runtime_config(args.runtime))
+                        draft_model=args.draft_model, random_weights=args.random_weights,
+                        decode_steps=args.decode_steps, cuda_graphs=not args.no_cuda_graphs,
+                        runtime=runtime_config(args.runtime))
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:

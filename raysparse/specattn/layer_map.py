@@ -54,9 +54,16 @@ class LayerMap:
     similarity: tuple[tuple[float, ...], ...] = ()  # S[i, j], i over draft_layers, j over verifier layers
     source: str = ""
     info: dict[str, Any] = field(default_factory=dict, compare=False)
+    draft: str = ""  # a separate draft model's key (``draft_model.draft_key``); "" = self-speculative
+    draft_num_layers: int = 0  # a separate draft's depth (its layers are then 0 .. draft_num_layers - 1)
 
     def __post_init__(self) -> None:
-        validate_draft_layers(self.draft_layers, self.num_layers)
+        if self.draft:
+            if self.draft_layers != tuple(range(self.draft_num_layers)) or self.draft_num_layers < 1:
+                raise ValueError(f"a separate draft's layers are 0..{self.draft_num_layers - 1}, "
+                                 f"got {list(self.draft_layers)}")
+        else:
+            validate_draft_layers(self.draft_layers, self.num_layers)
         if len(self.mapping) != self.num_layers:
             raise ValueError(f"layer map has {len(self.mapping)} entries for {self.num_layers} verifier layers")
         allowed = set(self.draft_layers)
@@ -68,7 +75,9 @@ class LayerMap:
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "num_layers": self.num_layers,
                 "draft_layers": list(self.draft_layers), "map": list(self.mapping),
-                "similarity": [list(r) for r in self.similarity], "source": self.source, **self.info}
+                "similarity": [list(r) for r in self.similarity], "source": self.source,
+                **({"draft": self.draft, "draft_num_layers": self.draft_num_layers} if self.draft else {}),
+                **self.info}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LayerMap:
@@ -77,11 +86,13 @@ class LayerMap:
         if data.get("version") != VERSION:
             raise ValueError(f"unsupported layer map version {data.get('version')!r}")
         try:
-            known = {"format", "version", "num_layers", "draft_layers", "map", "similarity", "source"}
+            known = {"format", "version", "num_layers", "draft_layers", "map", "similarity", "source", "draft",
+                     "draft_num_layers"}
             return cls(int(data["num_layers"]), tuple(int(x) for x in data["draft_layers"]),
                        tuple(int(x) for x in data["map"]),
                        tuple(tuple(float(x) for x in r) for r in data.get("similarity", ())),
-                       str(data.get("source", "")), {k: v for k, v in data.items() if k not in known})
+                       str(data.get("source", "")), {k: v for k, v in data.items() if k not in known},
+                       str(data.get("draft", "")), int(data.get("draft_num_layers", 0)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed layer map: {e}") from None
 
@@ -92,6 +103,15 @@ def nearest_below_map(num_layers: int, draft_layers: Sequence[int]) -> LayerMap:
     draft = validate_draft_layers(draft_layers, num_layers)
     mapping = tuple(max(d for d in draft if d <= j) for j in range(num_layers))
     return LayerMap(num_layers, draft, mapping, source="nearest draft layer at or below (no measured map)")
+
+
+def proportional_map(num_layers: int, draft_num_layers: int, draft: str) -> LayerMap:
+    """The fallback map of a separate draft when none was measured: verifier layer j reads the draft layer at
+    the same relative depth, round(j * (m - 1) / (L - 1))."""
+    m = draft_num_layers
+    mapping = tuple(round(j * (m - 1) / (num_layers - 1)) if num_layers > 1 else 0 for j in range(num_layers))
+    return LayerMap(num_layers, tuple(range(m)), mapping, source="same relative depth (no measured map)",
+                    draft=draft, draft_num_layers=m)
 
 
 # ---- DTW ---------------------------------------------------------------------------------------
@@ -192,23 +212,122 @@ def probe_attention(model: LlamaForCausalLM, windows: Sequence[Sequence[int]], d
     return torch.stack([stack(r) for r in v_rows]), torch.stack([stack(r) for r in d_rows])
 
 
+def probe_cross_attention(model: LlamaForCausalLM, draft: LlamaForCausalLM, windows: Sequence[Sequence[int]],
+                          steps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probe_attention`` for a separate draft model: both models prefill each window's prefix densely into
+    caches of their own and take the last ``steps`` tokens as teacher-forced decode steps, recording every
+    layer's row. The draft's rows are mapped onto the verifier's KV heads as at serve time
+    (``draft_model.to_verifier_heads``), then cut to the KV heads ``model`` holds (a tensor-parallel shard:
+    its own). Returns ([L, R, h_kv, n_max], [m, R, h_kv, n_max])."""
+    from raysparse.specattn.draft_model import to_verifier_heads
+
+    if steps < 1:
+        raise ValueError("steps must be >= 1")
+    windows = [list(w) for w in windows]
+    if not windows or any(len(w) < steps + 1 for w in windows):
+        raise ValueError(f"every window needs more than steps={steps} tokens")
+    L, m = model.cfg.num_layers, draft.cfg.num_layers
+    lo = getattr(model, "kv_head_offset", 0)
+    hi = lo + model.num_kv_heads
+    longest, page = max(len(w) for w in windows), 16
+    caches, probes, rows = [], [], []
+    for mdl in (model, draft):
+        dev, dtype = mdl.lm_head.weight.device, mdl.lm_head.weight.dtype
+        caches.append(KVCache(mdl.cfg, -(-longest // page) + 1, page, dtype, dev, mdl.num_kv_heads))
+        probes.append(AttentionProbe(mdl.cfg.num_layers, range(mdl.cfg.num_layers)))
+        rows.append([[] for _ in range(mdl.cfg.num_layers)])
+    sid = -1  # not a Generator id
+    for w in windows:
+        prefix = len(w) - steps
+        for mdl, cache in zip((model, draft), caches, strict=True):
+            cache.allocate(sid, len(w))
+            dev = mdl.lm_head.weight.device
+            mdl(torch.tensor(w[:prefix], device=dev), cache.prepare([sid], [prefix], True), cache,
+                DenseAttention(mdl.cfg.num_layers))
+        try:
+            for t in range(prefix, len(w)):
+                for k, (mdl, cache, probe) in enumerate(zip((model, draft), caches, probes, strict=True)):
+                    tok = torch.tensor([w[t]], device=mdl.lm_head.weight.device)
+                    mdl(tok, cache.prepare([sid], [1], False), cache, probe)
+                    for j in range(mdl.cfg.num_layers):
+                        r = probe.take(j, sid)
+                        if k == 1:
+                            r = to_verifier_heads(r, model.cfg.num_kv_heads)[lo:hi]
+                        rows[k][j].append(r)
+        finally:
+            for cache in caches:
+                cache.free(sid)
+    n_max = max(r.shape[-1] for r in rows[0][0])
+
+    def stack(rs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(r.float().cpu(), (0, n_max - r.shape[-1])) for r in rs])
+
+    assert L == len(rows[0]) and m == len(rows[1])
+    return torch.stack([stack(r) for r in rows[0]]), torch.stack([stack(r) for r in rows[1]])
+
+
+def cross_window_similarity(model: LlamaForCausalLM, draft: LlamaForCausalLM, window: Sequence[int],
+                            steps: int = 8) -> tuple[torch.Tensor, int]:
+    """``similarity_sums`` of one window for a separate draft, over the KV heads ``model`` holds."""
+    return similarity_sums(*probe_cross_attention(model, draft, [window], steps))
+
+
 def window_similarity(model: LlamaForCausalLM, window: Sequence[int], draft_layers: Sequence[int],
                       steps: int = 8) -> tuple[torch.Tensor, int]:
     """``similarity_sums`` of one text window over the KV heads ``model`` holds (a shard: its own)."""
     return similarity_sums(*probe_attention(model, [window], draft_layers, steps))
 
 
-def map_from_sums(parts: Sequence[tuple[torch.Tensor, int]], num_layers: int, draft_layers: Sequence[int],
-                  steps: int, source: str, window_tokens: Sequence[int]) -> LayerMap:
-    """The map from every window's similarity sums (summed over shards), added in window order, by DTW."""
+def _dtw_from_sums(parts: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, list[int], float]:
+    """The mean similarity of every window's sums (added in window order) and its DTW path and score."""
     total, terms = parts[0][0].clone(), parts[0][1]
     for s, n in parts[1:]:
         total, terms = total + s, terms + n
     sim = (total / terms).float()
     path, score = monotone_dtw(sim)
+    return sim, path, score
+
+
+def map_from_sums(parts: Sequence[tuple[torch.Tensor, int]], num_layers: int, draft_layers: Sequence[int],
+                  steps: int, source: str, window_tokens: Sequence[int]) -> LayerMap:
+    """The map from every window's similarity sums (summed over shards), added in window order, by DTW."""
+    sim, path, score = _dtw_from_sums(parts)
     draft = tuple(draft_layers)
     return LayerMap(num_layers, draft, tuple(draft[i] for i in path), tuple(tuple(r) for r in sim.tolist()), source,
                     {"score": score, "windows": len(parts), "steps": steps, "window_tokens": list(window_tokens)})
+
+
+def cross_map_from_sums(parts: Sequence[tuple[torch.Tensor, int]], num_layers: int, draft_num_layers: int,
+                        draft: str, steps: int, source: str, window_tokens: Sequence[int]) -> LayerMap:
+    """``map_from_sums`` for a separate draft (rows: the draft's layers 0..m-1)."""
+    sim, path, score = _dtw_from_sums(parts)
+    if sim.shape[0] != draft_num_layers:
+        raise ValueError(f"similarities of {sim.shape[0]} draft layers for a draft of {draft_num_layers}")
+    return LayerMap(num_layers, tuple(range(draft_num_layers)), tuple(path), tuple(tuple(r) for r in sim.tolist()),
+                    source, {"score": score, "windows": len(parts), "steps": steps,
+                             "window_tokens": list(window_tokens)}, draft, draft_num_layers)
+
+
+def compute_cross_layer_map(model: LlamaForCausalLM, draft: LlamaForCausalLM, windows: Sequence[Sequence[int]],
+                            key: str, steps: int = 8, source: str = "") -> LayerMap:
+    """``compute_layer_map`` for a separate draft model of any depth and head count (all-reduced over the
+    verifier's tensor-parallel shards, as there)."""
+    parts = [cross_window_similarity(model, draft, w, steps) for w in windows]
+    parts = _all_reduce_parts(model, parts)
+    return cross_map_from_sums(parts, model.cfg.num_layers, draft.cfg.num_layers, key, steps, source,
+                               [len(w) for w in windows])
+
+
+def _all_reduce_parts(model: LlamaForCausalLM, parts: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
+    if getattr(model, "tp_world_size", 1) <= 1:
+        return parts
+    import torch.distributed as dist
+
+    for s, _ in parts:
+        dist.all_reduce(s, op=dist.ReduceOp.SUM)
+    terms = torch.tensor([n for _, n in parts], dtype=torch.float64, device=parts[0][0].device)
+    dist.all_reduce(terms, op=dist.ReduceOp.SUM)
+    return [(s, int(n)) for (s, _), n in zip(parts, terms.tolist(), strict=True)]
 
 
 def compute_layer_map(model: LlamaForCausalLM, windows: Sequence[Sequence[int]],
@@ -218,15 +337,7 @@ def compute_layer_map(model: LlamaForCausalLM, windows: Sequence[Sequence[int]],
     map of the whole model."""
     L = model.cfg.num_layers
     draft = validate_draft_layers(default_draft_layers(L) if draft_layers is None else draft_layers, L)
-    parts = [window_similarity(model, w, draft, steps) for w in windows]
-    if getattr(model, "tp_world_size", 1) > 1:
-        import torch.distributed as dist
-
-        for s, _ in parts:
-            dist.all_reduce(s, op=dist.ReduceOp.SUM)
-        terms = torch.tensor([n for _, n in parts], dtype=torch.float64, device=parts[0][0].device)
-        dist.all_reduce(terms, op=dist.ReduceOp.SUM)
-        parts = [(s, int(n)) for (s, _), n in zip(parts, terms.tolist(), strict=True)]
+    parts = _all_reduce_parts(model, [window_similarity(model, w, draft, steps) for w in windows])
     return map_from_sums(parts, L, draft, steps, source, [len(w) for w in windows])
 
 
@@ -246,17 +357,23 @@ def text_windows(tokenizer: Any, text: str, windows: int, tokens: int) -> list[l
 
 
 # ---- storage -----------------------------------------------------------------------------------
-def cache_map_path(model_dir: str | os.PathLike[str]) -> Path:
+def map_file_name(draft: str = "") -> str:
+    """The map's file name in the verifier's directory: ``MAP_FILE`` for the self-speculative draft,
+    ``specattn_layer_map.<draft key>.json`` for a separate draft model (one file per draft)."""
+    return MAP_FILE if not draft else f"{MAP_FILE[:-len('.json')]}.{draft}.json"
+
+
+def cache_map_path(model_dir: str | os.PathLike[str], draft: str = "") -> Path:
     """Where the map of a model directory that is not writable lives, under the raysparse cache."""
     from raysparse.loader import cache_root
 
     d = Path(model_dir).expanduser().resolve()
     key = hashlib.sha1(str(d).encode()).hexdigest()[:12]
-    return cache_root() / "specattn" / f"{d.name}-{key}.json"
+    return cache_root() / "specattn" / (f"{d.name}-{key}.json" if not draft else f"{d.name}-{key}.{draft}.json")
 
 
-def map_candidates(model_dir: str | os.PathLike[str]) -> list[Path]:
-    return [Path(model_dir).expanduser() / MAP_FILE, cache_map_path(model_dir)]
+def map_candidates(model_dir: str | os.PathLike[str], draft: str = "") -> list[Path]:
+    return [Path(model_dir).expanduser() / map_file_name(draft), cache_map_path(model_dir, draft)]
 
 
 def save_layer_map(layer_map: LayerMap, path: str | os.PathLike[str] | None = None,
@@ -265,7 +382,8 @@ def save_layer_map(layer_map: LayerMap, path: str | os.PathLike[str] | None = No
     writable). Atomic (temporary file + rename). Returns the path written."""
     if path is None and model_dir is None:
         raise ValueError("save_layer_map needs a path or a model directory")
-    targets = [Path(path).expanduser()] if path is not None else map_candidates(model_dir)  # type: ignore[arg-type]
+    targets = ([Path(path).expanduser()] if path is not None
+               else map_candidates(model_dir, layer_map.draft))  # type: ignore[arg-type]
     payload = json.dumps(layer_map.to_json(), indent=1) + "\n"
     last: OSError | None = None
     for target in targets:
@@ -281,12 +399,15 @@ def save_layer_map(layer_map: LayerMap, path: str | os.PathLike[str] | None = No
 
 
 def load_layer_map(path: str | os.PathLike[str] | None = None, model_dir: str | os.PathLike[str] | None = None,
-                   num_layers: int | None = None, draft_layers: Sequence[int] | None = None) -> LayerMap | None:
-    """Reads a map from ``path`` or the first existing candidate of ``model_dir``; None when there is none.
-    Raises ValueError for an unreadable file or one made for another depth or draft."""
+                   num_layers: int | None = None, draft_layers: Sequence[int] | None = None,
+                   draft: str = "") -> LayerMap | None:
+    """Reads a map from ``path`` or the first existing candidate of ``model_dir`` for ``draft`` (a separate
+    draft's key; "" = self-speculative); None when there is none. Raises ValueError for an unreadable file
+    or one made for another depth or draft."""
     if path is None and model_dir is None:
         raise ValueError("load_layer_map needs a path or a model directory")
-    cands = [Path(path).expanduser()] if path is not None else map_candidates(model_dir)  # type: ignore[arg-type]
+    cands = ([Path(path).expanduser()] if path is not None
+             else map_candidates(model_dir, draft))  # type: ignore[arg-type]
     found = next((c for c in cands if c.is_file()), None)
     if found is None:
         return None
@@ -296,6 +417,9 @@ def load_layer_map(path: str | os.PathLike[str] | None = None, model_dir: str | 
         raise ValueError(f"layer map {str(found)!r}: {e}") from None
     if num_layers is not None and lm.num_layers != num_layers:
         raise ValueError(f"layer map {str(found)!r} is for {lm.num_layers} layers, the model has {num_layers}")
+    if lm.draft != draft:
+        raise ValueError(f"layer map {str(found)!r} was made for draft {lm.draft or 'self-speculative'!r}, "
+                         f"not {draft or 'self-speculative'!r}")
     if draft_layers is not None and tuple(draft_layers) != lm.draft_layers:
         raise ValueError(f"layer map {str(found)!r} was made for draft layers {list(lm.draft_layers)}, "
                          f"not {list(draft_layers)}")
@@ -328,6 +452,35 @@ def resolve_layer_map(model: LlamaForCausalLM, model_dir: str | os.PathLike[str]
                 pass  # serving goes on with the measured map in memory
         return lm
     return nearest_below_map(L, draft)
+
+
+def resolve_draft_layer_map(model: LlamaForCausalLM, model_dir: str | os.PathLike[str] | None, draft: Any,
+                            tokenizer: Any | None = None, compute: bool = True, windows: int = 2, tokens: int = 512,
+                            steps: int = 8) -> LayerMap:
+    """``resolve_layer_map`` for a separate draft (``draft_model.SeparateDraft``): the map saved next to the
+    verifier under the draft's key if it fits; else one measured on the default text and saved; else the
+    same-relative-depth fallback."""
+    L, m = model.cfg.num_layers, draft.num_layers
+    if model_dir is not None:
+        try:
+            lm = load_layer_map(model_dir=model_dir, num_layers=L, draft_layers=tuple(range(m)), draft=draft.key)
+        except ValueError:
+            lm = None  # stale or foreign: measure afresh below
+        if lm is not None:
+            return lm
+    if compute and tokenizer is not None:
+        from raysparse.workload import load_haystack_text
+
+        text, source = load_haystack_text(None)
+        lm = compute_cross_layer_map(model, draft.model, text_windows(tokenizer, text, windows, tokens), draft.key,
+                                     steps, source)
+        if model_dir is not None:
+            try:
+                save_layer_map(lm, model_dir=model_dir)
+            except OSError:
+                pass  # serving goes on with the measured map in memory
+        return lm
+    return proportional_map(L, m, draft.key)
 
 
 # ---- command ----------------------------------------------------------------------------------

@@ -152,6 +152,9 @@ class VerifyPlan:
     full: bool
     tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     ctx_read: dict[int, int] = field(default_factory=dict)
+    # sparse layer j -> the draft layer its list came from (the planner's map, which a verifier shard's own
+    # backend need not hold: the draft actor's map, or a separate draft's); layers sharing one share a list
+    draft_of: dict[int, int] = field(default_factory=dict)
 
 
 def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: torch.Tensor,
@@ -197,7 +200,7 @@ class SpecAttn(SparseMethod):
         if layer_map.num_layers != self.model_cfg.num_layers:
             raise ValueError(f"layer map is for {layer_map.num_layers} layers, "
                              f"the model has {self.model_cfg.num_layers}")
-        if layer_map.draft_layers != self.draft_layers:
+        if not layer_map.draft and layer_map.draft_layers != self.draft_layers:  # a separate draft has its own
             raise ValueError(f"layer map was made for draft layers {list(layer_map.draft_layers)}, this draft "
                              f"uses {list(self.draft_layers)}")
         self.layer_map = layer_map
@@ -227,6 +230,7 @@ class SpecAttn(SparseMethod):
                 per_draft[d] = (tok, count)
             for j in self.stats.sparse_layers:
                 plan.tokens[j], plan.ctx_read[j] = per_draft[self.layer_map.mapping[j]]
+                plan.draft_of[j] = self.layer_map.mapping[j]
         self._plans[seq_id] = plan
         return plan
 
@@ -260,7 +264,8 @@ class SpecAttn(SparseMethod):
         h_kv = cache.num_kv_heads
         sparse = not (plans[0].full or self.is_dense_layer(layer))  # top_p decides ``full`` for every plan
         if sparse:
-            out, _ = paged_decode_attention(q, kv, tokens[self.layer_map.mapping[layer]], 1)
+            out, _ = paged_decode_attention(q, kv, tokens[plans[0].draft_of.get(layer, self.layer_map.mapping[layer])],
+                                            1)
         else:
             out, _ = paged_decode_attention(q, kv, blocks, cache.page_size)
         for plan in plans:
@@ -293,7 +298,7 @@ class SpecAttn(SparseMethod):
         tokens: dict[int, torch.Tensor] = {}
         if not plans[0].full:
             for j in self.stats.sparse_layers:
-                d = self.layer_map.mapping[j]
+                d = plans[0].draft_of.get(j, self.layer_map.mapping[j])
                 if d in tokens:
                     continue
                 lists = [p.tokens[j] for p in plans]
@@ -392,10 +397,11 @@ class SpecAttn(SparseMethod):
         return out
 
 
-# Decode steps are draft-then-verify rounds (the engine's draft actor), accepted greedily; the draft prefills
+# Decode steps are draft-then-verify rounds (the engine's draft actor), accepted greedily in the engine
+# (SpecAttnGenerator also takes the speculative-sampling rule for sampled requests); the draft prefills
 # whole prompts, so a prompt is never split, and a round is one call to the shards.
 SPEC = register(replace(
     method_spec(SpecAttn, "SpecAttn: self-speculative decoding, verifier attends draft top-p chunks "
                           "(use SpecAttnGenerator)"),
-    capabilities=MethodCapabilities(needs_draft=True, greedy_only=True, chunked_prefill=False,
+    capabilities=MethodCapabilities(needs_draft=True, engine_greedy_only=True, chunked_prefill=False,
                                     multi_step_decode=False)))

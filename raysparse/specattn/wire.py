@@ -80,6 +80,7 @@ def unpack_round(data: bytes, kv_lo: int, kv_hi: int,
             for j, d in layer_map.items():
                 tok = local[d]
                 plan.tokens[j] = tok
+                plan.draft_of[j] = d
                 plan.ctx_read[j] = int((tok != SENTINEL).sum()) - tok.shape[0] * plan.n_new
         drafts.append([int(t) for t in s["draft"]])
         plans.append(plan)
