@@ -140,15 +140,25 @@ def main() -> None:
     model, random_weights, dtype = args.model, True, args.dtype
     if args.smoke:
         contexts, model, random_weights, dtype, args.new_tokens = [512], None, False, "float32", 6
+    from raysparse.methods.registry import get_method
     from raysparse.methods.sketch_walk import GRAPH_DECODE
 
-    def params(m: str) -> dict[str, Any]:
-        p: dict[str, Any] = {} if m == "dense" else {"density": args.density}
+    def params(entry: str) -> tuple[str, dict[str, Any]]:
+        """``name`` or ``name:key=value:...`` (values as JSON where they parse); --density reaches the methods
+        that have a budget."""
+        m, *extra = entry.split(":")
+        p: dict[str, Any] = {"density": args.density} if get_method(m).takes_density else {}
         if m == "sketch_walk" and args.sw_scoring == "graph":
             p.update(GRAPH_DECODE)
-        return p
+        for kv in extra:
+            key, _, value = kv.partition("=")
+            try:
+                p[key] = json.loads(value)
+            except ValueError:
+                p[key] = value
+        return m, p
 
-    methods = [(m, params(m)) for m in args.methods.split(",")]
+    methods = [params(m) for m in args.methods.split(",")]
     rows: list[dict[str, Any]] = []
     from raysparse.orchestration.ray_env import start_ray
 
