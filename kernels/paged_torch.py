@@ -67,7 +67,9 @@ def _paged_pages_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     ok = ((indices != SENTINEL)[..., None].expand(-1, -1, -1, page).flatten(2)
           & (tok < kv.seqlens.long()[:, None, None])).view(b * h_kv, 1, 1, -1)
     mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # PyTorch's fused CPU kernel, which also returns the log-sum-exp; elsewhere (RAYSPARSE_KERNELS=torch on a
+    # GPU) the same masked attention in plain ops.
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu if q.device.type == "cpu" else _masked_sdpa
     out, lse = op(q.view(b * h_kv, g, 1, d), k.expand(-1, g, -1, -1), v.expand(-1, g, -1, -1), attn_mask=mask,
                   scale=scale)
     none = ~ok.view(b * h_kv, -1).any(-1)[:, None, None]  # a row that selects no key: zeros and -inf
@@ -94,6 +96,17 @@ def stable_top(score: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[torc
 
 _PREFILL_ELEMS = 1 << 24  # gathered K/V elements per chunk of query blocks (bounds the CPU path's memory)
 _PREFILL_CHUNK = 8  # query blocks per fused call at most
+
+
+def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
+                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused CPU op's contract in plain ops: (out, lse) of q [N, h, m, d] over k, v [N, h, S, d] with an
+    additive mask [N, 1, m, S]; fp32 math."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    s = s + attn_mask.float()
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return (p @ v.float()).to(q.dtype), lse
 
 
 def block_sparse_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
