@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,6 +56,12 @@ class Engine:
         self._inflight: dict[str, RequestHandle] = {}
         self._inflight_lock = threading.Lock()
         self._id_lock = threading.Lock()  # taking an id and aborting by id, one at a time
+        self._observers: list[Callable[[RequestHandle], Any]] = []
+
+    def add_request_observer(self, fn: Callable[[RequestHandle], Any]) -> None:
+        """Calls ``fn(handle)`` for every accepted request before its first event (whatever front end sent
+        it), e.g. to attach a listener that times its tokens (``serving.engine_metrics``). Must be quick."""
+        self._observers.append(fn)
 
     # ---- life cycle -------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -174,6 +181,8 @@ class Engine:
                 if req.request_id in self._inflight:
                     raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
                 self._inflight[req.request_id] = handle
+            for fn in self._observers:
+                fn(handle)
             runner.add(seq)
         return handle
 

@@ -34,6 +34,11 @@ class CapacityExceededError(EngineError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class RequestTooLargeError(CapacityExceededError):
+    """The request can never fit a replica's KV cache (unlike a full queue, waiting will not help):
+    RESOURCE_EXHAUSTED on gRPC, 400 on the OpenAI-compatible HTTP API."""
+
+
 class EngineUnavailableError(EngineError):
     code = "UNAVAILABLE"
 
@@ -94,6 +99,12 @@ class RequestHandle:
         self._on_finish = on_finish  # the engine frees the request id here
         self.finished = threading.Event()
         self.finish: FinishEvent | None = None
+        self._listeners: list[Callable[[Event], Any]] = []
+
+    def add_listener(self, fn: Callable[[Event], Any]) -> None:
+        """Calls ``fn(event)`` after every event is queued, on the engine's thread: it must be quick and must
+        not raise (asyncio front ends wake their loop with it; metrics time the tokens)."""
+        self._listeners.append(fn)
 
     @property
     def request_id(self) -> str:
@@ -108,6 +119,8 @@ class RequestHandle:
             if self._on_finish is not None:
                 self._on_finish(self)
         self._q.put(ev)
+        for fn in self._listeners:
+            fn(ev)
 
     def get(self, timeout: float | None = None) -> Event:
         """The next event; raises ``queue.Empty`` after ``timeout`` seconds without one."""
