@@ -44,7 +44,7 @@ def server(tmp_path_factory):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{hport}/v1", api_key="unused", max_retries=0, timeout=60)
     try:
         grpc_client.wait_serving(120)
-        yield {"proc": proc, "grpc": grpc_client, "client": client, "http": f"http://127.0.0.1:{hport}",
+        yield {"proc": proc, "grpc": grpc_client, "client": client, "http": f"http://127.0.0.1:{hport}", "model": model,
                "metrics": f"http://127.0.0.1:{mport}/metrics"}
     finally:
         client.close()
@@ -253,6 +253,26 @@ def test_concurrent_streams_match_sequential_greedy(server):
     for t in threads:
         t.join(timeout=120)
     assert results == sequential
+
+
+def test_bench_load_generator_on_the_http_api(server):
+    """The bench's OpenAI backends against this server: vLLM bench serve's request and timing."""
+    from transformers import AutoTokenizer
+
+    from raysparse.bench.loadgen import LoadConfig, run_load
+
+    tok = AutoTokenizer.from_pretrained(server["model"])
+    prompts = [list(range(5 + i, 45 + i)) for i in range(4)]
+    for backend in ("openai", "openai-chat"):
+        cfg = LoadConfig(num_prompts=4, output_len=5, max_concurrency=2, backend=backend, method="streaming",
+                         method_params=tuple(sorted({k: v for k, v in SPARSE.items() if k != "method"}.items())))
+        metrics, records = run_load(server["http"], prompts, cfg, decode=lambda ids: tok.decode(ids))
+        assert metrics["completed"] == 4 and metrics["failed"] == 0, [r.error for r in records]
+        assert metrics["total_output_tokens"] == 20
+        assert all(r.chunk_times and r.ttft > 0 and r.t_end >= r.chunk_times[-1] for r in records)
+    bad = LoadConfig(num_prompts=1, output_len=5, backend="openai", method="no_such_method")
+    metrics, records = run_load(server["http"] + "/v1", prompts[:1], bad)
+    assert metrics["failed"] == 1 and records[0].error.startswith("HTTP 400")
 
 
 def test_metrics_follow_vllm_names(server):

@@ -515,12 +515,15 @@ async def _stream(prep: _Prepared, handle: RequestHandle, chat: bool) -> AsyncIt
                     yield _sse(chunk(None, role=True))
             if fin is not None and not stop.stopped:
                 text += stop.flush()
-            if text:
-                yield _sse(chunk(text))
-        reason = "stop" if stop.stopped else fin.finish_reason  # type: ignore[union-attr]
-        last = chunk(None, reason)
-        last["raysparse"] = _extension(handle, fin)
-        yield _sse(last)
+            if fin is None and not stop.stopped:
+                if text:
+                    yield _sse(chunk(text))
+                continue
+            # the last text and the finish reason in one chunk, as vLLM sends them
+            reason = "stop" if stop.stopped or fin is None else fin.finish_reason
+            last = chunk(text or (None if chat else ""), reason)
+            last["raysparse"] = _extension(handle, fin)
+            yield _sse(last)
         if prep.include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(len(prep.request.prompt_ids), tokens)})
         yield _DONE
