@@ -134,6 +134,7 @@ class _Prepared:
     stream: bool
     include_usage: bool
     model: str
+    engine: str = ""  # the engine's name: which Serve replica (or server) answered
 
 
 # ---- stop strings --------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ class OpenAIFrontend:
             raise APIError(400, str(e)) from None
         opts = body.stream_options or {}
         return _Prepared(req, [s for s in stops if s], bool(body.stream), bool(opts.get("include_usage")),
-                         self.model_name)
+                         self.model_name, str(getattr(self.engine, "name", "")))
 
     def prepare_completion(self, body: CompletionBody) -> _Prepared:
         self.check_ready()
@@ -346,9 +347,9 @@ class OpenAIFrontend:
             raise engine_error(e) from None
 
 
-def _extension(handle: RequestHandle, fin: FinishEvent | None) -> dict[str, Any]:
+def _extension(prep: _Prepared, handle: RequestHandle, fin: FinishEvent | None) -> dict[str, Any]:
     req = handle.request
-    out: dict[str, Any] = {"request_id": req.request_id, "method": req.method,
+    out: dict[str, Any] = {"request_id": req.request_id, "engine": prep.engine, "method": req.method,
                            "method_params": {k: list(v) if isinstance(v, tuple) else v for k, v in req.method_params}}
     if fin is not None:
         out["density"] = fin.stats.get("density", {"prefill": None, "decode": None})
@@ -463,7 +464,7 @@ async def _complete(handle: RequestHandle, prep: _Prepared, request: Request, ch
         choice = {"index": 0, "text": stop.text, "logprobs": None, "finish_reason": reason}
         obj = {**base, "object": "text_completion", "choices": [choice]}
     obj["usage"] = _usage(prompt, tokens)
-    obj["raysparse"] = _extension(handle, fin)
+    obj["raysparse"] = _extension(prep, handle, fin)
     return JSONResponse(obj)
 
 
@@ -522,7 +523,7 @@ async def _stream(prep: _Prepared, handle: RequestHandle, chat: bool) -> AsyncIt
             # the last text and the finish reason in one chunk, as vLLM sends them
             reason = "stop" if stop.stopped or fin is None else fin.finish_reason
             last = chunk(text or (None if chat else ""), reason)
-            last["raysparse"] = _extension(handle, fin)
+            last["raysparse"] = _extension(prep, handle, fin)
             yield _sse(last)
         if prep.include_usage:
             yield _sse({**base, "choices": [], "usage": _usage(len(prep.request.prompt_ids), tokens)})
