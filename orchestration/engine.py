@@ -98,7 +98,8 @@ class Engine:
                 if node is not None:
                     load[node] = load.get(node, 0) + 1
                 group = ReplicaGroup(i, spec, self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, node,
-                                     prefix=self.name, placement_group=current, first_bundle=1)
+                                     prefix=self.name, placement_group=current,
+                                     first_bundle=1 if current is not None else 0)
                 pages = -(-self.cfg.kv_cache_tokens // self.cfg.page_size)
                 sched = Scheduler(SchedulerConfig(pages, self.cfg.page_size, self.cfg.max_batch,
                                                   self.cfg.max_prefill_tokens, self.cfg.max_waiting,

@@ -100,6 +100,9 @@ class RequestHandle:
         self.finished = threading.Event()
         self.finish: FinishEvent | None = None
         self._listeners: list[Callable[[Event], Any]] = []
+        # set by a front end that ends the request itself for a reason of its own (a stop string matched on
+        # the text: "stop") before it aborts it; the metrics count that reason instead of "abort"
+        self.finish_reason_hint: str | None = None
 
     def add_listener(self, fn: Callable[[Event], Any]) -> None:
         """Calls ``fn(event)`` after every event is queued, on the engine's thread: it must be quick and must

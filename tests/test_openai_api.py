@@ -194,6 +194,8 @@ def test_stop_strings(server):
     assert len(full) >= 10
     stop = full[6:8]
     cut = full[:full.index(stop)]
+    stops = 'raysparse:request_success_total{finished_reason="stop",model_name="tiny"}'
+    before = _metrics(server["metrics"]).get(stops, 0.0)
     out = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0, stop=[stop],
                                extra_body={"ignore_eos": True})
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
@@ -203,6 +205,7 @@ def test_stop_strings(server):
     assert "".join(ch.choices[0].text for ch in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
     _wait_kv_free(server["grpc"])
+    assert _metrics(server["metrics"])[stops] == before + 2  # counted as stops, though the engine aborted them
 
 
 def test_client_disconnect_mid_stream_frees_the_kv(server):

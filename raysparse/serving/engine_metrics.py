@@ -97,7 +97,7 @@ class EngineMetrics:
                 self.e2e.labels(name).observe(now - t0)
                 self.prompt_tokens.labels(name).inc(ev.prompt_tokens)
                 # a front end that ended the request itself (a stop string) says why
-                reason = getattr(handle, "finish_reason_hint", None) or ev.finish_reason
+                reason = handle.finish_reason_hint or ev.finish_reason
                 self.success.labels(name, reason if reason in FINISH_REASONS else "error").inc()
                 for phase, value in (ev.stats.get("density") or {}).items():
                     if value is not None:
