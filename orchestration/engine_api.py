@@ -9,6 +9,7 @@ loading, rebuilding, draining or stopped is UNAVAILABLE.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -123,7 +124,10 @@ class RequestHandle:
                 self._on_finish(self)
         self._q.put(ev)
         for fn in self._listeners:
-            fn(ev)
+            try:
+                fn(ev)
+            except Exception:  # a listener's bug must not stop the replica's loop that delivers the event
+                logging.getLogger("raysparse.engine").exception("request listener failed")
 
     def get(self, timeout: float | None = None) -> Event:
         """The next event; raises ``queue.Empty`` after ``timeout`` seconds without one."""

@@ -353,3 +353,27 @@ def test_stop_string_matcher():
     assert out[1:4] == ["c", "", "EN"]  # "E", then "EN", then "x" held back until decided
     t = StopStrings([])
     assert [t.feed(d) for d in ("a", "b")] == ["a", "b"]
+
+
+def test_engine_errors_map_to_openai_statuses():
+    """The engine's typed errors (the gRPC status codes) as HTTP statuses with OpenAI-style bodies."""
+    from raysparse.orchestration.engine_api import (
+        CapacityExceededError,
+        DuplicateRequestError,
+        EngineUnavailableError,
+        InvalidRequestError,
+        RequestTooLargeError,
+    )
+    from raysparse.serving.openai_api import engine_error
+
+    cases = [(InvalidRequestError("bad"), 400, "invalid_request_error"),
+             (RequestTooLargeError("never fits"), 400, "invalid_request_error"),
+             (CapacityExceededError("4096 requests are already waiting"), 429, "rate_limit_error"),
+             (EngineUnavailableError("the engine is draining"), 503, "service_unavailable_error"),
+             (DuplicateRequestError("dup"), 409, "server_error"),
+             (ValueError("temperature"), 400, "invalid_request_error")]
+    for err, status, kind in cases:
+        e = engine_error(err)
+        assert (e.status, e.body()["error"]["type"]) == (status, kind), err
+        assert e.body()["error"]["message"] == str(err)
+    assert RequestTooLargeError.code == "RESOURCE_EXHAUSTED"  # the gRPC API answers as before

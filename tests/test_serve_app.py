@@ -64,6 +64,8 @@ def test_serve_app_two_replicas_answer_the_openai_client(tmp_path):
     from raysparse.serving.tiny import CHAT_TEMPLATE, write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", chat_template=CHAT_TEMPLATE)
+    if ray.is_initialized():  # an instance an earlier test left behind: this test needs one of its own
+        ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(WORKER_ENV)})
     try:
         port = _free_port()
