@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,6 +56,12 @@ class Engine:
         self._inflight: dict[str, RequestHandle] = {}
         self._inflight_lock = threading.Lock()
         self._id_lock = threading.Lock()  # taking an id and aborting by id, one at a time
+        self._observers: list[Callable[[RequestHandle], Any]] = []
+
+    def add_request_observer(self, fn: Callable[[RequestHandle], Any]) -> None:
+        """Calls ``fn(handle)`` for every accepted request before its first event (whatever front end sent
+        it), e.g. to attach a listener that times its tokens (``serving.engine_metrics``). Must be quick."""
+        self._observers.append(fn)
 
     # ---- life cycle -------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -88,12 +95,15 @@ class Engine:
                              self.cfg.random_weights, self.cfg.seed, cuda_graphs=self.cfg.cuda_graphs,
                              max_batch=self.cfg.max_batch, runtime=self.cfg.runtime)
             load: dict[str, int] = {}
+            current = self._current_placement_group()
             for i in range(self.cfg.replicas):
-                node = choose_node(self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, load)
+                node = None if current is not None else choose_node(self.cfg.tp, self.use_gpu,
+                                                                    self.cfg.cpus_per_shard, load)
                 if node is not None:
                     load[node] = load.get(node, 0) + 1
                 group = ReplicaGroup(i, spec, self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, node,
-                                     prefix=self.name)
+                                     prefix=self.name, placement_group=current,
+                                     first_bundle=1 if current is not None else 0)
                 pages = -(-self.cfg.kv_cache_tokens // self.cfg.page_size)
                 sched = Scheduler(SchedulerConfig(pages, self.cfg.page_size, self.cfg.max_batch,
                                                   self.cfg.max_prefill_tokens, self.cfg.max_waiting,
@@ -113,6 +123,21 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
+
+    def _current_placement_group(self) -> Any:
+        """The placement group this process runs in when ``placement`` is "current" (else None)."""
+        if self.cfg.placement != "current":
+            return None
+        from ray.util import get_current_placement_group
+
+        pg = get_current_placement_group()
+        if pg is None:
+            raise RuntimeError("placement 'current' needs a process inside a placement group (a Serve replica "
+                               "with placement_group_bundles)")
+        if len(pg.bundle_specs) < 1 + self.cfg.tp:
+            raise RuntimeError(f"the placement group has {len(pg.bundle_specs)} bundles; tp={self.cfg.tp} needs "
+                               f"1 + {self.cfg.tp}")
+        return pg
 
     def shutdown(self) -> None:
         if self.state == "stopped":
@@ -182,6 +207,8 @@ class Engine:
                 if req.request_id in self._inflight:
                     raise DuplicateRequestError(f"request id {req.request_id!r} is already in flight")
                 self._inflight[req.request_id] = handle
+            for fn in self._observers:
+                fn(handle)
             runner.add(seq)
         return handle
 

@@ -9,6 +9,7 @@ loading, rebuilding, draining or stopped is UNAVAILABLE.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -32,6 +33,11 @@ class InvalidRequestError(EngineError, ValueError):
 
 class CapacityExceededError(EngineError):
     code = "RESOURCE_EXHAUSTED"
+
+
+class RequestTooLargeError(CapacityExceededError):
+    """The request can never fit a replica's KV cache (unlike a full queue, waiting will not help):
+    RESOURCE_EXHAUSTED on gRPC, 400 on the OpenAI-compatible HTTP API."""
 
 
 class EngineUnavailableError(EngineError):
@@ -94,6 +100,15 @@ class RequestHandle:
         self._on_finish = on_finish  # the engine frees the request id here
         self.finished = threading.Event()
         self.finish: FinishEvent | None = None
+        self._listeners: list[Callable[[Event], Any]] = []
+        # set by a front end that ends the request itself for a reason of its own (a stop string matched on
+        # the text: "stop") before it aborts it; the metrics count that reason instead of "abort"
+        self.finish_reason_hint: str | None = None
+
+    def add_listener(self, fn: Callable[[Event], Any]) -> None:
+        """Calls ``fn(event)`` after every event is queued, on the engine's thread: it must be quick and must
+        not raise (asyncio front ends wake their loop with it; metrics time the tokens)."""
+        self._listeners.append(fn)
 
     @property
     def request_id(self) -> str:
@@ -108,6 +123,11 @@ class RequestHandle:
             if self._on_finish is not None:
                 self._on_finish(self)
         self._q.put(ev)
+        for fn in self._listeners:
+            try:
+                fn(ev)
+            except Exception:  # a listener's bug must not stop the replica's loop that delivers the event
+                logging.getLogger("raysparse.engine").exception("request listener failed")
 
     def get(self, timeout: float | None = None) -> Event:
         """The next event; raises ``queue.Empty`` after ``timeout`` seconds without one."""

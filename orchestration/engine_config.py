@@ -32,6 +32,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # GPUs: replay decode steps from captured CUDA graphs (methods that allow it)
     decode_steps: int = 1  # decode steps per call to the shards while no prompt waits (multi-step decode)
     runtime: RuntimeConfig = RuntimeConfig()  # which kernels and collectives the shards run (validated there)
+    # "own": each replica makes its placement group; "current": the one replica's shards take bundles 1..tp of
+    # the placement group this process runs in (a Ray Serve replica's, whose bundle 0 is the replica itself)
+    placement: str = "own"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -52,5 +55,9 @@ class EngineConfig:
             raise ValueError("load_timeout_s must be > 0")
         if self.draft_model is not None and not self.draft:
             raise ValueError("a draft model needs the draft actor (draft=True)")
+        if self.placement not in ("own", "current"):
+            raise ValueError(f"placement must be own or current, got {self.placement!r}")
+        if self.placement == "current" and self.replicas != 1:
+            raise ValueError("placement 'current' serves one replica (the placement group's)")
         if not isinstance(self.runtime, RuntimeConfig):
             raise ValueError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")

@@ -51,7 +51,9 @@ def choose_node(tp: int, use_gpu: bool, cpus_per_shard: float, load: dict[str, i
 class ReplicaGroup:
     def __init__(self, index: int, spec: ShardSpec, tp: int, use_gpu: bool, cpus_per_shard: float = 1.0,
                  node_id: str | None = None, runtime_env: dict[str, Any] | None = None,
-                 prefix: str = "raysparse") -> None:
+                 prefix: str = "raysparse", placement_group: Any = None, first_bundle: int = 0) -> None:
+        """``placement_group``: a placement group someone else made and owns (a Ray Serve replica's): the
+        shards take its bundles ``first_bundle`` to ``first_bundle + tp - 1`` and ``stop`` leaves it."""
         if tp < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
         self.index, self.spec, self.tp, self.use_gpu = index, spec, tp, use_gpu
@@ -61,6 +63,7 @@ class ReplicaGroup:
         self.actors: list[Any] = []
         self.names: list[str] = []
         self.pg: Any = None
+        self.external_pg, self.first_bundle = placement_group, first_bundle
         self._dag: Any = None  # the compiled decode step, built on first use
         self._dag_failed = False
         self.step_timeout_s = 600.0
@@ -74,9 +77,12 @@ class ReplicaGroup:
         self.generation += 1
         bundle = {"GPU": 1.0, "CPU": self.cpus_per_shard} if self.use_gpu else {"CPU": self.cpus_per_shard}
         selector = [{NODE_ID_LABEL: self.node_id}] * self.tp if self.node_id else None
-        self.pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="PACK",
-                                  name=f"{self.prefix}-replica{self.index}-g{self.generation}",
-                                  bundle_label_selector=selector)
+        if self.external_pg is not None:
+            self.pg = self.external_pg
+        else:
+            self.pg = placement_group([dict(bundle) for _ in range(self.tp)], strategy="PACK",
+                                      name=f"{self.prefix}-replica{self.index}-g{self.generation}",
+                                      bundle_label_selector=selector)
         if not self.pg.wait(timeout_s):
             self.stop()
             raise TimeoutError(f"replica {self.index}: the cluster has no room for {self.tp} x {bundle} "
@@ -88,7 +94,8 @@ class ReplicaGroup:
             opts: dict[str, Any] = {
                 "name": name, "num_cpus": self.cpus_per_shard, "num_gpus": 1 if self.use_gpu else 0,
                 "max_restarts": 0, "max_concurrency": 2,  # stats/ping may run beside a step
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=b)}
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=self.first_bundle + b)}
             env = dict(self.runtime_env or {})
             if self.use_gpu:  # every GPU of the node visible: peers' memory can be mapped (shard_worker)
                 env["env_vars"] = {**env.get("env_vars", {}), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
@@ -204,6 +211,8 @@ class ReplicaGroup:
             except Exception:
                 pass  # already gone
         self.actors, self.names = [], []
+        if self.pg is not None and self.pg is self.external_pg:
+            self.pg = None  # its owner removes it
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+from raysparse.attention import causal_pairs
 from raysparse.generate import FinishEvent, TokenEvent, text_delta
 from raysparse.orchestration.replica import ReplicaGroup, ShardLostError
 from raysparse.orchestration.scheduler import Scheduler, Sequence
@@ -114,6 +115,8 @@ class ReplicaRunner:
         if res["error"]:
             self._fail(plan, res["error"])
             return
+        if res.get("meter"):
+            self.account_density(plan, res["meter"])
         self.emit(plan, res["tokens"] if plan.steps > 1 else [[t] for t in res["tokens"]])
 
     def emit(self, plan: StepPlan, new_tokens: list[list[int]]) -> None:
@@ -129,6 +132,23 @@ class ReplicaRunner:
                 for tok in toks:
                     if self._accept(seq, tok):
                         break
+
+    def account_density(self, plan: StepPlan, counts: list[float]) -> None:
+        """Shares a step's density-meter counts (rank 0's: prefill attended and causal pairs, then decode's)
+        among its sequences in proportion to their causal pairs, so each request reports the density of the
+        steps that served it (exact for a request alone in its steps)."""
+        with self.cond:
+            rows = [(s, toks) for s, toks in zip(self._seqs(plan), plan.tokens, strict=True) if s is not None]
+            weights = []
+            for seq, toks in rows:
+                if plan.prefill:  # this chunk's queries over the prompt up to its end
+                    weights.append(causal_pairs(len(toks), seq.prefilled))
+                else:
+                    weights.append(len(seq.request.prompt_ids) + len(seq.tokens) + 1)
+            total = sum(weights)
+            for (seq, _), w in zip(rows, weights, strict=True):
+                for i, c in enumerate(counts):
+                    seq.meter[i] += c * w / total if total else 0.0
 
     def _seqs(self, plan: StepPlan) -> list[Sequence | None]:
         by_id = {s.seq_id: s for s in self.sched.running.get(plan.key, [])}
@@ -158,7 +178,8 @@ class ReplicaRunner:
         seq.handle.put(FinishEvent(
             seq.request.request_id, reason, tuple(seq.tokens), seq.text, len(seq.request.prompt_ids), ttft,
             now - seq.t_first if seq.t_first else 0.0, error,
-            {"replica": self.index, "method": seq.request.method, "method_params": dict(seq.request.method_params)}))
+            {"replica": self.index, "method": seq.request.method, "method_params": dict(seq.request.method_params),
+             "density": request_density(seq.meter)}))
 
     def _fail(self, plan: StepPlan, error: str) -> None:
         with self.cond:
@@ -207,3 +228,9 @@ class ReplicaRunner:
                 "steps": self.steps, "step_wall_s": self.step_wall_s, "step_forward_s": self.step_forward_s,
                 "rebuilds": self.rebuilds, "last_error": self.last_error,
                 "shards": [{k: v for k, v in i.items() if k in SHARD_INFO_KEYS} for i in self.group.info]}
+
+
+def request_density(meter: list[float]) -> dict[str, float | None]:
+    """A request's prefill and decode density from its share of the meter (None: no such steps metered)."""
+    pa, pc, da, dc = meter
+    return {"prefill": pa / pc if pc > 0 else None, "decode": da / dc if dc > 0 else None}

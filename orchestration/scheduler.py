@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raysparse.methods.registry import MethodCapabilities, method_capabilities
-from raysparse.orchestration.engine_api import CapacityExceededError, EngineRequest, RequestHandle
+from raysparse.orchestration.engine_api import (
+    CapacityExceededError,
+    EngineRequest,
+    RequestHandle,
+    RequestTooLargeError,
+)
 from raysparse.step_plan import StepPlan, parse_key
 
 
@@ -37,6 +42,9 @@ class Sequence:
     aborted: bool = False
     solo: bool = False  # prefill alone: a batch it was in failed, and the culprit is not known yet
     prefilled: int = 0  # prompt tokens already sent to the shards (chunked prefill)
+    # this request's share of the density meter's counts in its steps: prefill attended and causal pairs,
+    # then decode's (``runner.account_density``)
+    meter: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
 
     @property
     def prompt_done(self) -> bool:
@@ -94,7 +102,7 @@ class Scheduler:
     def make_sequence(self, handle: RequestHandle, key: str, stops: frozenset[int], now: float) -> Sequence:
         pages = self.pages_for(handle.request.max_tokens)
         if pages > self.cfg.capacity_pages:
-            raise CapacityExceededError(
+            raise RequestTooLargeError(
                 f"request needs {handle.request.max_tokens} KV tokens but a replica holds at most "
                 f"{self.cfg.capacity_pages * self.cfg.page_size}")
         if len(self.waiting) >= self.cfg.max_waiting:

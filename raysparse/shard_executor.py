@@ -67,6 +67,13 @@ def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], tor
     bind_backend(backend, ShardContext(all_reduce=reduce))
 
 
+def _meter_counts(backend: AttentionBackend) -> list[float]:
+    """The density meter's totals: prefill attended and causal pairs, then decode's (every layer)."""
+    m = backend.meter
+    att, causal = sum(m.attended), sum(m.causal)
+    return [att - m.decode_attended, causal - m.decode_causal, m.decode_attended, m.decode_causal]
+
+
 class ShardExecutor:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, rank: int = 0, world_size: int = 1,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, sync: Callable[[], None] | None = None,
@@ -155,12 +162,16 @@ class ShardExecutor:
         try:
             self.admit(plan.admit, plan.key)
             backend = self.backend(plan.key)
+            before = _meter_counts(backend) if self.rank == 0 else None
             if plan.prefill:
                 tokens: Any = self._sample(plan, self._forward(plan, backend, plan.tokens))
             else:
                 tokens = self._decode(plan, backend)
             self._sync()
-            return {"tokens": tokens, "error": None, "forward_s": time.perf_counter() - t0}
+            out = {"tokens": tokens, "error": None, "forward_s": time.perf_counter() - t0}
+            if before is not None:  # what this step added to the density meter, for per-request density
+                out["meter"] = [a - b for a, b in zip(_meter_counts(backend), before, strict=True)]
+            return out
         except Exception as e:  # the engine fails these sequences and frees them; other work goes on
             self.free(plan.seq_ids)
             return {"tokens": None, "error": f"{type(e).__name__}: {e}", "forward_s": time.perf_counter() - t0}

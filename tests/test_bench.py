@@ -140,11 +140,36 @@ def test_bench_command_end_to_end(tmp_path):
     assert (out / "bench_sweep.png").stat().st_size > 10_000
 
 
+def test_bench_openai_backend_end_to_end(tmp_path):
+    """--backend openai: the bench starts a server with the HTTP API and loads /v1/completions (token-id
+    prompts of exact lengths, the method in the raysparse extension field)."""
+    from raysparse.cli import main
+    from raysparse.serving.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "bench"
+    n, output_len = 5, 6
+    rc = main(["bench", "--backend", "openai", "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5",
+               "--no-draft", "--kv-cache-tokens", "2048", "--num-prompts", str(n), "--prompt-lens", "40",
+               "--output-len", str(output_len), "--max-concurrency", "3", "--method", "streaming",
+               "--density", "0.5", "--param", "block_size=16", "--param", "sink_tokens=16", "--out", str(out),
+               "--no-plot"])
+    assert rc == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["load"]["backend"] == "openai" and report["model"] == "tiny"
+    (row,) = report["sweep"]
+    assert row["completed"] == n and row["failed"] == 0 and not row["errors"], row["errors"]
+    assert row["total_input_tokens"] == n * 40 and row["total_output_tokens"] == n * output_len
+    assert 0 < row["mean_ttft_ms"] <= row["mean_e2el_ms"] and row["mean_tpot_ms"] > 0
+
+
 def test_bench_usage_errors(capsys):
     from raysparse.cli import main
 
     for argv in (["bench", "--slo", "itl:3", "--target", "127.0.0.1:1"], ["bench", "--local-nodes", "2"],
-                 ["bench", "--request-rate", "0"], ["bench", "--prompt-lens", "0,5"]):
+                 ["bench", "--request-rate", "0"], ["bench", "--prompt-lens", "0,5"],
+                 ["bench", "--backend", "openai", "--target", "ftp://127.0.0.1:1"],
+                 ["bench", "--backend", "openai", "--scaling", "1,2"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

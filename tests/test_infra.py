@@ -16,7 +16,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 SHELL_BUILTINS = {"ulimit", "cd", "export", "echo", "nohup", "sleep", "true", "set"}
-SYSTEM_TOOLS = {"ray", "python", "python3", "pip", "kubectl", "docker", "curl", "wget", "grep", "/bin/bash", "bash"}
+SYSTEM_TOOLS = {"ray", "serve", "python", "python3", "pip", "kubectl", "docker", "curl", "wget", "grep", "/bin/bash",
+                "bash"}
 
 
 def _strings(node: Any) -> list[str]:
@@ -178,3 +179,31 @@ def test_infra_readme_commands_exist():
 ])
 def test_the_checker_can_fail(words, ok):
     assert (check_command(words) is None) == ok
+
+
+def test_grafana_dashboard_queries_metrics_the_server_exports():
+    """Every raysparse: series a panel queries is one the engine metrics export (vLLM's names)."""
+    import json
+
+    from raysparse.serving.engine_metrics import EngineMetrics
+
+    class _Engine:
+        state, source_name = "created", "m"
+
+        def add_request_observer(self, fn: Any) -> None:
+            pass
+
+    exported = set()
+    for fam in EngineMetrics(_Engine()).registry.collect():
+        suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}.get(fam.type, ("",))
+        exported |= {fam.name + s for s in suffixes}
+    dash = json.loads((INFRA / "grafana" / "raysparse-dashboard.json").read_text())
+    queried = {name for p in dash["panels"] for t in p["targets"]
+               for name in re.findall(r"raysparse:[a-z0-9_]+", t["expr"])}
+    assert queried and queried <= exported, queried - exported
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "request_success_total", "attention_density_bucket",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket"):
+        assert f"raysparse:{name}" in queried, name
+    assert {p["id"] for p in dash["panels"]} == set(range(1, len(dash["panels"]) + 1))

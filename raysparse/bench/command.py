@@ -41,7 +41,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        description="Sends prompts of exact token lengths cut from real text at a Poisson request "
                                    "rate or a fixed concurrency and reports TTFT, TPOT, ITL and E2EL (mean, median, "
                                    "p99), request and token throughput and goodput under SLOs, as JSON and plots.")
-    b.add_argument("--target", help="a running server (default: start one here over the engine flags below)")
+    b.add_argument("--target", help="a running server: HOST:PORT for grpc, http://HOST:PORT[/v1] for the OpenAI "
+                                    "backends (default: start one here over the engine flags below)")
+    b.add_argument("--backend", default="grpc", choices=["grpc", "openai", "openai-chat"],
+                   help="the API to load: raysparse's gRPC, or the OpenAI-compatible HTTP API's /v1/completions "
+                        "(openai) or /v1/chat/completions (openai-chat), timed as vLLM bench serve times its "
+                        "backends of the same names")
+    b.add_argument("--served-model-name", default="", metavar="NAME",
+                   help="the model the OpenAI backends ask for (default: the first one the server lists)")
     b.add_argument("--num-prompts", type=positive_int, default=32, help="requests per prompt length")
     b.add_argument("--prompt-lens", type=_int_list, default=(256, 1024), metavar="N,N",
                    help="prompt lengths to sweep, in tokens")
@@ -88,6 +95,13 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 
 def _model_name(args: argparse.Namespace) -> str:
     """The model the report names: the served one's (asked of the server, best effort) or --model's."""
+    if args.target and args.backend != "grpc":
+        try:
+            from raysparse.bench.openai_backend import OpenAITarget
+
+            return OpenAITarget.parse(args.target).served_model(timeout=5.0)
+        except Exception:
+            return f"server at {args.target}"
     if args.target:
         try:
             from raysparse.serving.client import RaySparseClient
@@ -112,6 +126,8 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.target and (args.scaling or args.local_nodes):
         return usage("--scaling starts its own servers: drop --target")
+    if args.scaling and args.backend != "grpc":
+        return usage("--scaling measures the gRPC API: drop --backend")
     if args.local_nodes and not args.scaling:
         return usage("--local-nodes needs --scaling")
     if args.local_nodes and args.address:
@@ -120,7 +136,12 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         slos = parse_slos(args.slo)
         load = LoadConfig(num_prompts=args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
                           max_concurrency=args.max_concurrency, output_len=args.output_len, method=args.method,
-                          method_params=tuple(sorted(method_params(args).items())), seed=args.seed)
+                          method_params=tuple(sorted(method_params(args).items())), seed=args.seed,
+                          backend=args.backend, model=args.served_model_name)
+        if args.target and args.backend != "grpc":
+            from raysparse.bench.openai_backend import OpenAITarget
+
+            OpenAITarget.parse(args.target)  # a malformed URL is a usage error
         ecfg = engine_config(args)
         model = _model_name(args)
         if not args.target:  # refused here, before the tokenizer and the engine load
@@ -133,7 +154,8 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                              f"{limit} positions")
         text, text_desc = load_haystack_text(args.text)
         tok = _tokenizer(args)
-        sampler = PromptSampler(text, lambda s: tok(s, add_special_tokens=False)["input_ids"], args.seed)
+        sampler = PromptSampler(text, lambda s: tok(s, add_special_tokens=False)["input_ids"], args.seed,
+                                decode=lambda ids: tok.decode(list(ids)))
     except (ValueError, FileNotFoundError, OSError) as e:
         return usage(str(e).splitlines()[0])
     console = output_console(stderr=True)  # the terminal's width, or whole lines into a log
@@ -176,13 +198,17 @@ def _sweep(args: argparse.Namespace, ecfg: Any, sampler: Any, load: Any, slos: d
     from raysparse.serving.client import RaySparseClient
     from raysparse.serving.server import InferenceServer, ServerConfig
 
-    srv = InferenceServer(Engine(ecfg), ServerConfig(host=args.host, port=0, metrics_port=None)).start()
+    http = args.backend != "grpc"
+    srv = InferenceServer(Engine(ecfg), ServerConfig(host=args.host, port=0, metrics_port=None,
+                                                     http_port=0 if http else None)).start()
     try:
         console.print("loading the engine ...")
         srv.start_engine()
         target = f"{args.host}:{srv.port}"
         with RaySparseClient(target) as c:
             c.wait_serving(300)
+        if http:
+            target = f"http://{args.host}:{srv.http_port}/v1"
         return [r.as_dict() for r in sweep(target, sampler, args.prompt_lens, load, slos, step)]
     finally:
         srv.stop()

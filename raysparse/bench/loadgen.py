@@ -7,6 +7,7 @@ cut; the tokenizer is the served model's, loaded on the client as vLLM's bench d
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import threading
@@ -33,8 +34,14 @@ class LoadConfig:
     method_params: tuple[tuple[str, Any], ...] = ()
     seed: int = 0
     timeout_s: float = 600.0  # per request
+    backend: str = "grpc"  # grpc, or openai / openai-chat: the OpenAI-compatible HTTP API (openai_backend)
+    model: str = ""  # the model the OpenAI backends name ("": the first one the server lists)
 
     def __post_init__(self) -> None:
+        from raysparse.bench.openai_backend import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.num_prompts < 1 or self.output_len < 1:
             raise ValueError("num_prompts and output_len must be >= 1")
         if not self.request_rate > 0:
@@ -64,10 +71,12 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
 class PromptSampler:
     """Token-id prompts of exact lengths from windows of real text at seeded random offsets."""
 
-    def __init__(self, text: str, encode: Callable[[str], list[int]], seed: int = 0) -> None:
+    def __init__(self, text: str, encode: Callable[[str], list[int]], seed: int = 0,
+                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
         if len(text) < 1000:
             raise ValueError("the prompt text is too short (need at least 1000 characters)")
         self.text, self.encode, self.rng = text, encode, random.Random(seed)
+        self.decode = decode  # token ids back to text, for backends that take text (openai-chat)
 
     def sample(self, length: int) -> list[int]:
         chars = max(64, length * 8)
@@ -84,34 +93,23 @@ class PromptSampler:
 
 
 def run_load(target: str, prompts: Sequence[Sequence[int]], cfg: LoadConfig,
-             slos_ms: dict[str, float] | None = None, progress: Callable[[int], None] | None = None
-             ) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """Sends every prompt once; returns the metrics summary and the per-request records."""
+             slos_ms: dict[str, float] | None = None, progress: Callable[[int], None] | None = None,
+             decode: Callable[[Sequence[int]], str] | None = None) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """Sends every prompt once; returns the metrics summary and the per-request records. ``target`` is the
+    gRPC address, or the HTTP base URL for the OpenAI backends (``decode``: ids to text, for openai-chat)."""
     offsets = arrival_offsets(len(prompts), cfg.request_rate, cfg.burstiness, cfg.seed)
     records = [RequestRecord(prompt_len=len(p)) for p in prompts]
     gate = threading.BoundedSemaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     done = [0]
     lock = threading.Lock()
-    with RaySparseClient(target) as client:
+    with contextlib.ExitStack() as stack:
+        send = _grpc_sender(stack.enter_context(RaySparseClient(target)), prompts, cfg) if cfg.backend == "grpc" \
+            else _openai_sender(target, prompts, cfg, decode)
 
         def one(i: int) -> None:
-            rec = records[i]
-            req = build_request(token_ids=list(prompts[i]), method=cfg.method,
-                                method_params=dict(cfg.method_params), max_new_tokens=cfg.output_len,
-                                ignore_eos=True)
             try:
-                rec.t_send = time.perf_counter()
-                for ch in client.stream_request(req, timeout=cfg.timeout_s):
-                    if ch.finish is not None:
-                        rec.success = ch.finish.finish_reason in ("length", "stop")
-                        rec.error = ch.finish.error or ("" if rec.success else ch.finish.finish_reason)
-                    elif ch.token_ids:
-                        rec.chunk_times.append(ch.t)
-                        rec.output_len += len(ch.token_ids)
-            except grpc.RpcError as e:
-                rec.error = f"{e.code().name}: {e.details()}"
+                send(i, records[i])
             finally:
-                rec.t_end = time.perf_counter()
                 if gate is not None:
                     gate.release()
                 with lock:
@@ -133,6 +131,48 @@ def run_load(target: str, prompts: Sequence[Sequence[int]], cfg: LoadConfig,
     return compute_metrics(records, duration, slos_ms), records
 
 
+def _grpc_sender(client: RaySparseClient, prompts: Sequence[Sequence[int]],
+                 cfg: LoadConfig) -> Callable[[int, RequestRecord], None]:
+    def send(i: int, rec: RequestRecord) -> None:
+        req = build_request(token_ids=list(prompts[i]), method=cfg.method, method_params=dict(cfg.method_params),
+                            max_new_tokens=cfg.output_len, ignore_eos=True)
+        try:
+            rec.t_send = time.perf_counter()
+            for ch in client.stream_request(req, timeout=cfg.timeout_s):
+                if ch.finish is not None:
+                    rec.success = ch.finish.finish_reason in ("length", "stop")
+                    rec.error = ch.finish.error or ("" if rec.success else ch.finish.finish_reason)
+                elif ch.token_ids:
+                    rec.chunk_times.append(ch.t)
+                    rec.output_len += len(ch.token_ids)
+        except grpc.RpcError as e:
+            rec.error = f"{e.code().name}: {e.details()}"
+        finally:
+            rec.t_end = time.perf_counter()
+
+    return send
+
+
+def _openai_sender(target: str, prompts: Sequence[Sequence[int]], cfg: LoadConfig,
+                   decode: Callable[[Sequence[int]], str] | None) -> Callable[[int, RequestRecord], None]:
+    from raysparse.bench.openai_backend import OpenAITarget, request_body, send
+
+    url = OpenAITarget.parse(target)
+    model = cfg.model or url.served_model()
+    if cfg.backend == "openai-chat" and decode is None:
+        raise ValueError("the openai-chat backend sends text: give the tokenizer's decode")
+    params = dict(cfg.method_params)
+
+    def send_one(i: int, rec: RequestRecord) -> None:
+        prompt: Sequence[int] | str = prompts[i]
+        if cfg.backend == "openai-chat" and decode is not None:
+            prompt = decode(prompts[i])
+        send(url, cfg.backend, request_body(cfg.backend, model, prompt, cfg.output_len, cfg.method, params), rec,
+             cfg.timeout_s)
+
+    return send_one
+
+
 @dataclass
 class SweepResult:
     prompt_len: int
@@ -149,7 +189,7 @@ def sweep(target: str, sampler: PromptSampler, prompt_lens: Sequence[int], cfg: 
     out = []
     for n in prompt_lens:
         prompts = [sampler.sample(n) for _ in range(cfg.num_prompts)]
-        metrics, records = run_load(target, prompts, cfg, slos_ms)
+        metrics, records = run_load(target, prompts, cfg, slos_ms, decode=sampler.decode)
         res = SweepResult(n, metrics, sorted({r.error for r in records if r.error}))
         if on_step is not None:
             on_step(n, res.as_dict())

@@ -157,6 +157,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=port, default=50051, help="gRPC port (0: any free one)")
     s.add_argument("--metrics-port", type=port, default=9400, help="Prometheus port")
     s.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
+    s.add_argument("--http-port", type=port, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
+                        "/v1/chat/completions, /metrics) on this port, same --host (default: off; 0: any free one)")
+    s.add_argument("--served-model-name", default="", metavar="NAME",
+                   help="the model's name in the HTTP API and the metrics (default: the model's directory name)")
     s.add_argument("--grace", type=float, default=5.0, help="seconds streams get to finish on shutdown")
     add_engine_args(s)
     g = sub.add_parser("generate", help="stream a completion from a running raysparse server",
@@ -198,7 +203,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         cfg = engine_config(args)
         scfg = ServerConfig(host=args.host, port=args.port, metrics_port=None if args.no_metrics else args.metrics_port,
-                            grace_s=args.grace)
+                            grace_s=args.grace, http_port=args.http_port, served_model_name=args.served_model_name)
     except ValueError as e:
         parser.exit(EXIT_USAGE, f"raysparse: error: {e}\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -214,7 +219,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"raysparse: listening on {args.host}:{server.port}{metrics}; loading the engine", flush=True)
+    http = f", OpenAI API on http://{args.host}:{server.http_port}/v1" if server.http_port else ""
+    print(f"raysparse: listening on {args.host}:{server.port}{metrics}{http}; loading the engine", flush=True)
     try:
         server.start_engine()
         print(f"raysparse: serving {server.engine.source_name} ({args.replicas} x tp={args.tp})", flush=True)

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from raysparse.serving.engine_metrics import EngineMetrics
 from raysparse.serving.metrics import ServerMetrics
 from raysparse.serving.proto import raysparse_pb2 as pb
 from raysparse.serving.servicer import RaySparseServicer, add_to_server
@@ -36,12 +37,16 @@ class ServerConfig:
     poll_s: float = 0.2  # health and gauge refresh
     density_poll_s: float = 5.0  # density gauges (one call to every replica's rank-0 shard)
     grace_s: float = 5.0
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (openai_api); None: none; 0: any free port
+    served_model_name: str = ""  # the model's name in the HTTP API and the metrics ("": the engine's)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.max_workers < 1 or self.poll_s <= 0 or self.density_poll_s <= 0 or self.grace_s < 0:
             raise ValueError("max_workers >= 1, poll_s > 0, density_poll_s > 0 and grace_s >= 0 are required")
 
@@ -53,6 +58,11 @@ class InferenceServer:
         self.engine, self.cfg = engine, cfg
         self.metrics = ServerMetrics()
         self.servicer = RaySparseServicer(engine, self.metrics)
+        # vLLM-named metrics of every request the engine serves, on the same /metrics
+        self.engine_metrics = EngineMetrics(engine, self.metrics.registry,
+                                            lambda: cfg.served_model_name or getattr(engine, "source_name", ""))
+        self.openai: Any = None  # http_server.OpenAIHTTPServer
+        self.http_port: int | None = None
         self.health = health.HealthServicer()
         self.port = 0
         self.metrics_port: int | None = None
@@ -84,6 +94,13 @@ class InferenceServer:
         if self.cfg.metrics_port is not None:
             self._http = self.metrics.serve_http(self.cfg.metrics_port, self.cfg.host)
             self.metrics_port = self._http[0].server_port
+        if self.cfg.http_port is not None:
+            from raysparse.serving.http_server import OpenAIHTTPServer
+            from raysparse.serving.openai_api import OpenAIFrontend
+
+            self.openai = OpenAIHTTPServer(OpenAIFrontend(self.engine, self.cfg.served_model_name), self.cfg.host,
+                                           self.cfg.http_port, self.metrics.registry, self.cfg.grace_s).start()
+            self.http_port = self.openai.port
         self._poller.start()
         return self
 
@@ -124,9 +141,14 @@ class InferenceServer:
     def stop(self, shutdown_engine: bool = True) -> None:
         self._stop.set()
         self.health.enter_graceful_shutdown()  # NOT_SERVING from here on, whatever the poller last set
+        if self.openai is not None:
+            self.openai.begin_stop()  # no new HTTP connections; the streams in flight drain with gRPC's
         if self._server is not None:
             self._server.stop(self.cfg.grace_s).wait(self.cfg.grace_s + 5)
             self._server = None
+        if self.openai is not None:
+            self.openai.stop()
+            self.openai = None
         if self._poller.is_alive():
             self._poller.join(timeout=5)
         if self._http is not None:

@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 EOS = "</s>"
+# A plain chat template for tests of chat endpoints (every character is a token of the tiny vocabulary)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 def _tokenizer():  # noqa: ANN202 - a transformers fast tokenizer
@@ -28,14 +31,18 @@ def _tokenizer():  # noqa: ANN202 - a transformers fast tokenizer
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=EOS)
 
 
-def write_tiny_model(directory: str | Path, seed: int = 0, layers: int = 2, max_positions: int = 1024) -> Path:
-    """Writes a seeded random Llama (2 KV heads, GQA 2) and its tokenizer; returns the directory."""
+def write_tiny_model(directory: str | Path, seed: int = 0, layers: int = 2, max_positions: int = 1024,
+                     chat_template: str | None = None) -> Path:
+    """Writes a seeded random Llama (2 KV heads, GQA 2) and its tokenizer (with ``chat_template``, e.g.
+    ``CHAT_TEMPLATE``, when given); returns the directory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=False,

@@ -1,0 +1,379 @@
+"""The OpenAI-compatible HTTP API: `raysparse serve --http-port` in a real process, talked to with the official
+`openai` client, beside the gRPC API of the same process (a tiny random Llama with a chat template, CPU)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from raysparse.serving.client import RaySparseClient  # noqa: E402
+
+MAX_POS = 1024
+KV_TOKENS = 768  # below the model's positions, so a request can fit the context but not the cache
+SPARSE = {"method": "streaming", "density": 0.1, "sink_tokens": 16, "block_size": 16, "dense_layers": []}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from raysparse.serving.tiny import CHAT_TEMPLATE, write_tiny_model
+
+    model = write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", max_positions=MAX_POS, chat_template=CHAT_TEMPLATE)
+    port, mport, hport = _free_port(), _free_port(), _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "raysparse.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--metrics-port", str(mport), "--http-port", str(hport), "--num-cpus", "2",
+                             "--cpus-per-shard", "0.5", "--no-draft", "--kv-cache-tokens", str(KV_TOKENS)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    grpc_client = RaySparseClient(f"127.0.0.1:{port}")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{hport}/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        grpc_client.wait_serving(120)
+        yield {"proc": proc, "grpc": grpc_client, "client": client, "http": f"http://127.0.0.1:{hport}", "model": model,
+               "metrics": f"http://127.0.0.1:{mport}/metrics"}
+    finally:
+        client.close()
+        grpc_client.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def _wait_kv_free(grpc_client: RaySparseClient, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = grpc_client.server_info()
+        if info.kv_used_tokens == 0 and info.running == 0 and info.waiting == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"KV not freed: {grpc_client.server_info()}")
+
+
+def _metrics(url: str) -> dict[str, float]:
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_models_list(server):
+    models = server["client"].models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert models.data[0].owned_by == "raysparse"
+    assert server["client"].models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        server["client"].models.retrieve("no-such-model")
+
+
+def test_completion_equals_the_grpc_api(server):
+    c, g = server["client"], server["grpc"]
+    ref = g.generate(text="The quick brown fox", max_new_tokens=8, ignore_eos=True, timeout=60)
+    out = c.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and len(out.choices) == 1
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len("The quick brown fox") and out.usage.completion_tokens == 8
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+    ext = out.raysparse  # our extension field: the method and the request's measured density
+    assert ext["method"] == "dense" and ext["density"]["prefill"] == 1.0 and ext["density"]["decode"] == 1.0
+    # token ids as the prompt, and a default max_tokens of 16 (OpenAI's)
+    by_ids = c.completions.create(model="tiny", prompt=[40, 41, 42, 43], temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ref_ids = g.generate(token_ids=[40, 41, 42, 43], max_new_tokens=16, ignore_eos=True, timeout=60)
+    assert by_ids.choices[0].text == ref_ids.text and by_ids.usage.completion_tokens == 16
+
+
+def test_streamed_chat_equals_the_grpc_greedy_output(server):
+    c, g = server["client"], server["grpc"]
+    question = "What is the capital of France?"
+    n = 12
+    ref = g.generate(text=question, chat=True, max_new_tokens=n, ignore_eos=True, timeout=60)
+    assert len(ref.token_ids) == n
+    stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}], max_tokens=n,
+                                       temperature=0, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert len(content) >= 2  # it streamed
+    assert "".join(content) == ref.text
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    assert chunks[-1].usage.prompt_tokens == ref.prompt_tokens
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    # the same without streaming
+    whole = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}], max_tokens=n,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == ref.text and whole.choices[0].message.role == "assistant"
+
+
+def test_per_request_method_and_its_density(server):
+    c = server["client"]
+    prompt = list(range(5, 100)) * 3  # 285 tokens: streaming keeps a few 16-token blocks per row
+    out = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                               extra_body={"ignore_eos": True, "raysparse": SPARSE})
+    ext = out.raysparse
+    assert ext["method"] == "streaming" and ext["method_params"]["density"] == 0.1
+    assert 0.0 < ext["density"]["prefill"] < 0.5 and 0.0 < ext["density"]["decode"] < 1.0
+    dense = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert dense.raysparse["density"] == {"prefill": 1.0, "decode": 1.0}
+    # the gRPC API's validation: unknown methods and bad parameters are 400s
+    for ext_body in ({"method": "no_such_method"}, {"method": "streaming", "bogus": 1},
+                     {"method": "streaming", "density": 2.0}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"raysparse": ext_body})
+        assert e.value.status_code == 400 and e.value.body["message"]
+
+
+def test_bad_requests_are_400_with_openai_error_bodies(server):
+    c = server["client"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="hello", max_tokens=-1)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "max_tokens" and e.value.body["type"] == "invalid_request_error"
+    bad = [
+        dict(prompt="", max_tokens=4),
+        dict(prompt=" \t\n ", max_tokens=4),
+        dict(prompt="hi", max_tokens=4, temperature=-1.0),
+        dict(prompt="hi", max_tokens=4, top_p=1.5),
+        dict(prompt="hi", max_tokens=4, n=2),
+        dict(prompt="hi", max_tokens=4, logprobs=2),
+        dict(prompt=[3] * (MAX_POS - 10), max_tokens=20),  # past the model's positions
+        dict(prompt=[10_000], max_tokens=4),  # outside the vocabulary
+        dict(prompt=[3] * (KV_TOKENS - 8), max_tokens=40),  # can never fit a replica's KV cache
+        dict(prompt="hi", max_tokens=4, stop=["a", "b", "c", "d", "e"]),
+        dict(prompt="hi", max_tokens=4, extra_body={"raysparse": {"method": 7}}),
+    ]
+    for kwargs in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", **kwargs)
+        assert e.value.status_code == 400, kwargs
+        assert e.value.body["message"], kwargs
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    # not JSON at all, and a body without its required field
+    for data in (b"{not json", b'{"model": "tiny"}'):
+        req = urllib.request.Request(server["http"] + "/v1/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as he:
+            urllib.request.urlopen(req, timeout=10)
+        assert he.value.code == 400 and b'"error"' in he.value.read()
+    ok = c.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 3  # still serving
+
+
+def test_stop_strings(server):
+    c = server["client"]
+    full = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    assert len(full) >= 10
+    stop = full[6:8]
+    cut = full[:full.index(stop)]
+    stops = 'raysparse:request_success_total{finished_reason="stop",model_name="tiny"}'
+    before = _metrics(server["metrics"]).get(stops, 0.0)
+    out = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0, stop=[stop],
+                               extra_body={"ignore_eos": True})
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0, stop=stop,
+                                    stream=True, extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(ch.choices[0].text for ch in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    _wait_kv_free(server["grpc"])
+    assert _metrics(server["metrics"])[stops] == before + 2  # counted as stops, though the engine aborted them
+
+
+def test_client_disconnect_mid_stream_frees_the_kv(server):
+    c, g = server["client"], server["grpc"]
+    _wait_kv_free(g)
+    aborts = 'raysparse:request_success_total{finished_reason="abort",model_name="tiny"}'
+    before = _metrics(server["metrics"]).get(aborts, 0.0)
+    stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me a long story"}],
+                                       max_tokens=KV_TOKENS - 64, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    got = [next(it) for _ in range(3)]
+    assert got[0].choices[0].delta.role == "assistant"
+    busy = g.server_info()
+    assert busy.running == 1 and busy.kv_used_tokens >= KV_TOKENS - 64
+    m = _metrics(server["metrics"])
+    assert m['raysparse:num_requests_running{model_name="tiny"}'] == 1.0
+    assert m['raysparse:kv_cache_usage_perc{model_name="tiny"}'] >= (KV_TOKENS - 64) / KV_TOKENS
+    stream.close()  # the client goes away mid-stream
+    _wait_kv_free(g)
+    after = _metrics(server["metrics"])
+    assert after[aborts] == before + 1
+    assert after['raysparse:kv_cache_usage_perc{model_name="tiny"}'] == 0.0
+    # a non-streaming request whose client times out is aborted too
+    slow = openai.OpenAI(base_url=server["http"] + "/v1", api_key="x", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        slow.completions.create(model="tiny", prompt="a long wait", max_tokens=KV_TOKENS - 64,
+                                extra_body={"ignore_eos": True})
+    slow.close()
+    _wait_kv_free(g, timeout=20)
+
+
+def test_concurrent_streams_match_sequential_greedy(server):
+    c = server["client"]
+    prompts = [[(7 * i + j) % 90 + 5 for j in range(3 + 5 * i)] for i in range(8)]
+    sequential = [c.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    results: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        s = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=8, temperature=0, stream=True,
+                                 extra_body={"ignore_eos": True})
+        results[i] = "".join(ch.choices[0].text for ch in s)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == sequential
+
+
+def test_bench_load_generator_on_the_http_api(server):
+    """The bench's OpenAI backends against this server: vLLM bench serve's request and timing."""
+    from transformers import AutoTokenizer
+
+    from raysparse.bench.loadgen import LoadConfig, run_load
+
+    tok = AutoTokenizer.from_pretrained(server["model"])
+    prompts = [list(range(5 + i, 45 + i)) for i in range(4)]
+    for backend in ("openai", "openai-chat"):
+        cfg = LoadConfig(num_prompts=4, output_len=5, max_concurrency=2, backend=backend, method="streaming",
+                         method_params=tuple(sorted({k: v for k, v in SPARSE.items() if k != "method"}.items())))
+        metrics, records = run_load(server["http"], prompts, cfg, decode=lambda ids: tok.decode(ids))
+        assert metrics["completed"] == 4 and metrics["failed"] == 0, [r.error for r in records]
+        assert metrics["total_output_tokens"] == 20
+        assert all(r.chunk_times and r.ttft > 0 and r.t_end >= r.chunk_times[-1] for r in records)
+    bad = LoadConfig(num_prompts=1, output_len=5, backend="openai", method="no_such_method")
+    metrics, records = run_load(server["http"] + "/v1", prompts[:1], bad)
+    assert metrics["failed"] == 1 and records[0].error.startswith("HTTP 400")
+
+
+def test_metrics_follow_vllm_names(server):
+    c = server["client"]
+    url = server["metrics"]
+    before = _metrics(url)
+    lab = '{model_name="tiny"}'
+
+    def val(m: dict, name: str) -> float:
+        return m.get(name, 0.0)
+
+    def delta(name: str) -> float:
+        return val(after, name) - val(before, name)
+
+    n_req, n_tok = 3, 5
+    for _ in range(n_req):
+        c.completions.create(model="tiny", prompt="abcdefg", max_tokens=n_tok, temperature=0,
+                             extra_body={"ignore_eos": True, "raysparse": SPARSE})
+    after = _metrics(url)
+    assert delta(f"raysparse:generation_tokens_total{lab}") == n_req * n_tok
+    assert delta(f"raysparse:prompt_tokens_total{lab}") == n_req * 7
+    assert delta('raysparse:request_success_total{finished_reason="length",model_name="tiny"}') == n_req
+    for hist, per_req in (("time_to_first_token_seconds", 1), ("e2e_request_latency_seconds", 1),
+                          ("inter_token_latency_seconds", n_tok - 1)):
+        cnt = f"raysparse:{hist}_count{lab}"
+        assert delta(cnt) == n_req * per_req, hist
+        assert delta(f"raysparse:{hist}_sum{lab}") > 0
+        assert after[f'raysparse:{hist}_bucket{{le="+Inf",model_name="tiny"}}'] == after[cnt]
+    dens = 'raysparse:attention_density_count{method="streaming",model_name="tiny",phase="prefill"}'
+    assert delta(dens) == n_req
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"raysparse:{gauge}{lab}" in after
+    # the same registry on the HTTP port, as vLLM serves it
+    http = _metrics(server["http"] + "/metrics")
+    assert http[f"raysparse:generation_tokens_total{lab}"] >= after[f"raysparse:generation_tokens_total{lab}"]
+
+
+def test_sigterm_stops_both_apis(server):
+    """Last in the module: SIGTERM drains, exits 0, and the HTTP port is closed."""
+    proc = server["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    log = proc.stdout.read() if proc.stdout else ""
+    assert re.search(r"OpenAI API on http://127\.0\.0\.1:\d+/v1", log) and "draining" in log
+    with pytest.raises(openai.APIConnectionError):
+        server["client"].models.list()
+
+
+def test_unavailable_while_the_engine_is_not_ready():
+    from raysparse.orchestration.engine import Engine, EngineConfig
+    from raysparse.serving.server import InferenceServer, ServerConfig
+
+    eng = Engine(EngineConfig())
+    eng.state = "loading"  # as while a replica loads its weights (nothing is started here)
+    srv = InferenceServer(eng, ServerConfig(port=0, metrics_port=None, http_port=0)).start()
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key="x", max_retries=0, timeout=10)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="x", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["type"] == "service_unavailable_error"
+        with pytest.raises(urllib.error.HTTPError) as he:
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.http_port}/health", timeout=10)
+        assert he.value.code == 503
+        c.close()
+    finally:
+        srv.stop(shutdown_engine=False)
+
+
+def test_stop_string_matcher():
+    from raysparse.serving.openai_api import StopStrings
+
+    s = StopStrings(["END", "xy"])
+    out = [s.feed(d) for d in ("ab", "cE", "N", "x", "q", "EN", "D")]
+    assert "".join(out) == "abcENxq" and s.stopped and s.text == "abcENxq"
+    assert out[1:4] == ["c", "", "EN"]  # "E", then "EN", then "x" held back until decided
+    t = StopStrings([])
+    assert [t.feed(d) for d in ("a", "b")] == ["a", "b"]
+
+
+def test_engine_errors_map_to_openai_statuses():
+    """The engine's typed errors (the gRPC status codes) as HTTP statuses with OpenAI-style bodies."""
+    from raysparse.orchestration.engine_api import (
+        CapacityExceededError,
+        DuplicateRequestError,
+        EngineUnavailableError,
+        InvalidRequestError,
+        RequestTooLargeError,
+    )
+    from raysparse.serving.openai_api import engine_error
+
+    cases = [(InvalidRequestError("bad"), 400, "invalid_request_error"),
+             (RequestTooLargeError("never fits"), 400, "invalid_request_error"),
+             (CapacityExceededError("4096 requests are already waiting"), 429, "rate_limit_error"),
+             (EngineUnavailableError("the engine is draining"), 503, "service_unavailable_error"),
+             (DuplicateRequestError("dup"), 409, "server_error"),
+             (ValueError("temperature"), 400, "invalid_request_error")]
+    for err, status, kind in cases:
+        e = engine_error(err)
+        assert (e.status, e.body()["error"]["type"]) == (status, kind), err
+        assert e.body()["error"]["message"] == str(err)
+    assert RequestTooLargeError.code == "RESOURCE_EXHAUSTED"  # the gRPC API answers as before
