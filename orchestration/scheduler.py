@@ -37,6 +37,7 @@ class Sequence:
     aborted: bool = False
     solo: bool = False  # prefill alone: a batch it was in failed, and the culprit is not known yet
     prefilled: int = 0  # prompt tokens already sent to the shards (chunked prefill)
+    retried: bool = False  # already requeued once after its group died
 
     @property
     def prompt_done(self) -> bool:
@@ -127,6 +128,17 @@ class Scheduler:
             self.free_pages += seq.pages
         seq.solo, seq.tokens, seq.text, seq.t_first, seq.prefilled = True, [], "", 0.0, 0
         self.waiting.appendleft(seq)
+
+    def requeue_lost(self, seqs: list[Sequence]) -> None:
+        """Running sequences whose group died before they yielded a token go back to the front of the queue,
+        in their order, to start afresh on the rebuilt group (once: ``retried``)."""
+        for seq in reversed(seqs):
+            group = self.running.get(seq.key, [])
+            if seq in group:
+                group.remove(seq)
+                self.free_pages += seq.pages
+            seq.retried, seq.tokens, seq.text, seq.t_first, seq.prefilled = True, [], "", 0.0, 0
+            self.waiting.appendleft(seq)
 
     def drop_waiting(self, seq: Sequence) -> bool:
         try:

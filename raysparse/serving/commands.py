@@ -104,6 +104,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="an existing Ray cluster (default: a local instance)")
     p.add_argument("--kv-cache-tokens", type=positive_int, default=16384, help="KV cache per replica, in tokens")
     p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="N",
+                   help="prompt tokens per prefill step; other streams decode between two chunks (default: 128 on "
+                        "CPU shards, 65536 on GPUs)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the shards run (auto: GPUs when the cluster has --tp of them)")
     p.add_argument("--num-cpus", type=positive_int, default=None,
@@ -122,7 +125,8 @@ def engine_config(args: argparse.Namespace) -> Any:
     from raysparse.orchestration.engine_config import EngineConfig
 
     return EngineConfig(model=args.model, dtype=args.dtype, tp=args.tp, replicas=args.replicas, address=args.address,
-                        kv_cache_tokens=args.kv_cache_tokens, max_batch=args.max_batch, device=args.device,
+                        kv_cache_tokens=args.kv_cache_tokens, max_batch=args.max_batch,
+                        max_prefill_tokens=args.max_prefill_tokens, device=args.device,
                         num_cpus=args.num_cpus, cpus_per_shard=args.cpus_per_shard, draft=not args.no_draft,
                         random_weights=args.random_weights, decode_steps=args.decode_steps,
                         cuda_graphs=not args.no_cuda_graphs, runtime=runtime_config(args.runtime))
@@ -153,7 +157,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=port, default=50051, help="gRPC port (0: any free one)")
     s.add_argument("--metrics-port", type=port, default=9400, help="Prometheus port")
     s.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
-    s.add_argument("--grace", type=float, default=5.0, help="seconds streams get to finish on shutdown")
+    s.add_argument("--grace", type=float, default=5.0,
+                   help="draining on SIGTERM: seconds health answers NOT_SERVING before the port closes, while new "
+                        "calls are refused and streams in flight go on")
     add_engine_args(s)
     g = sub.add_parser("generate", help="stream a completion from a running raysparse server",
                        description="A gRPC client: sends one prompt (text or token ids) and streams the text.")
