@@ -9,7 +9,7 @@ from helpers import fresh_cache, random_state, tiny_hf_config
 from raysparse.attention import DenseAttention
 from raysparse.generate import FinishEvent, GenerationRequest, Generator
 from raysparse.loader import model_from_state
-from raysparse.methods.registry import create_backend, get_method, method_names
+from raysparse.methods.registry import check_params, create_backend, get_method, method_names, method_params
 from raysparse.sampling import SamplingParams
 
 # Methods whose generation loop is not the plain generator (speculative decoding).
@@ -41,7 +41,7 @@ def test_registry_holds_the_named_methods():
 @pytest.mark.parametrize("name", [n for n in method_names() if n not in SPECIAL])
 def test_every_method_generates_and_reports_density(tiny, name):
     model, prompts = tiny
-    backend = create_backend(name, model.cfg, density=0.2)
+    backend = create_backend(name, model.cfg, **({"density": 0.2} if "density" in method_params(name) else {}))
     out = _generate(model, backend, prompts)
     assert sorted(out) == ["0", "1"] and all(len(t) == 6 for t in out.values())
     density = backend.meter.overall()
@@ -56,7 +56,22 @@ def test_unknown_method_parameter_is_refused(tiny):
         create_backend("sketch_walk", model.cfg, nonsense=3)
 
 
-def test_dense_ignores_the_shared_density_flag(tiny):
+def test_parameters_a_method_does_not_take_are_refused(tiny):
+    """--density with dense (or SpecAttn, whose budget is top_p) is an error, not silently ignored; every
+    command checks with ``check_params`` before anything loads, and the factory refuses the same."""
     model, prompts = tiny
-    assert _generate(model, create_backend("dense", model.cfg, density=0.3), prompts) == _generate(
+    assert method_params("dense") == frozenset()
+    assert {"density", "dense_layers", "block_size"} <= method_params("psaw")
+    assert "density" not in method_params("specattn") and "top_p" in method_params("specattn")
+    for name, params in (("dense", {"density": 0.3}), ("dense", {"dense_layers": (0,)}),
+                         ("specattn", {"density": 0.3}), ("psaw", {"bogus": 1})):
+        key = next(iter(params))
+        with pytest.raises(ValueError, match=f"method '{name}' has no parameter '{key}'"):
+            check_params(name, params)
+        with pytest.raises(ValueError, match="has no parameter"):
+            create_backend(name, model.cfg, **params)
+    check_params("psaw", {"density": 0.1, "sink": 4})
+    with pytest.raises(ValueError, match="unknown attention method"):
+        check_params("nope", {})
+    assert _generate(model, create_backend("dense", model.cfg), prompts) == _generate(
         model, DenseAttention(model.cfg.num_layers), prompts)

@@ -97,6 +97,7 @@ def test_bad_inputs_get_their_status_codes(served):
         (dict(token_ids=[3], method="no_such_method"), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], method="psaw", method_params={"bogus": 1}), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], method="psaw", method_params={"density": 2.0}), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], method_params={"density": 0.2}), grpc.StatusCode.INVALID_ARGUMENT),  # dense has none
         (dict(token_ids=[10_000]), grpc.StatusCode.INVALID_ARGUMENT),  # outside the vocabulary
         (dict(token_ids=[3] * (KV_TOKENS - 8), max_new_tokens=40), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ]

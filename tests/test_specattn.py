@@ -228,7 +228,7 @@ def test_specattn_with_p1_decodes_exactly_greedy(tiny):
     reqs = _requests(23)
     want, _ = _run(Generator(tiny, fresh_cache(tiny, 512), DenseAttention(tiny.cfg.num_layers)), reqs)
     cache = fresh_cache(tiny, 512)
-    backend = create_backend("specattn", tiny.cfg, top_p=1.0, density=0.3)  # --density is ignored
+    backend = create_backend("specattn", tiny.cfg, top_p=1.0)
     assert isinstance(backend, SpecAttn) and backend.speculative
     got, streamed = _run(SpecAttnGenerator(tiny, cache, backend), reqs)
     assert got == want

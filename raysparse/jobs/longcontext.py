@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = engine_config(args)
+        method_params(args)  # the file-wide method flags, checked before anything loads
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     t0 = time.perf_counter()

@@ -32,9 +32,6 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.registry import MethodSpec
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs
 
-# Parameters every command may pass; a method without them ignores them (dense has no density).
-SHARED_PARAMS = frozenset({"density", "dense_layers"})
-
 
 @dataclass(frozen=True)
 class MethodConfig:
@@ -274,15 +271,14 @@ def host_row_budget(density: float, causal_units: int) -> int:
 
 
 def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
-    """A registry entry for ``cls``. Shared flags such as ``--density`` reach only methods whose config
-    has that field; any other unknown parameter is an error."""
-    fields = {f for f in cls.config_cls.__dataclass_fields__}
+    """A registry entry for ``cls``: its parameters are its config's fields, and any other one - a shared flag
+    such as ``--density`` included, for a method whose config has no such field - is an error."""
+    fields = frozenset(cls.config_cls.__dataclass_fields__)
 
     def factory(model_cfg: ModelConfig, **params: Any) -> AttentionBackend:
-        shared = {k: v for k, v in params.items() if k in SHARED_PARAMS and k not in fields}
-        unknown = set(params) - fields - set(shared)
+        unknown = set(params) - fields
         if unknown:
             raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
-        return cls(model_cfg, cls.config_cls(**{k: v for k, v in params.items() if k in fields}))
+        return cls(model_cfg, cls.config_cls(**params))
 
-    return MethodSpec(cls.name, description, factory)
+    return MethodSpec(cls.name, description, factory, params=fields)

@@ -141,9 +141,20 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 def method_params(args: argparse.Namespace) -> dict[str, Any]:
+    """``--param`` and ``--density`` as the method's parameters. Raises ValueError (one line, before anything
+    loads) for an unknown ``--method`` or a parameter it does not take, e.g. ``--density`` with ``dense``."""
+    from raysparse.methods.registry import check_params
+
     out = dict(args.param)
     if args.density is not None:
+        if "density" in out:
+            raise ValueError("give the density once: --density or --param density=..., not both")
         out["density"] = args.density
+    try:
+        check_params(args.method, out)
+    except ValueError as e:
+        flag = "--density" if "'density'" in str(e) and args.density is not None else "--param"
+        raise ValueError(f"{flag}: {e}" if "has no parameter" in str(e) else str(e)) from None
     return out
 
 
