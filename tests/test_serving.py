@@ -449,8 +449,11 @@ def test_serve_and_generate_commands(tmp_path):
                                    "--ignore-eos", "Hello"], capture_output=True, text=True, timeout=120)
         assert streamed.returncode == 0 and "[length: 5 prompt + 5 tokens" in streamed.stderr
         bad = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "1",
-                              "--method", "no_such_method"], capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 1 and bad.stderr.startswith("raysparse: error: INVALID_ARGUMENT")
+                              "--method", "psaw", "--density", "2"], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and bad.stderr.startswith("raysparse: error: INVALID_ARGUMENT")  # the server's
+        unknown = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "1",
+                                  "--method", "no_such_method"], capture_output=True, text=True, timeout=120)
+        assert unknown.returncode == 2 and "unknown attention method" in unknown.stderr  # refused before the call
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
     finally:
