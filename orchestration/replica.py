@@ -169,7 +169,7 @@ class ReplicaGroup:
         try:
             self._gather([a.ping.remote() for a in self.actors], timeout_s)
         except TimeoutError as e:
-            log.warning("replica %d: liveness check: %s", self.index, e)
+            log.debug("replica %d: liveness check: %s", self.index, e)
 
     def compiled_wanted(self) -> bool:
         mode = self.spec.runtime.compiled_graph  # validated with the engine's config
