@@ -5,6 +5,11 @@
 (``runner.ReplicaRunner``). ``submit`` validates a request completely before it is queued - method and
 parameters, sampling values, positions, KV capacity - so a bad request is refused with a typed error
 (``engine_api``) and never reaches a shard. Requests go to the ready replica with the least queued work.
+
+Text prompts (``encode``) are measured in bytes before they are tokenized: a text longer than the model's
+positions times the vocabulary's longest token can never fit, and is refused at once. Tokenizing runs on
+one thread of its own, never on a caller's: however many large prompts arrive together, they take one core
+at most and queue there, while the replicas' loops and the other streams go on.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class Engine:
         self._inflight_lock = threading.Lock()
         self._id_lock = threading.Lock()  # taking an id and aborting by id, one at a time
         self._observers: list[Callable[[RequestHandle], Any]] = []
+        self.max_prompt_bytes = 0  # set at start from the tokenizer (0: no tokenizer, no limit needed)
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysparse-tokenizer")
 
     def add_request_observer(self, fn: Callable[[RequestHandle], Any]) -> None:
         """Calls ``fn(handle)`` for every accepted request before its first event (whatever front end sent
@@ -89,6 +96,8 @@ class Engine:
                 log.warning("no tokenizer for %s (%s): token ids only", src.name, str(e).splitlines()[0])
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
                 self.eos = frozenset({int(self.tokenizer.eos_token_id)})
+            if self.tokenizer is not None:
+                self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, self.model_cfg.max_position_embeddings)
             gpus = ray.cluster_resources().get("GPU", 0)
             self.use_gpu = self.cfg.device == "cuda" or (self.cfg.device == "auto" and gpus >= self.cfg.tp)
             spec = ShardSpec(str(src.directory), self.cfg.dtype, self.cfg.kv_cache_tokens, self.cfg.page_size,
@@ -106,9 +115,9 @@ class Engine:
                                      first_bundle=1 if current is not None else 0)
                 pages = -(-self.cfg.kv_cache_tokens // self.cfg.page_size)
                 sched = Scheduler(SchedulerConfig(pages, self.cfg.page_size, self.cfg.max_batch,
-                                                  self.cfg.max_prefill_tokens, self.cfg.max_waiting,
+                                                  self.cfg.prefill_chunk(self.use_gpu), self.cfg.max_waiting,
                                                   self.cfg.decode_steps))
-                self.runners.append(ReplicaRunner(i, group, sched, self.tokenizer))
+                self.runners.append(ReplicaRunner(i, group, sched, self.tokenizer, liveness_s=self.cfg.liveness_s))
             with ThreadPoolExecutor(max_workers=len(self.runners)) as pool:
                 list(pool.map(lambda r: r.group.start(self.cfg.load_timeout_s), self.runners))
             from raysparse.orchestration.spec_step import attach_spec_steps
@@ -139,17 +148,24 @@ class Engine:
                                f"1 + {self.cfg.tp}")
         return pg
 
-    def shutdown(self) -> None:
-        if self.state == "stopped":
-            return
-        self.state = "draining"
-        for r in self.runners:
-            r.stop()
-        self.state = "stopped"
-        if self._owns_ray:
-            import ray
+    def drain(self) -> None:
+        """Refuses new requests (UNAVAILABLE) while the ones in flight go on; ``shutdown`` ends them."""
+        if self.state == "ready":
+            self.state = "draining"
 
-            ray.shutdown()
+    def shutdown(self) -> None:
+        """Stops the replicas, then the local Ray instance the engine started (every process of it).
+        Idempotent, and safe to call again when an exception (a signal) cut an earlier call short."""
+        if self.state != "stopped":
+            self.state = "draining"
+            for r in self.runners:
+                r.stop()
+            self._tokenize.shutdown(wait=False, cancel_futures=True)
+            self.state = "stopped"
+        if self._owns_ray:
+            from raysparse.orchestration.ray_env import stop_ray
+
+            stop_ray()
             self._owns_ray = False
 
     def __enter__(self) -> Engine:
@@ -233,8 +249,19 @@ class Engine:
         return handle is not None and self._abort_handle(handle)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids of a text prompt (through the chat template when ``chat``), tokenized on the engine's
+        tokenizer thread. Raises InvalidRequestError, before tokenizing, for a text that cannot fit."""
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send token ids")
+        size = len(text.encode("utf-8", "surrogatepass"))  # a lone surrogate is the tokenizer's to refuse
+        if self.max_prompt_bytes and size > self.max_prompt_bytes:
+            assert self.model_cfg is not None
+            raise InvalidRequestError(
+                f"prompt of {size} bytes can never fit the model's {self.model_cfg.max_position_embeddings} "
+                f"positions (at most {self.max_prompt_bytes} bytes)")
+        return self._tokenize.submit(self._encode, text, chat).result()
+
+    def _encode(self, text: str, chat: bool) -> list[int]:
         if chat and getattr(self.tokenizer, "chat_template", None):
             from raysparse.generate import chat_prompt_ids
 
@@ -264,6 +291,18 @@ class Engine:
 
     def shard_stats(self, reset: bool = False) -> list[list[dict[str, Any]]]:
         return [r.group.stats(reset) for r in self.runners if r.state == "ready"]
+
+
+def prompt_byte_limit(tokenizer: Any, max_positions: int) -> int:
+    """The most UTF-8 bytes a text may have and still fit ``max_positions`` tokens: no token covers more bytes
+    of text than its own vocabulary entry spells (byte-level entries spell a byte as one character or more,
+    SentencePiece spells a space as the 3-byte "\u2581", byte-fallback entries as "<0x41>"), so more bytes
+    than positions times the longest entry always make more tokens than positions."""
+    try:
+        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: no limit of this kind
+        return 0
+    return max_positions * max(longest, 4)
 
 
 __all__ = ["CapacityExceededError", "DuplicateRequestError", "Engine", "EngineConfig", "EngineRequest",

@@ -7,6 +7,14 @@ from dataclasses import dataclass
 from raysparse.config import parse_dtype
 from raysparse.runtime_config import RuntimeConfig
 
+# Prompt tokens one prefill step may carry when ``max_prefill_tokens`` is left unset. Decode steps of other
+# requests run between two chunks, so a chunk's time is the longest a stream waits while a prompt prefills.
+# CPU: on the 2-core machine with the default model a 128-token chunk at 7000 tokens of context takes about
+# 1.3 s (256: 2.2 s; the whole 7000-token prompt in one step: 44 s; the prompt's total time is the same).
+# GPU: unchanged (whole prompts up to 64K tokens), not measured against a stall bound yet.
+PREFILL_CHUNK_CPU = 128
+PREFILL_CHUNK_GPU = 65536
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -19,7 +27,7 @@ class EngineConfig:
     kv_cache_tokens: int = 16384  # per replica
     page_size: int = 64
     max_batch: int = 64
-    max_prefill_tokens: int = 65536
+    max_prefill_tokens: int | None = None  # prompt tokens per prefill step; None: PREFILL_CHUNK_CPU or _GPU
     max_waiting: int = 4096
     cpus_per_shard: float = 1.0
     num_cpus: int | None = None  # CPUs of the local Ray instance (None: all)
@@ -35,12 +43,15 @@ class EngineConfig:
     # "own": each replica makes its placement group; "current": the one replica's shards take bundles 1..tp of
     # the placement group this process runs in (a Ray Serve replica's, whose bundle 0 is the replica itself)
     placement: str = "own"
+    liveness_s: float = 1.0  # an idle replica pings its actors this often, to find a dead one before a request
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         for name in ("tp", "replicas", "kv_cache_tokens", "page_size", "max_batch", "max_prefill_tokens",
                      "max_waiting", "decode_steps"):
             v = getattr(self, name)
+            if v is None and name == "max_prefill_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.page_size & (self.page_size - 1):
@@ -51,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"cpus_per_shard must be > 0, got {self.cpus_per_shard}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}")
+        if not self.liveness_s > 0:
+            raise ValueError(f"liveness_s must be > 0, got {self.liveness_s}")
         if self.load_timeout_s <= 0:
             raise ValueError("load_timeout_s must be > 0")
         if self.draft_model is not None and not self.draft:
@@ -61,3 +74,9 @@ class EngineConfig:
             raise ValueError("placement 'current' serves one replica (the placement group's)")
         if not isinstance(self.runtime, RuntimeConfig):
             raise ValueError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")
+
+    def prefill_chunk(self, use_gpu: bool) -> int:
+        """The prefill budget in force: ``max_prefill_tokens``, or the default for the shards' device."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return PREFILL_CHUNK_GPU if use_gpu else PREFILL_CHUNK_CPU

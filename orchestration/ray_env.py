@@ -41,3 +41,69 @@ def start_ray(address: str | None, num_cpus: int | None = None, env: dict[str, s
         return True
     ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
     return False
+
+
+def stop_ray(grace_s: float = 5.0) -> list[int]:
+    """Stops the local Ray instance this process started, every process of it included, and returns the pids
+    that were still alive after ``ray.shutdown()`` and had to be ended here.
+
+    ``ray.shutdown`` stops the head's daemons, but the processes those start (the dashboard and runtime-env
+    agents, idle workers) only notice later, if at all. Every process of the instance names its session
+    directory on its command line or descends from one that does: those are ended too (SIGTERM, then SIGKILL
+    after ``grace_s``). Nothing outside this instance is touched: another Ray on the host has another session."""
+    import psutil
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    session = node.get_session_dir_path() if node is not None and node.head else None
+    before = session_processes(session) if session else []
+    ray.shutdown()
+    if not session:
+        return []
+    seen = {p.pid for p in before}
+    left = [p for p in before + [q for q in session_processes(session) if q.pid not in seen] if _running(p)]
+    for p in left:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [p.pid for p in left]
+
+
+def session_processes(session: str) -> list:
+    """The processes (``psutil.Process``) whose command line names the Ray session directory ``session``, and
+    their descendants; never this process."""
+    import psutil
+
+    me = os.getpid()
+    roots = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.info["pid"] != me and any(session in a for a in p.info["cmdline"] or ()):
+                roots.append(p)
+        except psutil.Error:
+            continue
+    found = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            found.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.Error:
+            continue
+    found.pop(me, None)
+    return [found[pid] for pid in sorted(found)]
+
+
+def _running(p) -> bool:  # noqa: ANN001 - a psutil.Process
+    import psutil
+
+    try:  # is_running() also tells a reused pid apart (by its start time)
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -5,7 +5,9 @@ pinned to the node chosen for this replica so replicas spread over the cluster's
 the Ray node id, then the bundle index - never the IP, which several nodes on one host share.
 A shard that dies surfaces as ``ShardLostError`` as soon as Ray reports it (the surviving shards, blocked
 in a collective, are not waited for); ``stop`` then kills the rest and frees the placement group, and
-``start`` builds a fresh group.
+``start`` builds a fresh group. ``check_alive`` pings every shard (the replica's loop calls it while idle).
+The error names the actor that died - a shard, or another actor whose result a shard was waiting for (the
+draft, registered in ``actor_names``) - with Ray's reason as plain text, without terminal escape codes.
 
 Decode steps of GPU groups go through a Ray compiled graph over the shards' ``execute`` (shared-memory
 channels: ~0.14 ms a round trip against ~1.2 ms for plain actor calls, ``benchmarks/bench_control_plane.py``),
@@ -18,6 +20,7 @@ compiled graph is a lost shard.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +33,34 @@ log = logging.getLogger(__name__)
 
 
 class ShardLostError(RuntimeError):
-    """A shard actor of the group died; the group must be rebuilt."""
+    """A shard actor of the group (or its draft actor) died; the group must be rebuilt."""
+
+
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def plain(text: str) -> str:
+    """``text`` without terminal escape sequences (Ray colours its errors) or other control characters."""
+    return _ESCAPES.sub("", text)
+
+
+def death_reason(e: BaseException) -> str:
+    """Why Ray says an actor died, in one plain line (e.g. "it was killed by `ray.kill`")."""
+    lines = [ln.strip() for ln in plain(str(e)).splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("The actor is dead because"):
+            return ln[len("The actor is dead because"):].strip().rstrip(".") or ln
+    for ln in lines:  # else the first line that is not a task's header ("ray::Class.method() (pid=...)")
+        if not ln.startswith("ray::"):
+            return ln
+    return type(e).__name__
+
+
+def actor_id(actor: Any) -> str:
+    try:
+        return actor._actor_id.hex()
+    except AttributeError:
+        return ""
 
 
 def choose_node(tp: int, use_gpu: bool, cpus_per_shard: float, load: dict[str, int]) -> str | None:
@@ -68,6 +98,9 @@ class ReplicaGroup:
         self._dag_failed = False
         self.step_timeout_s = 600.0
         self.info: list[dict[str, Any]] = []
+        # actor id -> what to call the actor when it dies: the shards, and any actor whose results the
+        # shards take as arguments (the SpecAttn draft), so a dead draft is not blamed on a shard
+        self.actor_names: dict[str, str] = {}
 
     def start(self, timeout_s: float = 600.0) -> list[dict[str, Any]]:
         import ray
@@ -106,6 +139,7 @@ class ReplicaGroup:
         order = sorted(range(self.tp), key=lambda i: (infos[i]["node_id"], actors[i][0]))
         self.actors = [actors[i][2] for i in order]
         self.names = [actors[i][1] for i in order]
+        self.actor_names.update({actor_id(a): f"shard actor {n}" for a, n in zip(self.actors, self.names, strict=True)})
         master = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout_s)
         setups = [a.setup.remote(r, self.tp, master) for r, a in enumerate(self.actors)]
         self.info = [{**infos[order[r]], **s, "name": self.names[r]}
@@ -127,10 +161,22 @@ class ReplicaGroup:
                 try:
                     done[ref] = ray.get(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
-                    name = self.names[list(refs).index(ref)] if self.names else "?"
-                    raise ShardLostError(f"shard actor {name} of replica {self.index} died: "
-                                         f"{str(e).splitlines()[0]}") from e
+                    # The error's actor id is the one that died: the called shard, or the actor that was to
+                    # produce one of the call's arguments.
+                    name = self.actor_names.get(getattr(e, "actor_id", None) or "")
+                    if name is None:
+                        shard = self.names[list(refs).index(ref)] if self.names else "?"
+                        name = f"shard actor {shard}"
+                    raise ShardLostError(f"{name} of replica {self.index} died: {death_reason(e)}") from e
         return [done[r] for r in refs]
+
+    def check_alive(self, timeout_s: float = 10.0) -> None:
+        """Pings every shard; raises ShardLostError naming one that died. A shard too busy to answer within
+        ``timeout_s`` is not declared dead here (a step that needs it will find out)."""
+        try:
+            self._gather([a.ping.remote() for a in self.actors], timeout_s)
+        except TimeoutError as e:
+            log.debug("replica %d: liveness check: %s", self.index, e)
 
     def compiled_wanted(self) -> bool:
         mode = self.spec.runtime.compiled_graph  # validated with the engine's config
@@ -165,7 +211,7 @@ class ReplicaGroup:
             return list(ray.get(dag.execute(plan), timeout=self.step_timeout_s))
         except Exception as e:  # execute returns its own errors, so anything raised here is the group's
             self._teardown_compiled()
-            msg = str(e).splitlines()[0] if str(e) else ""
+            msg = plain(str(e)).splitlines()[0] if str(e) else ""
             raise ShardLostError(f"shard actor {', '.join(self._dead()) or '?'} of replica {self.index} died "
                                  f"in a compiled step ({type(e).__name__}: {msg})") from e
 
@@ -213,6 +259,7 @@ class ReplicaGroup:
         self.actors, self.names = [], []
         if self.pg is not None and self.pg is self.external_pg:
             self.pg = None  # its owner removes it
+        self.actor_names = {k: v for k, v in self.actor_names.items() if not v.startswith("shard actor ")}
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)

@@ -3,7 +3,11 @@
 The loop runs in its own thread. Everything the caller can touch (the scheduler, abort flags) is guarded
 by ``cond``; the step itself runs outside the lock so submissions never wait for a forward pass.
 A shard that dies fails this replica's running requests with a clear error, the group is rebuilt and
-the requests still waiting are served by the new group.
+the requests still waiting are served by the new group. A request that had yielded no token yet when the
+group died (waiting for pages, or part-way through its prompt) is retried once on the rebuilt group, so its
+caller never sees the failure. While idle the loop checks every ``liveness_s`` that its shards (and draft)
+are alive, so a dead actor is found - and the replica reported as rebuilding - before a request needs it.
+Finish events carry errors as plain text: Ray's terminal colour codes are removed.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 from raysparse.attention import causal_pairs
 from raysparse.generate import FinishEvent, TokenEvent, text_delta
-from raysparse.orchestration.replica import ReplicaGroup, ShardLostError
+from raysparse.orchestration.replica import ReplicaGroup, ShardLostError, plain
 from raysparse.orchestration.scheduler import Scheduler, Sequence
 from raysparse.step_plan import StepPlan
 
@@ -27,8 +31,10 @@ SHARD_INFO_KEYS = ("name", "rank", "node_id", "device", "kv_heads", "load")
 
 class ReplicaRunner:
     def __init__(self, index: int, group: ReplicaGroup, scheduler: Scheduler, tokenizer: Any | None,
-                 spec_step: Any | None = None) -> None:
+                 spec_step: Any | None = None, liveness_s: float = 1.0) -> None:
         self.index, self.group, self.sched, self.tokenizer = index, group, scheduler, tokenizer
+        self.liveness_s = liveness_s  # while idle: seconds between two checks that the actors are alive
+        self._next_check = 0.0
         self.spec_step = spec_step  # SpecAttn rounds (draft actor + verification), when available
         self.cond = threading.Condition()
         self.state = "loading"  # loading | ready | rebuilding | stopped
@@ -79,15 +85,25 @@ class ReplicaRunner:
     # ---- the loop ----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            check = False
             with self.cond:
                 while not self._stop and (self.state != "ready" or not self.sched.has_work()):
-                    self.cond.wait(0.5)
+                    left = self._next_check - time.monotonic()
+                    if self.state == "ready" and left <= 0:
+                        check = True
+                        break
+                    self.cond.wait(min(0.5, max(0.01, left)))
                 if self._stop:
                     return
-                for seq in self.sched.all_sequences():
-                    if seq.aborted:
-                        self._finish(seq, "abort")
-                plan = self.sched.next_plan()
+                plan = None
+                if not check:
+                    for seq in self.sched.all_sequences():
+                        if seq.aborted:
+                            self._finish(seq, "abort")
+                    plan = self.sched.next_plan()
+            if check:
+                self._check_alive()
+                continue
             if plan is None:
                 continue
             try:
@@ -97,6 +113,19 @@ class ReplicaRunner:
             except Exception as e:  # an engine bug must not kill the loop: fail the step's requests
                 log.exception("replica %d step failed", self.index)
                 self._fail(plan, f"{type(e).__name__}: {e}")
+
+    def _check_alive(self) -> None:
+        """Idle: are the group's actors alive? A dead one starts the rebuild now, not at the next request."""
+        self._next_check = time.monotonic() + self.liveness_s
+        try:
+            for part in (self.group, self.spec_step):
+                check = getattr(part, "check_alive", None)
+                if check is not None:
+                    check()
+        except ShardLostError as e:
+            self._rebuild(str(e))
+        except Exception as e:  # noqa: BLE001 - a failed check is no verdict; the next step will tell
+            log.warning("replica %d: liveness check failed: %s", self.index, plain(str(e)).splitlines()[0])
 
     def _run(self, plan: StepPlan) -> None:
         if self.spec_step is not None:
@@ -177,7 +206,7 @@ class ReplicaRunner:
         ttft = (seq.t_first or now) - seq.t_submit
         seq.handle.put(FinishEvent(
             seq.request.request_id, reason, tuple(seq.tokens), seq.text, len(seq.request.prompt_ids), ttft,
-            now - seq.t_first if seq.t_first else 0.0, error,
+            now - seq.t_first if seq.t_first else 0.0, plain(error),
             {"replica": self.index, "method": seq.request.method, "method_params": dict(seq.request.method_params),
              "density": request_density(seq.meter)}))
 
@@ -194,12 +223,18 @@ class ReplicaRunner:
                 self._finish(seq, "error", error)
 
     def _rebuild(self, error: str) -> None:
-        log.error("replica %d lost a shard: %s; rebuilding", self.index, error)
+        error = plain(error)
+        log.error("replica %d: %s; rebuilding", self.index, error)
         with self.cond:
             self.state, self.last_error = "rebuilding", error
+            retry = []
             for group in list(self.sched.running.values()):
                 for seq in list(group):
-                    self._finish(seq, "error", error)
+                    if not seq.tokens and not seq.retried and not seq.aborted:
+                        retry.append(seq)  # its caller saw nothing yet: it starts afresh on the new group
+                    else:
+                        self._finish(seq, "error", error)
+            self.sched.requeue_lost(sorted(retry, key=lambda s: s.seq_id))
             self.sched.reset()
         self.group.stop()
         while not self._stop:

@@ -45,6 +45,7 @@ class Sequence:
     # this request's share of the density meter's counts in its steps: prefill attended and causal pairs,
     # then decode's (``runner.account_density``)
     meter: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    retried: bool = False  # already requeued once after its group died
 
     @property
     def prompt_done(self) -> bool:
@@ -135,6 +136,18 @@ class Scheduler:
             self.free_pages += seq.pages
         seq.solo, seq.tokens, seq.text, seq.t_first, seq.prefilled = True, [], "", 0.0, 0
         self.waiting.appendleft(seq)
+
+    def requeue_lost(self, seqs: list[Sequence]) -> None:
+        """Running sequences whose group died before they yielded a token go back to the front of the queue,
+        in their order, to start afresh on the rebuilt group (once: ``retried``)."""
+        for seq in reversed(seqs):
+            group = self.running.get(seq.key, [])
+            if seq in group:
+                group.remove(seq)
+                self.free_pages += seq.pages
+            seq.retried, seq.tokens, seq.text, seq.t_first, seq.prefilled = True, [], "", 0.0, 0
+            seq.meter = [0.0, 0.0, 0.0, 0.0]
+            self.waiting.appendleft(seq)
 
     def drop_waiting(self, seq: Sequence) -> bool:
         try:

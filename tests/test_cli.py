@@ -143,7 +143,26 @@ def test_help_shows_every_default(monkeypatch):
             assert needle in text, (name, needle)
         assert "(default: None)" not in text and "(default: False)" not in text
     job = job_parser().format_help()
-    assert "(default: 3600.0)" in job and "(default: 64)" in job
+    assert "(default: 3600.0)" in job and "(default: 64)" in job and "(default: 1.0)" in job
+    from raysparse.specattn.map_command import build_map_parser
+
+    parsers = {**sub.choices, "job": job_parser(), "specattn-map": build_map_parser()}
+    smap = parsers["specattn-map"].format_help()
+    for needle in ("(default: 4)", "(default: 1024)", "(default: 8)", "(default: float32)", "(default: cpu)",
+                   "(default: SmolLM2-135M-Instruct", "(default: 1)"):
+        assert needle in smap, needle
+    # Every flag that has a value when it is not given says what it is; the rest are switches, repeatable
+    # (empty when not given) or required.
+    for name, p in parsers.items():
+        fmt = p._get_formatter()
+        for a in p._actions:
+            if (not a.option_strings or a.required or a.default is argparse.SUPPRESS or a.default == []
+                    or isinstance(a, (argparse._HelpAction, argparse._StoreTrueAction))):
+                continue
+            if name == "generate" and a.dest == "token_ids" or name == "bench" and a.dest in ("scaling",
+                                                                                              "local_nodes"):
+                continue  # the alternative to another input, or a mode that is off unless given
+            assert "default" in (fmt._get_help_string(a) or ""), (name, a.option_strings)
 
 
 def test_piped_output_is_not_wrapped(monkeypatch, capsys):
@@ -157,7 +176,7 @@ def test_piped_output_is_not_wrapped(monkeypatch, capsys):
     def fake_run(opts: local_job.RunOptions, console) -> dict:
         result = {"answer": "1234567", "expected": "1234567", "correct": True, "prompt_tokens": opts.context_tokens,
                   "ttft_s": 1.5, "decode_tokens_per_s": 42.0, "new_tokens": 8, "method": opts.method,
-                  "density": 1.0}
+                  "density": 1.0, "density_prefill": 1.0, "density_decode": 1.0}
         local_job._report(result, console)
         return result
 
@@ -166,7 +185,7 @@ def test_piped_output_is_not_wrapped(monkeypatch, capsys):
     assert cli.main(["run", "--context-tokens", "512"]) == 0
     lines = capsys.readouterr().out.splitlines()
     report = [ln for ln in lines if ln.startswith("prompt tokens 512")]
-    assert len(report) == 1 and len(report[0]) > 80 and report[0].endswith("method dense, density 1.000"), lines
+    assert len(report) == 1 and len(report[0]) > 80 and report[0].endswith("method dense, density 1.000 (prefill 1.000, decode 1.000)"), lines
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -175,3 +194,40 @@ def test_piped_output_is_not_wrapped(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", Terminal())
     console = cli.output_console()
     assert not console.soft_wrap and console.width < cli.PIPE_WIDTH
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--method", "dense", "--density", "0.2"],
+    ["run", "--method", "specattn", "--density", "0.2"],  # its budget is top_p
+    ["generate", "--token-ids", "1,2", "--method", "dense", "--density", "0.3"],
+    ["generate", "--token-ids", "1,2", "--method", "psaw", "--param", "bogus=1"],
+    ["bench", "--method", "dense", "--density", "0.1"],
+    ["bench", "--method", "quest", "--param", "top_p=0.9"],
+    ["eval", "--methods", "psaw", "--method-params", "psaw:bogus=1,2"],
+    ["job", "--method", "dense", "--density", "0.2"],
+    ["job", "--method", "cis", "--param", "nonsense=3"],
+])
+def test_flags_a_method_does_not_take_are_errors_on_every_command(argv, capsys, tmp_path):
+    """One line naming the flag and the method, exit 2, before any model or Ray starts."""
+    import time
+
+    from raysparse import cli
+    from raysparse.jobs import longcontext
+
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        if argv[0] == "job":
+            (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1]}\n')
+            longcontext.main(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+                              *argv[1:]])
+        else:
+            cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "has no parameter" in lines[0], err
+    flag = "--density" if "--density" in argv else "--param" if "--param" in argv else "--method-params"
+    method = argv[argv.index("--method") + 1] if "--method" in argv else argv[argv.index("--methods") + 1]
+    assert flag in lines[0] and f"method {method!r}" in lines[0]
+    assert time.monotonic() - t0 < 10
+    assert not (tmp_path / "out.jsonl").exists()

@@ -363,3 +363,75 @@ def test_ray_job_submit_processes_a_jsonl_file(two_node_cluster, tmp_path):
     assert doc["prompt_tokens"] > len("The gate code is 4721.What is the gate code?")
     assert "top_p" in by_id["bad-sampling"]["error"] and "no_such_method" in by_id["bad-method"]["error"]
     assert by_id["line-7"]["finish_reason"] == "error" and "not JSON" in by_id["line-7"]["error"]
+
+
+def _ray_session_of(procs) -> str | None:
+    """The Ray session directory named on the command line of one of ``procs`` (the job's Ray daemons)."""
+    import re
+
+    import psutil
+
+    for p in procs:
+        try:
+            m = re.search(r"(/\S*?/session_\d{4}-[\d_-]+)", " ".join(p.cmdline()))
+        except psutil.Error:
+            continue
+        if m:
+            return m.group(1)
+    return None
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "end"])
+def test_the_job_stops_the_ray_it_started_on_any_exit(tmp_path, how):
+    """The real command with its own Ray: stopped by a signal mid-file, or at its end, no process of that Ray
+    instance (daemons, agents, workers) is left, and the output keeps only whole lines."""
+    import signal
+
+    import psutil
+
+    from raysparse.orchestration.ray_env import session_processes
+    from raysparse.serving.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    n = 3 if how == "end" else 2000
+    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt_ids": [5, 6, 7, 8] * 8}) + "\n" for i in range(n)))
+    cmd = [sys.executable, "-m", "raysparse.jobs.longcontext", "--input", str(inp), "--output", str(out),
+           "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5", "--no-draft",
+           "--kv-cache-tokens", "2048", "--max-new-tokens", "40", "--ignore-eos", "--max-inflight", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        me = psutil.Process(job.pid)
+        seen: dict[int, psutil.Process] = {}
+        session = None
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and job.poll() is None:
+            try:
+                seen.update({c.pid: c for c in me.children(recursive=True)})
+            except psutil.Error:
+                pass
+            session = session or _ray_session_of(seen.values())
+            if session and out.exists() and out.read_bytes().count(b"\n") >= (n if how == "end" else 3):
+                break
+            time.sleep(0.1)
+        assert session, "the job's Ray daemons were never seen"
+        seen.update({p.pid: p for p in session_processes(session)})  # the agents and workers, by their session
+        assert len(seen) >= 4, [p.info for p in seen.values()]
+        if how != "end":
+            job.send_signal(getattr(signal, how))
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(30)
+    assert job.returncode == (0 if how == "end" else 128 + getattr(signal, how)), stderr[-3000:]
+    left = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left += [p for p in session_processes(session) if p.pid not in seen]
+    assert not left, [(p.pid, p.cmdline()) for p in left if p.is_running()]
+    rows = _rows(out)  # only whole lines: a line cut by the signal would not parse
+    assert rows and len({r["id"] for r in rows}) == len(rows)
+    if how == "end":
+        assert len(rows) == n and json.loads(stdout.strip().splitlines()[-1])["done"] == n
+    else:
+        assert f"signal {getattr(signal, how)}" in stderr

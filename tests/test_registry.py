@@ -9,7 +9,7 @@ from helpers import fresh_cache, random_state, tiny_hf_config
 from raysparse.attention import DenseAttention
 from raysparse.generate import FinishEvent, GenerationRequest, Generator
 from raysparse.loader import model_from_state
-from raysparse.methods.registry import create_backend, get_method, method_names
+from raysparse.methods.registry import check_params, create_backend, get_method, method_names, method_params
 from raysparse.sampling import SamplingParams
 
 # Methods whose generation loop is not the plain generator (speculative decoding).
@@ -57,17 +57,28 @@ def test_unknown_method_parameter_is_refused(tiny):
         create_backend("sketch_walk", model.cfg, nonsense=3)
 
 
-def test_methods_without_a_density_budget_refuse_density(tiny):
-    """dense, specattn (budget top_p), psaw and etf (budget: the depth schedule) refuse --density in one line;
-    dense still takes dense_layers (every layer is dense already) and equals plain dense attention."""
+def test_parameters_a_method_does_not_take_are_refused(tiny):
+    """--density with dense (or SpecAttn, whose budget is top_p) is an error, not silently ignored; every
+    command checks with ``check_params`` before anything loads, and the factory refuses the same."""
     model, prompts = tiny
-    refusing = sorted(n for n in method_names() if not get_method(n).takes_density)
-    assert refusing == ["dense", "etf", "psaw", "specattn"]
-    for name in refusing:
-        with pytest.raises(ValueError, match="no density budget") as e:
-            create_backend(name, model.cfg, density=0.3)
-        assert "\n" not in str(e.value)
-    assert _generate(model, create_backend("dense", model.cfg, dense_layers=[0]), prompts) == _generate(
+    assert method_params("dense") == frozenset()
+    # psaw and etf have a density field (CIS's budget, in the shared PrHS config) but no density budget
+    assert {"dense_layers", "block_size", "phi"} <= method_params("psaw") and "density" not in method_params("psaw")
+    assert "density" not in method_params("specattn") and "top_p" in method_params("specattn")
+    assert sorted(n for n in method_names() if not get_method(n).takes_density) == ["dense", "etf", "psaw",
+                                                                                     "specattn"]
+    for name, params in (("dense", {"density": 0.3}), ("dense", {"dense_layers": (0,)}),
+                         ("specattn", {"density": 0.3}), ("psaw", {"density": 0.3}), ("psaw", {"bogus": 1})):
+        key = next(iter(params))
+        refusal = "no density budget" if key == "density" else f"method '{name}' has no parameter '{key}'"
+        with pytest.raises(ValueError, match=refusal):
+            check_params(name, params)
+        with pytest.raises(ValueError, match=refusal.split(" '")[0] if key != "density" else refusal):
+            create_backend(name, model.cfg, **params)
+    check_params("cis", {"density": 0.1, "sink": 4})
+    with pytest.raises(ValueError, match="unknown attention method"):
+        check_params("nope", {})
+    assert _generate(model, create_backend("dense", model.cfg), prompts) == _generate(
         model, DenseAttention(model.cfg.num_layers), prompts)
 
 

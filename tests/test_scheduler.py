@@ -24,6 +24,7 @@ class LocalGroup:
 
     def __init__(self, model, pages: int) -> None:
         self.executor = ShardExecutor(model, KVCache(model.cfg, pages, 64))
+        self.pages = pages
         self.info: list[dict] = []
         self.plans: list[StepPlan] = []
 
@@ -36,6 +37,9 @@ class LocalGroup:
 
     def stop(self) -> None:
         pass
+
+    def start(self) -> None:  # a rebuild: the new group's cache is empty
+        self.executor = ShardExecutor(self.executor.model, KVCache(self.executor.model.cfg, self.pages, 64))
 
 
 def make_runner(pages: int = 32, max_prefill_tokens: int = 65536, model=None) -> tuple[ReplicaRunner, LocalGroup]:
@@ -147,3 +151,91 @@ def test_method_capabilities_decide_chunked_prefill_and_multi_step_decode():
         plan = sched.next_plan()
         assert plan is not None and not plan.prefill and plan.steps == (4 if caps.multi_step_decode else 1)
     assert not method_capabilities("specattn").chunked_prefill and method_capabilities("dense").multi_step_decode
+
+
+class HookedGroup(LocalGroup):
+    """A LocalGroup that calls ``hook(plan)`` before each step; the hook may raise (e.g. a lost shard)."""
+
+    def __init__(self, model, pages: int, hook) -> None:
+        super().__init__(model, pages)
+        self.hook = hook
+
+    def execute(self, plan: StepPlan) -> dict:
+        self.hook(plan)
+        return super().execute(plan)
+
+
+def _hooked_runner(hook, max_prefill_tokens: int) -> tuple[ReplicaRunner, HookedGroup]:
+    cfg = tiny_hf_config(layers=2)
+    model = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict())
+    group = HookedGroup(model, 32, hook)
+    runner = ReplicaRunner(0, group, Scheduler(SchedulerConfig(32, 64, max_batch=8,
+                                                               max_prefill_tokens=max_prefill_tokens)), None)
+    runner.state = "ready"
+    runner.thread.start()
+    return runner, group
+
+
+def test_cancel_takes_effect_at_the_next_chunk():
+    """A request aborted while one chunk of its prompt is on the shards gets no further chunk: the next step
+    frees it, and its pages come back."""
+    handles: dict = {}
+
+    def hook(plan: StepPlan) -> None:
+        if plan.prefill and "long" in handles and len(plan.tokens[0]) == 32:
+            handles["long"].abort()  # as a client's cancel or passed deadline does, mid-prefill
+
+    runner, group = _hooked_runner(hook, max_prefill_tokens=32)
+    try:
+        handles["long"] = submit(runner, tuple(range(POISON + 1, 97)) * 4, new=4)  # 332 tokens: 11 chunks
+        fin = handles["long"].result(30)
+        assert fin.finish_reason == "abort" and fin.token_ids == ()
+        chunks = [p for p in group.plans if p.prefill]
+        assert len(chunks) == 1, [len(p.tokens[0]) for p in chunks]
+        deadline = time.time() + 10
+        while group.executor.cache.free_pages != 32 and time.time() < deadline:
+            time.sleep(0.02)
+        assert group.executor.cache.free_pages == 32 and runner.info()["kv_used_tokens"] == 0
+        ok = submit(runner, (20, 21, 22), new=3).result(30)
+        assert ok.finish_reason == "length"
+    finally:
+        runner.stop()
+
+
+def test_a_request_that_had_not_started_when_its_group_died_is_retried_once():
+    """The group dies while one request decodes (its tokens are out) and another is part-way through its
+    prompt: the first fails with an error naming the dead actor, in plain text; the second starts afresh on
+    the rebuilt group and finishes. A request whose retry dies too fails."""
+    from raysparse.orchestration.replica import ShardLostError
+
+    state = {"kill": None, "kills": 0}
+    colour = "\x1b[36mray::ShardWorker.execute()\x1b[39m"
+
+    def hook(plan: StepPlan) -> None:
+        if state["kill"] is not None and state["kill"](plan):
+            state["kills"] += 1
+            raise ShardLostError(f"shard actor rs-replica0-shard0-g1 of replica 0 died: killed {colour}")
+
+    runner, group = _hooked_runner(hook, max_prefill_tokens=32)
+    try:
+        decoding = submit(runner, (20, 21, 22), new=400)
+        decoding.get(30)  # its first token is out
+        state["kill"] = lambda plan: plan.prefill and len(plan.tokens) == 1 and len(plan.tokens[0]) == 32 and \
+            state["kills"] == 0
+        fresh = submit(runner, tuple(range(POISON + 1, 97)) * 2, new=5)  # 166 tokens: several chunks
+        lost = decoding.result(30)
+        assert lost.finish_reason == "error" and "shard actor rs-replica0-shard0-g1" in lost.error
+        assert "\x1b" not in lost.error and "[36m" not in lost.error
+        fin = fresh.result(30)
+        assert fin.finish_reason == "length" and len(fin.token_ids) == 5 and state["kills"] == 1
+        assert runner.rebuilds == 1 and runner.state == "ready" and "\x1b" not in runner.last_error
+        # once only: a request whose retry loses its group again fails with the error
+        state["kill"] = lambda plan: plan.prefill and plan.tokens and len(plan.tokens[0]) == 32
+        twice = submit(runner, tuple(range(POISON + 1, 97)) * 2, new=5).result(30)
+        assert twice.finish_reason == "error" and "died" in twice.error
+        deadline = time.time() + 10
+        while runner.rebuilds < 3 and time.time() < deadline:  # counted once the group is up again
+            time.sleep(0.02)
+        assert runner.rebuilds == 3
+    finally:
+        runner.stop()

@@ -26,7 +26,8 @@ def served(tmp_path_factory):
     model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), max_positions=MAX_POS)
     eng = Engine(EngineConfig(model=str(model_dir), num_cpus=2, cpus_per_shard=0.5, kv_cache_tokens=KV_TOKENS,
                               page_size=16, draft=False, load_timeout_s=120))
-    srv = InferenceServer(eng, ServerConfig(port=0, metrics_port=0, poll_s=0.05, density_poll_s=0.3)).start()
+    srv = InferenceServer(eng, ServerConfig(port=0, metrics_port=0, poll_s=0.05, density_poll_s=0.3,
+                                            grace_s=0.2)).start()
     client = RaySparseClient(f"127.0.0.1:{srv.port}")
     try:
         assert client.health() == "NOT_SERVING"  # the port answers before the engine has loaded
@@ -96,6 +97,7 @@ def test_bad_inputs_get_their_status_codes(served):
         (dict(token_ids=[3], method="no_such_method"), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], method="psaw", method_params={"bogus": 1}), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], method="psaw", method_params={"density": 2.0}), grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], method_params={"density": 0.2}), grpc.StatusCode.INVALID_ARGUMENT),  # dense has none
         (dict(token_ids=[10_000]), grpc.StatusCode.INVALID_ARGUMENT),  # outside the vocabulary
         (dict(token_ids=[3] * (KV_TOKENS - 8), max_new_tokens=40), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ]
@@ -108,6 +110,34 @@ def test_bad_inputs_get_their_status_codes(served):
         assert ok.finish_reason == "length" and len(ok.token_ids) == 3  # still serving
     assert client.health() == "SERVING"
     _wait_kv_free(client)
+
+
+def test_prompt_bytes_are_checked_before_tokenizing_and_tokenizing_runs_on_its_own_thread(served, monkeypatch):
+    srv, client, _ = served
+    eng = srv.engine
+    limit = eng.max_prompt_bytes
+    assert limit == MAX_POS * len("<unk>")  # the positions times the tiny vocabulary's longest entry
+    calls: list[str] = []
+    encode = eng._encode
+
+    def recording(text: str, chat: bool) -> list[int]:
+        calls.append(threading.current_thread().name)
+        return encode(text, chat)
+
+    monkeypatch.setattr(eng, "_encode", recording)
+    for size in (limit + 1, 4_000_000):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(text="a" * size, max_new_tokens=2, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{size} bytes" in e.value.details()
+        assert time.monotonic() - t0 < 2
+    assert calls == []  # refused before the tokenizer saw it
+    ok = client.generate(text="hello", max_new_tokens=2, ignore_eos=True, timeout=30)
+    assert ok.finish_reason == "length" and calls == ["raysparse-tokenizer_0"]  # not the call's own thread
+    with pytest.raises(grpc.RpcError) as e:  # at the limit it is tokenized, and the context check refuses it
+        client.generate(text="a" * limit, max_new_tokens=2, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "positions" in e.value.details()
+    assert len(calls) == 2
 
 
 def test_one_request_id_is_in_flight_at_most_once(served):
@@ -200,7 +230,7 @@ def test_unavailable_while_the_engine_is_not_ready():
 
     eng = Engine(EngineConfig())
     eng.state = "loading"  # as while a replica loads its weights (nothing is started here)
-    srv = InferenceServer(eng, ServerConfig(port=0, metrics_port=None)).start()
+    srv = InferenceServer(eng, ServerConfig(port=0, metrics_port=None, grace_s=0.0)).start()
     try:
         with RaySparseClient(f"127.0.0.1:{srv.port}") as c:
             assert c.health() == "NOT_SERVING"
@@ -309,12 +339,15 @@ def _metric(srv, name: str) -> float | None:
     return None
 
 
-def test_health_goes_not_serving_while_a_killed_shard_is_rebuilt(served):
+def test_a_shard_killed_while_idle_turns_health_not_serving_within_5_s(served):
+    """No request runs: the replica's liveness check finds the dead shard, health goes NOT_SERVING (within 5 s)
+    until the group is rebuilt, the error names the shard in plain text, and serving resumes."""
     import ray
 
     srv, client, _ = served
+    _wait_kv_free(client)
+    rebuilds = srv.engine.server_info()["replicas"][0]["rebuilds"]
     shard = srv.engine.server_info()["replicas"][0]["shards"][0]["name"]
-    ray.kill(ray.get_actor(shard))
     seen: list[str] = []
     stop = threading.Event()
 
@@ -323,19 +356,18 @@ def test_health_goes_not_serving_while_a_killed_shard_is_rebuilt(served):
             seen.append(client.health())
             time.sleep(0.02)
 
+    assert client.health() == "SERVING"
+    ray.kill(ray.get_actor(shard))
+    t0 = time.monotonic()
     w = threading.Thread(target=watch)
     w.start()
     try:
-        # the replica notices the dead shard at its next step
-        lost = client.generate(token_ids=[4, 5, 6], max_new_tokens=4, timeout=60)
-        assert lost.finish_reason == "error" and "died" in lost.error
-        with pytest.raises(grpc.RpcError) as e:  # the only replica is rebuilding (it takes seconds)
+        while client.health() != "NOT_SERVING":
+            assert time.monotonic() - t0 < 5, "health never went NOT_SERVING"
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:  # the only replica is rebuilding
             client.generate(token_ids=[4, 5, 6], max_new_tokens=4, timeout=60)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        deadline = time.monotonic() + 10
-        while client.health() != "NOT_SERVING":  # the poller mirrors the engine within poll_s
-            assert time.monotonic() < deadline, "health never went NOT_SERVING"
-            time.sleep(0.01)
         client.wait_serving(180, poll_s=0.05)
         time.sleep(0.2)
     finally:
@@ -344,9 +376,41 @@ def test_health_goes_not_serving_while_a_killed_shard_is_rebuilt(served):
     assert "NOT_SERVING" in seen and seen[-1] == "SERVING"
     last_down = len(seen) - 1 - seen[::-1].index("NOT_SERVING")
     assert all(s == "SERVING" for s in seen[last_down + 1:])
+    info = client.server_info().replicas[0]
+    assert info.rebuilds == rebuilds + 1
+    assert f"shard actor {shard} of replica 0 died" in info.last_error and "\x1b" not in info.last_error
     ok = client.generate(token_ids=[4, 5, 6], max_new_tokens=4, ignore_eos=True, timeout=60)
     assert ok.finish_reason == "length" and len(ok.token_ids) == 4
-    assert srv.engine.server_info()["replicas"][0]["rebuilds"] == 1
+
+
+def test_a_shard_killed_mid_stream_fails_it_with_the_shards_name_and_retries_what_had_not_started(served):
+    """A stream with tokens out fails, naming the dead shard in plain text; a request that was still waiting
+    for its turn is served by the rebuilt group, and its caller never sees the failure."""
+    import ray
+
+    srv, client, _ = served
+    _wait_kv_free(client)
+    shard = srv.engine.server_info()["replicas"][0]["shards"][0]["name"]
+    out: dict = {}
+    # The running one holds the whole KV cache, so the second waits for pages: it has not started.
+    running = client.stream(token_ids=[7, 8, 9], max_new_tokens=KV_TOKENS - 16, ignore_eos=True, timeout=120)
+    first = next(running)
+    assert first.token_ids
+    th = threading.Thread(target=lambda: out.setdefault("w", client.generate(
+        token_ids=[4, 5, 6], max_new_tokens=6, ignore_eos=True, timeout=120)))
+    th.start()
+    deadline = time.monotonic() + 30
+    while client.server_info().waiting == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ray.kill(ray.get_actor(shard))
+    fin = [c for c in running][-1].finish
+    assert fin.finish_reason == "error" and f"shard actor {shard} of replica 0 died" in fin.error
+    assert "\x1b" not in fin.error
+    th.join(timeout=180)
+    assert out["w"].finish_reason == "length" and len(out["w"].token_ids) == 6
+    client.wait_serving(180, poll_s=0.05)
+    _wait_kv_free(client)
 
 
 def test_serve_and_generate_commands(tmp_path):
@@ -385,8 +449,11 @@ def test_serve_and_generate_commands(tmp_path):
                                    "--ignore-eos", "Hello"], capture_output=True, text=True, timeout=120)
         assert streamed.returncode == 0 and "[length: 5 prompt + 5 tokens" in streamed.stderr
         bad = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "1",
-                              "--method", "no_such_method"], capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 1 and bad.stderr.startswith("raysparse: error: INVALID_ARGUMENT")
+                              "--method", "streaming", "--density", "2"], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 1 and bad.stderr.startswith("raysparse: error: INVALID_ARGUMENT")  # the server's
+        unknown = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "1",
+                                  "--method", "no_such_method"], capture_output=True, text=True, timeout=120)
+        assert unknown.returncode == 2 and "unknown attention method" in unknown.stderr  # refused before the call
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
     finally:

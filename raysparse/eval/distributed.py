@@ -79,10 +79,8 @@ def running_engine(model_dir: str, dtype: str, opts: ClusterOptions) -> Iterator
     shut down on exit with the local Ray instance it started."""
     import math
 
-    import ray
-
     from raysparse.orchestration.engine import Engine, EngineConfig
-    from raysparse.orchestration.ray_env import start_ray
+    from raysparse.orchestration.ray_env import start_ray, stop_ray
 
     shards = opts.tp * opts.replicas
     num_cpus = None if opts.address is not None else max(os.cpu_count() or 1,
@@ -99,7 +97,7 @@ def running_engine(model_dir: str, dtype: str, opts: ClusterOptions) -> Iterator
     finally:
         engine.shutdown()
         if owns:
-            ray.shutdown()
+            stop_ray()
 
 
 # ---- shard side (run inside each ShardWorker through __ray_call__) ---------------------------------------

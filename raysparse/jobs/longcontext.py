@@ -14,7 +14,9 @@ Ids and keys (``raysparse.jobs.records``): a line without an ``id`` (or not a JS
 or error line with that ``id``); each later line with the same id gets one error line with
 ``"duplicate_of_line"`` (the owner's line number) and its own ``"line"``, keyed by (id, line). Resuming: keys
 already in the output are skipped, after a torn last line left by a killed run is cut off (its id is redone).
-Inside a Ray job the engine joins the job's cluster (RAY_ADDRESS).
+Inside a Ray job the engine joins the job's cluster (RAY_ADDRESS). Otherwise it starts a local Ray instance
+and stops it on every way out - the end, an error, SIGTERM, SIGINT or SIGHUP - with every process of it (the
+agents and idle workers too); the exit status after a signal is 128 + its number.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -47,20 +50,30 @@ from raysparse.serving.commands import add_engine_args, add_method_args, engine_
 def build_parser() -> argparse.ArgumentParser:
     from raysparse.cli import HelpFormatter  # --help shows the defaults, as every raysparse command's does
 
-    p = argparse.ArgumentParser(prog="python -m raysparse.jobs.longcontext", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    paragraphs = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(prog="python -m raysparse.jobs.longcontext", formatter_class=HelpFormatter,
+                                description=" ".join([paragraphs[0], paragraphs[2]]))
     p.add_argument("--input", required=True, help="JSONL file of requests")
     p.add_argument("--output", required=True, help="JSONL file of results (appended to; finished ids skipped)")
     add_method_args(p)
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="tokens each request may generate (a line's sampling.max_new_tokens overrides it)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, 0 for greedy (a line's sampling.temperature overrides it)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass in (0, 1] (a line's sampling.top_p overrides it)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: none; a line's sampling.seed overrides it)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-new-tokens even past the end token (a line's sampling.ignore_eos "
+                        "overrides it)")
     p.add_argument("--no-chat", action="store_true", help="tokenize text prompts without the chat template")
     p.add_argument("--max-inflight", type=positive_int, default=64, help="requests queued in the engine at once")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
     add_engine_args(p)
+    for action in p._actions:
+        if action.dest == "address":
+            action.help = "an existing Ray cluster (default: $RAY_ADDRESS, set inside a Ray job, else a local instance)"
     return p
 
 
@@ -159,15 +172,70 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = engine_config(args)
+        method_params(args)  # the file-wide method flags, checked before anything loads
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     t0 = time.perf_counter()
-    with Engine(cfg) as engine:
-        counts = run_job(args, engine)
+    from raysparse.orchestration.ray_env import start_ray, stop_ray
+
+    stop = _StopOnSignals()
+    engine, owns = Engine(cfg), False
+    try:
+        try:
+            owns = start_ray(cfg.address, cfg.num_cpus)
+            stop.install()  # again: ray.init put a SIGTERM handler of its own in place of ours
+            counts = run_job(args, engine.start())
+        finally:
+            stop.cleaning = True  # a signal from here on is noted, not raised: the clean-up runs whole
+            try:
+                engine.shutdown()
+            finally:
+                if owns:
+                    stop_ray()
+        if stop.signum:
+            raise _Signalled(stop.signum)
+    except _Signalled as e:
+        print(f"{parser.prog}: signal {e.signum}: stopped; rerun to finish the rest", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    finally:
+        stop.restore()
     print(json.dumps({"input": args.input, "output": args.output, **counts,
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     return 0
 
+
+class _Signalled(BaseException):  # noqa: N818 - not an error: the job was asked to stop
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class _StopOnSignals:
+    """SIGTERM, SIGINT and SIGHUP unwind the main thread (``_Signalled``), so the engine and the Ray it runs on
+    stop; once ``cleaning`` is set a signal is only noted in ``signum``."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.cleaning = False
+        self.signum = 0
+        self.previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+        self.install()
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.signum or self.cleaning:
+            self.signum = self.signum or signum
+            return
+        self.signum = signum
+        raise _Signalled(signum)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,15 +33,11 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.registry import MethodSpec
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs, packed_block_pairs
 
-# Parameters every command may pass. A method whose config lacks one refuses it (``method_spec``), and so
-# does a method that has a density field but no density budget (``density_budget = False``).
-SHARED_PARAMS = frozenset({"density", "dense_layers"})
-
 
 def no_density_error(name: str) -> str:
     """The one-line refusal of ``--density`` by a method without a density budget."""
-    return (f"method {name!r} has no density budget, so --density does not apply to it (its real prefill and "
-            "decode densities are reported)")
+    return (f"method {name!r} has no parameter 'density': it has no density budget, so --density does not apply "
+            "to it (its real prefill and decode densities are reported)")
 
 
 @dataclass(frozen=True)
@@ -397,17 +393,20 @@ def host_row_budget(density: float, causal_units: int) -> int:
 
 
 def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
-    """A registry entry for ``cls``. Shared flags such as ``--density`` reach only methods whose config
-    has that field; any other unknown parameter is an error."""
-    fields = {f for f in cls.config_cls.__dataclass_fields__}
-    takes_density = "density" in fields and getattr(cls, "density_budget", True) is not False
+    """A registry entry for ``cls``: its parameters are its config's fields, and any other one - a shared flag
+    such as ``--density`` included, for a method whose config has no such field - is an error. A method whose
+    config has a density field but no density budget (``density_budget = False``: PSAW's and ETF's budget is
+    their depth schedule) does not take ``density`` either."""
+    fields = frozenset(cls.config_cls.__dataclass_fields__)
+    if getattr(cls, "density_budget", True) is False:
+        fields = fields - {"density"}
 
     def factory(model_cfg: ModelConfig, **params: Any) -> AttentionBackend:
-        if "density" in params and not takes_density:
+        if "density" in params and "density" not in fields:
             raise ValueError(no_density_error(cls.name))
         unknown = set(params) - fields
         if unknown:
             raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
         return cls(model_cfg, cls.config_cls(**params))
 
-    return MethodSpec(cls.name, description, factory, takes_density=takes_density)
+    return MethodSpec(cls.name, description, factory, params=fields)

@@ -6,7 +6,7 @@ the scheduler and the engine read these by the method's name, so no generic code
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +37,20 @@ class MethodCapabilities:
 
 @dataclass(frozen=True)
 class MethodSpec:
+    """A method's registry entry. ``params`` names every parameter the method takes (its config's fields,
+    ``methods.base.method_spec``); anything else - ``--density`` for a method without a budget included - is
+    refused, by ``check_params`` before anything loads and by the factory."""
+
     name: str
     description: str
     factory: Callable[..., AttentionBackend]  # (model config, **method params) -> backend
     capabilities: MethodCapabilities = MethodCapabilities()
-    takes_density: bool = True  # whether ``--density`` sets a budget; otherwise the factory refuses it
+    params: frozenset[str] = frozenset()
+
+    @property
+    def takes_density(self) -> bool:
+        """Whether ``--density`` sets a budget of this method."""
+        return "density" in self.params
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -90,17 +99,32 @@ def method_capabilities(name: str) -> MethodCapabilities:
     return get_method(name).capabilities
 
 
+def method_params(name: str) -> frozenset[str]:
+    """The parameters method ``name`` takes (raises ValueError for an unknown method)."""
+    return get_method(name).params
+
+
+def check_params(name: str, params: Iterable[str]) -> None:
+    """Raises ValueError, naming the first one, when ``params`` holds a parameter that method ``name`` does not
+    take. Needs no model: every command checks its method flags with it before anything loads."""
+    spec = get_method(name)
+    for key in params:
+        if key == "density" and key not in spec.params:
+            raise ValueError(f"method {name!r} has no parameter 'density': it has no density budget, so --density "
+                             "does not apply to it (its real prefill and decode densities are reported)")
+        if key not in spec.params:
+            takes = f"it takes {', '.join(sorted(spec.params))}" if spec.params else "it takes none"
+            raise ValueError(f"method {name!r} has no parameter {key!r}; {takes}")
+
+
 def create_backend(name: str, cfg: ModelConfig, **params: Any) -> AttentionBackend:
+    check_params(name, params)
     return get_method(name).factory(cfg, **params)
 
 
 def _dense(cfg: ModelConfig, **params: Any) -> AttentionBackend:
-    if "density" in params:
-        raise ValueError("method 'dense' has no density budget, so --density does not apply to it")
-    unknown = set(params) - {"dense_layers"}  # every layer is dense already: dense_layers changes nothing
-    if unknown:
-        raise ValueError(f"method 'dense' takes no parameters, got {sorted(unknown)}")
+    check_params("dense", params)
     return DenseAttention(cfg.num_layers)
 
 
-register(MethodSpec("dense", "exact causal attention (SDPA)", _dense, takes_density=False))
+register(MethodSpec("dense", "exact causal attention (SDPA)", _dense))

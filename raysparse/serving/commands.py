@@ -104,6 +104,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="an existing Ray cluster (default: a local instance)")
     p.add_argument("--kv-cache-tokens", type=positive_int, default=16384, help="KV cache per replica, in tokens")
     p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="N",
+                   help="prompt tokens per prefill step; other streams decode between two chunks (default: 128 on "
+                        "CPU shards, 65536 on GPUs)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the shards run (auto: GPUs when the cluster has --tp of them)")
     p.add_argument("--num-cpus", type=positive_int, default=None,
@@ -125,7 +128,8 @@ def engine_config(args: argparse.Namespace) -> Any:
     from raysparse.orchestration.engine_config import EngineConfig
 
     return EngineConfig(model=args.model, dtype=args.dtype, tp=args.tp, replicas=args.replicas, address=args.address,
-                        kv_cache_tokens=args.kv_cache_tokens, max_batch=args.max_batch, device=args.device,
+                        kv_cache_tokens=args.kv_cache_tokens, max_batch=args.max_batch,
+                        max_prefill_tokens=args.max_prefill_tokens, device=args.device,
                         num_cpus=args.num_cpus, cpus_per_shard=args.cpus_per_shard, draft=not args.no_draft,
                         draft_model=args.draft_model, random_weights=args.random_weights,
                         decode_steps=args.decode_steps, cuda_graphs=not args.no_cuda_graphs,
@@ -141,9 +145,20 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 def method_params(args: argparse.Namespace) -> dict[str, Any]:
+    """``--param`` and ``--density`` as the method's parameters. Raises ValueError (one line, before anything
+    loads) for an unknown ``--method`` or a parameter it does not take, e.g. ``--density`` with ``dense``."""
+    from raysparse.methods.registry import check_params
+
     out = dict(args.param)
     if args.density is not None:
+        if "density" in out:
+            raise ValueError("give the density once: --density or --param density=..., not both")
         out["density"] = args.density
+    try:
+        check_params(args.method, out)
+    except ValueError as e:
+        flag = "--density" if "'density'" in str(e) and args.density is not None else "--param"
+        raise ValueError(f"{flag}: {e}" if "has no parameter" in str(e) else str(e)) from None
     return out
 
 
@@ -162,7 +177,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "/v1/chat/completions, /metrics) on this port, same --host (default: off; 0: any free one)")
     s.add_argument("--served-model-name", default="", metavar="NAME",
                    help="the model's name in the HTTP API and the metrics (default: the model's directory name)")
-    s.add_argument("--grace", type=float, default=5.0, help="seconds streams get to finish on shutdown")
+    s.add_argument("--grace", type=float, default=5.0,
+                   help="draining on SIGTERM: seconds health answers NOT_SERVING before the port closes, while new "
+                        "calls are refused and streams in flight go on")
     add_engine_args(s)
     g = sub.add_parser("generate", help="stream a completion from a running raysparse server",
                        description="A gRPC client: sends one prompt (text or token ids) and streams the text.")

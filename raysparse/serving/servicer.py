@@ -5,6 +5,10 @@ typed errors carry the status code (``engine_api``). A call that ends early - th
 deadline passes, the connection drops - aborts its engine request from the RPC's termination callback, so
 its KV pages come back at the replica's next step even while the request is still waiting.
 
+The control calls (``Abort``, ``GetModelInfo``, ``GetServerInfo``) run on a thread pool of their own
+(``add_to_server``'s ``control_pool``), so they are answered at once however many streams hold the server's
+threads.
+
 Client input never reaches an error path of its own: a request whose bytes do not parse is
 INVALID_ARGUMENT (``add_to_server``), a request id already in flight is ALREADY_EXISTS, and metric labels
 take their values from closed sets (``ServerMetrics.method``).
@@ -12,9 +16,11 @@ take their values from closed sets (``ServerMetrics.method``).
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +38,7 @@ from raysparse.serving.proto import raysparse_pb2_grpc as pb_grpc
 DEFAULT_MAX_NEW_TOKENS = 64
 _POLL_S = 0.1  # how often a streaming call notices that its client went away
 _SERVICE = pb.DESCRIPTOR.services_by_name["RaySparse"]
+CONTROL_METHODS = frozenset({"Abort", "GetModelInfo", "GetServerInfo"})  # served from ``control_pool``
 
 
 @dataclass(frozen=True)
@@ -50,17 +57,33 @@ def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-def add_to_server(servicer: RaySparseServicer, server: grpc.Server) -> None:
+def on_pool(handler: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> Callable[..., Any]:
+    """``handler`` run on ``pool`` rather than on the server's own thread pool: grpcio's server takes a
+    behaviour's ``experimental_thread_pool`` (as its health servicer does for ``Watch``)."""
+    @functools.wraps(handler)
+    def call(request: Any, context: grpc.ServicerContext, *rest: Any) -> Any:
+        return handler(request, context, *rest)
+
+    call.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return call
+
+
+def add_to_server(servicer: RaySparseServicer, server: grpc.Server,
+                  control_pool: futures.ThreadPoolExecutor | None = None) -> None:
     """What the generated ``add_RaySparseServicer_to_server`` does, with deserializers that never raise.
 
     grpc's server answers a request it cannot deserialize with INTERNAL before any handler runs; such a
     request is the client's fault, so it reaches the handler as an ``UndecodableRequest``, which every
     handler refuses with INVALID_ARGUMENT. The handlers follow the service descriptor, so a method added
-    to the proto is served the same way."""
+    to the proto is served the same way. ``control_pool``: where ``CONTROL_METHODS`` run (default: the
+    server's own pool, which every open stream holds a thread of)."""
     handlers = {}
     for m in _SERVICE.methods:
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[m.name] = make(getattr(servicer, m.name),
+        behaviour = getattr(servicer, m.name)
+        if control_pool is not None and m.name in CONTROL_METHODS:
+            behaviour = on_pool(behaviour, control_pool)
+        handlers[m.name] = make(behaviour,
                                 request_deserializer=_tolerant(getattr(pb, m.input_type.name).FromString),
                                 response_serializer=getattr(pb, m.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))

