@@ -185,7 +185,8 @@ def test_piped_output_is_not_wrapped(monkeypatch, capsys):
     assert cli.main(["run", "--context-tokens", "512"]) == 0
     lines = capsys.readouterr().out.splitlines()
     report = [ln for ln in lines if ln.startswith("prompt tokens 512")]
-    assert len(report) == 1 and len(report[0]) > 80 and report[0].endswith("method dense, density 1.000 (prefill 1.000, decode 1.000)"), lines
+    tail = "method dense, density 1.000 (prefill 1.000, decode 1.000)"
+    assert len(report) == 1 and len(report[0]) > 80 and report[0].endswith(tail), lines
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
