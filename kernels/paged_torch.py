@@ -67,9 +67,7 @@ def _paged_pages_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     ok = ((indices != SENTINEL)[..., None].expand(-1, -1, -1, page).flatten(2)
           & (tok < kv.seqlens.long()[:, None, None])).view(b * h_kv, 1, 1, -1)
     mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
-    # PyTorch's fused CPU kernel, which also returns the log-sum-exp; elsewhere (RAYSPARSE_KERNELS=torch on a
-    # GPU) the same masked attention in plain ops.
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu if q.device.type == "cpu" else _masked_sdpa
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = op(q.view(b * h_kv, g, 1, d), k.expand(-1, g, -1, -1), v.expand(-1, g, -1, -1), attn_mask=mask,
                   scale=scale)
     none = ~ok.view(b * h_kv, -1).any(-1)[:, None, None]  # a row that selects no key: zeros and -inf
@@ -144,7 +142,9 @@ def block_sparse_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     lo_rows = None
     if window_lo is not None:  # per padded query row, padding rows see nothing extra (they are dropped)
         lo_rows = torch.nn.functional.pad(window_lo.long(), (lead, nqb * block - lead - n_q)).view(nqb, block)
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # PyTorch's fused CPU kernel, which also returns the log-sum-exp; elsewhere (RAYSPARSE_KERNELS=torch on a
+    # GPU) the same masked attention in plain ops.
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu if q.device.type == "cpu" else _masked_sdpa
     for c0 in range(0, nqb, step):
         c1 = min(nqb, c0 + step)
         wide = max(1, max(fill[c0:c1]))
