@@ -88,6 +88,11 @@ SEAM_CASES = [(m, {}) for m in SEAM_METHODS] + [("delta", {"base": "sketch_walk"
 SEAM_IDS = [f"{m}-{p['base']}" if p else m for m, p in SEAM_CASES]
 
 
+def _budget(method: str, density: float) -> dict:
+    """``density`` for a method with a budget; PSAW's and ETF's budget is their depth schedule."""
+    return {"density": density} if get_method(method).takes_density else {}
+
+
 @pytest.mark.parametrize("method, extra", SEAM_CASES, ids=SEAM_IDS)
 def test_tp2_matches_tp1_on_the_batched_seam(engines, method, extra):
     """Without a selection recorder (a tracer sends a method to its per-sequence reference path) both engines
@@ -95,7 +100,7 @@ def test_tp2_matches_tp1_on_the_batched_seam(engines, method, extra):
     tokens (multi-step plans) equal TP=1's. A density of its own gives a backend no recorder has touched."""
     e1, e2 = engines
     ps = prompts()
-    params = {"density": 0.25, **extra}
+    params = {**_budget(method, 0.25), **extra}
     assert run(e2, method, ps, params=params) == run(e1, method, ps, params=params)
 
 
@@ -105,7 +110,7 @@ def test_batched_seam_tokens_equal_the_reference_path(engines, method, extra):
     The two method keys select alike (the second spells out the default dense layers) but are two backends:
     the first records selections, which sends it down the reference path."""
     e1, _ = engines
-    ref, seam = {"density": 0.35, **extra}, {"density": 0.35, "dense_layers": [0, 1], **extra}
+    ref, seam = {**_budget(method, 0.35), **extra}, {**_budget(method, 0.35), "dense_layers": [0, 1], **extra}
     record_selections(e1, method_key(method, ref))
     ps = prompts()
     assert run(e1, method, ps, params=seam) == run(e1, method, ps, params=ref)
