@@ -41,7 +41,8 @@ class Served:
         try:
             self.client.wait_serving(timeout, poll_s=0.2)
         except BaseException:
-            self.close()
+            out = self.close()
+            print(f"server output (last 4000 characters):\n{out[-4000:]}")  # shown with the failure
             raise
 
     def close(self) -> str:
@@ -190,6 +191,7 @@ def test_a_killed_draft_actor_is_named_not_blamed_on_a_shard(tiny_model):
         eng.shutdown()
 
 
+@pytest.mark.slow  # ~90 s of the real model on 2 cores, and timing-bound: run alone (`pytest -m slow`)
 def test_a_7000_token_prefill_leaves_other_streams_no_gap_over_2_s():
     """The default model on the CPU (the default prefill chunk): while a 7000-token prompt prefills, a running
     stream's largest gap between two tokens is at most 2 s; a second long prompt whose deadline passes during
