@@ -81,6 +81,7 @@ class SparseMethod(AttentionBackend):
         # Set by the fidelity harness: called as tracer(ctx, q, k, v, selection, out) after each sparse
         # attention, so metrics see exactly what the method attended.
         self.tracer: Callable[..., None] | None = None
+        self._first_selecting_layer: int | None = None  # ``_first_selecting``, found on first use
 
     @property
     def batched_decode(self) -> bool:
@@ -261,8 +262,12 @@ class SparseMethod(AttentionBackend):
         return self._run(layer, q, cache, batch, decode=True)
 
     def _first_selecting(self) -> int:
-        """The first layer whose decode selects (the rows are placed before it)."""
-        return next((i for i in range(self.model_cfg.num_layers) if not self.dense_decode_layer(i)), -1)
+        """The first layer whose decode selects (the rows are placed before it); fixed by the config, so found
+        once rather than at every layer of every step."""
+        if self._first_selecting_layer is None:
+            self._first_selecting_layer = next(
+                (i for i in range(self.model_cfg.num_layers) if not self.dense_decode_layer(i)), -1)
+        return self._first_selecting_layer
 
     def release(self, seq_id: int) -> None:
         self._seq_state.pop(seq_id, None)

@@ -433,25 +433,11 @@ def resolve_layer_map(model: LlamaForCausalLM, model_dir: str | os.PathLike[str]
     tokenizer, a map measured on the default text and saved; else the nearest-below fallback."""
     L = model.cfg.num_layers
     draft = validate_draft_layers(default_draft_layers(L) if draft_layers is None else draft_layers, L)
-    if model_dir is not None:
-        try:
-            lm = load_layer_map(model_dir=model_dir, num_layers=L, draft_layers=draft)
-        except ValueError:
-            lm = None  # stale or foreign: measure afresh below
-        if lm is not None:
-            return lm
-    if compute and tokenizer is not None:
-        from raysparse.workload import load_haystack_text
-
-        text, source = load_haystack_text(None)
-        lm = compute_layer_map(model, text_windows(tokenizer, text, windows, tokens), draft, steps, source)
-        if model_dir is not None:
-            try:
-                save_layer_map(lm, model_dir=model_dir)
-            except OSError:
-                pass  # serving goes on with the measured map in memory
-        return lm
-    return nearest_below_map(L, draft)
+    return _resolve(
+        model_dir, compute, tokenizer, windows, tokens,
+        load=lambda: load_layer_map(model_dir=model_dir, num_layers=L, draft_layers=draft),
+        measure=lambda w, source: compute_layer_map(model, w, draft, steps, source),
+        fallback=lambda: nearest_below_map(L, draft))
 
 
 def resolve_draft_layer_map(model: LlamaForCausalLM, model_dir: str | os.PathLike[str] | None, draft: Any,
@@ -461,9 +447,20 @@ def resolve_draft_layer_map(model: LlamaForCausalLM, model_dir: str | os.PathLik
     verifier under the draft's key if it fits; else one measured on the default text and saved; else the
     same-relative-depth fallback."""
     L, m = model.cfg.num_layers, draft.num_layers
+    return _resolve(
+        model_dir, compute, tokenizer, windows, tokens,
+        load=lambda: load_layer_map(model_dir=model_dir, num_layers=L, draft_layers=tuple(range(m)), draft=draft.key),
+        measure=lambda w, source: compute_cross_layer_map(model, draft.model, w, draft.key, steps, source),
+        fallback=lambda: proportional_map(L, m, draft.key))
+
+
+def _resolve(model_dir: str | os.PathLike[str] | None, compute: bool, tokenizer: Any | None, windows: int,
+             tokens: int, load: Any, measure: Any, fallback: Any) -> LayerMap:
+    """The lookup both resolvers share: ``load()`` the saved map (None, or ValueError when stale or foreign),
+    else ``measure(windows, source)`` on the default text and save it, else ``fallback()``."""
     if model_dir is not None:
         try:
-            lm = load_layer_map(model_dir=model_dir, num_layers=L, draft_layers=tuple(range(m)), draft=draft.key)
+            lm = load()
         except ValueError:
             lm = None  # stale or foreign: measure afresh below
         if lm is not None:
@@ -472,15 +469,14 @@ def resolve_draft_layer_map(model: LlamaForCausalLM, model_dir: str | os.PathLik
         from raysparse.workload import load_haystack_text
 
         text, source = load_haystack_text(None)
-        lm = compute_cross_layer_map(model, draft.model, text_windows(tokenizer, text, windows, tokens), draft.key,
-                                     steps, source)
+        lm = measure(text_windows(tokenizer, text, windows, tokens), source)
         if model_dir is not None:
             try:
                 save_layer_map(lm, model_dir=model_dir)
             except OSError:
                 pass  # serving goes on with the measured map in memory
         return lm
-    return proportional_map(L, m, draft.key)
+    return fallback()
 
 
 # ---- command ----------------------------------------------------------------------------------
