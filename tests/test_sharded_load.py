@@ -17,7 +17,7 @@ from raysparse.tensor_parallel import shard_layers, shard_plan
 # Sizes in the proportions of a real Llama (the whole embedding is a few percent of the weights), so a rank
 # of two reads a little over half. "large" is the few-hundred-MB checkpoint; "small" the same test in seconds.
 SIZES = {
-    "small": dict(hidden=256, heads=8, kv_heads=4, intermediate=704, layers=4, vocab=2000),  # 16 MB
+    "small": dict(hidden=512, heads=8, kv_heads=4, intermediate=1408, layers=8, vocab=4000),  # 110 MB
     "large": dict(hidden=1024, heads=16, kv_heads=4, intermediate=2816, layers=8, vocab=16000),  # 490 MB
 }
 
