@@ -116,7 +116,7 @@ class Engine:
                 pages = -(-self.cfg.kv_cache_tokens // self.cfg.page_size)
                 sched = Scheduler(SchedulerConfig(pages, self.cfg.page_size, self.cfg.max_batch,
                                                   self.cfg.prefill_chunk(self.use_gpu), self.cfg.max_waiting,
-                                                  self.cfg.decode_steps))
+                                                  self.cfg.decode_steps, self.cfg.prefix_cache))
                 self.runners.append(ReplicaRunner(i, group, sched, self.tokenizer, liveness_s=self.cfg.liveness_s))
             with ThreadPoolExecutor(max_workers=len(self.runners)) as pool:
                 list(pool.map(lambda r: r.group.start(self.cfg.load_timeout_s), self.runners))

@@ -99,6 +99,7 @@ class RequestHandle:
         self._on_abort = on_abort
         self._on_finish = on_finish  # the engine frees the request id here
         self.finished = threading.Event()
+        self.started = threading.Event()  # the first event came: the prompt is prefilled (or the request ended)
         self.finish: FinishEvent | None = None
         self._listeners: list[Callable[[Event], Any]] = []
         # set by a front end that ends the request itself for a reason of its own (a stop string matched on
@@ -123,6 +124,7 @@ class RequestHandle:
             if self._on_finish is not None:
                 self._on_finish(self)
         self._q.put(ev)
+        self.started.set()
         for fn in self._listeners:
             try:
                 fn(ev)

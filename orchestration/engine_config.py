@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raysparse.config import parse_dtype
+from raysparse.orchestration.prefix_cache import PrefixCacheConfig
 from raysparse.runtime_config import RuntimeConfig
 
 # Prompt tokens one prefill step may carry when ``max_prefill_tokens`` is left unset. Decode steps of other
@@ -44,6 +45,7 @@ class EngineConfig:
     # the placement group this process runs in (a Ray Serve replica's, whose bundle 0 is the replica itself)
     placement: str = "own"
     liveness_s: float = 1.0  # an idle replica pings its actors this often, to find a dead one before a request
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()  # prompts share cached full pages of equal prefixes
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -72,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"placement must be own or current, got {self.placement!r}")
         if self.placement == "current" and self.replicas != 1:
             raise ValueError("placement 'current' serves one replica (the placement group's)")
+        if not isinstance(self.prefix_cache, PrefixCacheConfig):
+            raise ValueError(f"prefix_cache must be a PrefixCacheConfig, got {type(self.prefix_cache).__name__}")
         if not isinstance(self.runtime, RuntimeConfig):
             raise ValueError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")
 

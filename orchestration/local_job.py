@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from raysparse.orchestration.prefix_cache import PrefixCacheConfig
 from raysparse.orchestration.ray_env import LOCAL_RAY_ENV, WORKER_ENV, start_ray  # noqa: F401 - re-exported
 from raysparse.runtime_config import RuntimeConfig
 from raysparse.step_plan import method_key
@@ -40,6 +41,7 @@ class RunOptions:
     cpus_per_shard: float = 1.0
     runtime: RuntimeConfig = RuntimeConfig()  # the shards' kernels and collectives (``--runtime``)
     draft_model: str | None = None  # SpecAttn's separate draft checkpoint (``--draft-model``)
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()  # ``--no-prefix-cache``, ``--prefix-cache-tokens``
 
 
 def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:
@@ -55,7 +57,7 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
     cfg = EngineConfig(model=opts.model, dtype=opts.dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
                        kv_cache_tokens=kv_tokens, num_cpus=opts.num_cpus, cpus_per_shard=opts.cpus_per_shard,
                        draft=method_capabilities(opts.method).needs_draft, runtime=opts.runtime,
-                       draft_model=opts.draft_model)
+                       draft_model=opts.draft_model, prefix_cache=opts.prefix_cache)
     engine = Engine(cfg)
     try:
         with console.status(f"starting {opts.replicas} replica(s) of {opts.tp} shard actor(s)"):

@@ -144,6 +144,9 @@ class ReplicaRunner:
         if res["error"]:
             self._fail(plan, res["error"])
             return
+        if plan.prefill:
+            with self.cond:
+                self.sched.prefill_succeeded(plan)  # its prompts' full pages may serve later prompts now
         if res.get("meter"):
             self.account_density(plan, res["meter"])
         self.emit(plan, res["tokens"] if plan.steps > 1 else [[t] for t in res["tokens"]])
@@ -208,7 +211,7 @@ class ReplicaRunner:
             seq.request.request_id, reason, tuple(seq.tokens), seq.text, len(seq.request.prompt_ids), ttft,
             now - seq.t_first if seq.t_first else 0.0, plain(error),
             {"replica": self.index, "method": seq.request.method, "method_params": dict(seq.request.method_params),
-             "density": request_density(seq.meter)}))
+             "density": request_density(seq.meter), "cached_tokens": seq.cached}))
 
     def _fail(self, plan: StepPlan, error: str) -> None:
         with self.cond:

@@ -6,7 +6,12 @@ of the head request's method up to ``max_prefill_tokens``; decode steps batch up
 sequences of one method key, rotating over keys. When both kinds of work exist the steps alternate, so
 a stream of arrivals never starves running decodes. A request whose reservation exceeds the whole cache
 is refused at submission (``CapacityExceededError``), never out of memory later. What a method allows
-(chunked prefill, several decode steps per call) comes from its registry entry (``MethodCapabilities``).
+(chunked prefill, several decode steps per call, a cached prefix) comes from its registry entry
+(``MethodCapabilities``).
+
+Pages are the scheduler's (``PagePool``): it picks each admitted sequence's physical pages, and with the
+prefix cache a prompt whose leading full pages are cached starts after them, sharing those pages; only
+its new pages count against the free ones. Its prefilled full pages join the cache once a step succeeds.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from raysparse.orchestration.engine_api import (
     RequestHandle,
     RequestTooLargeError,
 )
+from raysparse.orchestration.prefix_cache import PagePool, PrefixCacheConfig, page_keys
 from raysparse.step_plan import StepPlan, parse_key
 
 
@@ -46,6 +52,8 @@ class Sequence:
     # then decode's (``runner.account_density``)
     meter: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
     retried: bool = False  # already requeued once after its group died
+    keys: list[bytes] = field(default_factory=list)  # chained digests of the prompt's full pages (prefix cache)
+    cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
 
     @property
     def prompt_done(self) -> bool:
@@ -64,6 +72,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 65536
     max_waiting: int = 4096
     decode_steps: int = 1  # consecutive decode steps per plan while no prompt can be admitted or continued
+    prefix: PrefixCacheConfig = PrefixCacheConfig()
 
     def __post_init__(self) -> None:
         for name in ("capacity_pages", "page_size", "max_batch", "max_prefill_tokens", "max_waiting",
@@ -77,7 +86,7 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig) -> None:
         self.cfg = cfg
-        self.free_pages = cfg.capacity_pages
+        self.pool = PagePool(cfg.capacity_pages, cfg.page_size, cfg.prefix)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, list[Sequence]] = {}
         self._to_free: list[int] = []
@@ -97,6 +106,19 @@ class Scheduler:
             self._caps[key] = caps
         return caps
 
+    @property
+    def free_pages(self) -> int:
+        return self.pool.free_pages
+
+    def prefix_reusable(self, key: str) -> bool:
+        """Whether prompts of ``key`` may start from cached pages: the method allows it, and its blocks are
+        the cache's pages (the per-page state a method keeps for a prefix is kept per block)."""
+        try:
+            block = parse_key(key)[1].get("block_size", self.cfg.page_size)
+        except (ValueError, TypeError):
+            return False
+        return self.capabilities(key).prefix_cache and block == self.cfg.page_size
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.cfg.page_size)
 
@@ -108,7 +130,10 @@ class Scheduler:
                 f"{self.cfg.capacity_pages * self.cfg.page_size}")
         if len(self.waiting) >= self.cfg.max_waiting:
             raise CapacityExceededError(f"{len(self.waiting)} requests are already waiting")
-        return Sequence(handle, next(self._seq_ids), key, pages, stops, t_submit=now)
+        seq = Sequence(handle, next(self._seq_ids), key, pages, stops, t_submit=now)
+        if self.cfg.prefix.enabled and self.prefix_reusable(key):
+            seq.keys = page_keys(key, handle.request.prompt_ids, self.cfg.page_size)
+        return seq
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -125,7 +150,7 @@ class Scheduler:
         if seq in group:
             group.remove(seq)
             self._to_free.append(seq.seq_id)
-            self.free_pages += seq.pages
+            self.pool.free(seq.seq_id)
 
     def requeue_alone(self, seq: Sequence) -> None:
         """A running sequence whose batched prefill failed goes back to the front of the queue, to be
@@ -133,8 +158,8 @@ class Scheduler:
         group = self.running.get(seq.key, [])
         if seq in group:
             group.remove(seq)
-            self.free_pages += seq.pages
-        seq.solo, seq.tokens, seq.text, seq.t_first, seq.prefilled = True, [], "", 0.0, 0
+            self.pool.free(seq.seq_id)
+        seq.solo, seq.tokens, seq.text, seq.t_first, seq.prefilled, seq.cached = True, [], "", 0.0, 0, 0
         self.waiting.appendleft(seq)
 
     def requeue_lost(self, seqs: list[Sequence]) -> None:
@@ -144,8 +169,8 @@ class Scheduler:
             group = self.running.get(seq.key, [])
             if seq in group:
                 group.remove(seq)
-                self.free_pages += seq.pages
-            seq.retried, seq.tokens, seq.text, seq.t_first, seq.prefilled = True, [], "", 0.0, 0
+                self.pool.free(seq.seq_id)
+            seq.retried, seq.tokens, seq.text, seq.t_first, seq.prefilled, seq.cached = True, [], "", 0.0, 0, 0
             seq.meter = [0.0, 0.0, 0.0, 0.0]
             self.waiting.appendleft(seq)
 
@@ -160,10 +185,22 @@ class Scheduler:
         return list(self.waiting) + [s for g in self.running.values() for s in g]
 
     def reset(self) -> None:
-        """After the replica's shards were lost: nothing runs and every page is free again."""
+        """After the replica's shards were lost: nothing runs, every page is free again and nothing is cached
+        (the new shards' caches are empty)."""
         self.running.clear()
         self._to_free.clear()
-        self.free_pages = self.cfg.capacity_pages
+        self.pool.reset()
+
+    def prefill_succeeded(self, plan: StepPlan) -> None:
+        """A prefill step's sequences hold their prompts up to ``prefilled`` now: their full pages are cached."""
+        by_id = {s.seq_id: s for s in self.running.get(plan.key, [])}
+        for sid in plan.seq_ids:
+            seq = by_id.get(sid)
+            if seq is not None and seq.keys:
+                self.pool.register(sid, seq.keys, seq.prefilled)
+
+    def _admissible(self, seq: Sequence) -> bool:
+        return self.pool.can_admit(seq.pages, seq.keys, len(seq.request.prompt_ids))
 
     def _ready(self, key: str) -> list[Sequence]:
         return [s for s in self.running.get(key, []) if s.prompt_done]
@@ -173,7 +210,7 @@ class Scheduler:
 
     def next_plan(self) -> StepPlan | None:
         decode_keys = [k for k in self.running if self._ready(k)]
-        admissible = bool(self.waiting) and self.waiting[0].pages <= self.free_pages
+        admissible = bool(self.waiting) and self._admissible(self.waiting[0])
         if (admissible or self._partial()) and not (self._last_prefill and decode_keys):
             self._last_prefill = True
             return self._prefill_plan()
@@ -213,14 +250,22 @@ class Scheduler:
             budget -= n
         admitted: list[Sequence] = []
         solo = any(s.solo for s, _ in rows)
+        # pages being computed now (partial prompts, and the prompts admitted below): a prompt whose next page
+        # is one of them waits for it rather than computing it a second time
+        page = self.cfg.page_size
+        inflight = {k for s in partial for k in s.keys[s.prefilled // page:]}
         for seq in list(self.waiting):
             if seq.key != key:
                 continue
+            plen = len(seq.request.prompt_ids)
+            hit = self.pool.hits(seq.keys, plen)
+            if hit < min(len(seq.keys), (plen - 1) // page) and seq.keys[hit] in inflight:
+                continue
             if budget <= 0 or len(rows) >= self.cfg.max_batch or solo or (rows and seq.solo):
                 break
-            if seq.pages > self.free_pages:
+            if not self._admissible(seq):
                 break  # FIFO within the key: no overtaking a request that waits for pages
-            left = len(seq.request.prompt_ids)
+            left = plen - hit * page
             if not chunkable and rows and left > budget:
                 break
             n = left if not chunkable else min(left, budget)
@@ -228,10 +273,13 @@ class Scheduler:
             admitted.append(seq)
             budget -= n
             solo = seq.solo
-            self.free_pages -= seq.pages
+            _, seq.cached = self.pool.allocate(seq.seq_id, seq.pages, seq.keys, plen)
+            seq.prefilled = seq.cached
+            inflight.update(seq.keys[hit:])
             self.waiting.remove(seq)
         self.running.setdefault(key, []).extend(admitted)
-        plan = StepPlan(key, True, admit=[(s.seq_id, s.request.max_tokens, _params_dict(s)) for s in admitted])
+        plan = StepPlan(key, True, admit=[(s.seq_id, s.request.max_tokens, _params_dict(s),
+                                           self.pool.pages_of(s.seq_id), s.cached) for s in admitted])
         for seq, n in rows:
             plan.seq_ids.append(seq.seq_id)
             plan.tokens.append(list(seq.request.prompt_ids[seq.prefilled: seq.prefilled + n]))

@@ -104,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weights and activations")
     add_draft_model_arg(run)
     _add_cluster_args(run)
-    from raysparse.serving.commands import add_runtime_arg
+    from raysparse.serving.commands import add_prefix_cache_args, add_runtime_arg
 
     add_runtime_arg(run)
+    add_prefix_cache_args(run)
     run.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     _add_eval_parser(sub)
     from raysparse.serving.commands import add_parsers as add_serving_parsers
@@ -312,6 +313,7 @@ def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
     import json
 
     from raysparse.orchestration.local_job import JobError, RunOptions, run_retrieval
+    from raysparse.serving.commands import prefix_cache_config
 
     console = output_console()
     method_params = (("density", args.density),) if args.density is not None else ()
@@ -319,7 +321,7 @@ def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
                       context_tokens=args.context_tokens, depth=args.depth, seed=args.seed,
                       max_new_tokens=args.max_new_tokens, dtype=args.dtype, address=args.address, tp=args.tp,
                       replicas=args.replicas, cpus_per_shard=args.cpus_per_shard, runtime=runtime,
-                      draft_model=args.draft_model)
+                      draft_model=args.draft_model, prefix_cache=prefix_cache_config(args))
     try:
         result = run_retrieval(opts, console)
     except (JobError, ValueError, FileNotFoundError, ConnectionError, TimeoutError) as e:

@@ -6,6 +6,10 @@ the sparse methods' block size (64 by default), so a logical KV block is exactly
 
 A request reserves every page it can ever need (prompt + max new tokens) when it is admitted: a request
 that does not fit is refused up front instead of running out of memory halfway through decoding.
+
+Pages come from the cache's own free list (``allocate``: one process on its own), or from the engine
+(``attach``: the engine's ``PagePool`` decides for every shard of a group, and a sequence may start from
+pages that already hold its prompt's cached prefix, shared read-only with other sequences).
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class KVCache:
         self._pages: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}
         self._lens: dict[int, int] = {}
+        self._attached: set[int] = set()  # sequences whose pages the engine owns (``attach``)
 
     def page_pool(self, key: Any, per_page: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """A method's per-page state: ``[num_pages + 1, *per_page]`` indexed by physical page id (the scratch
@@ -126,6 +131,9 @@ class KVCache:
 
     @property
     def free_pages(self) -> int:
+        if self._attached:  # the engine owns these pages (some shared): count each once
+            held = {p for sid in self._attached for p in self._pages[sid]}
+            return len(self._free) - len(held)
         return len(self._free)
 
     @property
@@ -151,11 +159,31 @@ class KVCache:
         self._reserved[seq_id] = max_tokens
         self._lens[seq_id] = 0
 
+    def attach(self, seq_id: int, pages: Sequence[int], max_tokens: int, cached_tokens: int = 0) -> None:
+        """A sequence on pages the engine chose. Its first ``cached_tokens`` tokens are already in them (a
+        cached prefix: the K/V and the methods' per-page state of those pages are read, never written), so
+        its next step starts at that position."""
+        if seq_id in self._pages:
+            raise ValueError(f"sequence {seq_id} already has KV pages")
+        pages = [int(p) for p in pages]
+        if len(pages) < self.pages_needed(max_tokens) or any(not 0 <= p < self.num_pages for p in pages):
+            raise ValueError(f"sequence {seq_id}: {len(pages)} pages in [0, {self.num_pages}) cannot hold "
+                             f"{max_tokens} tokens")
+        if cached_tokens % self.page_size or not 0 <= cached_tokens < max_tokens:
+            raise ValueError(f"sequence {seq_id}: a cached prefix of {cached_tokens} tokens does not end on a page")
+        self._pages[seq_id] = pages
+        self._reserved[seq_id] = max_tokens
+        self._lens[seq_id] = cached_tokens
+        self._attached.add(seq_id)
+
     def free(self, seq_id: int) -> None:
         pages = self._pages.pop(seq_id, None)
         if pages is None:
             return
-        self._free.extend(reversed(pages))
+        if seq_id in self._attached:
+            self._attached.discard(seq_id)  # the engine's pages: it frees (or keeps cached) them
+        else:
+            self._free.extend(reversed(pages))
         self._reserved.pop(seq_id, None)
         self._lens.pop(seq_id, None)
         for layer_meta in self.metadata:

@@ -144,9 +144,14 @@ class ShardExecutor:
             self.sampler.remove(sid)
             self._params.pop(sid, None)
 
-    def admit(self, rows: list[tuple[int, int, dict[str, Any]]], key: str) -> None:
-        for sid, max_tokens, params in rows:
-            self.cache.allocate(sid, max_tokens)
+    def admit(self, rows: list[tuple], key: str) -> None:
+        """``rows``: (seq id, reserved tokens, sampling params[, pages, cached prompt tokens]). With pages the
+        engine chose them (the same on every shard), possibly starting with a cached prefix."""
+        for sid, max_tokens, params, *placed in rows:
+            if placed:
+                self.cache.attach(sid, placed[0], max_tokens, placed[1])
+            else:
+                self.cache.allocate(sid, max_tokens)
             p = SamplingParams(**params)
             self._seq_key[sid], self._params[sid] = key, p
             self.sampler.add(sid, p)

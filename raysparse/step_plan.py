@@ -23,13 +23,15 @@ def parse_key(key: str) -> tuple[str, dict[str, Any]]:
 class StepPlan:
     """One engine step for one group. ``tokens[i]`` are the new tokens of ``seq_ids[i]`` (the prompt in a
     prefill, the last sampled token in a decode); ``admit`` rows are (seq id, reserved tokens, sampling
-    params as a dict), applied after ``free`` and before the forward."""
+    params as a dict, the sequence's physical pages, prompt tokens already in them from the prefix cache),
+    applied after ``free`` and before the forward. A sequence's ``tokens`` in its first prefill step start
+    after its cached prefix."""
 
     key: str
     prefill: bool
     seq_ids: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
-    admit: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
+    admit: list[tuple[Any, ...]] = field(default_factory=list)
     free: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)  # per sequence; empty = all (a non-final prefill chunk: no)
     steps: int = 1  # decode: consecutive steps in one call, each feeding back the tokens it sampled

@@ -7,7 +7,10 @@ Each input line is a JSON object with an optional ``id`` and one of ``prompt`` (
 flags. Each finished request becomes one output line (appended and flushed as it finishes, so a killed job
 loses nothing it finished). Any failure of one line (not UTF-8, not JSON, invalid fields, text the tokenizer
 refuses such as a lone surrogate, an engine refusal or error, a timeout) becomes that line's error line and
-the job goes on; error lines count as finished, so a rerun does not try the line again.
+the job goes on; error lines count as finished, so a rerun does not try the line again. Lines are run
+grouped by their ``document`` (first appearance order): a document's first question runs first and the
+others once its prompt is prefilled, so the engine's prefix cache serves them the document's KV pages.
+Result lines carry ``ttft_s`` and ``cached_tokens`` (prompt tokens taken from the cache).
 
 Ids and keys (``raysparse.jobs.records``): a line without an ``id`` (or not a JSON object in UTF-8) gets
 ``line-N``, suffixed ``~K`` where a user id already claims it. The first line with an id owns it (one result
@@ -35,6 +38,7 @@ from raysparse.jobs.records import (
     Item,
     JobDefaults,
     assign_ids,
+    by_document,
     dumps,
     duplicate_line,
     error_line,
@@ -101,6 +105,7 @@ def run_job(args: argparse.Namespace, engine: Any) -> dict[str, int]:
     counts = {"done": 0, "errors": 0, "skipped": 0}
     owner: dict[str, int] = {}  # id -> the line that owns it
     inflight: deque[tuple[Item, Any]] = deque()
+    warm = not getattr(args, "no_prefix_cache", False)  # without the cache, waiting would only slow the job
     tty = sys.stderr.isatty()
     bar = tqdm(total=len(lines), desc="longcontext", unit="req", file=sys.stderr,
                mininterval=0.5 if tty else 10.0, dynamic_ncols=tty)
@@ -129,7 +134,25 @@ def run_job(args: argparse.Namespace, engine: Any) -> dict[str, int]:
                     continue
                 write(result_line(item, fin), "errors" if fin.finish_reason == "error" else "done")
 
-        for n, raw in lines:
+        def submit(n: int, raw: str | None) -> Any:
+            """Submits one line (or writes its error line); returns its handle, or None."""
+            rid = ids[n]
+            try:
+                if raw is None:
+                    raise ValueError("the line is not UTF-8")
+                item = parse_line(raw, n, defaults, lambda text, chat: engine.encode(text, chat=chat), rid=rid)
+                # ascii(): the request id goes to logs and metrics, which need not take any string
+                handle = engine.submit(EngineRequest(item.prompt_ids, item.params, item.method, item.method_params,
+                                                     request_id=f"{ascii(rid)}@{time.time_ns()}"))
+            except Exception as e:  # whatever one line raises (the tokenizer's TypeError too)
+                write(error_line(rid, n, str(e) or type(e).__name__), "errors")
+                return None
+            inflight.append((item, handle))
+            drain(args.max_inflight - 1)
+            return handle
+
+        todo: list[tuple[int, str | None]] = []
+        for n, raw in lines:  # in file order: the first line with an id owns it
             rid = ids[n]
             if rid in owner:
                 if (rid, n) in done.duplicates:
@@ -143,18 +166,16 @@ def run_job(args: argparse.Namespace, engine: Any) -> dict[str, int]:
                 counts["skipped"] += 1
                 bar.update(1)
                 continue
-            try:
-                if raw is None:
-                    raise ValueError("the line is not UTF-8")
-                item = parse_line(raw, n, defaults, lambda text, chat: engine.encode(text, chat=chat), rid=rid)
-                # ascii(): the request id goes to logs and metrics, which need not take any string
-                handle = engine.submit(EngineRequest(item.prompt_ids, item.params, item.method, item.method_params,
-                                                     request_id=f"{ascii(rid)}@{time.time_ns()}"))
-            except Exception as e:  # whatever one line raises (the tokenizer's TypeError too)
-                write(error_line(rid, n, str(e) or type(e).__name__), "errors")
-                continue
-            inflight.append((item, handle))
-            drain(args.max_inflight - 1)
+            todo.append((n, raw))
+        for group in by_document(todo):
+            # Questions about one document run after its first one's prompt is prefilled (its first token or its
+            # end): the document's pages are cached then, so the others compute only their own tokens.
+            first = None
+            for n, raw in group:
+                if first is not None:
+                    first.started.wait(args.timeout)
+                handle = submit(n, raw)
+                first = first or (handle if warm else None)
         drain(0)
     bar.close()
     return counts

@@ -95,6 +95,27 @@ def split_lines(data: bytes) -> list[tuple[int, str | None]]:
     return lines
 
 
+def document_key(raw: str | None) -> str | None:
+    """The document a ``document`` + ``question`` line asks about (None for any other line, or a bad one)."""
+    try:
+        obj = loads(raw) if raw is not None else None
+    except BadLine:
+        return None
+    doc = obj.get("document") if isinstance(obj, dict) else None
+    return doc if isinstance(doc, str) else None
+
+
+def by_document(lines: list[tuple[int, str | None]]) -> list[list[tuple[int, str | None]]]:
+    """The lines grouped by their document, groups in the order of their first line and lines in file order
+    within a group; every other line is a group of its own. Questions about one document then run one after
+    another, so the engine's prefix cache serves the document's pages to all but the first."""
+    groups: dict[Any, list[tuple[int, str | None]]] = {}
+    for n, raw in lines:
+        doc = document_key(raw)
+        groups.setdefault(("doc", doc) if doc is not None else ("line", n), []).append((n, raw))
+    return list(groups.values())
+
+
 def assign_ids(lines: list[tuple[int, str | None]]) -> dict[int, str]:
     """Line number -> id for every line (see the module docstring): generated ids never equal a user id."""
     own: dict[int, str | None] = {}
@@ -180,7 +201,8 @@ def parse_line(raw: str, line: int, defaults: JobDefaults, encode: Callable[[str
 def result_line(item: Item, fin: Any) -> dict[str, Any]:
     return {"id": item.id, "text": fin.text, "token_ids": list(fin.token_ids), "finish_reason": fin.finish_reason,
             "prompt_tokens": fin.prompt_tokens, "completion_tokens": len(fin.token_ids),
-            "ttft_s": round(fin.ttft_s, 6), "decode_s": round(fin.decode_s, 6), "method": item.method,
+            "ttft_s": round(fin.ttft_s, 6), "decode_s": round(fin.decode_s, 6),
+            "cached_tokens": int(fin.stats.get("cached_tokens", 0)), "method": item.method,
             "method_params": dict(item.method_params), "error": fin.error or None}
 
 

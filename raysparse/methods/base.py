@@ -30,7 +30,7 @@ from raysparse.kernels.dispatch import (
 from raysparse.kernels.formats import PackedBlockSelection, PagedKV, pack_block_selections
 from raysparse.kernels.paged_torch import paged_decode_torch
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.registry import MethodSpec
+from raysparse.methods.registry import MethodCapabilities, MethodSpec
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs, packed_block_pairs
 
 
@@ -116,6 +116,12 @@ class SparseMethod(AttentionBackend):
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
         raise NotImplementedError(f"{self.name} has no decode selection")
+
+    # What a prompt that starts from cached pages (the engine's prefix cache) needs of this method:
+    # "pages": its state lives in the pages (K/V, ``page_pool``) or starts at decode, so nothing else;
+    # "rebuilt": per-sequence prefill state, rebuilt from per-page state by the method; "none": the prefix's
+    # K/V depend on more than its own tokens (e.g. on the prompt's length), so the prompt is recomputed.
+    prefix_state: str = "pages"
 
     # ---- the batched seam (implement for the fast path) ------------------------------------------
     decode_unit: int = 1  # what ``decode_select``'s entries count: tokens (1) or blocks of that many tokens
@@ -414,4 +420,5 @@ def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
             raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
         return cls(model_cfg, cls.config_cls(**params))
 
-    return MethodSpec(cls.name, description, factory, params=fields)
+    return MethodSpec(cls.name, description, factory, params=fields,
+                      capabilities=MethodCapabilities(prefix_cache=cls.prefix_state != "none"))

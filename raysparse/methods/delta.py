@@ -21,6 +21,8 @@ Choices where SPEC is silent:
   it is the prompt's last), and rows before the chunk's first anchor use the Delta of their anchor from
   the previous chunk, kept in ``ctx.state``; without it they stay uncorrected.
 - The tracer sees a ``DeltaSelection``: the base's BlockSelection plus which rows were computed densely.
+- Prefix caching: none. The dense tail sits at the end of the prompt that computed a page, so a cached
+  prefix's K/V depend on where that prompt ended; a prompt is always prefilled whole.
 
 Measured on the default model (benchmarks/probe_delta.py --diagnose): Delta rests on the true correction
 D(i) = O_dense(i) - O_sparse(i) of a row being close to its anchor's; on SmolLM2-135M at 2K tokens their
@@ -93,6 +95,9 @@ class Delta(SparseMethod):
     name = "delta"
     config_cls = DeltaConfig
     config: DeltaConfig
+    # The dense tail is the last rows of the prompt (or chunk) that computed a page, so a cached prefix's
+    # K/V depend on where that prompt ended: never reused from the prefix cache.
+    prefix_state = "none"
 
     def __init__(self, model_cfg: ModelConfig, config: DeltaConfig | None = None) -> None:
         super().__init__(model_cfg, config)

@@ -14,6 +14,9 @@ layer's space; ``etf_kv="copy"`` is Appendix G literally: the cache rows of froz
 overwritten with layer l - 1's K/V before attention (an ablation). Either way frozen tokens stay visible
 as keys. With chunked prefill t is the length so far (the end of the chunk): a chunk does not know the
 final prompt length.
+
+Prefix caching: none. The frozen rows of a prefix depend on the whole prompt's length t, so its cached K/V
+would not be the ones this prompt computes; a prompt is always prefilled whole.
 """
 
 from __future__ import annotations

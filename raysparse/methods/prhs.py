@@ -308,12 +308,16 @@ class ETF(PrHSMethod):
     config_cls = ETFConfig
     use_etf = True
     density_budget = False  # the depth schedule (psi, gamma, l_s) is the budget: --density does not apply
+    # Which rows are frozen depends on the prompt's length t, so a prefix's K/V differ from one prompt to
+    # another with the same tokens: never reused from the prefix cache.
+    prefix_state = "none"
 
 
 class CPE(PrHSMethod):
     name = "cpe"
     config_cls = CPEConfig
     use_cis = use_psaw = use_etf = True
+    prefix_state = "none"  # ETF's frozen rows depend on the prompt's length (as ``ETF``)
 
 
 register(method_spec(CIS, "PrHS CIS: per-head top-k retrieval shared across similar queries, dilated (decode)"))

@@ -26,6 +26,10 @@ class MethodCapabilities:
       whole prompts may not).
     - ``multi_step_decode``: several decode steps may run in one call to the shards (``--decode-steps``);
       not for a method whose decode step is a round of its own.
+    - ``prefix_cache``: a prompt may start from cached pages of an earlier prompt with the same prefix (the
+      method's state of those pages is per page, or the method rebuilds its per-sequence part from them);
+      a method whose prefix state cannot be reused recomputes the whole prompt (``SparseMethod.prefix_state``
+      says which kind of state a method has, and why).
     """
 
     needs_draft: bool = False
@@ -33,6 +37,7 @@ class MethodCapabilities:
     engine_greedy_only: bool = False
     chunked_prefill: bool = True
     multi_step_decode: bool = True
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any
 from ray import serve
 
 from raysparse.orchestration.engine_config import EngineConfig
+from raysparse.orchestration.prefix_cache import PrefixCacheConfig
 from raysparse.runtime_config import RuntimeConfig
 
 
@@ -44,6 +45,8 @@ class AppConfig:
     random_weights: bool = False
     draft: bool = False  # the SpecAttn draft actor (placed outside the bundles)
     runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields
+    prefix_cache: bool = True  # prompts share cached KV pages of equal prefixes
+    prefix_cache_tokens: int | None = None  # at most this many tokens of unheld cached pages (None: no limit)
     num_replicas: int | None = None  # fixed count; None: autoscale between the bounds below
     min_replicas: int = 1
     max_replicas: int = 1
@@ -83,7 +86,9 @@ class AppConfig:
                             kv_cache_tokens=self.kv_cache_tokens, max_batch=self.max_batch,
                             cpus_per_shard=self.cpus_per_shard, draft=self.draft, cuda_graphs=self.cuda_graphs,
                             random_weights=self.random_weights, decode_steps=self.decode_steps,
-                            runtime=RuntimeConfig(**self.runtime), placement="current")
+                            runtime=RuntimeConfig(**self.runtime), placement="current",
+                            prefix_cache=PrefixCacheConfig(self.prefix_cache, None if self.prefix_cache_tokens is None
+                                                           else self.prefix_cache_tokens // 64))
 
     def resolved_device(self) -> str:
         if self.device != "auto":

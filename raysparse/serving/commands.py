@@ -27,6 +27,16 @@ def positive_int(s: str) -> int:
     return _positive_int(s)
 
 
+def non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
+    return v
+
+
 def port(s: str) -> int:
     try:
         v = int(s)
@@ -119,9 +129,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=positive_int, default=1,
                    help="decode steps per shard call while no prompt waits (fewer round trips, burstier streams)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="GPUs: run decode steps eagerly")
+    add_prefix_cache_args(p)
     p.add_argument("--random-weights", action="store_true",
                    help="seeded random weights from --model's config alone (speed runs of large models)")
     add_runtime_arg(p)
+
+
+def add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: prompts starting with the same full KV pages as an "
+                        "earlier prompt of the same method reuse them)")
+    p.add_argument("--prefix-cache-tokens", type=non_negative_int, default=None, metavar="N",
+                   help="keep at most N tokens of cached pages that no request holds (default: as many as the KV "
+                        "cache has free; they are evicted least recently used first when a request needs room)")
+
+
+def prefix_cache_config(args: argparse.Namespace, page_size: int = 64) -> Any:
+    from raysparse.orchestration.prefix_cache import PrefixCacheConfig
+
+    tokens = args.prefix_cache_tokens
+    return PrefixCacheConfig(enabled=not args.no_prefix_cache,
+                             capacity_pages=None if tokens is None else tokens // page_size)
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -133,7 +161,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                         num_cpus=args.num_cpus, cpus_per_shard=args.cpus_per_shard, draft=not args.no_draft,
                         draft_model=args.draft_model, random_weights=args.random_weights,
                         decode_steps=args.decode_steps, cuda_graphs=not args.no_cuda_graphs,
-                        runtime=runtime_config(args.runtime))
+                        runtime=runtime_config(args.runtime), prefix_cache=prefix_cache_config(args))
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:

@@ -184,6 +184,9 @@ class SpecAttn(SparseMethod):
     name = "specattn"
     config_cls = SpecAttnConfig  # type: ignore[assignment]  # no density: the budget is top_p
     speculative = True  # the worker drives this backend with specattn.SpecAttnGenerator
+    # The draft actor keeps a KV cache of its own that prefills whole prompts: a verifier prefix taken from
+    # the cache would leave the draft without it, so SpecAttn prompts are always prefilled whole.
+    prefix_state = "none"
 
     def __init__(self, model_cfg: ModelConfig, config: SpecAttnConfig | None = None) -> None:
         super().__init__(model_cfg, config)  # type: ignore[arg-type]
@@ -404,4 +407,4 @@ SPEC = register(replace(
     method_spec(SpecAttn, "SpecAttn: self-speculative decoding, verifier attends draft top-p chunks "
                           "(use SpecAttnGenerator)"),
     capabilities=MethodCapabilities(needs_draft=True, engine_greedy_only=True, chunked_prefill=False,
-                                    multi_step_decode=False)))
+                                    multi_step_decode=False, prefix_cache=False)))

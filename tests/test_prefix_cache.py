@@ -1,0 +1,245 @@
+"""The prefix cache: the engine's page pool (chained page keys, reference counts, least-recently-used eviction
+only under pressure, admission counting new pages alone), the scheduler's use of it, and greedy tokens with
+the cache on equal to the cache off for every method, at TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import random_state, tiny_hf_config
+
+from raysparse.methods.registry import get_method, method_capabilities, method_names
+from raysparse.orchestration.engine import Engine, EngineConfig, EngineRequest
+from raysparse.orchestration.engine_api import RequestHandle
+from raysparse.orchestration.prefix_cache import PagePool, PrefixCacheConfig, page_keys
+from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
+from raysparse.sampling import SamplingParams
+from raysparse.step_plan import method_key
+
+P = 4  # page size of the pool tests
+
+
+def test_page_keys_chain_from_the_start_and_the_method():
+    a = page_keys("k", list(range(10)), P)
+    assert len(a) == 2  # the partial third page has no key
+    assert page_keys("k", list(range(8)) + [99, 98], P) == a  # only full pages count
+    b = page_keys("k", [7] + list(range(1, 10)), P)
+    assert b[0] != a[0] and b[1] != a[1]  # a different first page changes every later key
+    assert page_keys("other", list(range(10)), P)[0] != a[0]  # another method's pages are other pages
+
+
+def test_hits_leave_a_token_to_compute_and_admission_counts_new_pages():
+    pool = PagePool(8, P)
+    toks = list(range(12))  # three full pages
+    keys = page_keys("k", toks, P)
+    pages, cached = pool.allocate(0, 4, keys, len(toks))
+    assert cached == 0 and len(set(pages)) == 4
+    pool.register(0, keys, len(toks))
+    assert pool.cached_pages == 3
+    # the same 12-token prompt: two pages are hits, the third is computed again (one token must be)
+    assert pool.hits(keys, 12) == 2 and pool.new_pages(4, keys, 12) == 2
+    pages1, cached1 = pool.allocate(1, 4, keys, 12)
+    assert cached1 == 2 * P and pages1[:2] == pages[:2] and not set(pages1[2:]) & set(pages)
+    assert pool.refs(pages[0]) == 2 and pool.free_pages == 2
+    # a longer prompt with the same start hits all three
+    longer = toks + [50, 51]
+    assert pool.hits(page_keys("k", longer, P), len(longer)) == 3
+
+
+def test_a_shared_page_stays_until_its_last_holder_and_then_waits_cached():
+    pool = PagePool(6, P)
+    keys = page_keys("k", list(range(9)), P)  # 2 full pages + 1 token
+    pool.allocate(0, 3, keys, 9)
+    pool.register(0, keys, 9)
+    pool.allocate(1, 3, keys, 9)
+    shared = pool.pages_of(0)[:2]
+    pool.free(0)
+    assert all(pool.refs(p) == 1 for p in shared)  # still held by sequence 1
+    pool.free(1)
+    assert all(pool.refs(p) == 0 for p in shared) and pool.cached_pages == 2
+    assert pool.free_pages == 6  # cached pages nobody holds can be taken
+    assert pool.hits(keys, 9) == 2  # and still serve a prompt
+
+
+def test_eviction_is_least_recently_used_and_only_when_admission_needs_room():
+    pool = PagePool(4, P)
+    ka, kb = page_keys("k", [1] * 9, P), page_keys("k", [2] * 9, P)
+    for sid, keys in ((0, ka), (1, kb)):
+        pool.allocate(sid, 2, keys, 9)
+        pool.register(sid, keys, 9)
+    pool.free(0)  # a's pages: cached, unheld, least recent
+    pool.free(1)
+    assert pool.cached_pages == 4 and pool.stats.evicted_pages == 0  # nothing evicted without need
+    pool.allocate(2, 1, (), 0)  # needs one page: of a's (the least recent), the tail page goes first
+    assert pool.stats.evicted_pages == 1 and pool.hits(kb, 9) == 2 and pool.hits(ka, 9) == 1
+    pool.allocate(3, 2, (), 0)  # two more: a's first page, then b's tail
+    assert pool.hits(ka, 9) == 0 and pool.hits(kb, 9) == 1
+
+
+def test_capacity_bounds_the_unheld_cached_pages():
+    pool = PagePool(8, P, PrefixCacheConfig(capacity_pages=1))
+    keys = page_keys("k", list(range(13)), P)
+    pool.allocate(0, 4, keys, 13)
+    pool.register(0, keys, 13)
+    pool.free(0)
+    assert pool.cached_pages == 1 and pool.free_pages == 8
+
+
+def test_disabled_pool_never_hits():
+    pool = PagePool(8, P, PrefixCacheConfig(enabled=False))
+    keys = page_keys("k", list(range(12)), P)
+    pool.allocate(0, 3, keys, 12)
+    pool.register(0, keys, 12)
+    assert pool.hits(keys, 12) == 0 and pool.cached_pages == 0
+
+
+def test_random_pressure_never_hands_out_a_page_in_use():
+    """A pool much smaller than the working set, random prompts over a few shared prefixes, random frees: a
+    page is never held by two sequences unless it is a cached prefix page of both, a hit page holds exactly
+    the tokens its key names, and the books balance after every operation."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    pool = PagePool(12, P)
+    docs = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
+    content: dict[int, tuple[int, ...]] = {}  # what each page holds (written at prefill)
+    live: dict[int, tuple[list[int], list[int]]] = {}
+    for sid in range(400):
+        if live and (rng.random() < 0.5 or len(live) > 3):
+            victim = rng.choice(sorted(live))
+            pool.free(victim)
+            del live[victim]
+        prompt = rng.choice(docs) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+        keys = page_keys("k", prompt, P)
+        need = -(-(len(prompt) + 2) // P)
+        if not pool.can_admit(need, keys, len(prompt)):
+            continue
+        pages, cached = pool.allocate(sid, need, keys, len(prompt))
+        for i, page in enumerate(pages[: cached // P]):  # a hit holds exactly this prompt's page
+            assert content[page] == tuple(prompt[i * P: (i + 1) * P]), f"seed {seed}"
+        others = {p for s, (pg, _) in live.items() for p in pg}
+        assert not set(pages[cached // P:]) & others, f"seed {seed}: a page in use was handed out"
+        for i, page in enumerate(pages[cached // P: len(prompt) // P], start=cached // P):
+            content[page] = tuple(prompt[i * P: (i + 1) * P])  # the prefill writes its own pages only
+        pool.register(sid, keys, len(prompt))
+        live[sid] = (pages, prompt)
+        held = {p for pg, _ in live.values() for p in pg}
+        assert pool.used_pages == len(held), f"seed {seed}"
+        for p in range(pool.num_pages):
+            assert pool.refs(p) == sum(pg.count(p) for pg, _ in live.values()), f"seed {seed}"
+
+
+def _seq(sched: Scheduler, prompt: list[int], key: str, new: int = 4):
+    req = EngineRequest(tuple(prompt), SamplingParams(max_new_tokens=new, ignore_eos=True))
+    seq = sched.make_sequence(RequestHandle(req, lambda _: None), key, frozenset(), 0.0)
+    sched.add(seq)
+    return seq
+
+
+def test_scheduler_starts_a_cached_prompt_after_its_prefix_and_defers_an_inflight_one():
+    key = method_key("dense")
+    sched = Scheduler(SchedulerConfig(capacity_pages=16, page_size=P, max_prefill_tokens=8))
+    doc = list(range(20))
+    a = _seq(sched, doc + [90, 91], key)
+    b = _seq(sched, doc + [92], key)  # same document, its pages are being computed by a: it waits
+    plan = sched.next_plan()
+    assert plan.seq_ids == [a.seq_id] and plan.tokens == [doc[:8]]
+    assert len(plan.admit[0][3]) == a.pages and plan.admit[0][4] == 0
+    sched.prefill_succeeded(plan)
+    while not a.prompt_done:
+        plan = sched.next_plan()
+        assert plan.seq_ids == [a.seq_id]
+        sched.prefill_succeeded(plan)
+    a.tokens.append(5)  # its first token (the runner's part)
+    plan = sched.next_plan()  # a decodes once, then b is admitted from the cache
+    if not plan.prefill:
+        plan = sched.next_plan()
+    assert plan.seq_ids == [b.seq_id] and b.cached == 20 and plan.tokens == [[92]]
+    assert plan.admit[0][3][:5] == sched.pool.pages_of(a.seq_id)[:5] and plan.admit[0][4] == 20
+
+
+def test_methods_say_what_prefix_state_they_keep():
+    for name in method_names():
+        spec = get_method(name)
+        if name in ("dense",):
+            assert spec.capabilities.prefix_cache
+            continue
+        cls = spec.factory.__closure__ and next(
+            (c.cell_contents for c in spec.factory.__closure__ if isinstance(c.cell_contents, type)), None)
+        if cls is not None:
+            assert cls.prefix_state in ("pages", "rebuilt", "none")
+            assert method_capabilities(name).prefix_cache == (cls.prefix_state != "none"), name
+    for name in ("delta", "etf", "cpe", "specattn"):
+        assert not method_capabilities(name).prefix_cache, name
+    for name in ("sketch_walk", "quest", "streaming", "socket", "cis", "psaw", "oracle"):
+        assert method_capabilities(name).prefix_cache, name
+
+
+# ---- the engine: cache on against cache off ---------------------------------------------------------------
+METHODS = [m for m in method_names() if m != "specattn"]  # specattn (draft actor) recomputes: its own test
+# a budget that leaves choices beyond the forced blocks, so a wrong prefix state changes the selections
+CASES = [(m, {"density": 0.5} if get_method(m).takes_density else {}) for m in METHODS] + [
+    ("delta", {"density": 0.5, "base": "sketch_walk"})]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    import ray
+
+    from raysparse.orchestration.ray_env import start_ray
+
+    cfg = tiny_hf_config(num_kv_heads=3, group=2, layers=5)
+    cfg.max_position_embeddings = 1024
+    path = tmp_path_factory.mktemp("tiny-llama")
+    random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()).item())).save_pretrained(path)
+    # one prefill step per prompt (no chunks), so cache on and off differ only in where a prompt starts
+    common = dict(model=str(path), kv_cache_tokens=4096, page_size=64, cpus_per_shard=0.5, draft=False,
+                  max_prefill_tokens=4096)
+    owns = start_ray(None, num_cpus=4)
+    on1 = Engine(EngineConfig(tp=1, **common)).start()
+    on2 = Engine(EngineConfig(tp=2, **common)).start()
+    off = Engine(EngineConfig(tp=1, prefix_cache=PrefixCacheConfig(enabled=False), **common)).start()
+    try:
+        yield on1, on2, off
+    finally:
+        for e in (on1, on2, off):
+            e.shutdown()
+        if owns:
+            ray.shutdown()
+
+
+def _questions(seed: int) -> list[tuple[int, ...]]:
+    """A 714-token document (its shared prefix ends mid-page: 11 full pages and 10 tokens) and questions."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.randint(0, 97, (714,), generator=g).tolist()
+    qs = [doc]  # the document alone first: its pages are cached while the later prompts run
+    for n in (7, 1, 70):
+        qs.append(doc + torch.randint(0, 97, (n,), generator=g).tolist())
+    return [tuple(q) for q in qs]
+
+
+def _answers(engine: Engine, method: str, params: dict, prompts: list[tuple[int, ...]]):
+    out = []
+    for p in prompts:  # one after another: each later one finds the document's pages cached
+        fin = engine.submit(EngineRequest(p, SamplingParams(max_new_tokens=5, ignore_eos=True), method,
+                                          params)).result(300)
+        assert fin.finish_reason == "length", fin.error
+        out.append((fin.token_ids, fin.stats["cached_tokens"]))
+    return out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method, params", CASES, ids=[f"{m}-{p.get('base', '')}".rstrip("-") for m, p in CASES])
+def test_greedy_tokens_with_the_cache_equal_without(engines, method, params):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    prompts = _questions(seed)
+    on1, on2, off = engines
+    want = _answers(off, method, params, prompts)
+    assert all(c == 0 for _, c in want)
+    reuses = method_capabilities(method).prefix_cache
+    for engine in (on1, on2):
+        got = _answers(engine, method, params, prompts)
+        assert [t for t, _ in got] == [t for t, _ in want], f"seed {seed}"
+        # the document alone computes everything; each later prompt starts after its 11 full cached pages
+        assert [c for _, c in got] == ([0] + [704] * 3 if reuses else [0] * 4), f"seed {seed}"
