@@ -105,7 +105,6 @@ def run_job(args: argparse.Namespace, engine: Any) -> dict[str, int]:
     counts = {"done": 0, "errors": 0, "skipped": 0}
     owner: dict[str, int] = {}  # id -> the line that owns it
     inflight: deque[tuple[Item, Any]] = deque()
-    warm = not getattr(args, "no_prefix_cache", False)  # without the cache, waiting would only slow the job
     tty = sys.stderr.isatty()
     bar = tqdm(total=len(lines), desc="longcontext", unit="req", file=sys.stderr,
                mininterval=0.5 if tty else 10.0, dynamic_ncols=tty)
@@ -175,7 +174,7 @@ def run_job(args: argparse.Namespace, engine: Any) -> dict[str, int]:
                 if first is not None:
                     first.started.wait(args.timeout)
                 handle = submit(n, raw)
-                first = first or (handle if warm else None)
+                first = first or handle
         drain(0)
     bar.close()
     return counts
