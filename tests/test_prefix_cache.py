@@ -180,7 +180,12 @@ def test_methods_say_what_prefix_state_they_keep():
 METHODS = [m for m in method_names() if m != "specattn"]  # specattn (draft actor) recomputes: its own test
 # a budget that leaves choices beyond the forced blocks, so a wrong prefix state changes the selections
 CASES = [(m, {"density": 0.5} if get_method(m).takes_density else {}) for m in METHODS] + [
-    ("delta", {"density": 0.5, "base": "sketch_walk"})]
+    ("delta", {"density": 0.5, "base": "sketch_walk"}),
+    # walks that read the prefix's A_hat rows (rebuilt from the per-page query sums), and SPEC's head mean
+    ("sketch_walk", {"density": 0.5, "walk": "rollout", "decode_unit": "block"}),
+    ("sketch_walk", {"density": 0.5, "walk": "product", "heads": "mean", "sub_blocks": 1, "decode_unit": "block",
+                     "token_query": "never"})]
+IDS = [f"{m}-{p.get('base', '')}{p.get('walk', '')}{p.get('heads', '')}".rstrip("-") for m, p in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +235,7 @@ def _answers(engine: Engine, method: str, params: dict, prompts: list[tuple[int,
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("method, params", CASES, ids=[f"{m}-{p.get('base', '')}".rstrip("-") for m, p in CASES])
+@pytest.mark.parametrize("method, params", CASES, ids=IDS)
 def test_greedy_tokens_with_the_cache_equal_without(engines, method, params):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     prompts = _questions(seed)
@@ -243,3 +248,52 @@ def test_greedy_tokens_with_the_cache_equal_without(engines, method, params):
         assert [t for t, _ in got] == [t for t, _ in want], f"seed {seed}"
         # the document alone computes everything; each later prompt starts after its 11 full cached pages
         assert [c for _, c in got] == ([0] + [704] * 3 if reuses else [0] * 4), f"seed {seed}"
+
+
+# ---- Sketch&Walk's rebuilt state, in process --------------------------------------------------------------
+SW_MODES = [{}, {"walk": "rollout", "decode_unit": "block"},
+            {"walk": "product", "heads": "mean", "sub_blocks": 1, "decode_unit": "block", "token_query": "never"}]
+
+
+@pytest.mark.parametrize("mode", SW_MODES, ids=["default", "rollout", "spec-mean"])
+def test_sketch_walk_state_from_a_cached_prefix_equals_a_whole_prefill(mode):
+    """A prompt that starts after 11 cached pages of another prompt's: Sketch&Walk's per-sequence state at every
+    sparse layer (block sketches, and the A_hat rows a walk reads) equals a whole prefill's, and so does the
+    sampled token."""
+    from helpers import tiny_model
+
+    from raysparse.kv_cache import KVCache
+    from raysparse.shard_executor import ShardExecutor
+    from raysparse.step_plan import StepPlan
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    model = tiny_model("cpu", 3, 2, 3)
+    doc = torch.randint(0, 97, (714,), generator=g).tolist()
+    a, b = doc + torch.randint(0, 97, (9,), generator=g).tolist(), doc + torch.randint(0, 97, (40,), generator=g).tolist()
+    params = {"density": 0.5, **mode}
+    key = method_key("sketch_walk", params)
+    sp = {"max_new_tokens": 2}
+
+    whole = ShardExecutor(model, KVCache(model.cfg, 40, 64))
+    want = whole.execute(StepPlan(key, True, [1], [b], admit=[(1, len(b) + 2, sp, list(range(13)), 0)]))
+
+    cached = ShardExecutor(model, KVCache(model.cfg, 40, 64))
+    cached.execute(StepPlan(key, True, [0], [a], admit=[(0, len(a) + 2, sp, list(range(13)), 0)]))
+    pages = list(range(11)) + [20, 21]  # the first 11 are the other prompt's
+    got = cached.execute(StepPlan(key, True, [1], [b[704:]], admit=[(1, len(b) + 2, sp, pages, 704)]))
+    assert got["error"] is None and want["error"] is None, (got["error"], want["error"])
+    assert got["tokens"] == want["tokens"], f"seed {seed}"
+    backend = cached.backend(key)
+    walks_prefix = params.get("walk", "one-hop") != "one-hop"
+    for layer in range(model.cfg.num_layers):
+        if backend.is_dense_layer(layer):
+            continue
+        st_got, st_want = cached.cache.metadata[layer][1], whole.cache.metadata[layer][1]
+        assert st_got["n"] == st_want["n"] == len(b)
+        for name in ("qs", "ks") + (("a_hat",) if walks_prefix else ()):
+            torch.testing.assert_close(st_got[name].float(), st_want[name].float(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name, la=layer: f"seed {seed}: {n} at layer {la}: {m}")
+        # rows of the new query blocks always equal (the ones one hop reads)
+        torch.testing.assert_close(st_got["a_hat"].float()[..., 11:, :], st_want["a_hat"].float()[..., 11:, :],
+                                   rtol=1e-5, atol=1e-5)

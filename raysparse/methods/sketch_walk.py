@@ -451,11 +451,17 @@ class SketchWalk(SparseMethod):
         at = pages[:nb].to(qpool.device)
         qs, ks = qpool[at].view(nb, hs, r), kpool[at].view(nb * parts, hs, r)
         dev = qs.device
-        k_cnt = block_counts(q0, nb * parts, B // parts, dev)
-        rows, _ = self._scores(qs / block_counts(q0, nb, B, dev)[:, None, None],
-                               ks / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0)
-        causal = torch.ones(nb, nb, dtype=torch.bool, device=dev).tril()
-        a_hat = rows.masked_fill(~causal, 0.0).to(torch.bfloat16)
+        if cfg.walk == "one-hop" and per_head:
+            # One hop reads only the rows of the new query blocks (row-wise weights), and the paired decode
+            # reads the key parts alone: the prefix's rows are never read, so they are not recomputed (at a
+            # 64K-token prefix that is O(blocks^2 * sub_blocks) scores per layer a whole prefill never repeats).
+            a_hat = torch.zeros(hs if cfg.heads == "kv" else 1, nb, nb, dtype=torch.bfloat16, device=dev)
+        else:
+            k_cnt = block_counts(q0, nb * parts, B // parts, dev)
+            rows, _ = self._scores(qs / block_counts(q0, nb, B, dev)[:, None, None],
+                                   ks / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0)
+            causal = torch.ones(nb, nb, dtype=torch.bool, device=dev).tril()
+            a_hat = rows.masked_fill(~causal, 0.0).to(torch.bfloat16)
         ctx.state.update(qs=qs if per_head else qs[:, 0], ks=ks if per_head else ks[:, 0],
                          a_hat=a_hat if cfg.heads == "kv" else a_hat.view(nb, nb), n=q0)
 
