@@ -270,7 +270,8 @@ def test_sketch_walk_state_from_a_cached_prefix_equals_a_whole_prefill(mode):
     g = torch.Generator().manual_seed(seed)
     model = tiny_model("cpu", 3, 2, 3)
     doc = torch.randint(0, 97, (714,), generator=g).tolist()
-    a, b = doc + torch.randint(0, 97, (9,), generator=g).tolist(), doc + torch.randint(0, 97, (40,), generator=g).tolist()
+    a = doc + torch.randint(0, 97, (9,), generator=g).tolist()
+    b = doc + torch.randint(0, 97, (40,), generator=g).tolist()
     params = {"density": 0.5, **mode}
     key = method_key("sketch_walk", params)
     sp = {"max_new_tokens": 2}
