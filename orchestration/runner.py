@@ -255,6 +255,13 @@ class ReplicaRunner:
             self.state = "ready" if not self._stop else "stopped"
             self.cond.notify_all()
 
+    def prefix_info(self) -> dict[str, Any]:
+        """The replica's prefix cache: on or off, pages cached, prompt tokens looked up and found, evictions."""
+        pool = self.sched.pool
+        return {"enabled": pool.config.enabled, "cached_pages": pool.cached_pages,
+                "queried_tokens": pool.stats.queried_tokens, "hit_tokens": pool.stats.hit_tokens,
+                "hit_rate": pool.stats.hit_rate, "evicted_pages": pool.stats.evicted_pages}
+
     def info(self) -> dict[str, Any]:
         with self.cond:
             running = self.sched.num_running()
@@ -264,7 +271,7 @@ class ReplicaRunner:
                 "kv_used_tokens": used * self.sched.cfg.page_size,
                 "kv_capacity_tokens": self.sched.cfg.capacity_pages * self.sched.cfg.page_size,
                 "steps": self.steps, "step_wall_s": self.step_wall_s, "step_forward_s": self.step_forward_s,
-                "rebuilds": self.rebuilds, "last_error": self.last_error,
+                "rebuilds": self.rebuilds, "last_error": self.last_error, "prefix_cache": self.prefix_info(),
                 "shards": [{k: v for k, v in i.items() if k in SHARD_INFO_KEYS} for i in self.group.info]}
 
 

@@ -248,6 +248,9 @@ def test_greedy_tokens_with_the_cache_equal_without(engines, method, params):
         assert [t for t, _ in got] == [t for t, _ in want], f"seed {seed}"
         # the document alone computes everything; each later prompt starts after its 11 full cached pages
         assert [c for _, c in got] == ([0] + [704] * 3 if reuses else [0] * 4), f"seed {seed}"
+    info = on1.server_info()["replicas"][0]["prefix_cache"]
+    assert info["enabled"] and (info["hit_tokens"] > 0) == any(method_capabilities(m).prefix_cache for m in METHODS)
+    assert not off.server_info()["replicas"][0]["prefix_cache"]["enabled"]
 
 
 # ---- Sketch&Walk's rebuilt state, in process --------------------------------------------------------------
@@ -298,3 +301,26 @@ def test_sketch_walk_state_from_a_cached_prefix_equals_a_whole_prefill(mode):
         # rows of the new query blocks always equal (the ones one hop reads)
         torch.testing.assert_close(st_got["a_hat"].float()[..., 11:, :], st_want["a_hat"].float()[..., 11:, :],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_metrics_count_queried_and_cached_prompt_tokens():
+    from prometheus_client import CollectorRegistry
+
+    from raysparse.generate import FinishEvent
+    from raysparse.serving.engine_metrics import EngineMetrics
+
+    class _Engine:
+        state, source_name = "created", "m"
+
+        def add_request_observer(self, fn):
+            self.observe = fn
+
+    engine, registry = _Engine(), CollectorRegistry()
+    EngineMetrics(engine, registry)
+    for cached in (0, 640, 704):
+        handle = RequestHandle(EngineRequest((1,) * 714, SamplingParams(max_new_tokens=1)), lambda _: None)
+        engine.observe(handle)
+        handle.put(FinishEvent(handle.request_id, "length", (2,), "", 714, 0.1, 0.0, "",
+                               {"cached_tokens": cached, "density": {}}))
+    assert registry.get_sample_value("raysparse:prefix_cache_queries_total", {"model_name": "m"}) == 3 * 714
+    assert registry.get_sample_value("raysparse:prefix_cache_hits_total", {"model_name": "m"}) == 640 + 704

@@ -9,6 +9,8 @@ Dashboards and autoscalers built for vLLM read them unchanged once the prefix is
   ``raysparse:e2e_request_latency_seconds`` (submission to the finish), histograms;
 - ``raysparse:prompt_tokens_total`` and ``raysparse:generation_tokens_total`` (counters);
 - ``raysparse:request_success_total`` by ``finished_reason`` (stop, length, abort, error);
+- ``raysparse:prefix_cache_queries_total`` and ``raysparse:prefix_cache_hits_total``: prompt tokens of finished
+  requests, and those of them taken from the prefix cache (counters, as vLLM's; the hit rate is their ratio);
 - ``raysparse:attention_density``: a histogram of each finished request's measured density by ``method``
   and ``phase`` (prefill, decode), the density its own steps had (``runner.account_density``).
 
@@ -65,6 +67,10 @@ class EngineMetrics:
                                          registry=r)
         self.success = Counter(PREFIX + "request_success", "Count of finished requests by finished reason.",
                                m + ["finished_reason"], registry=r)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", m, registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.", m, registry=r)
         self.density = Histogram(PREFIX + "attention_density",
                                  "Measured attention density of finished requests (attended / causal pairs).",
                                  m + ["method", "phase"], buckets=DENSITY_BUCKETS, registry=r)
@@ -96,6 +102,8 @@ class EngineMetrics:
             elif isinstance(ev, FinishEvent):
                 self.e2e.labels(name).observe(now - t0)
                 self.prompt_tokens.labels(name).inc(ev.prompt_tokens)
+                self.prefix_queries.labels(name).inc(ev.prompt_tokens)
+                self.prefix_hits.labels(name).inc(ev.stats.get("cached_tokens", 0))
                 # a front end that ended the request itself (a stop string) says why
                 reason = handle.finish_reason_hint or ev.finish_reason
                 self.success.labels(name, reason if reason in FINISH_REASONS else "error").inc()
