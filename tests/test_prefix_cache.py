@@ -5,6 +5,8 @@ the cache on equal to the cache off for every method, at TP=1 and TP=2."""
 from __future__ import annotations
 
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -324,3 +326,63 @@ def test_metrics_count_queried_and_cached_prompt_tokens():
                                {"cached_tokens": cached, "density": {}}))
     assert registry.get_sample_value("raysparse:prefix_cache_queries_total", {"model_name": "m"}) == 3 * 714
     assert registry.get_sample_value("raysparse:prefix_cache_hits_total", {"model_name": "m"}) == 640 + 704
+
+
+# ---- the default model: 8 questions about one 4096-token document ----------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_default_model_questions_about_one_document_equal_without_the_cache(tp):
+    """The default model (real weights, real prose): 8 questions about one 4096-token document through the JSONL
+    job's loop, for every method, give the same greedy tokens with the cache on and off; the methods that reuse
+    a prefix start every question after the first from the document's cached pages (its last partial page
+    recomputed). About an hour on 2 cores for both TPs: ``pytest -m slow -k default_model_questions``."""
+    import json
+
+    import ray
+
+    from raysparse.jobs.longcontext import build_parser, run_job
+    from raysparse.orchestration.ray_env import start_ray
+    from raysparse.workload import load_haystack_text
+
+    text, _ = load_haystack_text(None)
+    owns = start_ray(None, num_cpus=2)
+    engines = {}
+    try:
+        for cache in (True, False):  # one prefill step per prompt: cache on and off differ only in the start
+            engines[cache] = Engine(EngineConfig(tp=tp, kv_cache_tokens=12288, cpus_per_shard=0.5, draft=False,
+                                                 max_prefill_tokens=8192,
+                                                 prefix_cache=PrefixCacheConfig(enabled=cache))).start()
+        tok = engines[True].tokenizer
+        doc = tok.decode(tok(text[:40000], add_special_tokens=False)["input_ids"][:4096])
+        questions = ["What is the first name in the text?", "Who speaks first?", "Where does it happen?",
+                     "What season is it?", "Who is the eldest?", "What does the heroine want?",
+                     "Name a place.", "How does it end?"]
+        for method, params in CASES[:-2]:  # every method once (the walk variants are covered above)
+            out = {}
+            for cache, engine in engines.items():
+                work = Path(tempfile.mkdtemp())
+                with (work / "in.jsonl").open("w") as f:
+                    for i, q in enumerate(questions):
+                        f.write(json.dumps({"id": f"q{i}", "document": doc, "question": q, "method": method,
+                                            "method_params": params,
+                                            "sampling": {"max_new_tokens": 12, "ignore_eos": True}}) + "\n")
+                args = build_parser().parse_args(["--input", str(work / "in.jsonl"), "--output",
+                                                  str(work / "out.jsonl")])
+                assert run_job(args, engine)["errors"] == 0
+                rows = {r["id"]: r for r in map(json.loads, (work / "out.jsonl").read_text().splitlines())}
+                out[cache] = [rows[f"q{i}"] for i in range(len(questions))]
+            on, off = out[True], out[False]
+            assert [r["token_ids"] for r in on] == [r["token_ids"] for r in off], method
+            assert all(r["cached_tokens"] == 0 for r in off)
+            cached = [r["cached_tokens"] for r in on]
+            if method_capabilities(method).prefix_cache:
+                assert cached[0] == 0 and all(c >= 4096 - 64 for c in cached[1:]), (method, cached)
+            else:
+                assert cached == [0] * 8, (method, cached)
+            print(f"TP={tp} {method}: on == off; cached tokens {cached}; ttft on {[r['ttft_s'] for r in on]}")
+    finally:
+        for e in engines.values():
+            e.shutdown()
+        if owns:
+            ray.shutdown()
