@@ -47,6 +47,9 @@ class BatchMeta:
     is_prefill: bool
     cu_q: list[int] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)  # per-step tensors built once, shared by the layers
+    # per sequence: whether this prefill step ends its prompt (empty: every one does); a chunk that does not
+    # is not the prompt's end, which a method may treat differently (Sketch&Walk's last-token query)
+    prompt_ends: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.cu_q:
@@ -58,6 +61,9 @@ class BatchMeta:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_ids)
+
+    def prompt_end(self, i: int) -> bool:
+        return not self.prompt_ends or self.prompt_ends[i]
 
     def last_token_rows(self) -> list[int]:
         return [self.cu_q[i + 1] - 1 for i in range(self.num_seqs)]

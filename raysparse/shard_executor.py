@@ -191,6 +191,8 @@ class ShardExecutor:
             return graphs.decode(plan.key, backend, plan.seq_ids, [t[-1] for t in tokens])
         ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long, device=self.cache.device)
         batch = self.cache.prepare(plan.seq_ids, [len(t) for t in tokens], plan.prefill)
+        if plan.prefill:
+            batch.prompt_ends = list(plan.sample)  # only a prompt's last chunk samples
         return self.model(ids, batch, self.cache, backend)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[int | None] | None:

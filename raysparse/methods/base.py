@@ -67,6 +67,7 @@ class SeqContext:
     n: int  # keys in the cache, new ones included
     state: dict[str, Any]  # this layer's metadata slot for the sequence (kept across steps)
     seq_state: dict[str, Any] = field(default_factory=dict)  # shared by all layers of the sequence
+    prompt_end: bool = True  # the step's new tokens end the prompt (False: a prefill chunk more follows)
 
 
 class SparseMethod(AttentionBackend):
@@ -239,7 +240,7 @@ class SparseMethod(AttentionBackend):
             n = batch.ctx_lens[i]
             k, v = cache.gather(layer, batch, i)
             ctx = SeqContext(layer, sid, n - (hi - lo), n, cache.metadata[layer].setdefault(sid, {}),
-                             self._seq_state.setdefault(sid, {}))
+                             self._seq_state.setdefault(sid, {}), batch.prompt_end(i))
             causal = causal_pairs(hi - lo, n) * h_kv
             if self.is_dense_layer(layer):
                 out[lo:hi] = self.dense_seq(ctx, q[lo:hi], k, v)
@@ -349,7 +350,7 @@ class PrefillView:
         b = self.batch
         sid, n = b.seq_ids[i], b.ctx_lens[i]
         return SeqContext(self.layer, sid, n - b.q_lens[i], n, self.cache.metadata[self.layer].setdefault(sid, {}),
-                          state.setdefault(sid, {}))
+                          state.setdefault(sid, {}), b.prompt_end(i))
 
     def qblocks(self, block_size: int) -> QueryBlocks:
         """The step's packed query blocks of ``block_size`` tokens (host arithmetic once per step and size)."""

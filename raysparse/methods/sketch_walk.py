@@ -241,7 +241,8 @@ class SketchWalk(SparseMethod):
             hk = self.model_cfg.num_kv_heads if self.head_reduce is not None else k_new.shape[0]
             q_avg = q.float().sum(1, keepdim=True) / hq
             k_avg = k_new.float().sum(0)[:, None] / hk
-        want_token = n_q == 1 and cfg.token_query != "never" or cfg.token_query == "last"
+        # the token's own query scores the row it ends: at decode, and at the prompt's end, not a chunk's
+        want_token = ctx.prompt_end and (n_q == 1 and cfg.token_query != "never" or cfg.token_query == "last")
         # Sum per block (keys: per block part) first, then sketch the few sums (linear): O(b d log d), not
         # O(n d log d). The last token's own query rides along as one more query row, through the same reduce.
         lq = nb - qb0 + int(want_token and n_q > 1)
