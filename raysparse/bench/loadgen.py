@@ -142,6 +142,9 @@ def _grpc_sender(client: RaySparseClient, prompts: Sequence[Sequence[int]],
                 if ch.finish is not None:
                     rec.success = ch.finish.finish_reason in ("length", "stop")
                     rec.error = ch.finish.error or ("" if rec.success else ch.finish.finish_reason)
+                    dens = ch.finish.density
+                    rec.density_prefill = dens.prefill if dens.HasField("prefill") else None
+                    rec.density_decode = dens.decode if dens.HasField("decode") else None
                 elif ch.token_ids:
                     rec.chunk_times.append(ch.t)
                     rec.output_len += len(ch.token_ids)

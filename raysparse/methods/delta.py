@@ -98,8 +98,8 @@ class Delta(SparseMethod):
         super().__init__(model_cfg, config)
         cfg = self.config
         params: dict[str, Any] = {"dense_layers": cfg.dense_layers, "block_size": cfg.block_size}
-        if cfg.density is not None:
-            params["density"] = cfg.density
+        if cfg.density is not None:  # the base turns the whole-model density into its layers' itself
+            params["density"] = cfg.target_density if cfg.target_density is not None else cfg.density
         params.update(dict(cfg.base_params))
         base = create_backend(cfg.base, model_cfg, **params)
         if not isinstance(base, SparseMethod):
@@ -124,6 +124,9 @@ class Delta(SparseMethod):
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
         self.base.release(seq_id)
+
+    def check_request(self, prompt_len: int, total_len: int) -> None:
+        self.base.check_request(prompt_len, total_len)
 
     # ---- batched decode: the base's (Delta corrects prefill only) ---------------------------------
     @property
