@@ -189,11 +189,18 @@ class Harness:
         try:
             backend = self.backend(setting)
             tracer = reset_accumulators(backend, self.model.cfg.num_layers, self.cfg.rows)
+            # A density the method's forced units exceed at this length is an error row, as the engine refuses it.
             if kind == "task":
-                item.sample = self.task_sample(backend, work.tasks[index])
+                task = work.tasks[index]
+                backend.check_request(len(task.prompt_ids), len(task.prompt_ids) + self.max_new_tokens(task))
+                item.sample = self.task_sample(backend, task)
             elif kind == "ppl":
+                n = len(work.windows[index])
+                backend.check_request(n, n)
                 item.nll, item.count = self.window_nll(backend, work.windows[index])
             elif kind == "decode":
+                n = len(work.windows[index])
+                backend.check_request(max(1, n - self.cfg.decode_ppl_tokens), n)
                 item.nll, item.count = decode_nll(self.model, self.cache, backend, work.windows[index],
                                                   self.cfg.decode_ppl_tokens, next(self._seq_ids))
             else:
