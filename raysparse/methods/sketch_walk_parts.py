@@ -160,7 +160,7 @@ class PartsDecode(RowsDecode):
         forced = {0, *range(max(0, nb - cfg.local_blocks), nb)}
         forced_tokens = sum(min(B, n - j * B) for j in forced)
         forced_parts = sum(min(P, held - j * P) for j in forced)
-        extra = max(0, host_row_budget(self.m.layer_density, nb) * P - forced_parts)
+        extra = max(0, host_row_budget(cfg.density, nb) * P - forced_parts)
         return forced_tokens + min(extra, held - forced_parts) * size  # the other parts are full
 
     # ---- one layer (captured on GPUs; ``layer_select`` is the head-mean path's) -----------------------------
@@ -221,7 +221,7 @@ class PartsDecode(RowsDecode):
             x = m.head_reduce(x)
         heads = m.model_cfg.num_kv_heads if m.head_reduce is not None else new.shape[2]
         return part_select(x.contiguous(), n, cfg.heads, heads, cfg.block_size, self.parts, cfg.local_blocks,
-                           m.layer_density, st["p_k"], st["p_width"])
+                           cfg.density, st["p_k"], st["p_width"])
 
     def paired_constants(self, n: torch.Tensor, w: int, table: torch.Tensor | None = None) -> dict[str, Any]:
         """The head-mean path's block constants plus the parts': counts, filled and forced parts, budgets, and
@@ -242,9 +242,9 @@ class PartsDecode(RowsDecode):
         blk = cols // P
         nb = st["cb"] + 1
         forced = ((blk == 0) | (blk >= nb[:, None] - cfg.local_blocks)) & filled
-        budget = row_budget(self.m.layer_density, nb) * P  # on the device
+        budget = row_budget(cfg.density, nb) * P  # on the device
         extra = (budget - forced.sum(-1)).clamp(min=0)
-        top = P * host_row_budget(self.m.layer_density, w)  # static: any row's budget in parts
+        top = P * host_row_budget(cfg.density, w)  # static: any row's budget in parts
         k = min(w * P, top)
         # the forced blocks (sink, local; out-of-range ones at w) as their parts, empty ones dropped
         fparts = st["forced"][:, :, None] * P + torch.arange(P, device=dev)

@@ -117,7 +117,7 @@ class RowsDecode:
         the last block partial), what the density meter counts without reading the device."""
         B, local = self.cfg.block_size, self.cfg.local_blocks
         cb = (n - 1) // B
-        count = max(host_row_budget(self.m.layer_density, cb + 1), min(cb + 1, local + 1))
+        count = max(host_row_budget(self.cfg.density, cb + 1), min(cb + 1, local + 1))
         return (count - 1) * B + (n - cb * B)
 
     # ---- one layer (captured on GPUs) ---------------------------------------------------------------
@@ -149,7 +149,7 @@ class RowsDecode:
         if cfg.walk == "one-hop" and (r & (r - 1)) == 0 and self._wanted(q, self.runtime.walk_select, self.select):
             from raysparse.kernels.walk_select import walk_select
 
-            return walk_select(self.qs[:, li], self.ks[:, li], slots, n, new, cfg.block_size, m.layer_density,
+            return walk_select(self.qs[:, li], self.ks[:, li], slots, n, new, cfg.block_size, cfg.density,
                                cfg.local_blocks, cfg.exponent, cfg.token_query != "never", w,
                                1 + cfg.local_blocks + self.top_width(w))
         if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
@@ -170,7 +170,7 @@ class RowsDecode:
         cols = torch.arange(w, device=dev)
         cnt = (n[:, None] - cols * B).clamp(min=1, max=B).float()  # [bsz, w]; past-the-end blocks masked
         causal = cols <= cb[:, None]
-        tau = (self.m.layer_density * (cb + 1).float()).round().clamp(min=1).long()  # row_budget, on the device
+        tau = (cfg.density * (cb + 1).float()).round().clamp(min=1).long()  # row_budget, on the device
         extra = (tau - torch.clamp(cb + 1, max=local + 1)).clamp(min=0)
         k = self.top_width(w)
         local_cols = cb[:, None] - local + 1 + torch.arange(local, device=dev)  # the diagonal last
@@ -184,7 +184,7 @@ class RowsDecode:
 
     def top_width(self, w: int) -> int:
         """Static top-k width of a bucket: at least any row's budget beyond its forced blocks."""
-        return min(w, int(round(self.m.layer_density * w)) + 1)
+        return min(w, int(round(self.cfg.density * w)) + 1)
 
     @staticmethod
     def _wanted(q: torch.Tensor, enabled: bool, forced: bool | None) -> bool:
