@@ -480,7 +480,7 @@ def density_floor_error(method: SparseMethod, phase: str, n: int, floor: float) 
     need = (dense + floor * (cfg.num_layers - dense)) / cfg.num_layers
     asked = method.config.target_density if method.config.target_density is not None else method.config.density
     return (f"density {asked} is below what {method.name}'s forced units alone attend in the "
-            f"{phase} of {n} tokens (sink, local and diagonal blocks, and {dense} dense layers): at least "
+            f"{phase} of {n} tokens (its sink, local and diagonal units, and {dense} dense layers): at least "
             f"{need:.4f}; raise the density or use a longer context")
 
 

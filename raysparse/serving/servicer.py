@@ -41,13 +41,13 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["RaySparse"]
 CONTROL_METHODS = frozenset({"Abort", "GetModelInfo", "GetServerInfo"})  # served from ``control_pool``
 
 
-@dataclass(frozen=True)
-
 def finish_density(fin: FinishEvent) -> pb.Density:
     """The request's measured prefill and decode density; a phase with no metered step stays unset."""
     d = fin.stats.get("density") or {}
     return pb.Density(**{k: float(d[k]) for k in ("prefill", "decode") if d.get(k) is not None})
 
+
+@dataclass(frozen=True)
 class UndecodableRequest:
     """Stands for a request whose bytes do not parse (e.g. a string field that is not UTF-8)."""
 
