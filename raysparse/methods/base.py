@@ -43,9 +43,10 @@ def no_density_error(name: str) -> str:
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Fields every method shares. ``density`` is the budget as a fraction of causal pairs of the whole model:
-    every layer (the dense ones included) and KV head, forced units (sinks, local window, the diagonal block)
-    counted inside it; prefill and decode each meet it on their own (``layer_density``)."""
+    """Fields every method shares. ``density`` is the budget of each sparse layer as a fraction of its causal
+    pairs, forced units (sinks, local window, the diagonal block) counted inside it. Users give the whole model's
+    (``--density``: every layer, the dense ones included); the registry's factory turns it into this one
+    (``budgeted_config``) and keeps it as ``target_density``. Prefill and decode each meet it on their own."""
 
     density: float = 0.2
     dense_layers: tuple[int, ...] = (0, 1)

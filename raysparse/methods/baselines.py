@@ -2,9 +2,12 @@
 
 Shared conventions. Prefill selects key blocks of ``block_size`` per query block and KV head; decode
 selects tokens (streaming, oracle) or pages (Quest). Query heads of a GQA group share their KV head's
-selection. Budgets come from ``row_budget(density, causal units of the row)`` (blocks in prefill,
-tokens or pages in decode); forced units (sinks, diagonal, current page) count inside the budget and are
-kept even where they alone exceed it.
+selection. ``density`` is a sparse layer's (the registry turns ``--density``, the whole model's, into it:
+``methods.base.budgeted_config``). Budgets: in prefill ``prefill_block_budget`` (blocks per query block, the
+diagonal's causal half counted, the first rows' forced excess paid back by later rows, so a prefill attends its
+budget), in decode ``row_budget(density, causal units of the row)`` (tokens or pages); forced units (sinks,
+diagonal, current page) count inside the budget, and a request whose forced units alone exceed it is refused
+(``SparseMethod.check_request``).
 
 ``streaming`` (StreamingLLM): the first ``sink_tokens`` keys plus a sliding window. Prefill keeps the
 sink blocks (ceil(sink_tokens / B)) and the last local blocks up to the diagonal; decode keeps the sink
