@@ -69,14 +69,11 @@ class PrHSMethod(SparseMethod):
         self._retrievals: list[torch.Tensor | int] = [0] * layers
         self._head_steps = [0] * layers
         self._cis: CISBatchedState | None = None  # the batched decode's per-row CIS state, made at first use
-        # CIS's budget is the whole-model --density turned into a sparse layer's (``layer_density``).
-        self.cis_config = (self.config if self.layer_density is None
-                           else replace(self.config, density=self.layer_density))
 
     def decode_forced_keys(self, n: int) -> int | None:
         if not self.use_cis or self.use_psaw:  # PSAW's window is its own budget
             return None
-        c = self.cis_config
+        c = self.config
         sink = min(c.sink, n)
         return sink + min(c.local, n - sink)  # type: ignore[attr-defined]
 
@@ -187,7 +184,7 @@ class PrHSMethod(SparseMethod):
         n, sink = ctx.n, self.config.sink
         lo = max(window_start(self.psaw_frac(ctx.layer), n) - 1, 0)  # PSAW window [lo, n) plus sinks
         if self.use_cis:
-            mask, retrieved, width = cis_step(self.cis_config, ctx.state, q, k, lo)  # type: ignore[arg-type]
+            mask, retrieved, width = cis_step(self.config, ctx.state, q, k, lo)  # type: ignore[arg-type]
             self._retrievals[ctx.layer] = self._retrievals[ctx.layer] + retrieved.sum()
             self._head_steps[ctx.layer] += k.shape[0]
             return TokenSelection(indices_from_mask(mask, width), 1)
@@ -207,7 +204,7 @@ class PrHSMethod(SparseMethod):
     def _cis_state(self, cache: KVCache) -> CISBatchedState:
         if self._cis is None:
             mc = self.model_cfg
-            self._cis = CISBatchedState(self.cis_config, self.sparse_layers(),  # type: ignore[arg-type]
+            self._cis = CISBatchedState(self.config, self.sparse_layers(),  # type: ignore[arg-type]
                                         mc.num_heads // mc.num_kv_heads * mc.head_dim,
                                         min(cache.capacity_tokens, mc.max_position_embeddings))
         return self._cis
@@ -268,7 +265,7 @@ class PrHSMethod(SparseMethod):
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         if self.use_cis:
             state = self._cis_state(view.cache)
-            return cis_batched_step(self.cis_config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
+            return cis_batched_step(self.config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
                                     view.kv, view.width_tokens, self._window_lo(layer, view.seqlens.long()))
         sink, width = self.config.sink, view.width_tokens
         n = view.seqlens.long()[:, None]
