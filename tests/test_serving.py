@@ -327,7 +327,7 @@ def test_model_info_reflection_and_metrics(served):
     assert _metric(srv, 'raysparse_kv_cache_capacity_tokens') == KV_TOKENS
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        dens = _metric(srv, 'raysparse_attention_density{method="streaming{block_size=16,dense_layers=[],'
+        dens = _metric(srv, 'raysparse_attention_density{method="streaming{block_size=16,dense_layers=(),'
                             'density=0.3,sink_tokens=16}",phase="all"}')
         if dens is not None:
             break
