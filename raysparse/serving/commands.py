@@ -139,7 +139,8 @@ def engine_config(args: argparse.Namespace) -> Any:
 def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="dense", help="attention method (see `raysparse run --help`)")
     p.add_argument("--density", type=float, default=None,
-                   help="attention budget of methods that have one (default: the method's own)")
+                   help="attention budget of methods that have one: the fraction of causal pairs the whole model "
+                        "attends, dense layers and forced blocks inside it (default: the method's own)")
     p.add_argument("--param", type=param, action="append", default=[], metavar="KEY=VALUE",
                    help="another method parameter (repeatable), e.g. --param block_size=32")
 
