@@ -449,9 +449,11 @@ def test_serve_and_generate_commands(tmp_path):
         assert out.returncode == 0, out.stderr
         res = json.loads(out.stdout)
         assert res["token_ids"] == ref.token_ids and res["finish_reason"] == "length"
+        assert res["density_prefill"] == 1.0 and res["density_decode"] == 1.0 and res["cached_tokens"] == 0  # dense
         streamed = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--max-new-tokens", "5",
                                    "--ignore-eos", "Hello"], capture_output=True, text=True, timeout=120)
         assert streamed.returncode == 0 and "[length: 5 prompt + 5 tokens" in streamed.stderr
+        assert "density prefill 1.000, decode 1.000]" in streamed.stderr
         bad = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "1",
                               "--method", "streaming", "--density", "2"], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 1 and bad.stderr.startswith("raysparse: error: INVALID_ARGUMENT")  # the server's

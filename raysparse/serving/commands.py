@@ -255,7 +255,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import grpc
 
-    from raysparse.serving.client import RaySparseClient, build_request
+    from raysparse.serving.client import RaySparseClient, build_request, finish_densities
 
     if (args.prompt is None) == (args.token_ids is None):
         parser.exit(EXIT_USAGE, "raysparse: error: give a prompt or --token-ids (not both)\n")
@@ -288,8 +288,11 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 print(" ".join(map(str, ids_out)), end="")
             print()
             if fin is not None:
+                pre, dec = finish_densities(fin)
+                dens = ", ".join(f"{k} {v:.3f}" for k, v in (("prefill", pre), ("decode", dec)) if v is not None)
                 print(f"[{fin.finish_reason}: {fin.usage.prompt_tokens} prompt + {fin.usage.completion_tokens} "
-                      f"tokens, TTFT {fin.timings.ttft_s * 1000:.0f} ms, {fin.timings.e2e_s:.2f} s]"
+                      f"tokens, TTFT {fin.timings.ttft_s * 1000:.0f} ms, {fin.timings.e2e_s:.2f} s"
+                      + (f", density {dens}" if dens else "") + "]"
                       + (f" error: {fin.error}" if fin.error else ""), file=sys.stderr)
             return 0 if fin is not None and fin.finish_reason != "error" else EXIT_FAILURE
     except grpc.RpcError as e:
