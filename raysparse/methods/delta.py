@@ -9,8 +9,10 @@ prompt are computed densely and overwrite the result. ``mode="recompute"`` only 
 
 Choices where SPEC is silent:
 - ``density``: unset by default, so the base keeps its own default (streaming: sinks 64 + window 2048);
-  when set it is forwarded to the base as the base's budget. The reported density is the real one, base
-  plus dense rows (below), so compare methods at the reported density. ``dense_layers`` and
+  when set it is forwarded to the base as the base's budget (the whole model's, which the base turns into its
+  sparse layers' and checks requests against). Decode is the base's, so it meets the density; the prefill's
+  dense rows (below) come on top of the base's, so Delta's prefill attends more than the density asked: the
+  reported density is the real one, base plus dense rows, so compare methods at the reported density. ``dense_layers`` and
   ``block_size`` are forwarded too; ``base_params`` (dict or pairs) override all three.
 - Density accounting counts the union: attended = base pairs + sum over the dense rows D of
   (causal keys of the row - keys the base already attended in that row), the latter read from the base's
