@@ -12,8 +12,8 @@ Choices where SPEC is silent:
   when set it is forwarded to the base as the base's budget (the whole model's, which the base turns into its
   sparse layers' and checks requests against). Decode is the base's, so it meets the density; the prefill's
   dense rows (below) come on top of the base's, so Delta's prefill attends more than the density asked: the
-  reported density is the real one, base plus dense rows, so compare methods at the reported density. ``dense_layers`` and
-  ``block_size`` are forwarded too; ``base_params`` (dict or pairs) override all three.
+  reported density is the real one, base plus dense rows, so compare methods at the reported density.
+  ``dense_layers`` and ``block_size`` are forwarded too; ``base_params`` (dict or pairs) override all three.
 - Density accounting counts the union: attended = base pairs + sum over the dense rows D of
   (causal keys of the row - keys the base already attended in that row), the latter read from the base's
   BlockSelection (captured through the tracer hook). A base that reports no BlockSelection falls back
