@@ -51,6 +51,7 @@ class Engine:
         self.eos: frozenset[int] = frozenset()
         self._owns_ray = False
         self._methods_ok: dict[str, str] = {}  # method key -> "" (valid) or the error
+        self._method_probe: dict[str, Any] = {}  # method key -> a backend of it, for per-request checks
         self.source_name = ""
         self.use_gpu = False
         self.name = cfg.name or f"raysparse-{uuid.uuid4().hex[:6]}"
@@ -190,7 +191,7 @@ class Engine:
         key = method_key(req.method, req.method_params)
         if key not in self._methods_ok:
             try:
-                create_backend(req.method, self.model_cfg, **dict(req.method_params))
+                self._method_probe[key] = create_backend(req.method, self.model_cfg, **dict(req.method_params))
                 err = ""
                 if method_capabilities(req.method).needs_draft and not self.cfg.draft:
                     err = f"{req.method} needs the draft actor, which this engine was started without"
@@ -199,6 +200,10 @@ class Engine:
             self._methods_ok[key] = err
         if self._methods_ok[key]:
             raise InvalidRequestError(self._methods_ok[key])
+        try:  # a density the method's forced units exceed at this length is refused, not overshot
+            self._method_probe[key].check_request(len(req.prompt_ids), req.max_tokens)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         caps = method_capabilities(req.method)
         if caps.greedy_only and not req.params.greedy:
             raise InvalidRequestError(f"{req.method} decodes greedily: temperature must be 0")

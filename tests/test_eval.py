@@ -372,7 +372,8 @@ def test_tiny_end_to_end_report(tiny_model, tmp_path, one_thread):
 def test_decode_time_methods_report_their_own_columns(tiny_model, one_thread):
     """SpecAttn swept over top_p runs once per value (no density) through the speculative generator; CIS
     reports rho (1 when it never shares: threshold > 1); PSAW, whose budget is its schedule, runs once."""
-    cfg = EvalConfig(methods=("specattn", "cis", "psaw"), densities=(0.3,), tasks=("single_needle",), samples=1,
+    # 0.8 of the whole model: 0.4 at the one sparse layer of 3
+    cfg = EvalConfig(methods=("specattn", "cis", "psaw"), densities=(0.8,), tasks=("single_needle",), samples=1,
                      context_tokens=512, max_new_tokens=2, rows=8, decode_ppl_tokens=12,
                      method_params=parse_method_params(["specattn:top_p=0.5,1.0", "specattn:chunk_size=1",
                                                         "cis:threshold=0.8,2"]))
@@ -380,7 +381,7 @@ def test_decode_time_methods_report_their_own_columns(tiny_model, one_thread):
     runs = report["runs"]
     assert [(r["label"], r["density_target"]) for r in runs] == [
         ("dense", None), ("specattn (top_p=0.5, chunk_size=1)", None), ("specattn (top_p=1, chunk_size=1)", None),
-        ("cis (threshold=0.8)", 0.3), ("cis (threshold=2)", 0.3), ("psaw", None)]
+        ("cis (threshold=0.8)", 0.8), ("cis (threshold=2)", 0.8), ("psaw", None)]
     assert all(r["status"] == "ok" for r in runs), [r["error"] for r in runs]
     dense, sparse_spec, full_spec, cis, cis_oracle, _ = runs
     # p = 1: exact verification, so dense's tokens and decode perplexity; p = 0.5 reads part of the context.

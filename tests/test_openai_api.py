@@ -21,7 +21,10 @@ from raysparse.serving.client import RaySparseClient  # noqa: E402
 
 MAX_POS = 1024
 KV_TOKENS = 768  # below the model's positions, so a request can fit the context but not the cache
-SPARSE = {"method": "streaming", "density": 0.1, "sink_tokens": 16, "block_size": 16, "dense_layers": []}
+SPARSE = {"method": "streaming", "density": 0.25, "sink_tokens": 16, "block_size": 16, "dense_layers": []}
+# A prompt of a few blocks is all sink and diagonal blocks, which no density below 1 leaves room for: short
+# prompts ask for the sparse method at density 1 (the method's path, nothing left out).
+SHORT = {**SPARSE, "density": 1.0}
 
 
 def _free_port() -> int:
@@ -136,8 +139,13 @@ def test_per_request_method_and_its_density(server):
     out = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
                                extra_body={"ignore_eos": True, "raysparse": SPARSE})
     ext = out.raysparse
-    assert ext["method"] == "streaming" and ext["method_params"]["density"] == 0.1
-    assert 0.0 < ext["density"]["prefill"] < 0.5 and 0.0 < ext["density"]["decode"] < 1.0
+    assert ext["method"] == "streaming" and ext["method_params"]["density"] == 0.25
+    # the density asked for is the density attended, prefill and decode each (every layer and KV head)
+    assert ext["density"]["prefill"] == pytest.approx(0.25, abs=0.01)
+    assert ext["density"]["decode"] == pytest.approx(0.25, abs=0.01)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # OpenAI's field; nothing came from a cache
+    with pytest.raises(openai.BadRequestError, match="forced units alone attend"):
+        c.completions.create(model="tiny", prompt=prompt[:40], max_tokens=2, extra_body={"raysparse": SPARSE})
     dense = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
                                  extra_body={"ignore_eos": True})
     assert dense.raysparse["density"] == {"prefill": 1.0, "decode": 1.0}
@@ -268,10 +276,11 @@ def test_bench_load_generator_on_the_http_api(server):
     prompts = [list(range(5 + i, 45 + i)) for i in range(4)]
     for backend in ("openai", "openai-chat"):
         cfg = LoadConfig(num_prompts=4, output_len=5, max_concurrency=2, backend=backend, method="streaming",
-                         method_params=tuple(sorted({k: v for k, v in SPARSE.items() if k != "method"}.items())))
+                         method_params=tuple(sorted({k: v for k, v in SHORT.items() if k != "method"}.items())))
         metrics, records = run_load(server["http"], prompts, cfg, decode=lambda ids: tok.decode(ids))
         assert metrics["completed"] == 4 and metrics["failed"] == 0, [r.error for r in records]
         assert metrics["total_output_tokens"] == 20
+        assert metrics["mean_density_prefill"] == 1.0 and metrics["mean_density_decode"] == 1.0  # as asked
         assert all(r.chunk_times and r.ttft > 0 and r.t_end >= r.chunk_times[-1] for r in records)
     bad = LoadConfig(num_prompts=1, output_len=5, backend="openai", method="no_such_method")
     metrics, records = run_load(server["http"] + "/v1", prompts[:1], bad)
@@ -293,7 +302,7 @@ def test_metrics_follow_vllm_names(server):
     n_req, n_tok = 3, 5
     for _ in range(n_req):
         c.completions.create(model="tiny", prompt="abcdefg", max_tokens=n_tok, temperature=0,
-                             extra_body={"ignore_eos": True, "raysparse": SPARSE})
+                             extra_body={"ignore_eos": True, "raysparse": SHORT})
     after = _metrics(url)
     assert delta(f"raysparse:generation_tokens_total{lab}") == n_req * n_tok
     assert delta(f"raysparse:prompt_tokens_total{lab}") == n_req * 7

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEVICES, tiny_model
+from helpers import DEVICES, tiny_model, whole_model_density
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 import raysparse.kernels.part_scores as ps
@@ -139,7 +139,8 @@ def test_paired_graph_decode_with_the_kernel(model, scoring, monkeypatch):
     if model.lm_head.weight.device.type == "cpu" and not interpreting():
         pytest.skip("CPU tensors run the kernels only in Triton's interpreter")
     seed = int(torch.randint(0, 2**31 - 1, ()))
-    params = {**scoring, "density": float(torch.empty(()).uniform_(0.15, 0.5)), "local_blocks": 1 + seed % 2}
+    params = {**scoring, "density": whole_model_density(float(torch.empty(()).uniform_(0.15, 0.5)), 5),
+              "local_blocks": 1 + seed % 2}
     lens, steps = [100, 14, 158], 3
     monkeypatch.setattr(PartsDecode, "select_kernel", False)  # the per-head scores (test_part_select: the rest)
     monkeypatch.setattr(PartsDecode, "part_kernel", False)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import DEVICES, tiny_model
+from helpers import DEVICES, tiny_model, whole_model_density
 from test_part_scores import B, _draw, check_state
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
@@ -163,7 +163,8 @@ def test_paired_graph_decode_with_the_select_kernel(model, scoring, scores_kerne
     if model.lm_head.weight.device.type == "cpu" and not interpreting():
         pytest.skip("CPU tensors run the kernels only in Triton's interpreter")
     seed = int(torch.randint(0, 2**31 - 1, ()))
-    params = {**scoring, "decode_unit": "part", "density": float(torch.empty(()).uniform_(0.15, 0.5)),
+    params = {**scoring, "decode_unit": "part",
+              "density": whole_model_density(float(torch.empty(()).uniform_(0.15, 0.5)), 5),
               "local_blocks": 1 + seed % 2}
     lens, steps = [100, 14, 158], 3
     monkeypatch.setattr(PartsDecode, "part_kernel", False)

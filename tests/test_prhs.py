@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import fresh_cache, random_state, tiny_hf_config
+from helpers import fresh_cache, random_state, tiny_hf_config, whole_model_density
 
 from raysparse.attention import DenseAttention
 from raysparse.config import ModelConfig
@@ -154,7 +154,7 @@ def test_cis_sets_and_retrieval_ratio_match_loop_simulation(kind):
 
 
 def test_cis_density_sets_the_middle_budget():
-    m = create_backend("cis", model_cfg(), density=0.25)
+    m = create_backend("cis", model_cfg(), density=whole_model_density(0.25, N_LAYERS))  # 0.25 per sparse layer
     from raysparse.methods.cis import cis_budget
 
     assert cis_budget(m.config, 1000) == (250 - 16 - 64, (250 - 16 - 64) // 3)
@@ -272,7 +272,7 @@ def test_methods_generate_and_report(model):
 
 # ---- the batched decode seam: CIS state across changing batches -------------------------------------
 @pytest.mark.parametrize("name,params", [
-    ("cis", dict(density=0.15, sink=4, local=8, share_block=4, threshold=0.1)),
+    ("cis", dict(density=whole_model_density(0.15, 3, 1), sink=4, local=8, share_block=4, threshold=0.1)),
     ("cpe", dict(start_layer=1, phi=0.3, topk=12, sink=2, local=3, share_block=3, radius=2, threshold=0.1)),
 ])
 def test_cis_batched_state_follows_sequences_across_batches(name, params):

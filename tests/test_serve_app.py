@@ -92,7 +92,7 @@ def test_serve_app_two_replicas_answer_the_openai_client(tmp_path):
         assert text == whole.choices[0].message.content and whole.usage.completion_tokens == 8
         sparse = c.completions.create(model="tiny", prompt=list(range(5, 100)) * 3, max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True, "raysparse": {
-                                          "method": "streaming", "density": 0.1, "sink_tokens": 16,
+                                          "method": "streaming", "density": 0.25, "sink_tokens": 16,
                                           "block_size": 16, "dense_layers": []}})
         assert sparse.raysparse["method"] == "streaming" and sparse.raysparse["density"]["prefill"] < 0.5
         with pytest.raises(openai.BadRequestError):

@@ -317,18 +317,22 @@ def test_model_info_reflection_and_metrics(served):
     assert "raysparse.v1.RaySparse" in services and "grpc.health.v1.Health" in services
     before = _metric(srv, 'raysparse_requests_total{method="streaming",outcome="length"}') or 0.0
     for _ in range(2):
-        client.generate(token_ids=list(range(5, 90)), method="streaming", method_params={"density": 0.3},
+        # the tiny model's 2 layers are both dense by default: a sparse density needs them sparse, and a prompt
+        # long enough for its sink and diagonal blocks to fit the budget
+        client.generate(token_ids=list(range(5, 90)) * 3, method="streaming",
+                        method_params={"density": 0.3, "dense_layers": [], "block_size": 16, "sink_tokens": 16},
                         max_new_tokens=4, ignore_eos=True, timeout=60)
     assert _metric(srv, 'raysparse_requests_total{method="streaming",outcome="length"}') == before + 2
     assert _metric(srv, 'raysparse_generation_tokens_total{method="streaming"}') >= 8
     assert _metric(srv, 'raysparse_kv_cache_capacity_tokens') == KV_TOKENS
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        dens = _metric(srv, 'raysparse_attention_density{method="streaming{density=0.3}",phase="all"}')
+        dens = _metric(srv, 'raysparse_attention_density{method="streaming{block_size=16,dense_layers=(),'
+                            'density=0.3,sink_tokens=16}",phase="all"}')
         if dens is not None:
             break
         time.sleep(0.1)
-    assert dens is not None and 0.0 < dens <= 1.0
+    assert dens is not None and dens == pytest.approx(0.3, abs=0.01)
 
 
 def _metric(srv, name: str) -> float | None:
@@ -445,9 +449,11 @@ def test_serve_and_generate_commands(tmp_path):
         assert out.returncode == 0, out.stderr
         res = json.loads(out.stdout)
         assert res["token_ids"] == ref.token_ids and res["finish_reason"] == "length"
+        assert res["density_prefill"] == 1.0 and res["density_decode"] == 1.0 and res["cached_tokens"] == 0  # dense
         streamed = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--max-new-tokens", "5",
                                    "--ignore-eos", "Hello"], capture_output=True, text=True, timeout=120)
         assert streamed.returncode == 0 and "[length: 5 prompt + 5 tokens" in streamed.stderr
+        assert "density prefill 1.000, decode 1.000]" in streamed.stderr
         bad = subprocess.run([*cli, "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "1",
                               "--method", "streaming", "--density", "2"], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 1 and bad.stderr.startswith("raysparse: error: INVALID_ARGUMENT")  # the server's

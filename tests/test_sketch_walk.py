@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import fresh_cache, random_state, tiny_hf_config
+from helpers import fresh_cache, prefill_block_budgets, random_state, tiny_hf_config
 
 from raysparse.attention import DenseAttention
 from raysparse.config import ModelConfig
@@ -124,8 +124,14 @@ def brute_walk(scores: list[torch.Tensor], s: float, walk: str = "rollout", alph
     return out
 
 
-def brute_select(row: torch.Tensor, qi: int, density: float, local: int = 1) -> list[int]:
-    tau = max(1, round(density * (qi + 1)))
+BLOCK = 8  # the block size of the tests that check selections against brute_select
+
+
+def brute_select(row: torch.Tensor, qi: int, density: float, local: int = 1, prefill: bool = True) -> list[int]:
+    """Sink, local and the top blocks by ``row`` up to the row's budget: a prefill row's
+    (``prefill_block_budgets``), or a decode row's round(density * blocks)."""
+    tau = (prefill_block_budgets(density, qi + 1, local + 1, BLOCK)[qi] if prefill
+           else max(1, round(density * (qi + 1))))
     forced = {0} | set(range(max(0, qi - local + 1), qi + 1))
     rest = sorted(set(range(qi + 1)) - forced, key=lambda j: (-float(row[j]), j))
     return sorted(forced | set(rest[: max(0, tau - len(forced))]))
@@ -299,7 +305,7 @@ def test_decode_incremental_updates_equal_recompute_from_scratch():
             torch.testing.assert_close(row[0].double(), ref[nb - 1], rtol=2e-3, atol=1e-30)
             assert sel.block_size == b and (sel.indices == sel.indices[:1]).all()
             got = rows_of(sel.indices)[0]
-            assert_same_choice(got, brute_select(ref[nb - 1], nb - 1, density), ref[nb - 1])
+            assert_same_choice(got, brute_select(ref[nb - 1], nb - 1, density, prefill=False), ref[nb - 1])
     # Decode state equals a fresh prefill of the whole sequence through the method itself.
     fresh, fresh_seq = method(cfg, density=density, seed=m.config.seed), {}
     for layer in layers:
@@ -369,7 +375,7 @@ def test_token_rows_and_kv_heads_match_brute_force(token_query, heads, walk):
                 picked = rows_of(idx) if prefill else [rows_of(idx[None])[0]]
                 for j, chosen in enumerate(picked):
                     qi = j if prefill else nb - 1
-                    assert_same_choice(chosen, brute_select(ref[qi], qi, density), ref[qi])
+                    assert_same_choice(chosen, brute_select(ref[qi], qi, density, prefill=prefill), ref[qi])
 
 
 # ---- 4c. paired heads and key parts ---------------------------------------------------------------
@@ -466,7 +472,7 @@ def test_paired_heads_and_key_parts_match_brute_force(heads, parts, token_query,
                 idx = sel.indices[i]
                 for j, chosen in enumerate(rows_of(idx) if prefill else [rows_of(idx[None])[0]]):
                     qi = j if prefill else nb - 1
-                    assert_same_choice(chosen, brute_select(ref[qi], qi, density), ref[qi])
+                    assert_same_choice(chosen, brute_select(ref[qi], qi, density, prefill=prefill), ref[qi])
 
 
 @pytest.mark.parametrize("heads,unit", [("pair", "block"), ("pair-lse", "block"), ("pair-lse", "part")])
@@ -591,10 +597,11 @@ def test_selections_are_causal_deduplicated_with_sink_and_diagonal(density, scor
     states: dict = {1: {}, 2: {}}
     qk = {layer: random_qk(n + 5, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b) for layer in states}
 
-    def check_row(row: list[int], qi: int) -> None:
+    def check_row(row: list[int], qi: int, prefill: bool = True) -> None:
         assert row == sorted(set(row)), row  # ascending and deduplicated
         assert row[0] == 0 and row[-1] == qi and all(0 <= j <= qi for j in row)  # sink, diagonal, causal
-        assert len(row) == max(max(1, round(density * (qi + 1))), 1 if qi == 0 else 2)
+        budget = prefill_block_budgets(density, qi + 1, 2, b)[qi] if prefill else round(density * (qi + 1))
+        assert len(row) == max(max(1, budget), 1 if qi == 0 else 2)
 
     for layer in states:
         q, k = qk[layer]
@@ -608,7 +615,7 @@ def test_selections_are_causal_deduplicated_with_sink_and_diagonal(density, scor
             kv = k[:, : t + 1]
             sel = m.select_decode(SeqContext(layer, 0, t, t + 1, states[layer], seq_state), q[t], kv, kv)
             assert sel.indices.shape[0] == cfg.num_kv_heads and sel.block_size == b
-            check_row(rows_of(sel.indices)[0], t // b)
+            check_row(rows_of(sel.indices)[0], t // b, prefill=False)
 
 
 def test_chunked_prefill_continues_the_sketches():
@@ -681,8 +688,14 @@ def test_config_validation_and_registry():
     assert (c.sub_blocks, c.decode_unit) == (8, "part")
     from raysparse.methods.registry import get_method
 
-    backend = get_method("sketch_walk").factory(model_cfg(), density=0.3, sketch_dim=32)
-    assert isinstance(backend, SketchWalk) and backend.config.density == 0.3
+    # --density is the whole model's: 0.75 over 4 layers, 2 of them dense, is 0.5 at each sparse layer
+    backend = get_method("sketch_walk").factory(model_cfg(), density=0.75, sketch_dim=32)
+    assert isinstance(backend, SketchWalk) and backend.config.target_density == 0.75
+    assert backend.config.density == backend.layer_density == 0.5
+    with pytest.raises(ValueError, match="dense layers alone attend: 2 of 4 layers"):
+        get_method("sketch_walk").factory(model_cfg(), density=0.5)  # the dense layers alone attend 0.5
+    assert get_method("sketch_walk").factory(model_cfg(), density=0.5, dense_layers=(0,)).layer_density == \
+        pytest.approx(1 / 3)
     with pytest.raises(ValueError):
         get_method("sketch_walk").factory(model_cfg(), bogus=1)
 
@@ -760,10 +773,11 @@ def test_shard_executor_binds_every_backend_it_creates():
     cfg = tiny_hf_config(layers=3)
     model = model_from_state(cfg, random_state(cfg, seed=5).state_dict())
     group = ShardExecutor(model, fresh_cache(model, 256), rank=0, world_size=2, reduce=lambda t: t)
-    sw = group.backend(method_key("sketch_walk"))
+    dens = {"density": 0.8}  # of the whole model: layers 0 and 1 of 3 are dense, so 0.4 at layer 2
+    sw = group.backend(method_key("sketch_walk", dens))
     assert sw.head_reduce is not None and sw.batch_decoder is None  # pages of 16 are not blocks
-    assert group.backend(method_key("delta", {"base": "sketch_walk"})).base.head_reduce is not None
-    assert ShardExecutor(model, fresh_cache(model, 256)).backend(method_key("sketch_walk")).head_reduce is None
+    assert group.backend(method_key("delta", {"base": "sketch_walk", **dens})).base.head_reduce is not None
+    assert ShardExecutor(model, fresh_cache(model, 256)).backend(method_key("sketch_walk", dens)).head_reduce is None
 
     seen: list[tuple[object, ShardContext]] = []
 

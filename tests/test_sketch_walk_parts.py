@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, prefill_then_decode, tiny_model
+from helpers import DEVICES, prefill_then_decode, tiny_model, whole_model_density
 
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
@@ -34,7 +34,8 @@ def _fill_and_release(model, cache, backend, graphs, seed: int) -> None:
     g = torch.Generator().manual_seed(seed + 1)
     cfg = backend.config
     other = create_backend("sketch_walk", model.cfg, block_size=cfg.block_size, walk=cfg.walk,
-                           sub_blocks=cfg.sub_blocks, decode_unit=cfg.decode_unit, density=0.55,
+                           sub_blocks=cfg.sub_blocks, decode_unit=cfg.decode_unit,
+                           density=whole_model_density(0.55, 5),
                            heads="pair" if cfg.heads == "pair-lse" else "pair-lse")
     assert other.build_batched(cache, max_batch=4, state_budget_bytes=0)  # nothing new to allocate
     mine, theirs = other.batch_decoder, backend.batch_decoder
@@ -116,7 +117,8 @@ SCORINGS = [pytest.param({"heads": h, "sub_blocks": p, "decode_unit": u}, id=f"{
 @pytest.mark.parametrize("scoring", SCORINGS)
 def test_paired_graph_decode_matches_reference(model, scoring):
     seed = int(torch.randint(0, 2**31 - 1, ()))
-    params = {**scoring, "density": float(torch.empty(()).uniform_(0.15, 0.5)), "local_blocks": 1 + seed % 2,
+    params = {**scoring, "density": whole_model_density(float(torch.empty(()).uniform_(0.15, 0.5)), 5),
+              "local_blocks": 1 + seed % 2,
               "token_query": ("last", "decode")[seed % 3 == 0]}
     # three sequences in a batch bucket of 4 (one padded row); 14 + 4 steps crosses from a partial block
     # into the next, 158 + 4 crosses a block, parts cross every 2 or 4 tokens
@@ -155,7 +157,8 @@ def test_switch_and_settings_gate_the_paired_path(model):
     cache = KVCache(model.cfg, 40, 16)
 
     def attach(max_batch: int = 2, budget: int = 8 << 30, runtime: RuntimeConfig | None = None, **params):
-        backend = create_backend("sketch_walk", model.cfg, **{"block_size": 16, "density": 0.3, **params})
+        backend = create_backend("sketch_walk", model.cfg,
+                                 **{"block_size": 16, "density": whole_model_density(0.3, 5), **params})
         return backend.build_batched(cache, max_batch=max_batch, state_budget_bytes=budget,
                                    runtime=runtime), backend
 
@@ -181,7 +184,8 @@ def test_state_is_one_page_indexed_allocation(model, caplog):
         pytest.skip("host-side bookkeeping: the CPU run covers it")
     pages, parts = int(torch.randint(8, 60, ())), (1, 2, 4, 8)[int(torch.randint(0, 4, ()))]
     cache = KVCache(model.cfg, pages, 16)
-    backend = create_backend("sketch_walk", model.cfg, block_size=16, sub_blocks=parts)
+    backend = create_backend("sketch_walk", model.cfg, block_size=16, sub_blocks=parts,
+                             density=whole_model_density(0.2, 5))
     need = PartsDecode.state_bytes(backend, pages, cache.num_kv_heads)
     sparse = sum(not backend.is_dense_layer(i) for i in range(model.cfg.num_layers))
     assert need == sparse * 4 * (pages + 1) * parts * cache.num_kv_heads * backend.srht.sketch_dim
@@ -204,13 +208,14 @@ def test_instances_with_one_sketch_share_one_state(model):
     cache = KVCache(model.cfg, 12, 16)
 
     def attach(**params):
-        backend = create_backend("sketch_walk", model.cfg, **{"block_size": 16, **params})
+        backend = create_backend("sketch_walk", model.cfg,
+                                 **{"block_size": 16, "density": whole_model_density(0.2, 5), **params})
         assert backend.build_batched(cache, max_batch=2)
         return backend.batch_decoder.ks
 
-    first = attach(density=0.1)
-    assert attach(density=0.3, heads="pair") is first
-    assert attach(density=0.2, decode_unit="block") is first
+    first = attach(density=whole_model_density(0.1, 5))
+    assert attach(density=whole_model_density(0.3, 5), heads="pair") is first
+    assert attach(density=whole_model_density(0.2, 5), decode_unit="block") is first
     others = [attach(sub_blocks=4), attach(sketch_dim=8), attach(seed=5), attach(dense_layers=(0,))]
     assert all(ks is not first for ks in others) and len({id(ks) for ks in others}) == len(others)
     assert len(cache.shared_state) == 1 + len(others)
@@ -226,7 +231,7 @@ def test_no_room_for_the_state_decodes_eagerly(model, monkeypatch, caplog):
         raise torch.OutOfMemoryError("no room")
 
     monkeypatch.setattr(PartsDecode, "__init__", no_room)
-    backend = create_backend("sketch_walk", model.cfg, block_size=16)
+    backend = create_backend("sketch_walk", model.cfg, block_size=16, density=whole_model_density(0.2, 5))
     with caplog.at_level("WARNING", logger="raysparse.methods.sketch_walk"):
         assert not backend.build_batched(KVCache(model.cfg, 8, 16), max_batch=2)
     assert backend.batch_decoder is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, prefill_then_decode, tiny_model
+from helpers import DEVICES, prefill_then_decode, tiny_model, whole_model_density
 
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
@@ -50,8 +50,10 @@ def _run(model, params, lens, steps, graph: bool, seed: int):
     return picks, prefill_then_decode(model, cache, backend, graphs, lens, steps, g, graph), backend
 
 
-@pytest.mark.parametrize("params", [{"density": 0.3}, {"density": 0.2, "walk": "product", "local_blocks": 2},
-                                    {"density": 0.5, "walk": "one-hop"}, {"density": 0.3, "token_query": "never"}])
+@pytest.mark.parametrize("params", [{"density": whole_model_density(0.3, 5)},
+                                    {"density": whole_model_density(0.2, 5), "walk": "product", "local_blocks": 2},
+                                    {"density": whole_model_density(0.5, 5), "walk": "one-hop"},
+                                    {"density": whole_model_density(0.3, 5), "token_query": "never"}])
 def test_graph_decode_matches_reference(model, params):
     seed = int(torch.randint(0, 2**31 - 1, ()))
     lens = [100, 47, 160]  # 160 + a few steps crosses into a new 16-token block
@@ -81,7 +83,8 @@ def test_slots_are_released_and_bounded(model):
     if model.lm_head.weight.is_cuda:
         pytest.skip("host-side bookkeeping: the CPU run covers it")
     cache = KVCache(model.cfg, 40, 16)
-    backend = create_backend("sketch_walk", model.cfg, block_size=16, density=0.3, **GRAPH_DECODE)
+    backend = create_backend("sketch_walk", model.cfg, block_size=16, density=whole_model_density(0.3, 5),
+                             **GRAPH_DECODE)
     assert not backend.build_batched(cache, max_batch=4, state_budget_bytes=1024)  # over budget: none
     assert backend.build_batched(cache, max_batch=1)
     path: RowsDecode = backend.batch_decoder

@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_hf_config, tiny_model
+from helpers import tiny_hf_config, tiny_model, whole_model_density
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 from raysparse.config import ModelConfig
@@ -35,7 +35,9 @@ SLOTS = 4  # 3 real slots + the scratch slot
 
 def _path(params: dict, width: int, runtime: RuntimeConfig | None = None) -> RowsDecode:
     cfg = ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=4))
-    method = create_backend("sketch_walk", cfg, block_size=B, **{"walk": "one-hop", **GRAPH_DECODE, **params})
+    # No dense layer: --density is then each layer's budget exactly, which the kernel takes (and its ties need)
+    method = create_backend("sketch_walk", cfg, block_size=B,
+                            **{"walk": "one-hop", "dense_layers": (), **GRAPH_DECODE, **params})
     return RowsDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width,
                                  runtime=runtime)
 
@@ -133,7 +135,7 @@ def test_graph_decode_with_the_kernel(monkeypatch, token_query):
     picks: list[torch.Tensor] = []
     real = ws.walk_select
     monkeypatch.setattr(ws, "walk_select", lambda *a, **k: picks.append(real(*a, **k)) or picks[-1])
-    params = {"density": 0.3, "walk": "one-hop", "token_query": token_query}
+    params = {"density": whole_model_density(0.3, 5), "walk": "one-hop", "token_query": token_query}
     seed = int(torch.randint(0, 2**31 - 1, ()))
     model = tiny_model(DEV.type, 2, 2, 5)
     lens, steps = [100, 47, 160], 4

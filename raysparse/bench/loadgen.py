@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from raysparse.bench.metrics import RequestRecord, compute_metrics
-from raysparse.serving.client import RaySparseClient, build_request
+from raysparse.serving.client import RaySparseClient, build_request, finish_densities
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,7 @@ def _grpc_sender(client: RaySparseClient, prompts: Sequence[Sequence[int]],
                 if ch.finish is not None:
                     rec.success = ch.finish.finish_reason in ("length", "stop")
                     rec.error = ch.finish.error or ("" if rec.success else ch.finish.finish_reason)
+                    rec.density_prefill, rec.density_decode = finish_densities(ch.finish)
                 elif ch.token_ids:
                     rec.chunk_times.append(ch.t)
                     rec.output_len += len(ch.token_ids)

@@ -28,6 +28,10 @@ class RequestRecord:
     t_end: float = 0.0
     success: bool = False
     error: str = ""
+    # The density the server measured for this request (attended / causal pairs over every layer and KV head);
+    # None where the server reported none for that phase.
+    density_prefill: float | None = None
+    density_decode: float | None = None
 
     @property
     def ttft(self) -> float:
@@ -89,6 +93,11 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     }
     for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         out.update(_stats(name, vals, percentiles))
+    # Prefill and decode density apart (a decode-only method prefills densely): the mean over the completed
+    # requests that reported one, None where none did.
+    for phase in ("prefill", "decode"):
+        vals = [v for v in (getattr(r, f"density_{phase}") for r in ok) if v is not None]
+        out[f"mean_density_{phase}"] = float(np.mean(vals)) if vals else None
     return out
 
 

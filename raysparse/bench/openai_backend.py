@@ -125,6 +125,9 @@ def send(target: OpenAITarget, backend: str, body: dict[str, Any], rec: RequestR
             if chunk.get("choices"):
                 rec.chunk_times.append(t)
                 finish = chunk["choices"][0].get("finish_reason") or finish
+                dens = (chunk.get("raysparse") or {}).get("density")  # raysparse's extension, last chunk only
+                if dens:
+                    rec.density_prefill, rec.density_decode = dens.get("prefill"), dens.get("decode")
             elif chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
         rec.output_len = int(usage_tokens) if usage_tokens is not None else len(rec.chunk_times)

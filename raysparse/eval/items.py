@@ -44,6 +44,7 @@ class RunResult:
     decode_nll: float | None = None
     density: float | None = None  # backend.meter.overall(): attended / causal pairs, all layers, whole run
     density_per_layer: list[float] = field(default_factory=list)
+    density_prefill: float | None = None  # the prefill calls alone (what --density targets in prefill)
     density_decode: float | None = None  # the decode steps alone (decode-only methods prefill densely)
     fidelity: dict[str, dict[str, Any]] = field(default_factory=dict)  # FidelityTracer.summary()
     extras: dict[str, Any] = field(default_factory=dict)  # method statistics: "specattn", "cis" (see harness doc)
@@ -209,7 +210,7 @@ def merge_items(setting: Setting, items: list[ItemResult], num_layers: int, rows
             meter.decode_attended += i.meter[2]
             meter.decode_causal += i.meter[3]
     res.density, res.density_per_layer = meter.overall(), meter.per_layer()
-    res.density_decode = meter.decode_overall()
+    res.density_prefill, res.density_decode = meter.prefill_overall(), meter.decode_overall()
     if any(i.tracer is not None for i in items):  # a SparseMethod: what its tracer saw (None where nothing)
         tracer = FidelityTracer(num_layers, rows)
         for i in items:

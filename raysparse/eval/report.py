@@ -6,7 +6,8 @@ params]), ``perplexity_scored``, ``decode_perplexity_scored``, ``prompt_tokens``
 ``elapsed_s`` and ``runs``: one object per setting with ``method``, ``density_target`` (null for dense and
 for methods without a density budget), ``params`` (swept method parameters), ``label``, ``status``
 ("ok" | "error"), ``error``, ``accuracy``, ``accuracy_per_task``, ``perplexity``, ``nll``,
-``decode_perplexity``, ``decode_nll``, ``density``, ``density_per_layer``, ``density_decode``, ``fidelity``
+``decode_perplexity``, ``decode_nll``, ``density``, ``density_per_layer``, ``density_prefill``,
+``density_decode``, ``fidelity``
 (``retained`` / ``attn_mass`` / ``out_err``, each with ``overall``, ``prefill``, ``decode``,
 ``prefill_per_layer``, ``decode_per_layer``), ``extras`` (``specattn``: ``generation`` and
 ``total`` ``SpecAttnStats.to_dict()``, see harness.py; ``cis``: ``retrieval_ratio`` and its per-layer list),
@@ -54,8 +55,8 @@ def table(report: dict[str, Any]) -> Table:
     tasks = report["config"]["tasks"]
     t = Table(title=f"raysparse eval: {report['model']['name'] or 'model'}, "
                     f"{report['config']['context_tokens']} tokens, {report['config']['samples']} sample(s)/task")
-    for col in ("method", "target", "density", "dec dens", "acc", *(TASK_ABBREV.get(x, x) for x in tasks), "ppl",
-                "dec ppl", "retained", "attn mass", "out err", "rho", "accept", "tok/step", "KV red", "time s"):
+    for col in ("method", "target", "density", "pre dens", "dec dens", "acc", *(TASK_ABBREV.get(x, x) for x in tasks),
+                "ppl", "dec ppl", "retained", "attn mass", "out err", "rho", "accept", "tok/step", "KV red", "time s"):
         t.add_column(col, justify="left" if col == "method" else "right")
     for run in report["runs"]:
         target = _fmt(run["density_target"], ".2f")
@@ -64,7 +65,8 @@ def table(report: dict[str, Any]) -> Table:
             t.add_row(label, target, f"[red]error: {run['error']}[/]")
             continue
         fid, extra = run["fidelity"], method_columns(run)
-        t.add_row(label, target, _fmt(run["density"]), _fmt(run.get("density_decode")), _fmt(run["accuracy"], ".2f"),
+        t.add_row(label, target, _fmt(run["density"]), _fmt(run.get("density_prefill")),
+                  _fmt(run.get("density_decode")), _fmt(run["accuracy"], ".2f"),
                   *(_fmt(run["accuracy_per_task"].get(x), ".2f") for x in tasks), _fmt(run["perplexity"], ".2f"),
                   _fmt(run.get("decode_perplexity"), ".2f"), _fmt(fid["retained"]["overall"]),
                   _fmt(fid["attn_mass"]["overall"]), _fmt(fid["out_err"]["overall"]),
@@ -82,7 +84,8 @@ def summary_line(run: dict[str, Any]) -> str:
     extra = ", ".join(f"{k} {_fmt(v)}" for k, v in method_columns(run).items() if v is not None)
     return (f"{label}: accuracy {_fmt(run['accuracy'], '.2f')}, ppl {_fmt(run['perplexity'], '.2f')}, "
             f"decode ppl {_fmt(run.get('decode_perplexity'), '.2f')}, density {_fmt(run['density'])} "
-            f"(decode {_fmt(run.get('density_decode'))}), retained {_fmt(run['fidelity']['retained']['overall'])}, "
+            f"(prefill {_fmt(run.get('density_prefill'))}, decode {_fmt(run.get('density_decode'))}), "
+            f"retained {_fmt(run['fidelity']['retained']['overall'])}, "
             f"out err {_fmt(run['fidelity']['out_err']['overall'])}{', ' + extra if extra else ''} "
             f"({run['seconds']:.1f} s)")
 
@@ -93,7 +96,8 @@ def print_table(report: dict[str, Any], console: Console) -> None:
         console = Console(file=console.file, width=220)
     console.print(table(report))
     console.print("density: attended / causal (query, key) pairs over the whole run, dense layers included; "
-                  "dec dens: the decode steps alone; "
+                  "pre dens / dec dens: the prefill calls / the decode steps alone (what a target density is met in, "
+                  "each on its own); "
                   "retained: dense attention mass on the selected keys / that of the oracle top-k of the same size "
                   "(1 = oracle); attn mass: dense mass on the selected keys; out err: ||O - O_dense|| / ||O_dense||; "
                   f"ppl: {report['perplexity_scored']}; dec ppl: {report.get('decode_perplexity_scored')}; "

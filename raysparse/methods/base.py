@@ -9,8 +9,9 @@ cache's metadata slot for that layer and sequence, so it is freed with the seque
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -42,15 +43,24 @@ def no_density_error(name: str) -> str:
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Fields every method shares. ``density`` is the budget as a fraction of causal pairs."""
+    """Fields every method shares. ``density`` is the budget of each sparse layer as a fraction of its causal
+    pairs, forced units (sinks, local window, the diagonal block) counted inside it. Users give the whole model's
+    (``--density``: every layer, the dense ones included); the registry's factory turns it into this one
+    (``budgeted_config``) and keeps it as ``target_density``. Prefill and decode each meet it on their own."""
 
     density: float = 0.2
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 64
+    # The whole-model density asked for (``--density``, a request's ``density``), which the registry's factory
+    # turned into ``density``, each sparse layer's share (``layer_density``); None where the config was given
+    # a sparse layer's density directly. Not a method parameter: the factory sets it.
+    target_density: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if self.target_density is not None and not 0.0 < self.target_density <= 1.0:
+            raise ValueError(f"target_density must be in (0, 1], got {self.target_density}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if any(layer < 0 for layer in self.dense_layers):
@@ -83,6 +93,10 @@ class SparseMethod(AttentionBackend):
         # attention, so metrics see exactly what the method attended.
         self.tracer: Callable[..., None] | None = None
         self._first_selecting_layer: int | None = None  # ``_first_selecting``, found on first use
+        # The density each sparse layer's rows get (None: no density budget); the registry's factory sets the
+        # config's from the whole-model one (``budgeted_config``).
+        density = getattr(self.config, "density", None)
+        self.layer_density: float | None = density if density is not None and self.has_density_budget() else None
 
     @property
     def batched_decode(self) -> bool:
@@ -110,6 +124,39 @@ class SparseMethod(AttentionBackend):
         dense = self.dense_decode_layer(layer)
         keys = sum(n if dense else self.decode_keys(layer, n) for n in ctx_lens)
         self.meter.add(layer, float(keys * num_kv_heads), float(sum(ctx_lens) * num_kv_heads), decode=True)
+
+    # ---- the density budget's floor ---------------------------------------------------------------
+    def has_density_budget(self) -> bool:
+        """Whether the config's ``density`` sets this instance's budget (PSAW's and ETF's schedules, or an
+        explicit top-k, replace it)."""
+        return getattr(type(self), "density_budget", True)
+
+    # What a method keeps whatever its budget; ``check_request`` refuses a request whose forced units alone
+    # would attend more than the budget, rather than overshoot it silently.
+    prefill_forced_blocks: int | None = None  # forced blocks of a prefill row (the diagonal included), if budgeted
+
+    def decode_forced_keys(self, n: int) -> int | None:
+        """Keys per KV head a sparse layer's decode row of n keys keeps whatever its budget (None: the decode has
+        no density budget)."""
+        return None
+
+    def check_request(self, prompt_len: int, total_len: int) -> None:
+        """Raises ValueError when ``--density`` cannot be met by a request of ``prompt_len`` prompt tokens decoded
+        up to ``total_len`` keys: the forced units alone exceed the budget of its prefill or of a decode step."""
+        d = self.layer_density
+        if d is None:
+            return
+        forced = self.prefill_forced_blocks
+        if forced is not None:
+            floor = prefill_floor(prompt_len, forced, self.config.block_size)
+            if floor > d * (1 + 1e-6):
+                raise ValueError(density_floor_error(self, "prefill", prompt_len, floor))
+        for n in range(prompt_len + 1, total_len + 1):
+            keys = self.decode_forced_keys(n)
+            if keys is None:
+                break
+            if keys > host_row_budget(d, n):
+                raise ValueError(density_floor_error(self, "decode", n, keys / n))
 
     # ---- to implement ------------------------------------------------------------------------
     def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
@@ -404,12 +451,104 @@ def host_row_budget(density: float, causal_units: int) -> int:
     return max(1, int(np.rint(np.float32(density) * np.float32(causal_units))))
 
 
+def layer_density(density: float, num_layers: int, dense_layers: Iterable[int]) -> float:
+    """The density each sparse layer must attend for the whole model to attend ``density``.
+
+    The meter counts causal pairs per layer, the same number at every layer (each holds every KV head of the
+    same sequence), so the model's density is the mean of its layers': (L_dense + L_sparse * d) / L = density.
+    Raises ValueError where the dense layers alone already attend ``density`` or more (d <= 0)."""
+    dense = len({layer for layer in dense_layers if layer < num_layers})
+    sparse = num_layers - dense
+    floor = dense / num_layers
+    if sparse == 0 or density <= floor:
+        raise ValueError(f"density {density} is at or below what the dense layers alone attend: {dense} of "
+                         f"{num_layers} layers are dense (dense_layers), so the density is at least {floor:.4f}; "
+                         "raise the density or keep fewer layers dense")
+    return min(1.0, (density * num_layers - dense) / sparse)
+
+
+def budgeted_config(cls: type[SparseMethod], model_cfg: ModelConfig, config: MethodConfig) -> MethodConfig:
+    """``config`` with its whole-model ``density`` turned into a sparse layer's (``layer_density``, the layers
+    the method leaves dense counted: its ``dense_layers`` and any it never selects in) and the asked density
+    kept as ``target_density``. Unchanged for a method or config without a density budget."""
+    density = getattr(config, "density", None)
+    if density is None:
+        return config
+    probe = cls(model_cfg, config)
+    if not probe.has_density_budget():
+        return config
+    dense = [i for i in range(model_cfg.num_layers) if probe.is_dense_layer(i)]
+    return replace(config, density=layer_density(density, model_cfg.num_layers, dense), target_density=density)
+
+
+def density_floor_error(method: SparseMethod, phase: str, n: int, floor: float) -> str:
+    """The one-line refusal of a density its forced units exceed, with the least density that fits."""
+    cfg = method.model_cfg
+    dense = cfg.num_layers - len(method.sparse_layers())
+    need = (dense + floor * (cfg.num_layers - dense)) / cfg.num_layers
+    asked = method.config.target_density if method.config.target_density is not None else method.config.density
+    return (f"density {asked} is below what {method.name}'s forced units alone attend in the "
+            f"{phase} of {n} tokens (its sink, local and diagonal units, and {dense} dense layers): at least "
+            f"{need:.4f}; raise the density or use a longer context")
+
+
+def _half_block(block_size: int) -> float:
+    """A diagonal block's causal pairs in full blocks' (B (B + 1) / 2 of B^2 each, per query row summed)."""
+    return (block_size + 1) / (2 * block_size)
+
+
+def _cumulative_target(density: float, row: int, block_size: int) -> float:
+    """Blocks rows 0..row may attend together (the diagonal ones included) for ``density`` of their causal
+    pairs: row i holds i full blocks and a diagonal worth ``_half_block`` of one, so density * sum (i + h)
+    blocks' pairs, and the diagonals' causal halves count as whole blocks of the selection."""
+    h = _half_block(block_size)
+    rows = row + 1
+    return density * (row * rows / 2 + rows * h) + rows * (1 - h)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_budget_table(density: float, forced: int, block_size: int, rows: int) -> torch.Tensor:
+    # Error diffusion over the rows: each row takes what brings the running total to the running target,
+    # within [its forced blocks, its causal blocks]. Rows whose forced blocks exceed their share (the first
+    # ones) are paid back by the next rows, so a prefill of n tokens attends its budget, not the budget plus
+    # the forced excess. A row's count depends on its absolute index alone: chunking changes nothing.
+    out = np.empty(rows, dtype=np.int64)
+    total = 0
+    for i in range(rows):
+        target = int(np.rint(_cumulative_target(density, i, block_size)))
+        cum = min(total + i + 1, max(total + min(i + 1, forced), target))
+        out[i] = cum - total
+        total = cum
+    return torch.from_numpy(out)
+
+
+def prefill_block_budget(density: float, qblock: torch.Tensor, last_row: int, forced: int,
+                         block_size: int) -> torch.Tensor:
+    """Blocks each prefill query block ``qblock`` (absolute indices, any device; none above ``last_row``) may
+    attend, its ``forced`` ones (sink and local or diagonal blocks, at most its causal ones) included, so that a
+    sparse layer's prefill attends ``density`` of its causal pairs. Host arithmetic, cached: no device sync."""
+    rows = 1 << max(last_row, 1).bit_length()  # table sizes by powers of two: few distinct cache entries
+    table = _block_budget_table(float(density), int(forced), int(block_size), rows)
+    return table.to(qblock.device)[qblock.long()]
+
+
+def prefill_floor(n: int, forced: int, block_size: int) -> float:
+    """The least density of a sparse layer's prefill of n tokens whose rows keep ``forced`` blocks each (at most
+    their causal ones): the forced blocks' causal pairs over all causal pairs (full blocks; the last, partial
+    one counted as full)."""
+    rows = -(-n // block_size)
+    h = _half_block(block_size)
+    forced_pairs = sum(min(i + 1, forced) - 1 + h for i in range(rows))
+    causal = rows * (rows - 1) / 2 + rows * h
+    return forced_pairs / causal
+
+
 def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
     """A registry entry for ``cls``: its parameters are its config's fields, and any other one - a shared flag
     such as ``--density`` included, for a method whose config has no such field - is an error. A method whose
     config has a density field but no density budget (``density_budget = False``: PSAW's and ETF's budget is
     their depth schedule) does not take ``density`` either."""
-    fields = frozenset(cls.config_cls.__dataclass_fields__)
+    fields = frozenset(cls.config_cls.__dataclass_fields__) - {"target_density"}
     if getattr(cls, "density_budget", True) is False:
         fields = fields - {"density"}
 
@@ -419,7 +558,7 @@ def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
         unknown = set(params) - fields
         if unknown:
             raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
-        return cls(model_cfg, cls.config_cls(**params))
+        return cls(model_cfg, budgeted_config(cls, model_cfg, cls.config_cls(**params)))
 
     return MethodSpec(cls.name, description, factory, params=fields,
                       capabilities=MethodCapabilities(prefix_cache=cls.prefix_state != "none"))

@@ -2,9 +2,12 @@
 
 Shared conventions. Prefill selects key blocks of ``block_size`` per query block and KV head; decode
 selects tokens (streaming, oracle) or pages (Quest). Query heads of a GQA group share their KV head's
-selection. Budgets come from ``row_budget(density, causal units of the row)`` (blocks in prefill,
-tokens or pages in decode); forced units (sinks, diagonal, current page) count inside the budget and are
-kept even where they alone exceed it.
+selection. ``density`` is a sparse layer's (the registry turns ``--density``, the whole model's, into it:
+``methods.base.budgeted_config``). Budgets: in prefill ``prefill_block_budget`` (blocks per query block, the
+diagonal's causal half counted, the first rows' forced excess paid back by later rows, so a prefill attends its
+budget), in decode ``row_budget(density, causal units of the row)`` (tokens or pages); forced units (sinks,
+diagonal, current page) count inside the budget, and a request whose forced units alone exceed it is refused
+(``SparseMethod.check_request``).
 
 ``streaming`` (StreamingLLM): the first ``sink_tokens`` keys plus a sliding window. Prefill keeps the
 sink blocks (ceil(sink_tokens / B)) and the last local blocks up to the diagonal; decode keeps the sink
@@ -58,6 +61,7 @@ from raysparse.methods.base import (
     SparseMethod,
     host_row_budget,
     method_spec,
+    prefill_block_budget,
     row_budget,
 )
 from raysparse.methods.registry import register
@@ -108,17 +112,33 @@ class Streaming(SparseMethod):
     config_cls = StreamingConfig
     config: StreamingConfig
 
+    @property
+    def prefill_forced_blocks(self) -> int:  # type: ignore[override]
+        return -(-self.config.sink_tokens // self.config.block_size) + 1  # the sinks and the diagonal
+
+    def decode_forced_keys(self, n: int) -> int:
+        sinks = min(self.config.sink_tokens, n)
+        return sinks + int(n > sinks)  # and the newest token
+
     def _local(self, units: torch.Tensor, sinks: int, unit: int) -> torch.Tensor:
-        """Local (window) units of rows with ``units`` causal units each."""
-        if self.config.density is None:
+        """Local (window) units of decode rows with ``units`` causal tokens each (``unit`` 1), or with
+        ``--density`` unset of prefill rows."""
+        if self.layer_density is None:
             return torch.full_like(units, -(-self.config.window // unit))
-        return (row_budget(self.config.density, units) - units.clamp(max=sinks)).clamp(min=1)
+        return (row_budget(self.layer_density, units) - units.clamp(max=sinks)).clamp(min=1)
+
+    def _local_blocks(self, qb: torch.Tensor, last_row: int, sinks: int) -> torch.Tensor:
+        """Local blocks (the diagonal included) of prefill query blocks ``qb``."""
+        if self.layer_density is None:
+            return self._local(qb + 1, sinks, self.config.block_size)
+        budget = prefill_block_budget(self.layer_density, qb, last_row, sinks + 1, self.config.block_size)
+        return (budget - (qb + 1).clamp(max=sinks)).clamp(min=1)
 
     def select_prefill(self, ctx, q, k, v) -> BlockSelection:
         b = self.config.block_size
         sinks = -(-self.config.sink_tokens // b)
         _, _, qb = query_blocks(q, ctx, b)
-        local = self._local(qb + 1, sinks, b)
+        local = self._local_blocks(qb, (ctx.n - 1) // b, sinks)
         kb = torch.arange(-(-ctx.n // b), device=q.device)[None, :]
         mask = (kb <= qb[:, None]) & ((kb < sinks) | (kb > qb[:, None] - local[:, None]))
         return BlockSelection(per_head(indices_from_mask(mask), k.shape[0]), b)
@@ -128,7 +148,7 @@ class Streaming(SparseMethod):
         b = self.config.block_size
         sinks = -(-self.config.sink_tokens // b)
         qb = view.qblocks(b).qblock
-        local = self._local(qb + 1, sinks, b)
+        local = self._local_blocks(qb, (max(view.batch.ctx_lens) - 1) // b, sinks)
         kb = torch.arange(-(-max(view.batch.ctx_lens) // b), device=qb.device)[None, :]
         mask = (kb <= qb[:, None]) & ((kb < sinks) | (kb > qb[:, None] - local[:, None]))
         return view.packed(per_head(indices_from_mask(mask), view.cache.num_kv_heads), b)
@@ -162,7 +182,7 @@ class Streaming(SparseMethod):
 
     def decode_keys(self, layer: int, n: int) -> int:
         sinks = min(self.config.sink_tokens, n)
-        density = self.config.density  # the host form of ``_local`` (no tensors on the meter's path)
+        density = self.layer_density  # the host form of ``_local`` (no tensors on the meter's path)
         local = self.config.window if density is None else max(host_row_budget(density, n) - sinks, 1)
         return sinks + n - max(sinks, n - local)
 
@@ -182,6 +202,13 @@ class Quest(SparseMethod):
     name = "quest"
     config_cls = QuestConfig
     config: QuestConfig
+
+    prefill_forced_blocks = 2  # the sink block and the diagonal
+
+    def decode_forced_keys(self, n: int) -> int:
+        p = self.config.page_size
+        pages = -(-n // p)
+        return n if pages <= 2 else p + n - (pages - 1) * p  # the first page and the current one
 
     def bounds(self, ctx: SeqContext, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Page bounds of the n keys, kept in ctx.state and extended with the pages touched since."""
@@ -209,7 +236,7 @@ class Quest(SparseMethod):
         forced = torch.zeros(pages, dtype=torch.bool, device=q.device)
         forced[0] = forced[-1] = True
         n_forced = 1 if pages == 1 else 2
-        top = max(scalar_budget(self.config.density, pages) - n_forced, 0)
+        top = max(scalar_budget(self.layer_density, pages) - n_forced, 0)
         mask = topk_mask(score, top, torch.ones_like(score, dtype=torch.bool), forced.expand(h_kv, -1))
         return TokenSelection(indices_from_mask(mask, top + n_forced), self.config.page_size)
 
@@ -245,7 +272,7 @@ class Quest(SparseMethod):
 
     def _static_width(self, pages: int) -> int:
         """Entries of the widest row of a bucket of ``pages`` Quest pages: forced pages plus the budget."""
-        return min(pages, max(scalar_budget(self.config.density, pages), 2))
+        return min(pages, max(scalar_budget(self.layer_density, pages), 2))
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         p = self.config.page_size
@@ -255,7 +282,7 @@ class Quest(SparseMethod):
         score = paged_quest_scores(*args) if triton_wanted(q, lo_pool) else paged_quest_scores_torch(*args)
         n_pages = (view.seqlens.long() + p - 1) // p
         forced = torch.where(n_pages == 1, 1, 2)
-        kk = (row_budget(self.config.density, n_pages) - forced).clamp(min=0)  # [B]
+        kk = (row_budget(self.layer_density, n_pages) - forced).clamp(min=0)  # [B]
         pages = score.shape[-1]
         k_max = max(self._static_width(pages) - 2, 0)
         return select_list(score.flatten(0, 1), kk.repeat_interleave(score.shape[1]), k_max,
@@ -265,7 +292,7 @@ class Quest(SparseMethod):
         p = self.config.page_size
         pages = -(-n // p)
         forced = 1 if pages == 1 else 2
-        chosen = min(pages, forced + max(scalar_budget(self.config.density, pages) - forced, 0))
+        chosen = min(pages, forced + max(scalar_budget(self.layer_density, pages) - forced, 0))
         return chosen * p - (pages * p - n)  # the current (last) page is always chosen
 
     def select_prefill(self, ctx, q, k, v) -> BlockSelection:
@@ -301,7 +328,8 @@ class Quest(SparseMethod):
             score[:, c0: c0 + step] = ub.view(h_kv, ub.shape[1], nkb, b // p).amax(-1)
         kb = torch.arange(nkb, device=q.device)[None, :]
         causal, forced = kb <= qb[:, None], (kb == 0) | (kb == qb[:, None])
-        top = (row_budget(self.config.density, qb + 1) - torch.where(qb == 0, 1, 2)).clamp(min=0)
+        budget = prefill_block_budget(self.layer_density, qb, (ctx.n - 1) // b, 2, b)
+        top = (budget - torch.where(qb == 0, 1, 2)).clamp(min=0)
         mask = topk_mask(score, top, causal.expand_as(score), forced.expand_as(score))
         return BlockSelection(indices_from_mask(mask), b)
 
@@ -315,6 +343,10 @@ class OracleConfig(MethodConfig):
 class Oracle(SparseMethod):
     name = "oracle"
     config_cls = OracleConfig
+    prefill_forced_blocks = 2  # the sink block and the diagonal
+
+    def decode_forced_keys(self, n: int) -> int:
+        return 1  # the newest token
 
     def block_mass(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Exact attention mass of each (query block, key block), summed over the group: [h_kv, nqb, nkb]."""
@@ -341,7 +373,8 @@ class Oracle(SparseMethod):
         qb = ctx.q_start // b + torch.arange(mass.shape[1], device=q.device)
         kb = torch.arange(mass.shape[2], device=q.device)[None, :]
         causal, forced = kb <= qb[:, None], (kb == 0) | (kb == qb[:, None])
-        top = (row_budget(self.config.density, qb + 1) - torch.where(qb == 0, 1, 2)).clamp(min=0)
+        budget = prefill_block_budget(self.layer_density, qb, (ctx.n - 1) // b, 2, b)
+        top = (budget - torch.where(qb == 0, 1, 2)).clamp(min=0)
         mask = topk_mask(mass, top, causal.expand_as(mass), forced.expand_as(mass))
         return BlockSelection(indices_from_mask(mask), b)
 
@@ -349,7 +382,7 @@ class Oracle(SparseMethod):
         h_kv, n, d = k.shape
         s = torch.einsum("hgd,hnd->hgn", q.float().view(h_kv, -1, d), k.float()) / math.sqrt(d)
         score = torch.softmax(s, -1).sum(1)  # [h_kv, n]
-        top = scalar_budget(self.config.density, n)
+        top = scalar_budget(self.layer_density, n)
         newest = torch.arange(n, device=q.device) == n - 1
         mask = topk_mask(score, top - 1, torch.ones_like(score, dtype=torch.bool), newest.expand_as(score))
         return TokenSelection(indices_from_mask(mask, top), 1)

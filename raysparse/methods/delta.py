@@ -9,9 +9,11 @@ prompt are computed densely and overwrite the result. ``mode="recompute"`` only 
 
 Choices where SPEC is silent:
 - ``density``: unset by default, so the base keeps its own default (streaming: sinks 64 + window 2048);
-  when set it is forwarded to the base as the base's budget. The reported density is the real one, base
-  plus dense rows (below), so compare methods at the reported density. ``dense_layers`` and
-  ``block_size`` are forwarded too; ``base_params`` (dict or pairs) override all three.
+  when set it is forwarded to the base as the base's budget (the whole model's, which the base turns into its
+  sparse layers' and checks requests against). Decode is the base's, so it meets the density; the prefill's
+  dense rows (below) come on top of the base's, so Delta's prefill attends more than the density asked: the
+  reported density is the real one, base plus dense rows, so compare methods at the reported density.
+  ``dense_layers`` and ``block_size`` are forwarded too; ``base_params`` (dict or pairs) override all three.
 - Density accounting counts the union: attended = base pairs + sum over the dense rows D of
   (causal keys of the row - keys the base already attended in that row), the latter read from the base's
   BlockSelection (captured through the tracer hook). A base that reports no BlockSelection falls back
@@ -103,8 +105,8 @@ class Delta(SparseMethod):
         super().__init__(model_cfg, config)
         cfg = self.config
         params: dict[str, Any] = {"dense_layers": cfg.dense_layers, "block_size": cfg.block_size}
-        if cfg.density is not None:
-            params["density"] = cfg.density
+        if cfg.density is not None:  # the base turns the whole-model density into its layers' itself
+            params["density"] = cfg.target_density if cfg.target_density is not None else cfg.density
         params.update(dict(cfg.base_params))
         base = create_backend(cfg.base, model_cfg, **params)
         if not isinstance(base, SparseMethod):
@@ -129,6 +131,9 @@ class Delta(SparseMethod):
     def release(self, seq_id: int) -> None:
         super().release(seq_id)
         self.base.release(seq_id)
+
+    def check_request(self, prompt_len: int, total_len: int) -> None:
+        self.base.check_request(prompt_len, total_len)
 
     # ---- batched decode: the base's (Delta corrects prefill only) ---------------------------------
     @property

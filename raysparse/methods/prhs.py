@@ -70,6 +70,13 @@ class PrHSMethod(SparseMethod):
         self._head_steps = [0] * layers
         self._cis: CISBatchedState | None = None  # the batched decode's per-row CIS state, made at first use
 
+    def decode_forced_keys(self, n: int) -> int | None:
+        if not self.use_cis or self.use_psaw:  # PSAW's window is its own budget
+            return None
+        c = self.config
+        sink = min(c.sink, n)
+        return sink + min(c.local, n - sink)  # type: ignore[attr-defined]
+
     # ---- schedules -----------------------------------------------------------------------------
     @property
     def start_layer(self) -> int:

@@ -39,6 +39,7 @@ from raysparse.methods.base import (
     SparseMethod,
     host_row_budget,
     method_spec,
+    prefill_block_budget,
     row_budget,
 )
 from raysparse.methods.hadamard import SRHT, derive_seed
@@ -340,13 +341,25 @@ class SketchWalk(SparseMethod):
         ctx.seq_state["walk"] = (step, rows if cfg.heads == "kv" else rows[0])
         return rows
 
-    def _choose(self, scores: torch.Tensor, qb0: int, nb: int) -> tuple[torch.Tensor, int]:
+    @property
+    def prefill_forced_blocks(self) -> int:  # type: ignore[override]
+        return self.config.local_blocks + 1  # the sink block and the local ones (the diagonal included)
+
+    def decode_forced_keys(self, n: int) -> int:
+        B = self.config.block_size
+        nb = -(-n // B)
+        return sum(min(B, n - j * B) for j in {0, *range(max(0, nb - self.config.local_blocks), nb)})
+
+    def _choose(self, scores: torch.Tensor, qb0: int, nb: int, decode: bool = False) -> tuple[torch.Tensor, int]:
         """Per score head and query block qb0..nb-1: forced sink + local blocks plus the top blocks by
-        ``scores`` [H, rows, nb] up to the row budget. Returns the boolean mask [H, rows, nb] and the widest
-        row (host int, no device sync)."""
+        ``scores`` [H, rows, nb] up to the row budget (``prefill_block_budget``'s, or in ``decode`` the one row's
+        ``row_budget`` of its blocks). Returns the boolean mask [H, rows, nb] and the widest row (host int, no
+        device sync)."""
         rows_cpu = torch.arange(qb0, nb)
         local = self.config.local_blocks
-        budget = row_budget(self.config.density, rows_cpu + 1)
+        d = self.layer_density
+        budget = (row_budget(d, rows_cpu + 1) if decode
+                  else prefill_block_budget(d, rows_cpu, nb - 1, local + 1, self.config.block_size))
         forced_n = torch.minimum(rows_cpu + 1, torch.tensor(local + 1))  # block 0 may also be a local one
         extra = (budget - forced_n).clamp(min=0)
         width = int(torch.maximum(budget, forced_n).max())  # a CPU tensor: no device sync
@@ -366,7 +379,7 @@ class SketchWalk(SparseMethod):
         cfg = self.config
         parts, size = cfg.sub_blocks, cfg.block_size // cfg.sub_blocks
         nb, held = -(-n // cfg.block_size), -(-n // size)
-        budget = host_row_budget(cfg.density, nb) * parts
+        budget = host_row_budget(self.layer_density, nb) * parts
         forced_blocks = {0, *range(max(0, nb - cfg.local_blocks), nb)}
         forced_n = sum(min(parts, held - j * parts) for j in forced_blocks)  # host ints: no device sync
         dev = scores.device
@@ -470,7 +483,7 @@ class SketchWalk(SparseMethod):
         qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n])  # the new token's block
         if self.config.decode_unit == "part":
             return self._choose_parts(ctx.seq_state.pop("part_row"), ctx.n, k.shape[0])
-        mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb)
+        mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb, decode=True)
         idx = indices_from_mask(mask, width)  # [H, 1, width] block indices
         return TokenSelection(idx[:, 0].expand(k.shape[0], -1), self.config.block_size)
 

@@ -177,6 +177,15 @@ class Socket(SparseMethod):
         s = lsh.collision_scores(self.bucket_probs(ctx.layer, q, k.shape[0]), buckets)
         return s if self.config.hard or not self.config.value_norm else s * norms
 
+    def has_density_budget(self) -> bool:
+        return self.config.top_k is None  # an explicit k replaces the density
+
+    def decode_forced_keys(self, n: int) -> int | None:
+        if self.config.top_k is not None:  # an explicit k: no density budget
+            return None
+        sink, local, _ = self.budget(n)
+        return sink + local
+
     def budget(self, n: int) -> tuple[int, int, int]:
         """(sink, local, k) token counts for a context of n keys (host ints: no device sync)."""
         c = self.config
@@ -185,7 +194,7 @@ class Socket(SparseMethod):
         if c.top_k is not None:
             k = c.top_k
         else:
-            k = host_row_budget(c.density, n) - sink - local  # host ints: the meter calls this per step
+            k = host_row_budget(self.layer_density, n) - sink - local  # host ints: the meter calls this per step
         return sink, local, max(0, min(k, n - sink - local))
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
@@ -235,7 +244,7 @@ class Socket(SparseMethod):
         c = self.config
         sink = n.clamp(max=c.sink_tokens)
         local = (n - sink).clamp(max=c.local_tokens)
-        k = torch.full_like(n, c.top_k) if c.top_k is not None else row_budget(c.density, n) - sink - local
+        k = torch.full_like(n, c.top_k) if c.top_k is not None else row_budget(self.layer_density, n) - sink - local
         return sink, local, torch.minimum(k.clamp(min=0), n - sink - local)
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:

@@ -25,6 +25,12 @@ from raysparse.serving.proto import raysparse_pb2 as pb
 from raysparse.serving.proto import raysparse_pb2_grpc as pb_grpc
 
 
+def finish_densities(fin: pb.Finish) -> tuple[float | None, float | None]:
+    """The final message's measured (prefill, decode) density; None for a phase with no metered step."""
+    d = fin.density
+    return (d.prefill if d.HasField("prefill") else None, d.decode if d.HasField("decode") else None)
+
+
 @dataclass(frozen=True)
 class Chunk:
     request_id: str
@@ -46,6 +52,9 @@ class Completion:
     t_start: float = 0.0
     token_times: list[float] = field(default_factory=list)  # arrival of each token (perf_counter)
     t_end: float = 0.0
+    density_prefill: float | None = None  # measured by the server; None: no such step was metered
+    density_decode: float | None = None
+    cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -58,7 +67,8 @@ class Completion:
     def as_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
                 "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens, "error": self.error,
-                "ttft_s": self.ttft_s, "e2e_s": self.e2e_s}
+                "ttft_s": self.ttft_s, "e2e_s": self.e2e_s, "density_prefill": self.density_prefill,
+                "density_decode": self.density_decode, "cached_tokens": self.cached_tokens}
 
 
 def build_request(text: str | None = None, token_ids: Sequence[int] | None = None, *, chat: bool = False,
@@ -127,6 +137,8 @@ class RaySparseClient:
                 f = ch.finish
                 out.finish_reason, out.error, out.text = f.finish_reason, f.error, f.text
                 out.prompt_tokens, out.server_ttft_s = f.usage.prompt_tokens, f.timings.ttft_s
+                out.density_prefill, out.density_decode = finish_densities(f)
+                out.cached_tokens = f.cached_tokens
             else:
                 out.token_ids.extend(ch.token_ids)
                 out.token_times.extend([ch.t] * len(ch.token_ids))

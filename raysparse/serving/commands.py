@@ -167,7 +167,8 @@ def engine_config(args: argparse.Namespace) -> Any:
 def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="dense", help="attention method (see `raysparse run --help`)")
     p.add_argument("--density", type=float, default=None,
-                   help="attention budget of methods that have one (default: the method's own)")
+                   help="attention budget of methods that have one: the fraction of causal pairs the whole model "
+                        "attends, dense layers and forced blocks inside it (default: the method's own)")
     p.add_argument("--param", type=param, action="append", default=[], metavar="KEY=VALUE",
                    help="another method parameter (repeatable), e.g. --param block_size=32")
 
@@ -282,7 +283,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import grpc
 
-    from raysparse.serving.client import RaySparseClient, build_request
+    from raysparse.serving.client import RaySparseClient, build_request, finish_densities
 
     if (args.prompt is None) == (args.token_ids is None):
         parser.exit(EXIT_USAGE, "raysparse: error: give a prompt or --token-ids (not both)\n")
@@ -315,8 +316,11 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 print(" ".join(map(str, ids_out)), end="")
             print()
             if fin is not None:
+                pre, dec = finish_densities(fin)
+                dens = ", ".join(f"{k} {v:.3f}" for k, v in (("prefill", pre), ("decode", dec)) if v is not None)
                 print(f"[{fin.finish_reason}: {fin.usage.prompt_tokens} prompt + {fin.usage.completion_tokens} "
-                      f"tokens, TTFT {fin.timings.ttft_s * 1000:.0f} ms, {fin.timings.e2e_s:.2f} s]"
+                      f"tokens, TTFT {fin.timings.ttft_s * 1000:.0f} ms, {fin.timings.e2e_s:.2f} s"
+                      + (f", density {dens}" if dens else "") + "]"
                       + (f" error: {fin.error}" if fin.error else ""), file=sys.stderr)
             return 0 if fin is not None and fin.finish_reason != "error" else EXIT_FAILURE
     except grpc.RpcError as e:

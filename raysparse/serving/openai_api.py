@@ -358,8 +358,12 @@ def _extension(prep: _Prepared, handle: RequestHandle, fin: FinishEvent | None) 
     return out
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, fin: FinishEvent | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV came from a cache
+    (the finish event's ``cached_tokens``, 0 when it carries none)."""
+    cached = int(fin.stats.get("cached_tokens", 0)) if fin is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish_reason(fin: FinishEvent, stopped: bool) -> str:
@@ -463,7 +467,7 @@ async def _complete(handle: RequestHandle, prep: _Prepared, request: Request, ch
     else:
         choice = {"index": 0, "text": stop.text, "logprobs": None, "finish_reason": reason}
         obj = {**base, "object": "text_completion", "choices": [choice]}
-    obj["usage"] = _usage(prompt, tokens)
+    obj["usage"] = _usage(prompt, tokens, fin)
     obj["raysparse"] = _extension(prep, handle, fin)
     return JSONResponse(obj)
 
@@ -526,7 +530,7 @@ async def _stream(prep: _Prepared, handle: RequestHandle, chat: bool) -> AsyncIt
             last["raysparse"] = _extension(prep, handle, fin)
             yield _sse(last)
         if prep.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(len(prep.request.prompt_ids), tokens)})
+            yield _sse({**base, "choices": [], "usage": _usage(len(prep.request.prompt_ids), tokens, fin)})
         yield _DONE
     finally:  # the client went away (the response was cancelled) or the stream ended: free the KV
         handle.abort()

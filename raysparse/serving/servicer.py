@@ -41,6 +41,12 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["RaySparse"]
 CONTROL_METHODS = frozenset({"Abort", "GetModelInfo", "GetServerInfo"})  # served from ``control_pool``
 
 
+def finish_density(fin: FinishEvent) -> pb.Density:
+    """The request's measured prefill and decode density; a phase with no metered step stays unset."""
+    d = fin.stats.get("density") or {}
+    return pb.Density(**{k: float(d[k]) for k in ("prefill", "decode") if d.get(k) is not None})
+
+
 @dataclass(frozen=True)
 class UndecodableRequest:
     """Stands for a request whose bytes do not parse (e.g. a string field that is not UTF-8)."""
@@ -197,7 +203,8 @@ class RaySparseServicer(pb_grpc.RaySparseServicer):
             finish_reason=fin.finish_reason,
             usage=pb.Usage(prompt_tokens=fin.prompt_tokens, completion_tokens=len(fin.token_ids)),
             timings=pb.Timings(ttft_s=fin.ttft_s, decode_s=fin.decode_s, e2e_s=e2e),
-            text=fin.text, error=fin.error, replica=int(fin.stats.get("replica", 0))))
+            text=fin.text, error=fin.error, replica=int(fin.stats.get("replica", 0)),
+            density=finish_density(fin), cached_tokens=int(fin.stats.get("cached_tokens", 0))))
 
     def _refuse(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:
         self.metrics.requests.labels(method, code.name.lower()).inc()

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'raysparse/serving/proto/raysparse.proto\x12\x0craysparse.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xa3\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\xea\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.raysparse.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x0e\n\x06method\x18\x04 \x01(\t\x12.\n\rmethod_params\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.raysparse.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\":\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\x81\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.raysparse.v1.TokenDeltaH\x00\x12&\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x14.raysparse.v1.FinishH\x00\x42\x06\n\x04kind\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x99\x01\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.raysparse.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.raysparse.v1.Timings\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0f\n\x07replica\x18\x06 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xed\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\r\n\x05heads\x18\x03 \x01(\r\x12\x10\n\x08kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_positions\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\n\n\x02tp\x18\t \x01(\r\x12\x10\n\x08replicas\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x0f\n\x07methods\x18\x0c \x03(\t\x12\x15\n\rhas_tokenizer\x18\r \x01(\x08\"\x16\n\x14GetServerInfoRequest\"o\n\tShardInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12%\n\x04load\x18\x05 \x01(\x0b\x32\x17.raysparse.v1.ShardLoad\"\x92\x01\n\tShardLoad\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\x18\n\x10\x63heckpoint_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fhost_peak_bytes\x18\x04 \x01(\x04\x12\x1d\n\x15host_rss_before_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"\xdf\x01\n\x0bReplicaInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x10\n\x08rebuilds\x18\x08 \x01(\r\x12\x12\n\nlast_error\x18\t \x01(\t\x12\'\n\x06shards\x18\n \x03(\x0b\x32\x17.raysparse.v1.ShardInfo\"\xbb\x01\n\nServerInfo\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\x12+\n\x08replicas\x18\x07 \x03(\x0b\x32\x19.raysparse.v1.ReplicaInfo\x12\n\n\x02tp\x18\x08 \x01(\r2\xb5\x02\n\tRaySparse\x12K\n\x08Generate\x12\x1d.raysparse.v1.GenerateRequest\x1a\x1e.raysparse.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.raysparse.v1.AbortRequest\x1a\x1b.raysparse.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.raysparse.v1.GetModelInfoRequest\x1a\x17.raysparse.v1.ModelInfo\x12M\n\rGetServerInfo\x12\".raysparse.v1.GetServerInfoRequest\x1a\x18.raysparse.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'raysparse/serving/proto/raysparse.proto\x12\x0craysparse.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xa3\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\xea\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.raysparse.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x0e\n\x06method\x18\x04 \x01(\t\x12.\n\rmethod_params\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.raysparse.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"K\n\x07\x44\x65nsity\x12\x14\n\x07prefill\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\":\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\x81\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x18.raysparse.v1.TokenDeltaH\x00\x12&\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x14.raysparse.v1.FinishH\x00\x42\x06\n\x04kind\"-\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xd8\x01\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.raysparse.v1.Usage\x12&\n\x07timings\x18\x03 \x01(\x0b\x32\x15.raysparse.v1.Timings\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0f\n\x07replica\x18\x06 \x01(\r\x12&\n\x07\x64\x65nsity\x18\x07 \x01(\x0b\x32\x15.raysparse.v1.Density\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xed\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x01(\r\x12\r\n\x05heads\x18\x03 \x01(\r\x12\x10\n\x08kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_positions\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\n\n\x02tp\x18\t \x01(\r\x12\x10\n\x08replicas\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x0f\n\x07methods\x18\x0c \x03(\t\x12\x15\n\rhas_tokenizer\x18\r \x01(\x08\"\x16\n\x14GetServerInfoRequest\"o\n\tShardInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12%\n\x04load\x18\x05 \x01(\x0b\x32\x17.raysparse.v1.ShardLoad\"\x92\x01\n\tShardLoad\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x12\n\nbytes_read\x18\x02 \x01(\x04\x12\x18\n\x10\x63heckpoint_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fhost_peak_bytes\x18\x04 \x01(\x04\x12\x1d\n\x15host_rss_before_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"\xdf\x01\n\x0bReplicaInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x10\n\x08rebuilds\x18\x08 \x01(\r\x12\x12\n\nlast_error\x18\t \x01(\t\x12\'\n\x06shards\x18\n \x03(\x0b\x32\x17.raysparse.v1.ShardInfo\"\xbb\x01\n\nServerInfo\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\x12+\n\x08replicas\x18\x07 \x03(\x0b\x32\x19.raysparse.v1.ReplicaInfo\x12\n\n\x02tp\x18\x08 \x01(\r2\xb5\x02\n\tRaySparse\x12K\n\x08Generate\x12\x1d.raysparse.v1.GenerateRequest\x1a\x1e.raysparse.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.raysparse.v1.AbortRequest\x1a\x1b.raysparse.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.raysparse.v1.GetModelInfoRequest\x1a\x17.raysparse.v1.ModelInfo\x12M\n\rGetServerInfo\x12\".raysparse.v1.GetServerInfoRequest\x1a\x18.raysparse.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -30,32 +30,34 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_TOKENIDS']._serialized_end=513
   _globals['_USAGE']._serialized_start=515
   _globals['_USAGE']._serialized_end=572
-  _globals['_TIMINGS']._serialized_start=574
-  _globals['_TIMINGS']._serialized_end=632
-  _globals['_GENERATERESPONSE']._serialized_start=635
-  _globals['_GENERATERESPONSE']._serialized_end=764
-  _globals['_TOKENDELTA']._serialized_start=766
-  _globals['_TOKENDELTA']._serialized_end=811
-  _globals['_FINISH']._serialized_start=814
-  _globals['_FINISH']._serialized_end=967
-  _globals['_ABORTREQUEST']._serialized_start=969
-  _globals['_ABORTREQUEST']._serialized_end=1003
-  _globals['_ABORTRESPONSE']._serialized_start=1005
-  _globals['_ABORTRESPONSE']._serialized_end=1035
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1037
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1058
-  _globals['_MODELINFO']._serialized_start=1061
-  _globals['_MODELINFO']._serialized_end=1298
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1300
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1322
-  _globals['_SHARDINFO']._serialized_start=1324
-  _globals['_SHARDINFO']._serialized_end=1435
-  _globals['_SHARDLOAD']._serialized_start=1438
-  _globals['_SHARDLOAD']._serialized_end=1584
-  _globals['_REPLICAINFO']._serialized_start=1587
-  _globals['_REPLICAINFO']._serialized_end=1810
-  _globals['_SERVERINFO']._serialized_start=1813
-  _globals['_SERVERINFO']._serialized_end=2000
-  _globals['_RAYSPARSE']._serialized_start=2003
-  _globals['_RAYSPARSE']._serialized_end=2312
+  _globals['_DENSITY']._serialized_start=574
+  _globals['_DENSITY']._serialized_end=649
+  _globals['_TIMINGS']._serialized_start=651
+  _globals['_TIMINGS']._serialized_end=709
+  _globals['_GENERATERESPONSE']._serialized_start=712
+  _globals['_GENERATERESPONSE']._serialized_end=841
+  _globals['_TOKENDELTA']._serialized_start=843
+  _globals['_TOKENDELTA']._serialized_end=888
+  _globals['_FINISH']._serialized_start=891
+  _globals['_FINISH']._serialized_end=1107
+  _globals['_ABORTREQUEST']._serialized_start=1109
+  _globals['_ABORTREQUEST']._serialized_end=1143
+  _globals['_ABORTRESPONSE']._serialized_start=1145
+  _globals['_ABORTRESPONSE']._serialized_end=1175
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1177
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1198
+  _globals['_MODELINFO']._serialized_start=1201
+  _globals['_MODELINFO']._serialized_end=1438
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1440
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1462
+  _globals['_SHARDINFO']._serialized_start=1464
+  _globals['_SHARDINFO']._serialized_end=1575
+  _globals['_SHARDLOAD']._serialized_start=1578
+  _globals['_SHARDLOAD']._serialized_end=1724
+  _globals['_REPLICAINFO']._serialized_start=1727
+  _globals['_REPLICAINFO']._serialized_end=1950
+  _globals['_SERVERINFO']._serialized_start=1953
+  _globals['_SERVERINFO']._serialized_end=2140
+  _globals['_RAYSPARSE']._serialized_start=2143
+  _globals['_RAYSPARSE']._serialized_end=2452
 # @@protoc_insertion_point(module_scope)

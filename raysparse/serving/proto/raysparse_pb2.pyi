@@ -54,6 +54,14 @@ class Usage(_message.Message):
     completion_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
+class Density(_message.Message):
+    __slots__ = ("prefill", "decode")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    prefill: float
+    decode: float
+    def __init__(self, prefill: _Optional[float] = ..., decode: _Optional[float] = ...) -> None: ...
+
 class Timings(_message.Message):
     __slots__ = ("ttft_s", "decode_s", "e2e_s")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -83,20 +91,24 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "text", "error", "replica")
+    __slots__ = ("finish_reason", "usage", "timings", "text", "error", "replica", "density", "cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    DENSITY_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     timings: Timings
     text: str
     error: str
     replica: int
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., replica: _Optional[int] = ...) -> None: ...
+    density: Density
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., replica: _Optional[int] = ..., density: _Optional[_Union[Density, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
