@@ -329,64 +329,75 @@ def test_metrics_count_queried_and_cached_prompt_tokens():
 
 
 # ---- the default model: 8 questions about one 4096-token document ----------------------------------------
-@pytest.mark.slow
-@pytest.mark.timeout(7200)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_default_model_questions_about_one_document_equal_without_the_cache(tp):
-    """The default model (real weights, real prose): 8 questions about one 4096-token document through the JSONL
-    job's loop, for every method, give the same greedy tokens with the cache on and off; the methods that reuse
-    a prefix start every question after the first from the document's cached pages (its last partial page
-    recomputed). About an hour on 2 cores for both TPs: ``pytest -m slow -k default_model_questions``."""
-    import json
+QUESTIONS = ["What is the first name in the text?", "Who speaks first?", "Where does it happen?",
+             "What season is it?", "Who is the eldest?", "What does the heroine want?", "Name a place.",
+             "How does it end?"]
 
+
+@pytest.fixture(scope="module")
+def default_engines():
+    """The default model at TP=1 without the cache (the reference), and at TP=1 and TP=2 with it (TP=2's tokens
+    equal TP=1's: ``test_engine.py``); one prefill step per prompt, so the runs differ only in where a prompt
+    starts."""
     import ray
 
-    from raysparse.jobs.longcontext import build_parser, run_job
     from raysparse.orchestration.ray_env import start_ray
-    from raysparse.workload import load_haystack_text
 
-    text, _ = load_haystack_text(None)
     owns = start_ray(None, num_cpus=2)
+    common = dict(kv_cache_tokens=12288, cpus_per_shard=0.4, draft=False, max_prefill_tokens=8192)
     engines = {}
     try:
-        for cache in (True, False):  # one prefill step per prompt: cache on and off differ only in the start
-            engines[cache] = Engine(EngineConfig(tp=tp, kv_cache_tokens=12288, cpus_per_shard=0.5, draft=False,
-                                                 max_prefill_tokens=8192,
-                                                 prefix_cache=PrefixCacheConfig(enabled=cache))).start()
-        tok = engines[True].tokenizer
-        doc = tok.decode(tok(text[:40000], add_special_tokens=False)["input_ids"][:4096])
-        questions = ["What is the first name in the text?", "Who speaks first?", "Where does it happen?",
-                     "What season is it?", "Who is the eldest?", "What does the heroine want?",
-                     "Name a place.", "How does it end?"]
-        for method, params in CASES[:-2]:  # every method once (the walk variants are covered above)
-            out = {}
-            for cache, engine in engines.items():
-                work = Path(tempfile.mkdtemp())
-                with (work / "in.jsonl").open("w") as f:
-                    for i, q in enumerate(questions):
-                        f.write(json.dumps({"id": f"q{i}", "document": doc, "question": q, "method": method,
-                                            "method_params": params,
-                                            "sampling": {"max_new_tokens": 12, "ignore_eos": True}}) + "\n")
-                args = build_parser().parse_args(["--input", str(work / "in.jsonl"), "--output",
-                                                  str(work / "out.jsonl")])
-                counts = run_job(args, engine)
-                assert counts["errors"] == 0, (method, cache, (work / "out.jsonl").read_text()[-3000:])
-                rows = {r["id"]: r for r in map(json.loads, (work / "out.jsonl").read_text().splitlines())}
-                out[cache] = [rows[f"q{i}"] for i in range(len(questions))]
-            on, off = out[True], out[False]
-            assert [r["token_ids"] for r in on] == [r["token_ids"] for r in off], method
-            assert all(r["cached_tokens"] == 0 for r in off)
-            cached = [r["cached_tokens"] for r in on]
-            if method_capabilities(method).prefix_cache:
-                assert cached[0] == 0 and all(c >= 4096 - 64 for c in cached[1:]), (method, cached)
-            else:
-                assert cached == [0] * 8, (method, cached)
-            print(f"TP={tp} {method}: on == off; cached tokens {cached}; ttft on {[r['ttft_s'] for r in on]}")
+        engines["off"] = Engine(EngineConfig(tp=1, prefix_cache=PrefixCacheConfig(enabled=False), **common)).start()
+        engines["tp1"] = Engine(EngineConfig(tp=1, **common)).start()
+        engines["tp2"] = Engine(EngineConfig(tp=2, **common)).start()
+        yield engines
     finally:
         for e in engines.values():
             e.shutdown()
         if owns:
             ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("method, params", CASES[:-2], ids=IDS[:-2])
+def test_default_model_questions_about_one_document_equal_without_the_cache(default_engines, method, params):
+    """The default model (real weights, real prose): 8 questions about one 4096-token document through the JSONL
+    job's loop give the same greedy tokens with the cache on (TP=1 and TP=2) as without it; a method that
+    reuses a prefix starts every question after the first from the document's cached pages (its last partial
+    page recomputed). About an hour on 2 cores in all: ``pytest -m slow -k default_model_questions``."""
+    import json
+
+    from raysparse.jobs.longcontext import build_parser, run_job
+    from raysparse.workload import load_haystack_text
+
+    text, _ = load_haystack_text(None)
+    tok = default_engines["off"].tokenizer
+    doc = tok.decode(tok(text[:40000], add_special_tokens=False)["input_ids"][:4096])
+    out = {}
+    for name, engine in default_engines.items():
+        work = Path(tempfile.mkdtemp())
+        with (work / "in.jsonl").open("w") as f:
+            for i, q in enumerate(QUESTIONS):
+                f.write(json.dumps({"id": f"q{i}", "document": doc, "question": q, "method": method,
+                                    "method_params": params,
+                                    "sampling": {"max_new_tokens": 8, "ignore_eos": True}}) + "\n")
+        args = build_parser().parse_args(["--input", str(work / "in.jsonl"), "--output", str(work / "out.jsonl")])
+        counts = run_job(args, engine)
+        assert counts["errors"] == 0, (method, name, (work / "out.jsonl").read_text()[-3000:])
+        rows = {r["id"]: r for r in map(json.loads, (work / "out.jsonl").read_text().splitlines())}
+        out[name] = [rows[f"q{i}"] for i in range(len(QUESTIONS))]
+    want = [r["token_ids"] for r in out["off"]]
+    assert all(r["cached_tokens"] == 0 for r in out["off"])
+    for name in ("tp1", "tp2"):
+        assert [r["token_ids"] for r in out[name]] == want, (method, name)
+        cached = [r["cached_tokens"] for r in out[name]]
+        if method_capabilities(method).prefix_cache:
+            assert cached[0] == 0 and all(c >= 4096 - 64 for c in cached[1:]), (method, name, cached)
+        else:
+            assert cached == [0] * 8, (method, name, cached)
+        print(f"{method} {name}: tokens equal the cache-off run's; cached {cached}; "
+              f"TTFT {[round(r['ttft_s'], 2) for r in out[name]]} (off: {[round(r['ttft_s'], 2) for r in out['off']]})")
 
 
 @pytest.mark.parametrize("method, params", CASES[:-2], ids=IDS[:-2])

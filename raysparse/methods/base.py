@@ -131,8 +131,8 @@ class SparseMethod(AttentionBackend):
         explicit top-k, replace it)."""
         return getattr(type(self), "density_budget", True)
 
-    # What a method keeps whatever its budget; ``check_request`` refuses a request whose forced units alone
-    # would attend more than the budget, rather than overshoot it silently.
+    # What a method keeps whatever its budget; ``check_request`` says when a request's forced units alone would
+    # attend more than the budget (the eval's settings refuse it; the engine serves it and reports the density).
     prefill_forced_blocks: int | None = None  # forced blocks of a prefill row (the diagonal included), if budgeted
 
     def decode_forced_keys(self, n: int) -> int | None:
