@@ -434,3 +434,15 @@ def test_a_prompt_in_chunks_fills_the_cache_as_a_whole_prefill(method, params):
         for a, b in ((chunked.k[layer][:16], whole.k[layer][:16]), (chunked.v[layer][:16], whole.v[layer][:16])):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4,
                                        msg=lambda m, la=layer: f"seed {seed}, layer {la}: {m}")
+
+
+def test_job_lines_run_grouped_by_document():
+    import json
+
+    from raysparse.jobs.records import by_document
+
+    lines = [(1, json.dumps({"document": "A", "question": "1"})), (2, json.dumps({"prompt": "x"})),
+             (3, json.dumps({"document": "B", "question": "1"})), (4, None), (5, "{not json"),
+             (6, json.dumps({"document": "A", "question": "2"})), (7, json.dumps({"document": "B", "question": "2"}))]
+    groups = by_document(lines)
+    assert [[n for n, _ in g] for g in groups] == [[1, 6], [2], [3, 7], [4], [5]]
