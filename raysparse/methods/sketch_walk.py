@@ -53,6 +53,7 @@ from raysparse.methods.sketch_walk_config import (
     WALKS,
     SketchWalkConfig,
 )
+from raysparse.methods.sketch_walk_prefix import adopt_prefix, store_prefix
 from raysparse.runtime_config import RuntimeConfig
 
 # the config's names stay importable from here, where the method's users look for them
@@ -405,10 +406,10 @@ class SketchWalk(SparseMethod):
         its blocks' sums are also kept per page, and a prompt that starts from a cached prefix rebuilds its
         state from them first (the prefix cache)."""
         if pages is not None and ctx.q_start > 0 and "n" not in ctx.state:
-            self._adopt_prefix(ctx, cache, pages)
+            adopt_prefix(self, ctx, cache, pages)
         qb0, nb, token_row = self._update_sketch(ctx, q, k_new)
         if pages is not None:
-            self._store_prefix(ctx, cache, pages, qb0, nb)
+            store_prefix(self, ctx, cache, pages, qb0, nb)
         mask, width = self._choose(self._walk(ctx, qb0, nb, token_row), qb0, nb)
         idx = indices_from_mask(mask, width)  # [H, nqb, width]
         return BlockSelection(idx.expand(k_new.shape[0], -1, -1), self.config.block_size)
@@ -422,62 +423,8 @@ class SketchWalk(SparseMethod):
                                              view.batch.page_tables[i])
                           for i in range(len(view.batch.seq_ids))])
 
-    # ---- the prefix cache -------------------------------------------------------------------------
-    # Prefix caching: rebuilt. The prefill's state is per sequence (block sketches, A_hat rows, the walk),
-    # so each prefill also keeps every block's query and key-part sketch sums per page (a block is a page;
-    # the paired modes' key parts are the batched decode's own page-indexed sums). A prompt that starts at a
-    # cached prefix of p tokens takes the p / B blocks' sums from its pages and recomputes their A_hat rows
-    # exactly as a whole prefill computes them, so its selections equal a whole prefill's.
+    # Prefix caching: rebuilt, from per-page sums every prefill keeps (``sketch_walk_prefix``).
     prefix_state = "rebuilt"
-
-    def _prefix_pools(self, layer: int, cache: KVCache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-page query sums [pages + 1, width] and key-part sums [pages + 1, sub_blocks, width] of a layer."""
-        from raysparse.methods.sketch_walk_parts import PartsDecode
-
-        key = ("sketch_walk_prefix", layer, self.config, self.head_reduce is not None)
-        parts = self.config.sub_blocks
-        qpool = cache.page_pool((*key, "q"), (width,), torch.float32)
-        dec = self.batch_decoder
-        if isinstance(dec, PartsDecode) and layer in dec.index and dec.ks[0, 0].numel() == width:
-            return qpool, dec.ks[dec.index[layer]].view(-1, parts, width)  # the same sums: no second copy
-        return qpool, cache.page_pool((*key, "k"), (parts, width), torch.float32)
-
-    def _store_prefix(self, ctx: SeqContext, cache: KVCache, pages: torch.Tensor, qb0: int, nb: int) -> None:
-        st, parts = ctx.state, self.config.sub_blocks
-        width = st["qs"][0].numel()
-        qpool, kpool = self._prefix_pools(ctx.layer, cache, width)
-        at = pages[qb0:nb].to(qpool.device)
-        qpool[at] = st["qs"].reshape(-1, width)[qb0:nb]
-        kpool[at] = st["ks"].reshape(-1, parts, width)[qb0:nb]
-
-    def _adopt_prefix(self, ctx: SeqContext, cache: KVCache, pages: torch.Tensor) -> None:
-        """This layer's state for a prompt whose first ``q_start`` tokens are cached pages: their blocks' sums
-        from the pages, their A_hat rows recomputed (as ``_update_sketch`` computes them: under tensor
-        parallelism the same all-reduce, on every shard)."""
-        cfg, q0 = self.config, ctx.q_start
-        B, parts, r = cfg.block_size, cfg.sub_blocks, self.srht.sketch_dim
-        if q0 % B:
-            raise RuntimeError(f"sketch_walk: a cached prefix of {q0} tokens does not end on a block")
-        nb = q0 // B
-        per_head = cfg.heads != "mean"
-        hs = cache.num_kv_heads if per_head else 1
-        qpool, kpool = self._prefix_pools(ctx.layer, cache, hs * r)
-        at = pages[:nb].to(qpool.device)
-        qs, ks = qpool[at].view(nb, hs, r), kpool[at].view(nb * parts, hs, r)
-        dev = qs.device
-        if cfg.walk == "one-hop" and per_head:
-            # One hop reads only the rows of the new query blocks (row-wise weights), and the paired decode
-            # reads the key parts alone: the prefix's rows are never read, so they are not recomputed (at a
-            # 64K-token prefix that is O(blocks^2 * sub_blocks) scores per layer a whole prefill never repeats).
-            a_hat = torch.zeros(hs if cfg.heads == "kv" else 1, nb, nb, dtype=torch.bfloat16, device=dev)
-        else:
-            k_cnt = block_counts(q0, nb * parts, B // parts, dev)
-            rows, _ = self._scores(qs / block_counts(q0, nb, B, dev)[:, None, None],
-                                   ks / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0)
-            causal = torch.ones(nb, nb, dtype=torch.bool, device=dev).tril()
-            a_hat = rows.masked_fill(~causal, 0.0).to(torch.bfloat16)
-        ctx.state.update(qs=qs if per_head else qs[:, 0], ks=ks if per_head else ks[:, 0],
-                         a_hat=a_hat if cfg.heads == "kv" else a_hat.view(nb, nb), n=q0)
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
         qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n])  # the new token's block
