@@ -6,8 +6,11 @@ selection. ``density`` is a sparse layer's (the registry turns ``--density``, th
 ``methods.base.budgeted_config``). Budgets: in prefill ``prefill_block_budget`` (blocks per query block, the
 diagonal's causal half counted, the first rows' forced excess paid back by later rows, so a prefill attends its
 budget), in decode ``row_budget(density, causal units of the row)`` (tokens or pages); forced units (sinks,
-diagonal, current page) count inside the budget, and a request whose forced units alone exceed it is refused
-(``SparseMethod.check_request``).
+diagonal, current page) count inside the budget; a request whose forced units alone exceed it attends them
+and reports the density it had (``SparseMethod.check_request`` says so, for the eval).
+
+Prefix caching (``prefix_state = "pages"``): streaming and oracle keep nothing but K/V; the batched Quest keeps
+its page bounds per physical page (``page_pool``), so a prompt starting from cached pages finds them there.
 
 ``streaming`` (StreamingLLM): the first ``sink_tokens`` keys plus a sliding window. Prefill keeps the
 sink blocks (ceil(sink_tokens / B)) and the last local blocks up to the diagonal; decode keeps the sink

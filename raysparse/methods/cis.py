@@ -29,6 +29,9 @@ The reference scores every head every step (then keeps the retrieved or shared s
 so it is sync-free but not cheaper than the oracle; skipping the scoring of sharing heads is the fast
 path's job. State per layer and sequence (``ctx.state``): anchor queries [s, h_kv, g d], anchor sets
 [s, h_kv, k + 2 r m] (int64) and which slots hold an anchor of the current block.
+
+Prefix caching (``prefix_state = "pages"``): CIS prefills densely and its state starts at the first decode
+step, so a prompt that starts from cached pages needs nothing rebuilt.
 """
 
 from __future__ import annotations

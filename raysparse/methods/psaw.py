@@ -10,6 +10,10 @@ Prefill is exact at token level (``window_prefill``): each query row sees exactl
 masked attention over row chunks whose keys are sliced to [the chunk's lowest window start, its last row]
 plus the sinks. The block format is only a covering view (``covering_blocks``: every key block holding at
 least one visible key of some computed row of the query block) for the tracer, Delta and block kernels.
+
+Prefix caching (``prefix_state = "pages"``): a row's window depends on its own position alone, so a prefix's
+K/V are the same whatever follows; PSAW keeps no other state. (CIS, ``cis.py``, starts its state at the first
+decode step, so a cached prefix changes nothing for it either.)
 """
 
 from __future__ import annotations

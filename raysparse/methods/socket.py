@@ -45,6 +45,8 @@ Choices where SPEC and paper are silent:
 - Metadata: ``metadata_bytes_per_token`` = per sparse layer and KV head L bytes of bucket ids (2 L for
   P > 8) + 4 bytes of fp32 value norm; dense layers store nothing. The per-sequence arrays grow by
   1/8 when full (amortised O(1) per appended key), so allocated memory is at most ~12.5% above that.
+- Prefix caching (``prefix_state = "pages"``): the batched decode's bucket ids and value norms are kept per
+  physical page, so a prompt starting from cached pages finds its prefix's hashed already.
 - Chunked prefill: each chunk attends densely and hashes the keys not hashed yet. Rollback of rejected
   speculative tokens needs no hook: every call rehashes its own new keys (positions q_start..n-1).
 
