@@ -141,6 +141,9 @@ class ReplicaRunner:
         self.steps += 1
         self.step_wall_s += time.perf_counter() - t0
         self.step_forward_s += res.get("forward_s", 0.0)
+        log.debug("replica %d step: %s %d seqs %d tokens, wall %.4f s, forward %.4f s", self.index,
+                  "prefill" if plan.prefill else "decode", len(plan.seq_ids), sum(map(len, plan.tokens)),
+                  time.perf_counter() - t0, res.get("forward_s", 0.0))
         if res["error"]:
             self._fail(plan, res["error"])
             return

@@ -139,7 +139,7 @@ class ShardExecutor:
         for sid in seq_ids:
             self.cache.free(sid)
             key = self._seq_key.pop(sid, None)
-            if key is not None:
+            if key in self.backends:  # absent when the backend failed to build: nothing of it to release
                 self.backends[key].release(sid)
             self.sampler.remove(sid)
             self._params.pop(sid, None)
