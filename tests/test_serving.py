@@ -333,6 +333,10 @@ def test_model_info_reflection_and_metrics(served):
             break
         time.sleep(0.1)
     assert dens is not None and dens == pytest.approx(0.3, abs=0.01)
+    label = 'raysparse_attention_density{method="streaming{block_size=16,dense_layers=(),density=0.3,sink_tokens=16}"'
+    for phase in ("prefill", "decode"):  # each phase on its own, within the budget too
+        got = _metric(srv, f'{label},phase="{phase}"}}')
+        assert got is not None and got == pytest.approx(0.3, abs=0.01), (phase, got)
 
 
 def _metric(srv, name: str) -> float | None:

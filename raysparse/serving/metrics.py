@@ -86,14 +86,14 @@ def density_by_method(shard_stats: list[list[dict[str, Any]]]) -> list[tuple[str
     """(method, phase, density) averaged over the replicas, from rank 0 of each (its meter sees every layer).
 
     ``method`` is the method's label (``name`` or ``name{param=value,...}``); phase ``all`` is prefill and
-    decode together, ``decode`` the decode steps alone (absent before the first decode step)."""
+    decode together, ``prefill`` and ``decode`` each phase's steps alone (absent before its first step)."""
     from raysparse.step_plan import parse_key
 
     sums: dict[tuple[str, str], list[float]] = {}
     for replica in shard_stats:
         if not replica:
             continue
-        for field, phase in (("density", "all"), ("density_decode", "decode")):
+        for field, phase in (("density", "all"), ("density_prefill", "prefill"), ("density_decode", "decode")):
             for key, value in (replica[0].get(field) or {}).items():
                 if isinstance(value, (int, float)):
                     sums.setdefault((method_label(*parse_key(key)), phase), []).append(float(value))
