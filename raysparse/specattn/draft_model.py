@@ -255,8 +255,11 @@ class SeparateDraft:
         self._verified[seq_id] = self.cache.seq_len(seq_id)
 
     def kv_reads(self, ctx_len: int) -> float:
-        """Keys one draft step reads over a context of ``ctx_len`` (x KV heads, every draft layer)."""
-        return float(ctx_len) * self.model.num_kv_heads * self.num_layers
+        """Keys one draft step reads over a context of ``ctx_len`` (x KV heads, every draft layer). A draft
+        beside a verifier shard runs whole on every shard of the group: each counts the share of its verifier
+        KV heads, so the sum over the shards is one draft's reads."""
+        lo, hi = self.head_range
+        return float(ctx_len) * self.model.num_kv_heads * self.num_layers * (hi - lo) / self.verifier_kv_heads
 
 
 def load_separate_draft(path: str, verifier_cfg: ModelConfig, verifier_tokenizer: Any | None, cache_tokens: int,
