@@ -223,6 +223,10 @@ def test_engine_commands_share_the_draft_flag_and_check_it(dirs):
                                          str(dirs["vocab"])]))
     with pytest.raises(ValueError, match="not dense"):
         engine_config(parser.parse_args(["bench", *base]), ["dense"])
+    from raysparse.serving.app import AppConfig
+
+    app = AppConfig.from_args({"model": str(dirs["verifier"]), "draft": "true", "draft_model": str(dirs["draft"])})
+    assert app.engine_config("cpu").draft_model == str(dirs["draft"])
     helps = [a.help for p in (parser._subparsers._group_actions[0].choices[c] for c in ("run", "serve", "bench",
                                                                                           "eval"))
              for a in p._actions if a.dest == "draft_model"]
