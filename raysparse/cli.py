@@ -188,6 +188,7 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
                     help="weights and activations (default: float32)")
     ev.add_argument("--threads", type=_positive_int, default=None,
                     help="torch CPU threads per shard (default: this machine's cores shared out over the shards)")
+    add_draft_model_arg(ev)
     _add_cluster_args(ev)
 
 
@@ -197,13 +198,14 @@ def add_draft_model_arg(p: argparse.ArgumentParser) -> None:
                         "(default: the self-speculative draft, a subset of the model's own layers)")
 
 
-def check_draft_model(model: str | None, draft: str | None, methods: Sequence[str]) -> None:
-    """Refuses a --draft-model that no method uses or that cannot serve ``model`` (one clear line)."""
+def check_draft_model(model: str | None, draft: str | None, methods: Sequence[str] | None) -> None:
+    """Refuses a --draft-model that no method uses or that cannot serve ``model`` (one clear line), before
+    anything loads. ``methods`` None: the requests pick their methods (serve), so none is ruled out."""
     if draft is None:
         return
     from raysparse.methods.registry import method_capabilities
 
-    if not any(method_capabilities(m).needs_draft for m in methods):
+    if methods is not None and not any(method_capabilities(m).needs_draft for m in methods):
         raise ValueError(f"--draft-model is for methods with a draft (specattn), not {', '.join(methods)}")
     if not Path(draft).expanduser().exists():
         raise ValueError(f"--draft-model {draft!r}: no such file or directory")
@@ -370,6 +372,7 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if value is not None and not Path(value).expanduser().exists():
             usage(f"{flag} {value!r}: no such file or directory")
     try:
+        check_draft_model(args.model, args.draft_model, methods)
         sweeps = parse_method_params(args.method_params)
         from raysparse.methods.registry import check_params
 
@@ -381,7 +384,10 @@ def _eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         cfg = EvalConfig(methods=tuple(methods), densities=args.densities, tasks=args.tasks, samples=args.samples,
                          context_tokens=args.context_tokens, max_new_tokens=args.max_new_tokens, seed=args.seed,
                          perplexity=not args.no_perplexity, rows=args.rows, method_params=sweeps,
-                         decode_ppl_tokens=min(args.decode_ppl_tokens, max(args.context_tokens - 2, 0)))
+                         decode_ppl_tokens=min(args.decode_ppl_tokens, max(args.context_tokens - 2, 0)),
+                         # absolute: the shard actors resolve it from another working directory
+                         draft_model=None if args.draft_model is None
+                         else str(Path(args.draft_model).expanduser().resolve()))
     except ValueError as e:
         usage(str(e))
     if args.context_tokens < MIN_CONTEXT_TOKENS:

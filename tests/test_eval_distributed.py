@@ -173,6 +173,60 @@ def test_specattn_map_over_shards_and_replicas_matches_the_one_process_map(engin
     torch.testing.assert_close(torch.tensor(got.similarity), torch.tensor(want.similarity), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, tiny_dir) -> Path:
+    """A separate SpecAttn draft: 2 layers of 1 KV head (group 3), with the verifier's tokenizer."""
+    from raysparse.loader import load_tokenizer, resolve_source
+    from raysparse.serving.tiny import write_tiny_model
+
+    d = write_tiny_model(tmp_path_factory.mktemp("draft") / "draft", seed=int(torch.randint(0, 1000, ())), layers=2,
+                         kv_heads=1, group=3)
+    load_tokenizer(resolve_source(str(tiny_dir))).save_pretrained(d)
+    return d
+
+
+@pytest.mark.slow  # Ray and shard actors: ~30 s each on two busy cores
+def test_draft_model_over_shards_matches_the_one_process_harness(engine_2x2, tiny_dir, draft_dir, text_file):
+    """``--draft-model`` on TP=2 shards and two replicas: every shard loads the draft whole and cuts its rows
+    to its own KV heads, so the rows are the one-process harness's; the map measured over the shards is the
+    one-process map across the two models."""
+    from dataclasses import replace
+
+    from raysparse.eval.distributed import ClusterOptions, run_eval_on_engine
+    from raysparse.loader import load_model, load_tokenizer, resolve_source
+    from raysparse.specattn.draft_model import draft_key
+    from raysparse.specattn.layer_map import compute_cross_layer_map, cross_map_from_sums, text_windows
+    from raysparse.specattn.map_command import measure_on_engine
+    from raysparse.workload import load_haystack_text
+
+    cfg = replace(CFG, methods=("specattn",), draft_model=str(draft_dir))
+    text, source = load_haystack_text(str(text_file))
+    src = resolve_source(str(tiny_dir))
+    verifier, tok = load_model(src, torch.float32, "cpu"), load_tokenizer(src)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # first: measures the map across the models and saves it under the draft's key, where shards find it
+        ref = json.loads(json.dumps(run_eval(verifier, tok, cfg, text, source, model_dir=str(tiny_dir))))
+    finally:
+        torch.set_num_threads(threads)
+    got = run_eval_on_engine(engine_2x2, cfg, text, source, str(tiny_dir), ClusterOptions(tp=2, replicas=2, threads=1))
+    key = draft_key(draft_dir)
+    for a, b in zip(_rows(json.loads(json.dumps(got))), _rows(ref), strict=True):
+        assert a["status"] == b["status"] == "ok", (a["error"], b["error"])
+        assert [s["output"] for s in a["samples"]] == [s["output"] for s in b["samples"]], a["label"]
+        _close(a, b, a["label"])
+    spec = got["runs"][1]["extras"]["specattn"]
+    assert spec["draft"] == key and spec["generation"]["rounds"] > 0
+
+    windows = text_windows(tok, text_file.read_text(), 3, 96)
+    want = compute_cross_layer_map(verifier, load_model(resolve_source(str(draft_dir)), torch.float32, "cpu"),
+                                   windows, key, steps=4, source="x")
+    lm = cross_map_from_sums(measure_on_engine(engine_2x2, windows, str(draft_dir.resolve()), 4, threads=1), 4, 2,
+                             key, 4, "x", [len(w) for w in windows])
+    assert lm.mapping == want.mapping and lm.draft == key
+    torch.testing.assert_close(torch.tensor(lm.similarity), torch.tensor(want.similarity), rtol=1e-5, atol=1e-5)
+
+
 def test_merge_is_the_same_for_any_split_of_shards_and_items():
     """Head-additive sums add over shards; acceptance counts and outputs come from rank 0; the first failure
     ends the row with the fields filled before it."""

@@ -142,7 +142,7 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             from raysparse.bench.openai_backend import OpenAITarget
 
             OpenAITarget.parse(args.target)  # a malformed URL is a usage error
-        ecfg = engine_config(args)
+        ecfg = engine_config(args, None if args.target else [args.method])
         model = _model_name(args)
         if not args.target:  # refused here, before the tokenizer and the engine load
             from raysparse.loader import model_max_positions

@@ -11,7 +11,10 @@ SpecAttn decodes in verification chunks instead: per round, the draft runs over 
 attention rows choose the chunks, as in generation), the cache rolls back, and the verifier checks up to
 gamma + 1 true tokens at once with the draft-selected chunks; every verified position's logits score the
 next true token. With the true tokens as the draft nothing is ever rejected, so acceptance is not measured
-here (it comes from the generation tasks); the verifier's KV reads are.
+here (it comes from the generation tasks); the verifier's KV reads are. A separate draft model
+(``SeparateDraft``) prefills the window's first p tokens into its own cache and reads the same true tokens
+teacher-forced (``teacher_rows``), then takes in the round's last verified token, so its cache always holds
+the verified tokens; its rows pick the chunks through the backend's layer map.
 
 Dense is exact by construction: one prefill with every position's logits scores the same targets.
 """
@@ -38,9 +41,10 @@ def scored_span(n: int, tokens: int) -> tuple[int, int]:
 
 @torch.inference_mode()
 def decode_nll(model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend, ids: list[int], tokens: int,
-               seq_id: int) -> tuple[float, int]:
+               seq_id: int, draft: Any | None = None) -> tuple[float, int]:
     """Summed NLL (nats) of the last ``tokens`` tokens of ``ids`` predicted by decode steps, and their count.
-    Allocates ``seq_id`` in ``cache`` and frees it (and the backend's state for it) before returning."""
+    Allocates ``seq_id`` in ``cache`` and frees it (and the backend's state for it) before returning.
+    ``draft``: SpecAttn's separate draft model (None: the self-speculative draft)."""
     n = len(ids)
     p, m = scored_span(n, tokens)
     cache.allocate(seq_id, n)
@@ -52,7 +56,13 @@ def decode_nll(model: LlamaForCausalLM, cache: KVCache, backend: AttentionBacken
             return float(F.cross_entropy(logits[p:n - 1], ids_t[p + 1:], reduction="sum")), m
         model(ids_t[:p], cache.prepare([seq_id], [p], True), cache, backend)
         if getattr(backend, "speculative", False):
-            return _verify_chunks(model, cache, backend, ids_t, p, seq_id), m
+            if draft is None:
+                return _verify_chunks(model, cache, backend, ids_t, p, seq_id), m
+            draft.prefill([(seq_id, n, ids[:p])])
+            try:
+                return _verify_chunks(model, cache, backend, ids_t, p, seq_id, draft), m
+            finally:
+                draft.free([seq_id])
         total = torch.zeros((), dtype=torch.float32, device=dev)
         for j in range(p, n - 1):
             logits = model(ids_t[j:j + 1], cache.prepare([seq_id], [1], False), cache, backend)
@@ -64,7 +74,7 @@ def decode_nll(model: LlamaForCausalLM, cache: KVCache, backend: AttentionBacken
 
 
 def _verify_chunks(model: LlamaForCausalLM, cache: KVCache, backend: Any, ids: torch.Tensor, p: int,
-                   seq_id: int) -> float:
+                   seq_id: int, draft: Any | None = None) -> float:
     """SpecAttn rounds over ids[p:], the true tokens as the draft; returns the summed NLL of ids[p + 1:]."""
     from raysparse.specattn.draft import AttentionProbe, draft_forward
 
@@ -77,7 +87,11 @@ def _verify_chunks(model: LlamaForCausalLM, cache: KVCache, backend: Any, ids: t
     while t < n - 1:
         g = min(gamma, n - 2 - t)  # verify ids[t..t+g]; their targets ids[t+1..t+g+1] stay inside the window
         rows: dict[int, list[torch.Tensor]] = {d: [] for d in needed}
-        if needed:
+        if draft is not None:
+            steps = ids[t:t + max(g, 1)].tolist()  # a last one-token round still needs one draft row
+            rows = draft.teacher_rows(seq_id, steps, needed)
+            draft.feed(seq_id, ids[t + len(steps):t + g + 1].tolist())  # in step with the verifier's t + g + 1
+        elif needed:
             for s in range(max(g, 1)):  # a last one-token round still needs one draft row for its plan
                 draft_forward(model, backend.draft_layers, ids[t + s:t + s + 1],
                               cache.prepare([seq_id], [1], False), cache, probe)

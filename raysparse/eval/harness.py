@@ -4,7 +4,11 @@ For each setting (``settings.py``: dense first, as the reference row, then every
 and swept parameter) it creates a fresh backend, hooks a ``FidelityTracer`` into it when it is a
 ``SparseMethod``, and runs
 1. each task sample: greedy generation through ``Generator`` (prefill + a few decode steps), scored exactly;
-   a speculative backend (SpecAttn) generates through ``SpecAttnGenerator`` with the model's layer map;
+   a speculative backend (SpecAttn) generates through ``SpecAttnGenerator`` with the model's layer map:
+   with ``draft_model`` (``--draft-model``) the separate draft (``specattn.draft_model.SeparateDraft``, its
+   own cache) drafts and its attention picks the verifier's chunks through the map saved next to the model
+   under the draft's key (measured and saved when missing), as the engine's draft actor does; without it,
+   the self-speculative draft;
 2. each perplexity window: one prefill with all logits, NLL of the last ``PPL_SCORED_FRACTION`` of it
    (``perplexity``: what a prefill method changes);
 3. each perplexity window again, teacher-forced by decode steps over its last ``decode_ppl_tokens`` tokens
@@ -65,6 +69,7 @@ class EvalConfig:
     rows: int = DEFAULT_ROWS  # query rows sampled per traced prefill call
     method_params: tuple[ParamSweep, ...] = ()  # (method, key, values): settings.parse_method_params
     decode_ppl_tokens: int = DECODE_PPL_TOKENS  # scored by teacher-forced decode steps; 0: no decode perplexity
+    draft_model: str | None = None  # SpecAttn's separate draft checkpoint (None: the self-speculative draft)
 
     def __post_init__(self) -> None:
         if not self.densities or any(not 0.0 < d <= 1.0 for d in self.densities):
@@ -82,6 +87,12 @@ class EvalConfig:
         unused = sorted({m for m, _, _ in self.method_params} - set(self.methods))
         if unused:
             raise ValueError(f"method parameters given for {', '.join(unused)}, which is not among the methods")
+        if self.draft_model is not None:
+            from raysparse.methods.registry import method_capabilities
+
+            if not any(method_capabilities(m).needs_draft for m in self.methods if m != "dense"):
+                raise ValueError("--draft-model is for methods with a draft (specattn), not "
+                                 f"{', '.join(self.methods) or 'dense'}")
 
 
 @dataclass
@@ -126,31 +137,48 @@ def eval_settings(cfg: EvalConfig, model_cfg: Any, factory: BackendFactory) -> l
 
 class Harness:
     """Runs settings on one model; ``backend_factory`` defaults to the registry's ``create_backend``.
-    ``model_dir`` is where SpecAttn's saved layer map is looked up (None: the nearest-below fallback map)."""
+    ``model_dir`` is where SpecAttn's saved layer map is looked up (None: the nearest-below fallback map, or
+    the same-relative-depth one for a separate draft). ``draft``: SpecAttn's separate draft, else the one
+    ``cfg.draft_model`` names is loaded here (rows cut to the KV heads ``model`` holds), else none."""
 
     _seq_ids = itertools.count(1 << 40)  # perplexity prefills: ids far from the Generator's own counter
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig,
-                 backend_factory: BackendFactory | None = None, model_dir: str | None = None) -> None:
+                 backend_factory: BackendFactory | None = None, model_dir: str | None = None,
+                 draft: Any | None = None) -> None:
         if backend_factory is None:
             from raysparse.methods.registry import create_backend
 
             backend_factory = create_backend
         self.model, self.tokenizer, self.cfg, self.factory = model, tokenizer, cfg, backend_factory
         self.model_dir = model_dir
-        self._layer_maps: dict[tuple[int, ...], Any] = {}
+        self._layer_maps: dict[tuple[Any, ...], Any] = {}
         self._current: tuple[Setting, AttentionBackend] | None = None
         self.max_total = max_total_tokens(cfg, model.cfg.max_position_embeddings)
         device = model.lm_head.weight.device
         page = 64  # the methods' default block size: one KV page is one block
         pages = -(-self.max_total // page)
         self.cache = KVCache(model.cfg, pages, page, model.lm_head.weight.dtype, device, model.num_kv_heads)
+        self.draft = draft if draft is not None else self._load_draft()
+
+    def _load_draft(self) -> Any | None:
+        if self.cfg.draft_model is None:
+            return None
+        from raysparse.specattn.draft_model import load_separate_draft
+
+        m = self.model
+        lo = getattr(m, "kv_head_offset", 0)
+        return load_separate_draft(self.cfg.draft_model, m.cfg, self.tokenizer, self.max_total,
+                                   m.lm_head.weight.dtype, m.lm_head.weight.device,
+                                   head_range=(lo, lo + m.num_kv_heads))
 
     def settings(self) -> list[Setting]:
         return eval_settings(self.cfg, self.model.cfg, self.factory)
 
     def layer_map(self, backend: Any) -> Any:
         """SpecAttn's verifier-to-draft map for this draft: the saved one (measured and saved if missing)."""
+        if self.draft is not None:
+            return self._draft_layer_map()
         key = tuple(backend.draft_layers)
         if key not in self._layer_maps:
             from raysparse.specattn.layer_map import nearest_below_map, resolve_layer_map
@@ -158,6 +186,16 @@ class Harness:
             self._layer_maps[key] = (resolve_layer_map(self.model, self.model_dir, key, self.tokenizer)
                                      if self.model_dir is not None else nearest_below_map(self.model.cfg.num_layers,
                                                                                           key))
+        return self._layer_maps[key]
+
+    def _draft_layer_map(self) -> Any:
+        from raysparse.specattn.layer_map import proportional_map, resolve_draft_layer_map
+
+        key = ("draft", self.draft.key)
+        if key not in self._layer_maps:
+            self._layer_maps[key] = (resolve_draft_layer_map(self.model, self.model_dir, self.draft, self.tokenizer)
+                                     if self.model_dir is not None else
+                                     proportional_map(self.model.cfg.num_layers, self.draft.num_layers, self.draft.key))
         return self._layer_maps[key]
 
     def run_setting(self, setting: Setting, work: Workload, step: Callable[[], None] = lambda: None) -> RunResult:
@@ -204,7 +242,7 @@ class Harness:
                 n = len(work.windows[index])
                 backend.check_request(max(1, n - self.cfg.decode_ppl_tokens), n)
                 item.nll, item.count = decode_nll(self.model, self.cache, backend, work.windows[index],
-                                                  self.cfg.decode_ppl_tokens, next(self._seq_ids))
+                                                  self.cfg.decode_ppl_tokens, next(self._seq_ids), self.draft)
             else:
                 raise ValueError(f"unknown item kind {kind!r}")
         except Exception as e:  # one broken method or density must not sink the whole comparison
@@ -218,7 +256,8 @@ class Harness:
         if getattr(backend, "speculative", False):
             from raysparse.specattn.decode import SpecAttnGenerator
 
-            gen: Generator = SpecAttnGenerator(self.model, self.cache, backend, self.tokenizer)  # type: ignore
+            gen: Generator = SpecAttnGenerator(self.model, self.cache, backend, self.tokenizer,  # type: ignore
+                                               draft=self.draft)
         else:
             gen = Generator(self.model, self.cache, backend, self.tokenizer)
         params = SamplingParams(max_new_tokens=self.max_new_tokens(task))
@@ -259,15 +298,16 @@ def run_eval(model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig, text: str
              on_setting: Callable[[str, int, int, int], None] | None = None,
              step: Callable[[], None] = lambda: None,
              on_result: Callable[[dict[str, Any]], None] | None = None,
-             model_dir: str | None = None) -> dict[str, Any]:
+             model_dir: str | None = None, draft: Any | None = None) -> dict[str, Any]:
     """Every setting of ``cfg`` on ``model``; returns the JSON report (see ``report.py`` for its fields).
 
     For progress display, ``on_setting(label, index, count, units)`` is called before each setting (label
     with its density, its index and the number of settings), ``step`` after each task sample or perplexity
-    window and ``on_result(run)`` with each finished setting's row.
+    window and ``on_result(run)`` with each finished setting's row. ``draft``: a loaded separate draft
+    (``SeparateDraft``) for SpecAttn, in place of the one ``cfg.draft_model`` names.
     """
     t0 = time.perf_counter()
-    harness = Harness(model, tokenizer, cfg, backend_factory, model_dir)
+    harness = Harness(model, tokenizer, cfg, backend_factory, model_dir, draft)
     work = Workload.build(cfg, tokenizer, text, source)
     settings = harness.settings()
     runs = []

@@ -103,7 +103,8 @@ def snapshot(item: ItemResult, backend: Any, tracer: FidelityTracer | None) -> I
         s = backend.stats
         item.spec = {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted, "kv_read": list(s.kv_read),
                      "kv_held": list(s.kv_held), "draft_kv_read": s.draft_kv_read, "draft_kv_full": s.draft_kv_full,
-                     "sparse_layers": tuple(s.sparse_layers)}
+                     "sparse_layers": tuple(s.sparse_layers), "draft": backend.layer_map.draft,
+                     "layer_map": list(backend.layer_map.mapping)}
     if getattr(backend, "use_cis", False):
         item.cis = ([float(r) for r in backend._retrievals], [float(s) for s in backend._head_steps])
     item.exact = isinstance(backend, DenseAttention)
@@ -179,7 +180,10 @@ def merge_items(setting: Setting, items: list[ItemResult], num_layers: int, rows
         res.accuracy = sum(s["score"] for s in res.samples) / len(res.samples)
     spec = any(i.spec is not None for i in items)
     if spec and all_tasks:
-        res.extras["specattn"] = {"generation": _spec_dict(tasks, num_layers)}
+        first = next(i.spec for i in items if i.spec is not None)
+        # which draft picked the chunks (a separate draft model's key), and through which verifier -> draft map
+        res.extras["specattn"] = {"draft": first.get("draft") or "self-speculative",
+                                  "layer_map": first.get("layer_map"), "generation": _spec_dict(tasks, num_layers)}
     for kind, attr in (("ppl", "nll"), ("decode", "decode_nll")):
         mine = [i for i in items if i.kind == kind]
         if not mine or len([i for i in done if i.kind == kind]) < len(mine):

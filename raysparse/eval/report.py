@@ -9,7 +9,8 @@ for methods without a density budget), ``params`` (swept method parameters), ``l
 ``decode_perplexity``, ``decode_nll``, ``density``, ``density_per_layer``, ``density_prefill``,
 ``density_decode``, ``fidelity``
 (``retained`` / ``attn_mass`` / ``out_err``, each with ``overall``, ``prefill``, ``decode``,
-``prefill_per_layer``, ``decode_per_layer``), ``extras`` (``specattn``: ``generation`` and
+``prefill_per_layer``, ``decode_per_layer``), ``extras`` (``specattn``: ``draft`` (a separate draft model's
+key, or "self-speculative"), ``layer_map`` (verifier layer -> draft layer), ``generation`` and
 ``total`` ``SpecAttnStats.to_dict()``, see harness.py; ``cis``: ``retrieval_ratio`` and its per-layer list),
 ``samples`` (task, seed, prompt_tokens, expected, output, score) and ``seconds``.
 
@@ -53,8 +54,10 @@ def method_columns(run: dict[str, Any]) -> dict[str, float | None]:
 
 def table(report: dict[str, Any]) -> Table:
     tasks = report["config"]["tasks"]
+    draft = report["config"].get("draft_model")
     t = Table(title=f"raysparse eval: {report['model']['name'] or 'model'}, "
-                    f"{report['config']['context_tokens']} tokens, {report['config']['samples']} sample(s)/task")
+                    f"{report['config']['context_tokens']} tokens, {report['config']['samples']} sample(s)/task"
+                    + (f", SpecAttn draft model {Path(draft).name}" if draft else ""))
     for col in ("method", "target", "density", "pre dens", "dec dens", "acc", *(TASK_ABBREV.get(x, x) for x in tasks),
                 "ppl", "dec ppl", "retained", "attn mass", "out err", "rho", "accept", "tok/step", "KV red", "time s"):
         t.add_column(col, justify="left" if col == "method" else "right")

@@ -44,6 +44,7 @@ class AppConfig:
     cuda_graphs: bool = True
     random_weights: bool = False
     draft: bool = False  # the SpecAttn draft actor (placed outside the bundles)
+    draft_model: str | None = None  # SpecAttn's separate draft checkpoint (needs draft; None: self-speculative)
     runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields
     prefix_cache: bool = True  # prompts share cached KV pages of equal prefixes
     prefix_cache_tokens: int | None = None  # at most this many tokens of unheld cached pages (None: no limit)
@@ -84,7 +85,8 @@ class AppConfig:
     def engine_config(self, device: str) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, tp=self.tp, replicas=1, device=device,
                             kv_cache_tokens=self.kv_cache_tokens, max_batch=self.max_batch,
-                            cpus_per_shard=self.cpus_per_shard, draft=self.draft, cuda_graphs=self.cuda_graphs,
+                            cpus_per_shard=self.cpus_per_shard, draft=self.draft, draft_model=self.draft_model,
+                            cuda_graphs=self.cuda_graphs,
                             random_weights=self.random_weights, decode_steps=self.decode_steps,
                             runtime=RuntimeConfig(**self.runtime), placement="current",
                             prefix_cache=PrefixCacheConfig(self.prefix_cache, None if self.prefix_cache_tokens is None

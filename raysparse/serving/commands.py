@@ -123,9 +123,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPUs of the local Ray instance (default: all of this host's)")
     p.add_argument("--cpus-per-shard", type=float, default=1.0, help="CPUs Ray reserves per shard actor")
     p.add_argument("--no-draft", action="store_true", help="no SpecAttn draft actor (specattn is then refused)")
-    p.add_argument("--draft-model", metavar="PATH", default=None,
-                   help="SpecAttn's draft: a local Llama-family checkpoint sharing the model's tokenizer "
-                        "(default: the self-speculative draft, a subset of the model's own layers)")
+    from raysparse.cli import add_draft_model_arg
+
+    add_draft_model_arg(p)
     p.add_argument("--decode-steps", type=positive_int, default=1,
                    help="decode steps per shard call while no prompt waits (fewer round trips, burstier streams)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="GPUs: run decode steps eagerly")
@@ -152,9 +152,14 @@ def prefix_cache_config(args: argparse.Namespace, page_size: int = 64) -> Any:
                              capacity_pages=None if tokens is None else tokens // page_size)
 
 
-def engine_config(args: argparse.Namespace) -> Any:
+def engine_config(args: argparse.Namespace, methods: list[str] | None = None) -> Any:
+    """The engine flags as an ``EngineConfig``; raises ValueError (one line, before anything loads) for a bad
+    setting or a ``--draft-model`` that cannot serve the model or that none of ``methods`` uses (None: the
+    requests pick their methods)."""
+    from raysparse.cli import check_draft_model
     from raysparse.orchestration.engine_config import EngineConfig
 
+    check_draft_model(args.model, args.draft_model, methods)
     return EngineConfig(model=args.model, dtype=args.dtype, tp=args.tp, replicas=args.replicas, address=args.address,
                         kv_cache_tokens=args.kv_cache_tokens, max_batch=args.max_batch,
                         max_prefill_tokens=args.max_prefill_tokens, device=args.device,

@@ -32,9 +32,10 @@ def _tokenizer():  # noqa: ANN202 - a transformers fast tokenizer
 
 
 def write_tiny_model(directory: str | Path, seed: int = 0, layers: int = 2, max_positions: int = 1024,
-                     chat_template: str | None = None) -> Path:
-    """Writes a seeded random Llama (2 KV heads, GQA 2) and its tokenizer (with ``chat_template``, e.g.
-    ``CHAT_TEMPLATE``, when given); returns the directory."""
+                     chat_template: str | None = None, kv_heads: int = 2, group: int = 2) -> Path:
+    """Writes a seeded random Llama (``kv_heads`` KV heads of ``group`` query heads each, 16 dimensions a
+    head) and its tokenizer (with ``chat_template``, e.g. ``CHAT_TEMPLATE``, when given); returns the
+    directory. Two of them with other depths and head counts share the tokenizer: a SpecAttn draft pair."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,8 +44,9 @@ def write_tiny_model(directory: str | Path, seed: int = 0, layers: int = 2, max_
     tok = _tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    cfg = LlamaConfig(vocab_size=128, hidden_size=16 * kv_heads * group, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=kv_heads * group, num_key_value_heads=kv_heads,
+                      head_dim=16,
                       max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=False,
                       eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)

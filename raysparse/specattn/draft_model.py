@@ -135,10 +135,16 @@ class SeparateDraft:
     """A separate draft model with its own paged KV cache (``cache_tokens`` tokens) on ``model``'s device."""
 
     def __init__(self, model: LlamaForCausalLM, verifier_cfg: ModelConfig, key: str, cache_tokens: int,
-                 page_size: int = 16, tokenizer: Any | None = None) -> None:
+                 page_size: int = 16, tokenizer: Any | None = None,
+                 head_range: tuple[int, int] | None = None) -> None:
         check_draft_compatible(verifier_cfg, model.cfg, None, None, key)
         self.model, self.key, self.tokenizer = model, key, tokenizer
         self.verifier_kv_heads = verifier_cfg.num_kv_heads
+        # A verifier shard plans over its own KV heads only: the rows are cut to them (whole model: all).
+        lo, hi = head_range if head_range is not None else (0, verifier_cfg.num_kv_heads)
+        if not 0 <= lo < hi <= verifier_cfg.num_kv_heads:
+            raise ValueError(f"head_range {head_range} is outside the verifier's {verifier_cfg.num_kv_heads} KV heads")
+        self.head_range = (lo, hi)
         self.verifier_layers = verifier_cfg.num_layers
         self.layers = tuple(range(model.cfg.num_layers))
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -218,17 +224,49 @@ class SeparateDraft:
                     out.q[i].append(qs[pos])
                 cur[i] = toks[pos]
                 for d in needed:
-                    out.rows[i][d].append(to_verifier_heads(probe.take(d, sids[i]), self.verifier_kv_heads))
+                    out.rows[i][d].append(self._verifier_rows(probe.take(d, sids[i])))
         return out
 
+    def _verifier_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.head_range
+        return to_verifier_heads(rows, self.verifier_kv_heads)[lo:hi]
+
+    @torch.inference_mode()
+    def teacher_rows(self, seq_id: int, tokens: Sequence[int], needed: Sequence[int]) -> dict[int, list[torch.Tensor]]:
+        """Feeds ``tokens`` one decode step each (teacher-forced: the true tokens, not the draft's own) after
+        the sequence's cached tokens, recording the rows of the draft layers ``needed``; the tokens stay in
+        the cache as verified. What the eval's decode perplexity plans its verification chunks from."""
+        probe = AttentionProbe(self.num_layers, needed)
+        rows: dict[int, list[torch.Tensor]] = {d: [] for d in needed}
+        for t in tokens:
+            ids = torch.tensor([t], dtype=torch.long, device=self.device)
+            self.model(ids, self.cache.prepare([seq_id], [1], False), self.cache, probe)
+            for d in needed:
+                rows[d].append(self._verifier_rows(probe.take(d, seq_id)))
+        self._verified[seq_id] = self.cache.seq_len(seq_id)
+        return rows
+
+    @torch.inference_mode()
+    def feed(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Runs verified ``tokens`` after the sequence's cached ones (dense, through the full draft)."""
+        if tokens:
+            ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+            self.model(ids, self.cache.prepare([seq_id], [len(tokens)], True), self.cache, self.dense)
+        self._verified[seq_id] = self.cache.seq_len(seq_id)
+
     def kv_reads(self, ctx_len: int) -> float:
-        """Keys one draft step reads over a context of ``ctx_len`` (x KV heads, every draft layer)."""
-        return float(ctx_len) * self.model.num_kv_heads * self.num_layers
+        """Keys one draft step reads over a context of ``ctx_len`` (x KV heads, every draft layer). A draft
+        beside a verifier shard runs whole on every shard of the group: each counts the share of its verifier
+        KV heads, so the sum over the shards is one draft's reads."""
+        lo, hi = self.head_range
+        return float(ctx_len) * self.model.num_kv_heads * self.num_layers * (hi - lo) / self.verifier_kv_heads
 
 
 def load_separate_draft(path: str, verifier_cfg: ModelConfig, verifier_tokenizer: Any | None, cache_tokens: int,
-                        dtype: torch.dtype, device: str | torch.device, page_size: int = 16) -> SeparateDraft:
-    """Loads the checkpoint at ``path`` as a draft for the verifier, checking its vocabulary and tokenizer."""
+                        dtype: torch.dtype, device: str | torch.device, page_size: int = 16,
+                        head_range: tuple[int, int] | None = None) -> SeparateDraft:
+    """Loads the checkpoint at ``path`` as a draft for the verifier, checking its vocabulary and tokenizer
+    (``head_range``: the verifier KV heads its rows are cut to, a tensor-parallel shard's own)."""
     from raysparse.loader import ModelNotFoundError, load_hf_config, load_model, resolve_source
 
     try:
@@ -239,4 +277,4 @@ def load_separate_draft(path: str, verifier_cfg: ModelConfig, verifier_tokenizer
     tok = _tokenizer_or_none(src)
     check_draft_compatible(verifier_cfg, ModelConfig.from_hf(hf), verifier_tokenizer, tok, repr(path))
     model = load_model(src, dtype=dtype, device=device, hf_config=hf)
-    return SeparateDraft(model, verifier_cfg, draft_key(path), cache_tokens, page_size, tok)
+    return SeparateDraft(model, verifier_cfg, draft_key(path), cache_tokens, page_size, tok, head_range)

@@ -6,6 +6,12 @@ window is probed on every shard of one replica (the draft and the verifier atten
 KV heads, ``layer_map.window_similarity``), the shards' similarity sums are added in rank order and the
 windows' in window order (``layer_map.map_from_sums``), so the map is the same whatever the number of
 replicas, and that of one process up to float rounding under tensor parallelism.
+
+With ``--draft-model PATH`` the map is that of a separate draft model (another depth and head count): every
+shard loads the draft whole and probes both models on the window (``layer_map.cross_window_similarity``,
+the draft's rows averaged per KV group and mapped onto the shard's verifier KV heads); the map is saved next
+to the verifier under the draft's key (``draft_model.draft_key``), where ``raysparse run``, ``serve`` and
+``eval`` look it up.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 import torch
 
-from raysparse.cli import DEVICES, _add_cluster_args, _Parser, _positive_int
+from raysparse.cli import DEVICES, _add_cluster_args, _Parser, _positive_int, add_draft_model_arg, check_draft_model
 
 PROG = "raysparse specattn-map"
 
@@ -46,7 +52,8 @@ def build_map_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="PATH", help="where to write the JSON map (default: in the model directory, "
                                                  "or the raysparse cache when that is not writable)")
     p.add_argument("--draft-layers", type=_layers, default=None, metavar="I,J,...",
-                   help="the draft's verifier layers (default: all but the middle third)")
+                   help="the self-speculative draft's verifier layers (default: all but the middle third)")
+    add_draft_model_arg(p)
     p.add_argument("--windows", type=_positive_int, default=4, help="text windows probed")
     p.add_argument("--tokens", type=_positive_int, default=1024, help="tokens per window")
     p.add_argument("--steps", type=_positive_int, default=8,
@@ -69,9 +76,34 @@ def _shard_window(worker: Any, window: list[int], draft: tuple[int, ...], steps:
     return s.cpu(), n
 
 
-def measure_on_engine(engine: Any, windows: Sequence[list[int]], draft: tuple[int, ...], steps: int,
+_DRAFTS: dict[tuple[int, str], Any] = {}  # per shard actor process: (worker, draft path) -> the loaded draft
+
+
+def _shard_cross_window(worker: Any, window: list[int], draft_path: str, steps: int,
+                        threads: int | None) -> tuple[torch.Tensor, int]:
+    from raysparse.loader import load_model, resolve_source
+    from raysparse.specattn.layer_map import cross_window_similarity
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model = worker.executor.model
+    key = (id(worker), draft_path)
+    if key not in _DRAFTS:  # loaded once per shard, in the verifier's dtype and on its device
+        w = model.lm_head.weight
+        _DRAFTS[key] = load_model(resolve_source(draft_path), dtype=w.dtype, device=w.device)
+    s, n = cross_window_similarity(model, _DRAFTS[key], window, steps)
+    return s.cpu(), n
+
+
+def _shard_forget_draft(worker: Any) -> None:
+    for key in [k for k in _DRAFTS if k[0] == id(worker)]:
+        del _DRAFTS[key]
+
+
+def measure_on_engine(engine: Any, windows: Sequence[list[int]], draft: tuple[int, ...] | str, steps: int,
                       threads: int | None = None) -> list[tuple[torch.Tensor, int]]:
-    """Every window's similarity sums over the whole model, the windows spread over the replicas."""
+    """Every window's similarity sums over the whole model, the windows spread over the replicas. ``draft``:
+    the self-speculative draft's layers, or a separate draft model's path."""
     groups = [r.group for r in engine.runners]
     parts: list[tuple[torch.Tensor, int] | None] = [None] * len(windows)
     lock = threading.Lock()
@@ -84,8 +116,8 @@ def measure_on_engine(engine: Any, windows: Sequence[list[int]], draft: tuple[in
                 if i >= len(windows):
                     return
                 state["next"] = i + 1
-            shards = group.call("__ray_call__", _shard_window, list(windows[i]), draft, steps, threads,
-                                timeout_s=None)
+            fn = _shard_cross_window if isinstance(draft, str) else _shard_window
+            shards = group.call("__ray_call__", fn, list(windows[i]), draft, steps, threads, timeout_s=None)
             total, terms = shards[0][0].clone(), shards[0][1]
             for s, n in shards[1:]:  # rank order: each shard holds its own KV heads
                 total, terms = total + s, terms + n
@@ -94,6 +126,9 @@ def measure_on_engine(engine: Any, windows: Sequence[list[int]], draft: tuple[in
     with ThreadPoolExecutor(max_workers=len(groups)) as pool:
         for f in [pool.submit(work, g) for g in groups]:
             f.result()
+    if isinstance(draft, str):
+        for g in groups:
+            g.call("__ray_call__", _shard_forget_draft)
     return parts  # type: ignore[return-value]
 
 
@@ -104,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from raysparse.config import parse_dtype
         from raysparse.eval.distributed import ClusterOptions, check_tp, running_engine
         from raysparse.specattn.draft import default_draft_layers, validate_draft_layers
-        from raysparse.specattn.layer_map import map_from_sums, save_layer_map, text_windows
+        from raysparse.specattn.draft_model import draft_key
+        from raysparse.specattn.layer_map import cross_map_from_sums, map_from_sums, save_layer_map, text_windows
         from raysparse.workload import load_haystack_text
 
         parse_dtype(args.dtype)
@@ -115,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"{flag} {value!r}: no such file or directory")
         if args.device not in DEVICES:
             raise ValueError(f"--device {args.device!r}: the shards take {', '.join(DEVICES)}")
+        if args.draft_model is not None and args.draft_layers is not None:
+            raise ValueError("--draft-layers picks the self-speculative draft's layers; a --draft-model uses all "
+                             "of its own")
+        check_draft_model(args.model, args.draft_model, ["specattn"])
         cluster = ClusterOptions(tp=args.tp, replicas=args.replicas, address=args.address,
                                  cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
         text, source = load_haystack_text(args.text)
@@ -126,16 +166,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             if engine.tokenizer is None:
                 raise ValueError("the model has no tokenizer; the map is measured on text")
             L = mc.num_layers
-            draft = validate_draft_layers(default_draft_layers(L) if args.draft_layers is None else args.draft_layers,
-                                          L)
             windows = text_windows(engine.tokenizer, text, args.windows, args.tokens)
-            parts = measure_on_engine(engine, windows, draft, args.steps, cluster.shard_threads())
-        lm = map_from_sums(parts, L, draft, args.steps, source, [len(w) for w in windows])
+            if args.draft_model is None:
+                draft = validate_draft_layers(default_draft_layers(L) if args.draft_layers is None
+                                              else args.draft_layers, L)
+                parts = measure_on_engine(engine, windows, draft, args.steps, cluster.shard_threads())
+            else:
+                parts = measure_on_engine(engine, windows, str(Path(args.draft_model).expanduser().resolve()),
+                                          args.steps, cluster.shard_threads())
+        lens = [len(w) for w in windows]
+        if args.draft_model is None:
+            lm = map_from_sums(parts, L, draft, args.steps, source, lens)
+        else:
+            lm = cross_map_from_sums(parts, L, parts[0][0].shape[0], draft_key(args.draft_model), args.steps,
+                                     source, lens)
         path = save_layer_map(lm, path=args.out, model_dir=model_dir)
     except (ValueError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
         print(f"{PROG}: error: {e}".splitlines()[0], file=sys.stderr)
         return 1
-    print(f"layer map ({len(windows)} windows x {args.tokens} tokens, {source}; TP={args.tp} x {args.replicas} "
-          f"replica(s)) -> {path}")
+    which = f"draft model {lm.draft}" if lm.draft else "self-speculative draft"
+    print(f"layer map for the {which} ({len(windows)} windows x {args.tokens} tokens, {source}; TP={args.tp} x "
+          f"{args.replicas} replica(s)) -> {path}")
     print("verifier -> draft: " + " ".join(f"{j}:{d}" for j, d in enumerate(lm.mapping)))
     return 0
