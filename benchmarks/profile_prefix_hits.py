@@ -47,7 +47,8 @@ def main() -> int:
         sp = {"max_new_tokens": 2}
         first = doc + torch.randint(100, 1000, (40,), generator=g).tolist()
         t = time.perf_counter()
-        res = ex.execute(StepPlan(key, True, [0], [first], admit=[(0, len(first) + 2, sp, list(range(doc_pages + 2)), 0)]))
+        admit = [(0, len(first) + 2, sp, list(range(doc_pages + 2)), 0)]
+        res = ex.execute(StepPlan(key, True, [0], [first], admit=admit))
         assert res["error"] is None, res["error"]
         t_first = time.perf_counter() - t
         nxt, times = doc_pages + 2, []

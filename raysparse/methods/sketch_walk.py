@@ -14,6 +14,13 @@ The batched decode seam (``decode_select``, captured in CUDA graphs): its state 
 ``sketch_walk_rows`` for ``GRAPH_DECODE``'s scoring and ``sketch_walk_parts`` for the paired modes
 (``RuntimeConfig.sw_graph_paired`` False decodes them per sequence).
 
+The batched prefill seam (``prefill_select``): for one-hop with per-KV-head sketches (the default; heads
+pair-lse, pair or kv) ``sketch_walk_batch`` selects the whole step in launches that do not grow with the
+batch, from block sums kept per page (a sequence's metadata then holds only ``n``; per-sequence readers
+rebuild the dict layout from its pages, ``sketch_walk_prefix.adopt_prefix``). The walks that chain layers
+(rollout, product) and SPEC's head mean select per sequence (``prefill_select_per_sequence``, also the
+batched path's test oracle).
+
 The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
 every mode are in docs/sketch_walk.md.
 """

@@ -190,6 +190,7 @@ def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view
     P, r = cfg.sub_blocks, srht.sketch_dim
     rows = step_rows(method, view)
     enter_step(method, view)
+    method._cache = view.cache  # per-sequence readers find the pages there (a bound backend's own cache)
     k_new = view.new_keys()  # [T, h_kv, d]
     T, hs, d = k_new.shape
     R = rows.row_page.numel()
