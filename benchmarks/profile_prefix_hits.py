@@ -79,15 +79,19 @@ def main() -> int:
             nxt -= a.questions
         print(f"\n== {method}: whole prefill {t_first:.3f} s; {a.questions} hits in one step: "
               f"{times[0]:.3f} s, then {times[1]:.3f} s")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=a.rows, max_name_column_width=60))
-        summary.append((method, t_first, *times))
+        avg = prof.key_averages()
+        print(avg.table(sort_by="cpu_time_total", row_limit=a.rows, max_name_column_width=60))
+        # every aten call (nested ones included) and, on GPUs, every kernel launch of the profiled step
+        ops = sum(e.count for e in avg if e.key.startswith("aten::"))
+        launches = sum(e.count for e in avg if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        summary.append((method, t_first, *times, ops, launches))
         ex.free([0])
         del ex, cache
         if dev == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{'method':<14}{'whole s':>9}{'hits 1 s':>10}{'hits 2 s':>10}")
-    for m, f, h1, h2 in summary:
-        print(f"{m:<14}{f:>9.3f}{h1:>10.3f}{h2:>10.3f}")
+    print(f"\n{'method':<14}{'whole s':>9}{'hits 1 s':>10}{'hits 2 s':>10}{'aten ops':>10}{'launches':>10}")
+    for m, f, h1, h2, ops, launches in summary:
+        print(f"{m:<14}{f:>9.3f}{h1:>10.3f}{h2:>10.3f}{ops:>10}{launches:>10}")
     return 0
 
 

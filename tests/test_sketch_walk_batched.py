@@ -153,3 +153,57 @@ def test_rollout_and_head_mean_stay_per_sequence():
     assert not batched_mode(SketchWalkConfig(density=0.5, walk="rollout", decode_unit="block"))
     assert not batched_mode(SketchWalkConfig(density=0.5, heads="mean", sub_blocks=1, decode_unit="block"))
     assert batched_mode(SketchWalkConfig(density=0.5))
+
+
+@pytest.mark.parametrize("heads", ["pair-lse", "pair"])
+def test_batched_prefill_under_tensor_parallelism_reduces_once_and_matches_one_device(heads):
+    """Two shards of one KV head each: per layer one ``head_reduce`` of the whole batch's partials, and both
+    shards select what one device selects (a ragged batch: a fresh prompt, a chunk continuing one)."""
+    from raysparse.config import ModelConfig
+    from raysparse.methods.base import PrefillView
+    from raysparse.methods.sketch_walk import SketchWalk
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    cfg = ModelConfig(vocab_size=97, hidden_size=96, intermediate_size=80, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=24, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    kw = dict(block_size=8, sketch_dim=16, dense_layers=(0,), density=0.4, heads=heads, sub_blocks=2, seed=seed)
+    steps = [[(0, 45), (1, 20)], [(1, 17), (2, 3)]]  # (sequence, new tokens) per step
+    qk = [(torch.randn(sum(n for _, n in s), 4, 24, generator=g), torch.randn(sum(n for _, n in s), 2, 24,
+                                                                             generator=g)) for s in steps]
+
+    def run(method: SketchWalk, heads_of: slice, kv_of: slice, kv_heads: int) -> list[torch.Tensor]:
+        cache = KVCache(cfg, 24, 8, num_kv_heads=kv_heads)
+        for sid in (0, 1, 2):
+            cache.allocate(sid, 40 if sid == 1 else 48)
+        out = []
+        for s, (q, k) in zip(steps, qk, strict=True):
+            batch = cache.prepare([sid for sid, _ in s], [n for _, n in s], True)
+            cache.write(1, k[:, kv_of], k[:, kv_of], batch)
+            view = PrefillView.of(1, batch, cache)
+            out.append(method.prefill_select(1, q[:, heads_of].contiguous(), view).indices[0])
+        return out
+
+    want = run(SketchWalk(cfg, SketchWalkConfig(**kw)), slice(None), slice(None), 2)
+    reference = SketchWalk(cfg, SketchWalkConfig(**kw))
+    reference.prefill_reference = True
+    for gsel, wsel in zip(run(reference, slice(None), slice(None), 2), want, strict=True):
+        assert torch.equal(gsel, wsel) or _ties_only(gsel, wsel), f"seed {seed}: one device, against the reference"
+    shards = [SketchWalk(cfg, SketchWalkConfig(**kw)) for _ in range(2)]
+    sent: list[list[torch.Tensor]] = [[], []]
+    peer: list[list[torch.Tensor]] = [[], []]
+    for rank, sh in enumerate(shards):
+        def reduce(x: torch.Tensor, rank: int = rank) -> torch.Tensor:
+            sent[rank].append(x)
+            return x + peer[rank].pop(0) if peer[rank] else x
+        sh.head_reduce = reduce
+    parts = [(slice(2 * r, 2 * r + 2), slice(r, r + 1)) for r in range(2)]
+    for rank in range(2):  # pass 1: each shard's partials
+        run(shards[rank], *parts[rank], 1)
+    assert [len(x) for x in sent] == [len(steps)] * 2, f"seed {seed}: one reduce per layer and step"
+    peer[0], peer[1] = sent[1][:], sent[0][:]
+    for rank in range(2):  # pass 2: each reduce with the peer's partial of the same call
+        got = run(shards[rank], *parts[rank], 1)
+        for gsel, wsel in zip(got, want, strict=True):
+            assert torch.equal(gsel, wsel), f"seed {seed}, rank {rank}"
