@@ -61,7 +61,7 @@ class StepRows:
     key blocks each."""
 
     tok_row: torch.Tensor  # [T] each new token's packed query block
-    tok_part: torch.Tensor  # [T] its packed key part (R * P of them)
+    tok_part: torch.Tensor  # [T] its packed key part's row in the step's sums (after R + S' query rows)
     last_tok: torch.Tensor  # [S'] the last new token of each sequence whose last row its own query scores
     row_page: torch.Tensor  # [R] each packed block's page
     row_old: torch.Tensor  # [R, 1] bool: the block held tokens before this step (its sums add)
@@ -151,7 +151,7 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
     cat = torch.cat
     i64 = dict(dtype=torch.int64)
     return StepRows(
-        tok_row=cat(tok_row).to(dev), tok_part=cat(tok_part).to(dev),
+        tok_row=cat(tok_row).to(dev), tok_part=(cat(tok_part) + len(row_page) + len(last_tok)).to(dev),
         last_tok=torch.tensor(last_tok, **i64).to(dev), row_page=torch.tensor(row_page, **i64).to(dev),
         row_old=torch.tensor(row_old)[:, None].to(dev),
         row_cnt=torch.tensor(row_cnt, dtype=torch.float32)[:, None, None].to(dev),
@@ -199,7 +199,7 @@ def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view
     n_tok = rows.last_tok.numel()
     sums = torch.zeros(R + n_tok + R * P, hs, d, device=q.device)
     sums.index_add_(0, rows.tok_row, q_avg)
-    sums.index_add_(0, rows.tok_part + R + n_tok, k_new.float())
+    sums.index_add_(0, rows.tok_part, k_new.float())
     sums[R: R + n_tok] = q_avg[rows.last_tok]
     new = srht.apply(sums)  # [R + S' + R * P, hs, r]
 
