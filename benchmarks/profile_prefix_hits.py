@@ -22,6 +22,10 @@ def main() -> int:
     ap.add_argument("--methods", default="dense,sketch_walk")
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--rows", type=int, default=25, help="profiler table rows")
+    ap.add_argument("--select-ops", action="store_true",
+                    help="also count the aten ops each layer's prefill selection dispatches in the profiled step")
+    ap.add_argument("--reference", action="store_true",
+                    help="Sketch&Walk selects per sequence (its batched selection's reference)")
     a = ap.parse_args()
     from raysparse.kv_cache import KVCache
     from raysparse.loader import build_model, load_hf_config, resolve_source
@@ -44,6 +48,12 @@ def main() -> int:
         key = method_key(method, {} if method == "dense" else {"density": a.density})
         cache = KVCache(model.cfg, doc_pages + 2 + 2 * a.questions * 2 + 4, page, dtype, dev)
         ex = ShardExecutor(model, cache)
+        select_ops: list[int] = []
+        if method != "dense":
+            backend = ex.backend(key)
+            backend.prefill_reference = a.reference
+            if a.select_ops:
+                backend.prefill_select = counted(backend.prefill_select, select_ops)
         sp = {"max_new_tokens": 2}
         first = doc + torch.randint(100, 1000, (40,), generator=g).tolist()
         t = time.perf_counter()
@@ -64,6 +74,7 @@ def main() -> int:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                           + ([torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else []))
             if rnd:
+                select_ops.clear()
                 prof.__enter__()
             if dev == "cuda":
                 torch.cuda.synchronize()
@@ -79,16 +90,42 @@ def main() -> int:
             nxt -= a.questions
         print(f"\n== {method}: whole prefill {t_first:.3f} s; {a.questions} hits in one step: "
               f"{times[0]:.3f} s, then {times[1]:.3f} s")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=a.rows, max_name_column_width=60))
-        summary.append((method, t_first, *times))
+        avg = prof.key_averages()
+        print(avg.table(sort_by="cpu_time_total", row_limit=a.rows, max_name_column_width=60))
+        # every aten call (nested ones included) and, on GPUs, every kernel launch of the profiled step
+        ops = sum(e.count for e in avg if e.key.startswith("aten::"))
+        launches = sum(e.count for e in avg if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        summary.append((method, t_first, *times, ops, launches))
+        if select_ops:
+            print(f"{method}: aten ops per layer's prefill selection in the profiled step: {select_ops}")
         ex.free([0])
         del ex, cache
         if dev == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{'method':<14}{'whole s':>9}{'hits 1 s':>10}{'hits 2 s':>10}")
-    for m, f, h1, h2 in summary:
-        print(f"{m:<14}{f:>9.3f}{h1:>10.3f}{h2:>10.3f}")
+    print(f"\n{'method':<14}{'whole s':>9}{'hits 1 s':>10}{'hits 2 s':>10}{'aten ops':>10}{'launches':>10}")
+    for m, f, h1, h2, ops, launches in summary:
+        print(f"{m:<14}{f:>9.3f}{h1:>10.3f}{h2:>10.3f}{ops:>10}{launches:>10}")
     return 0
+
+
+def counted(select, into: list[int]):
+    """``select`` wrapped to append the number of aten ops each call dispatches to ``into``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def run(*args, **kwargs):
+        with Count() as c:
+            out = select(*args, **kwargs)
+        into.append(c.n)
+        return out
+
+    return run
 
 
 if __name__ == "__main__":

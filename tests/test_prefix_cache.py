@@ -268,6 +268,7 @@ def test_sketch_walk_state_from_a_cached_prefix_equals_a_whole_prefill(mode):
     from helpers import tiny_model
 
     from raysparse.kv_cache import KVCache
+    from raysparse.methods.sketch_walk_prefix import sequence_state
     from raysparse.shard_executor import ShardExecutor
     from raysparse.step_plan import StepPlan
 
@@ -295,7 +296,8 @@ def test_sketch_walk_state_from_a_cached_prefix_equals_a_whole_prefill(mode):
     for layer in range(model.cfg.num_layers):
         if backend.is_dense_layer(layer):
             continue
-        st_got, st_want = cached.cache.metadata[layer][1], whole.cache.metadata[layer][1]
+        st_got = sequence_state(backend, cached.cache, layer, 1)
+        st_want = sequence_state(whole.backend(key), whole.cache, layer, 1)
         assert st_got["n"] == st_want["n"] == len(b)
         for name in ("qs", "ks") + (("a_hat",) if walks_prefix else ()):
             torch.testing.assert_close(st_got[name].float(), st_want[name].float(), rtol=1e-5, atol=1e-5,

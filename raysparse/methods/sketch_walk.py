@@ -14,6 +14,13 @@ The batched decode seam (``decode_select``, captured in CUDA graphs): its state 
 ``sketch_walk_rows`` for ``GRAPH_DECODE``'s scoring and ``sketch_walk_parts`` for the paired modes
 (``RuntimeConfig.sw_graph_paired`` False decodes them per sequence).
 
+The batched prefill seam (``prefill_select``): for one-hop with per-KV-head sketches (the default; heads
+pair-lse, pair or kv) ``sketch_walk_batch`` selects the whole step in launches that do not grow with the
+batch, from block sums kept per page (a sequence's metadata then holds only ``n``; per-sequence readers
+rebuild the dict layout from its pages, ``sketch_walk_prefix.adopt_prefix``). The walks that chain layers
+(rollout, product) and SPEC's head mean select per sequence (``prefill_select_per_sequence``, also the
+batched path's test oracle).
+
 The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
 every mode are in docs/sketch_walk.md.
 """
@@ -45,6 +52,7 @@ from raysparse.methods.base import (
 from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
+from raysparse.methods.sketch_walk_batch import batched_mode, prefill_select_batched
 from raysparse.methods.sketch_walk_config import (
     DECODE_UNITS,
     GRAPH_DECODE,
@@ -219,6 +227,8 @@ class SketchWalk(SparseMethod):
         r = self.srht.sketch_dim
         per_head = cfg.heads != "mean"
         hs = k_new.shape[0] if per_head else 1
+        if st.get("paged") and q0 > 0:  # the batched prefill's page-indexed state, in this path's layout
+            adopt_prefix(self, ctx, self._cache, self._cache.page_table(ctx.seq_id))
         if q0 == 0:  # a new sequence (or a re-prefill): start this layer's sketches afresh
             shape = (0, hs, r) if per_head else (0, r)
             st.update(qs=torch.zeros(shape, device=dev), ks=torch.zeros(shape, device=dev),
@@ -405,7 +415,7 @@ class SketchWalk(SparseMethod):
         sketches hold every earlier token, so nothing of the context is read. With the sequence's cache pages,
         its blocks' sums are also kept per page, and a prompt that starts from a cached prefix rebuilds its
         state from them first (the prefix cache)."""
-        if pages is not None and ctx.q_start > 0 and "n" not in ctx.state:
+        if pages is not None and ctx.q_start > 0 and ("n" not in ctx.state or ctx.state.get("paged")):
             adopt_prefix(self, ctx, cache, pages)
         qb0, nb, token_row = self._update_sketch(ctx, q, k_new)
         if pages is not None:
@@ -414,9 +424,20 @@ class SketchWalk(SparseMethod):
         idx = indices_from_mask(mask, width)  # [H, nqb, width]
         return BlockSelection(idx.expand(k_new.shape[0], -1, -1), self.config.block_size)
 
+    # Tests set it to run the per-sequence reference where the batched selection would serve.
+    prefill_reference = False
+
     def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
+        """The batch's selection: ``sketch_walk_batch`` (launches that do not grow with the batch) for the modes
+        it serves (one-hop, per-KV-head sketches: the default), else per sequence."""
+        if batched_mode(self.config) and not self.prefill_reference:
+            return prefill_select_batched(self, layer, q, view)
+        return self.prefill_select_per_sequence(layer, q, view)
+
+    def prefill_select_per_sequence(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
         """Each sequence's ``_prefill_rows`` from the step's packed new keys (its state is per sequence: block
-        sketches, A_hat rows and the walk), packed for the batch's one varlen attend."""
+        sketches, A_hat rows and the walk), packed for the batch's one varlen attend: the path of the modes the
+        batched selection does not serve, and its test oracle."""
         k_new, cu = view.new_keys(), view.batch.cu_q
         return view.pack([self._prefill_rows(view.context(i, self._seq_state), q[cu[i]: cu[i + 1]],
                                              k_new[cu[i]: cu[i + 1]].transpose(0, 1), view.cache,

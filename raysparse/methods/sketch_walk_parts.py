@@ -133,6 +133,10 @@ class PartsDecode(RowsDecode):
         pages = torch.tensor(cache.page_list(sid), device=dev)
         for layer, li in self.index.items():
             st = cache.metadata[layer].get(sid)
+            if st is not None and st.get("paged"):  # the batched prefill kept its key parts in these very sums
+                st.clear()
+                st["graph_pages"] = True
+                continue
             if st is None or "ks" not in st:
                 raise RuntimeError(f"sketch_walk: sequence {sid} has no sketches at layer {layer}; prefill first")
             src = st["ks"]  # [nb * P, h_kv, r]: the reference's rows, block by block

@@ -48,14 +48,20 @@ def store_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: tor
 def adopt_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: torch.Tensor) -> None:
     """This layer's state for a prompt whose first ``q_start`` tokens are cached pages: their blocks' sums from
     the pages, their A_hat rows recomputed where a walk reads them (as ``_update_sketch`` computes them: under
-    tensor parallelism the same all-reduce, on every shard)."""
+    tensor parallelism the same all-reduce, on every shard). Also how a per-sequence step rebuilds the batched
+    prefill's page-indexed state (``sketch_walk_batch``; its last block may be partial)."""
     from raysparse.methods.sketch_walk import block_counts
 
     cfg, q0 = method.config, ctx.q_start
     B, parts, r = cfg.block_size, cfg.sub_blocks, method.srht.sketch_dim
-    if q0 % B:
+    paged = ctx.state.get("paged")  # the batched prefill's state: the pages hold q_start tokens' sums
+    if paged and ctx.state["n"] != q0:
+        raise NotImplementedError(
+            f"sketch_walk: layer {ctx.layer} has sketches of {ctx.state['n']} tokens but the step starts at "
+            f"position {q0}; prefill must start at 0 or continue a sequence this backend has seen")
+    if q0 % B and not paged:
         raise RuntimeError(f"sketch_walk: a cached prefix of {q0} tokens does not end on a block")
-    nb = q0 // B
+    nb = -(-q0 // B)
     per_head = cfg.heads != "mean"
     hs = cache.num_kv_heads if per_head else 1
     qpool, kpool = prefix_pools(method, ctx.layer, cache, hs * r)
@@ -71,5 +77,18 @@ def adopt_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: tor
                                  ks / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0)
         causal = torch.ones(nb, nb, dtype=torch.bool, device=dev).tril()
         a_hat = rows.masked_fill(~causal, 0.0).to(torch.bfloat16)
+    ctx.state.pop("paged", None)
     ctx.state.update(qs=qs if per_head else qs[:, 0], ks=ks if per_head else ks[:, 0],
                      a_hat=a_hat if cfg.heads == "kv" else a_hat.view(nb, nb), n=q0)
+
+
+def sequence_state(method: SketchWalk, cache: KVCache, layer: int, seq_id: int) -> dict:
+    """A sequence's state at ``layer`` in the per-sequence layout (qs, ks, a_hat, n), whichever path kept it:
+    the batched prefill's page-indexed state is read from its pages (A_hat zero, as one hop never reads it);
+    the metadata itself is left as it is."""
+    st = cache.metadata[layer][seq_id]
+    if not st.get("paged"):
+        return st
+    ctx = SeqContext(layer, seq_id, st["n"], st["n"], dict(st))
+    adopt_prefix(method, ctx, cache, cache.page_table(seq_id))
+    return ctx.state
