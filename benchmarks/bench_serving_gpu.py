@@ -7,7 +7,8 @@ record with every method's metrics and their ratios to dense measured the same w
     python benchmarks/bench_serving_gpu.py                       # the GPU machine (~15 min)
     python benchmarks/bench_serving_gpu.py --quick               # a tiny random model on CPU (the dry run)
 
-Options pass through: ``--methods sketch_walk:0.1,psaw:0.1`` (method:density), ``--prompt-len``,
+Options pass through: ``--methods sketch_walk:0.1,psaw`` (method:density, or a method without a budget alone),
+``--prompt-len``,
 ``--num-prompts``, ``--output-len``, ``--max-concurrency``, ``--tokenizer`` (a local tokenizer directory, where
 the embedded model is not installed), ``--out``.
 """
@@ -43,7 +44,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny random model on CPU: checks the script end to end")
     p.add_argument("--model", default=str(ROOT / "configs" / "llama-3.1-8b"))
-    p.add_argument("--methods", default="sketch_walk:0.1,psaw:0.1", help="sparse METHOD:DENSITY list")
+    p.add_argument("--methods", default="sketch_walk:0.1,psaw", help="sparse METHOD[:DENSITY] list")
     p.add_argument("--prompt-len", type=int, default=32768)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--output-len", type=int, default=128)
@@ -62,7 +63,9 @@ def main() -> int:
 
         model = str(write_tiny_model(Path(tempfile.mkdtemp()) / "tiny", max_positions=4096))
         a.prompt_len, a.num_prompts, a.output_len = min(a.prompt_len, 512), min(a.num_prompts, 4), min(a.output_len, 8)
-    runs = [("dense", None)] + [(m.split(":")[0], float(m.split(":")[1])) for m in a.methods.split(",") if m]
+    # METHOD:DENSITY, or METHOD alone for a method without a density budget (psaw, etf)
+    runs = [("dense", None)] + [(m.partition(":")[0], float(m.partition(":")[2]) if ":" in m else None)
+                                for m in a.methods.split(",") if m]
     results = {}
     for method, density in runs:
         tag = method if density is None else f"{method}_d{density:g}"
