@@ -26,9 +26,11 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
   meter cannot derive it from the length as it does for the other methods).
 
 The reference scores every head every step (then keeps the retrieved or shared set with ``torch.where``),
-so it is sync-free but not cheaper than the oracle; skipping the scoring of sharing heads is the fast
-path's job. State per layer and sequence (``ctx.state``): anchor queries [s, h_kv, g d], anchor sets
-[s, h_kv, k + 2 r m] (int64) and which slots hold an anchor of the current block.
+so it is sync-free but not cheaper than the oracle. The batched step on the CPU scores only the (row, KV
+head) pairs that retrieve (one host read of which share, free there; ``_retrieve``); on GPUs it keeps the
+fixed shapes a captured graph needs and scores every pair. State per layer and sequence (``ctx.state``):
+anchor queries [s, h_kv, g d], anchor sets [s, h_kv, k + 2 r m] (int64) and which slots hold an anchor of
+the current block.
 
 Prefix caching (``prefix_state = "pages"``): CIS prefills densely and its state starts at the first decode
 step, so a prompt that starts from cached pages needs nothing rebuilt.
