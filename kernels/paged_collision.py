@@ -13,22 +13,29 @@ import torch
 
 from .common import tl, triton
 
-_TABLE_CHUNK = 8  # tables gathered at once by the PyTorch form (bounds its int64 index tensor)
+_GATHER_ELEMS = 1 << 18  # table entries gathered at once by the PyTorch form (bounds its int64 index tensor)
 
 
 def paged_collision_torch(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None,
                           page_table: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
-    b, h, tables, _ = probs.shape
+    # Pages are read with one index_select per chunk of pages and scored in their pool layout [B, pages, h, L,
+    # page] against the probabilities broadcast over the pages, every table at once: no permuted copy of the
+    # ids, and chunks small enough to stay in cache (1.6x faster on a CPU than table chunks over a permuted
+    # copy, measured at 4K tokens, 3 KV heads, 60 tables).
+    b, h, tables, r = probs.shape
     page = ids.shape[-1]
     width = page_table.shape[1]
-    rows = ids[page_table.long()]  # [B, W, h, L, page]
-    rows = rows.permute(0, 2, 3, 1, 4).reshape(b, h, tables, width * page)
-    score = torch.zeros(b, h, width * page, dtype=torch.float32, device=probs.device)
-    for t0 in range(0, tables, _TABLE_CHUNK):
-        t1 = min(tables, t0 + _TABLE_CHUNK)
-        score += probs[:, :, t0:t1].gather(-1, rows[:, :, t0:t1].long()).sum(2)
+    table = page_table.long()
+    score = torch.empty(b, width, h, page, dtype=torch.float32, device=probs.device)
+    step = max(1, _GATHER_ELEMS // max(1, b * h * tables * page))
+    for c0 in range(0, width, step):
+        c1 = min(width, c0 + step)
+        rows = ids.index_select(0, table[:, c0:c1].reshape(-1)).view(b, c1 - c0, h, tables, page)
+        pe = probs[:, None].expand(b, c1 - c0, h, tables, r)
+        torch.sum(pe.gather(-1, rows.long()), 3, out=score[:, c0:c1])
     if norms is not None:
-        score *= norms[page_table.long()].permute(0, 2, 1, 3).reshape(b, h, width * page)
+        score *= norms.index_select(0, table.reshape(-1)).view(b, width, h, page)
+    score = score.transpose(1, 2).reshape(b, h, width * page)
     j = torch.arange(width * page, device=probs.device)
     return score.masked_fill(j >= seqlens.long()[:, None, None], float("-inf"))
 

@@ -31,6 +31,8 @@ CASES = [
     ("socket_hard", {"density": 0.2, "sink_tokens": 8, "local_tokens": 16, "tables": 6, "planes": 4}),
     ("delta", {"base": "quest", "density": 0.2}),
     ("socket", {"top_k": 24, "sink_tokens": 4, "local_tokens": 4, "tables": 8, "value_norm": False}),
+    # a budget within the sinks and the local window at every length: no token scored, no collision computed
+    ("socket", {"density": 0.05, "sink_tokens": 8, "local_tokens": 16, "tables": 12}),
     ("cis", {"density": 0.15, "sink": 4, "local": 8, "share_block": 4, "threshold": 0.1}),
     ("cis", {"topk": 12, "sink": 2, "local": 3, "share_block": 5, "radius": 2, "threshold": 0.05}),
     ("cpe", {"start_layer": 1, "phi": 0.3, "density": 0.15, "sink": 4, "local": 8, "share_block": 4,

@@ -27,3 +27,86 @@ def test_cpu_block_sparse_prefill_matches_reference(n_q, n):
     got, lse = block_sparse_prefill_torch(q, k, v, sel.indices, b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+
+
+def _seed() -> int:
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    print(f"seed {seed}")
+    return seed
+
+
+def test_compact_matches_stable_sort_of_flags():
+    """CIS's list from a mask (a running count) against the stable sort it replaced, every element, on random
+    masks of every density, widths below and above the set count included."""
+    from raysparse.methods.cis import compact
+    from raysparse.methods.selection import SENTINEL
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    for n in (1, 7, 64, 300):
+        for p in (0.0, 0.05, 0.5, 1.0):
+            mask = torch.rand(3, 2, n, generator=g) < p
+            for width in (1, 5, n, n + 3):
+                flags, cols = mask.to(torch.uint8).sort(dim=-1, descending=True, stable=True)
+                want = torch.where(flags > 0, cols, SENTINEL).to(torch.int32)
+                want = torch.nn.functional.pad(want, (0, max(0, width - n)), value=SENTINEL)[..., :width]
+                assert torch.equal(compact(mask, width), want), f"seed {seed}: n {n} p {p} width {width}"
+
+
+def test_cis_retrieval_of_some_pairs_matches_all_pairs():
+    """The CPU's CIS retrieval of the retrieving (row, KV head) pairs alone gives, for those pairs, the same
+    entries as the fixed-shape retrieval of every pair (every element), and nothing valid for the others."""
+    from raysparse.kernels.formats import PagedKV
+    from raysparse.methods.cis import _retrieve
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    b, h_kv, grp, d, page, width = 3, 2, 3, 16, 8, 6
+    k = torch.randn(20, h_kv, page, d, generator=g)
+    table = torch.stack([torch.randperm(19, generator=g)[:width] for _ in range(b)]).to(torch.int32)
+    n = torch.randint(1, width * page + 1, (b,), generator=g)
+    kv = PagedKV(k, torch.randn_like(k), table, n.to(torch.int32))
+    wt = width * page
+    pos = torch.arange(wt)
+    inrange = pos < n[:, None]
+    allowed = inrange & (torch.rand(b, wt, generator=g) < 0.8)
+    q = torch.randn(b, h_kv * grp, d, generator=g)
+    want_order, want_ok = _retrieve(q, kv, wt, inrange, allowed, 11, None)
+    for rows in (torch.rand(b, h_kv, generator=g) < 0.5, torch.ones(b, h_kv, dtype=torch.bool),
+                 torch.zeros(b, h_kv, dtype=torch.bool)):
+        order, ok = _retrieve(q, kv, wt, inrange, allowed, 11, rows)
+        assert torch.equal(ok[rows], want_ok[rows]), f"seed {seed}"
+        assert torch.equal(torch.where(ok, order, -1)[rows], torch.where(want_ok, want_order, -1)[rows]), f"seed {seed}"
+        assert not ok[~rows].any(), f"seed {seed}"
+
+
+@pytest.mark.parametrize("tables,width,elems", [(60, 40, 1 << 18), (5, 3, 1 << 18), (13, 9, 3000), (60, 7, 1)])
+def test_paged_collision_torch_matches_per_sequence_scores(tables, width, elems, monkeypatch):
+    """SOCKET's paged CPU scorer (page chunks, every table at once) against the per-sequence reference
+    scorer over each row's gathered bucket ids and norms: every element (sums in another order: within
+    fp32 rounding), -inf past each row's length exactly."""
+    from raysparse.kernels import paged_collision
+    from raysparse.kernels.paged_collision import paged_collision_torch
+    from raysparse.kernels.scorer_reference import collision_scores_reference
+
+    monkeypatch.setattr(paged_collision, "_GATHER_ELEMS", elems)  # several page chunks at the small ones
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    b, h, page, planes = 3, 2, 16, 6
+    pages = b * width + 2
+    ids = torch.randint(0, 1 << planes, (pages + 1, h, tables, page), generator=g).to(torch.uint8)
+    norms = torch.rand(pages + 1, h, page, generator=g)
+    table = torch.randperm(pages, generator=g)[: b * width].view(b, width).to(torch.int32)
+    lens = torch.randint(1, width * page + 1, (b,), generator=g).to(torch.int32)
+    probs = torch.softmax(torch.randn(b, h, tables, 1 << planes, generator=g), -1)
+    for nrm in (norms, None):
+        got = paged_collision_torch(probs, ids, nrm, table, lens)
+        for i in range(b):
+            n = int(lens[i])
+            rows = ids[table[i].long()].permute(1, 2, 0, 3).reshape(h, tables, -1)[..., :n]
+            want = collision_scores_reference(probs[i], rows)
+            if nrm is not None:
+                want = want * nrm[table[i].long()].permute(1, 0, 2).reshape(h, -1)[:, :n]
+            torch.testing.assert_close(got[i, :, :n], want, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m, seed=seed: f"seed {seed}: {m}")
+            assert torch.isneginf(got[i, :, n:]).all(), f"seed {seed}"

@@ -26,9 +26,11 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
   meter cannot derive it from the length as it does for the other methods).
 
 The reference scores every head every step (then keeps the retrieved or shared set with ``torch.where``),
-so it is sync-free but not cheaper than the oracle; skipping the scoring of sharing heads is the fast
-path's job. State per layer and sequence (``ctx.state``): anchor queries [s, h_kv, g d], anchor sets
-[s, h_kv, k + 2 r m] (int64) and which slots hold an anchor of the current block.
+so it is sync-free but not cheaper than the oracle. The batched step on the CPU scores only the (row, KV
+head) pairs that retrieve (one host read of which share, free there; ``_retrieve``); on GPUs it keeps the
+fixed shapes a captured graph needs and scores every pair. State per layer and sequence (``ctx.state``):
+anchor queries [s, h_kv, g d], anchor sets [s, h_kv, k + 2 r m] (int64) and which slots hold an anchor of
+the current block.
 
 Prefix caching (``prefix_state = "pages"``): CIS prefills densely and its state starts at the first decode
 step, so a prompt that starts from cached pages needs nothing rebuilt.
@@ -303,10 +305,7 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     sinks, local = pos < cfg.sink, pos >= nn - cfg.local
     visible = (sinks | (pos >= visible_lo[:, None])) & inrange  # [B, W]
     allowed = visible & ~sinks & ~local
-    keys = kv.k[kv.page_table.long()].permute(0, 2, 1, 3, 4).reshape(b, h_kv, wt, d)  # every key of the bucket
-    logits = torch.matmul(q.float().view(b, h_kv, g, d), keys.float().transpose(-1, -2)).div(math.sqrt(d))
-    keyed = logits.masked_fill(~inrange[:, None, None, :], -math.inf).softmax(-1).sum(2)  # [B, h_kv, W]
-    order, ok = stable_top(keyed, allowed[:, None, :].expand(-1, h_kv, -1), max(kk_w, 1))
+    order, ok = _retrieve(q, kv, wt, inrange, allowed, max(kk_w, 1), None if q.is_cuda else ~share)
     rank = torch.arange(order.shape[-1], device=dev)
     top = torch.where(ok & (rank < kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
     # The dilation: the +-r neighbours of the top-m (offsets -r..-1, 1..r, as cis_step lists them).
@@ -337,5 +336,43 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     mask = ((sinks | local)[:, None, :] | middle) & visible[:, None, :]
     buf.counts[li].copy_(torch.stack([mask.sum((1, 2)), here.sum(1)], -1))
     out_width = max(min(wt, cfg.sink + cfg.local + min(kk_w + 2 * r * m_w, buf.sets.shape[-1])), 1)
-    flags, cols = mask.to(torch.uint8).sort(dim=-1, descending=True, stable=True)  # set entries first, ascending
-    return torch.where(flags[..., :out_width] > 0, cols[..., :out_width], SENTINEL).to(torch.int32)
+    return compact(mask, out_width)
+
+
+def compact(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [..., N] -> int32 [..., width]: the columns of the first ``width`` set entries, ascending, SENTINEL
+    after. A running count places each set entry (one pass), where a stable sort of the flags costs N log N."""
+    pos = mask.long().cumsum(-1) - 1
+    dst = torch.where(mask & (pos < width), pos, width)  # the rest land in a spare last column, dropped
+    cols = torch.arange(mask.shape[-1], dtype=torch.int32, device=mask.device).expand(mask.shape)
+    out = torch.full((*mask.shape[:-1], width + 1), SENTINEL, dtype=torch.int32, device=mask.device)
+    return out.scatter_(-1, dst, cols)[..., :width]
+
+
+def _retrieve(q: torch.Tensor, kv: PagedKV, wt: int, inrange: torch.Tensor, allowed: torch.Tensor, k: int,
+              rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle top-k of every (row, KV head) by exact probabilities over the row's keys (``stable_top`` of
+    the group-summed softmax): indices [B, h_kv, k] best first and whether each is allowed. ``rows`` [B, h_kv]
+    bool (None: all): which pairs need it; the others get no valid entry. Fixed shapes when ``rows`` is None
+    (the captured path); given (the CPU), only the retrieving pairs read their keys and are scored: a sharing
+    pair's retrieval is discarded by the step anyway, and each pair's scores are its own, so the kept ones
+    are the same bits."""
+    b, h, d = q.shape
+    h_kv, page = kv.k.shape[1], kv.k.shape[2]
+    g, width = h // h_kv, kv.page_table.shape[1]
+    pairs = torch.arange(b * h_kv, device=q.device) if rows is None else rows.flatten().nonzero().squeeze(1)
+    bi, hi = pairs // h_kv, pairs % h_kv
+    # Each pair's pages of its KV head, in order, as rows of the cache seen as [pages * h_kv, page * d]: one
+    # copy of the keys, already laid out [pair, W * page, d] (no permute of the gathered pages).
+    tiles = kv.page_table.long()[bi] * h_kv + hi[:, None]  # [P, W]
+    keys = kv.k.reshape(-1, page * d).index_select(0, tiles.flatten()).view(-1, width * page, d)[:, :wt]
+    qp = q.float().view(b * h_kv, g, d).index_select(0, pairs)
+    logits = torch.bmm(qp, keys.float().transpose(1, 2)).div(math.sqrt(d))  # [P, g, W]
+    keyed = logits.masked_fill(~inrange[bi][:, None, :], -math.inf).softmax(-1).sum(1)  # [P, W]
+    order, ok = stable_top(keyed, allowed[bi], k)
+    if rows is None:
+        return order.view(b, h_kv, -1), ok.view(b, h_kv, -1)
+    full = torch.zeros(b * h_kv, order.shape[-1], dtype=order.dtype, device=q.device)
+    valid = torch.zeros(b * h_kv, order.shape[-1], dtype=torch.bool, device=q.device)
+    full[pairs], valid[pairs] = order, ok
+    return full.view(b, h_kv, -1), valid.view(b, h_kv, -1)
