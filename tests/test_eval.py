@@ -392,7 +392,7 @@ def test_decode_time_methods_report_their_own_columns(tiny_model, one_thread):
     assert sparse_spec["fidelity"]["retained"]["decode"] is not None and sparse_spec["density_decode"] < 1
     assert method_columns(full_spec)["KV red"] == 0.0
     assert 0 < cis["extras"]["cis"]["retrieval_ratio"] <= 1 and cis_oracle["extras"]["cis"]["retrieval_ratio"] == 1
-    assert method_columns(dense) == {"rho": None, "accept": None, "tok/step": None, "KV red": None}
+    assert method_columns(dense) == {"rho": None, "fallback": None, "accept": None, "tok/step": None, "KV red": None}
     assert table(report).row_count == len(runs)
 
 

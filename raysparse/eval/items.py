@@ -5,7 +5,8 @@ task sample, every perplexity window, then every window again for the teacher-fo
 Each item runs on a fresh sequence, so its result does not depend on which items ran before it or where:
 the in-process harness runs them in order, the distributed harness (``distributed.py``) spreads them over
 replicas. An ``ItemResult`` carries the item's own outputs (a sample, a summed NLL) and the raw sums behind
-every run-wide statistic (density meter, fidelity tracer, SpecAttn's counts, CIS's retrievals), taken
+every run-wide statistic (density meter, fidelity tracer, SpecAttn's counts, CIS's retrievals,
+Delta's fitted correction), taken
 from the backend after the item alone. Sums are additive over KV heads, so a tensor-parallel item is the
 sum of its shards' (``combine_shards``; what every rank computes identically, the sample, the NLL and
 SpecAttn's acceptance counts, comes from rank 0), and a setting is the sum of its items in item order
@@ -67,6 +68,7 @@ class ItemResult:
     tracer: dict[tuple[str, int], tuple[float, float, int, float, float]] | None = None
     spec: dict[str, Any] | None = None  # SpecAttnStats fields
     cis: tuple[list[float], list[float]] | None = None  # retrievals, head steps per layer
+    delta: tuple[list[float], ...] | None = None  # Delta's fit sums per layer (``Delta.fit_sums``)
     exact: bool = False  # the backend is dense (fidelity 1 / 0 by definition)
     seconds: float = 0.0
 
@@ -82,7 +84,7 @@ def reset_accumulators(backend: Any, num_layers: int, rows: int) -> FidelityTrac
     backend.meter.reset()
     if hasattr(backend, "stats"):
         backend.stats.reset()
-    if getattr(backend, "use_cis", False):
+    if getattr(backend, "use_cis", False) or hasattr(backend, "fit_sums"):
         backend.reset_stats()
     tracer = None
     if hasattr(backend, "tracer"):
@@ -107,6 +109,8 @@ def snapshot(item: ItemResult, backend: Any, tracer: FidelityTracer | None) -> I
                      "layer_map": list(backend.layer_map.mapping)}
     if getattr(backend, "use_cis", False):
         item.cis = ([float(r) for r in backend._retrievals], [float(s) for s in backend._head_steps])
+    if hasattr(backend, "fit_sums"):
+        item.delta = backend.fit_sums()
     item.exact = isinstance(backend, DenseAttention)
     return item
 
@@ -132,6 +136,8 @@ def combine_shards(parts: list[ItemResult]) -> ItemResult:
                         "draft_kv_full": out.spec["draft_kv_full"] + p.spec["draft_kv_full"]}
         if out.cis is not None and p.cis is not None:
             out.cis = (_add(out.cis[0], p.cis[0]), _add(out.cis[1], p.cis[1]))
+        if out.delta is not None and p.delta is not None:  # each shard fits its own query heads
+            out.delta = tuple(_add(a, b) for a, b in zip(out.delta, p.delta, strict=True))
         out.seconds = max(out.seconds, p.seconds)
     return out
 
@@ -207,6 +213,14 @@ def merge_items(setting: Setting, items: list[ItemResult], num_layers: int, rows
         res.extras["cis"] = {"retrieval_ratio": sum(retr) / sum(steps) if sum(steps) else None,
                              "retrieval_ratio_per_layer": [r / s if s else None for r, s in zip(retr, steps,
                                                                                                  strict=True)]}
+    fits = [i.delta for i in items if i.delta is not None]
+    if fits:
+        from raysparse.methods.delta import fit_summary
+
+        sums = fits[0]
+        for f in fits[1:]:
+            sums = tuple(_add(a, b) for a, b in zip(sums, f, strict=True))
+        res.extras["delta"] = fit_summary(*sums)
     meter = DensityMeter(num_layers)
     for i in items:
         if i.meter is not None:

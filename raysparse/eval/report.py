@@ -11,11 +11,13 @@ for methods without a density budget), ``params`` (swept method parameters), ``l
 (``retained`` / ``attn_mass`` / ``out_err``, each with ``overall``, ``prefill``, ``decode``,
 ``prefill_per_layer``, ``decode_per_layer``), ``extras`` (``specattn``: ``draft`` (a separate draft model's
 key, or "self-speculative"), ``layer_map`` (verifier layer -> draft layer), ``generation`` and
-``total`` ``SpecAttnStats.to_dict()``, see harness.py; ``cis``: ``retrieval_ratio`` and its per-layer list),
+``total`` ``SpecAttnStats.to_dict()``, see harness.py; ``cis``: ``retrieval_ratio`` and its per-layer list;
+``delta``: ``Delta.stats_dict()``'s alpha, fallback and check_error_ratio, each with its per-layer list),
 ``samples`` (task, seed, prompt_tokens, expected, output, score) and ``seconds``.
 
-The table's method-specific columns: ``rho`` (CIS / CPE retrieval ratio), ``accept`` (SpecAttn's accepted
-draft tokens / drafted, over the generation tasks), ``tok/step`` (tokens per verifier step) and ``KV red``
+The table's method-specific columns: ``rho`` (CIS / CPE retrieval ratio), ``fallback`` (Delta: the fraction
+of its fitted (layer, query head) corrections that fell back to the base, alpha < 0.05), ``accept`` (SpecAttn's
+accepted draft tokens / drafted, over the generation tasks), ``tok/step`` (tokens per verifier step) and ``KV red``
 (1 - context keys the verifier read / held, over every verifier layer, teacher-forced decode included).
 """
 
@@ -43,11 +45,13 @@ def _fmt(v: float | None, spec: str = ".3f") -> str:
 
 
 def method_columns(run: dict[str, Any]) -> dict[str, float | None]:
-    """rho, acceptance, tokens per verifier step and KV reduction of a run (None where they do not apply)."""
+    """rho, Delta's fallback, acceptance, tokens per verifier step and KV reduction of a run (None where they do not
+    apply)."""
     ex = run.get("extras") or {}
-    cis, spec = ex.get("cis") or {}, ex.get("specattn") or {}
+    cis, spec, delta = ex.get("cis") or {}, ex.get("specattn") or {}, ex.get("delta") or {}
     gen, total = spec.get("generation") or {}, spec.get("total") or spec.get("generation") or {}
-    return {"rho": cis.get("retrieval_ratio"), "accept": gen.get("acceptance_rate") if gen.get("drafted") else None,
+    return {"rho": cis.get("retrieval_ratio"), "fallback": delta.get("fallback"),
+            "accept": gen.get("acceptance_rate") if gen.get("drafted") else None,
             "tok/step": gen.get("tokens_per_round") if gen.get("rounds") else None,
             "KV red": total.get("kv_reduction")}
 
@@ -59,7 +63,8 @@ def table(report: dict[str, Any]) -> Table:
                     f"{report['config']['context_tokens']} tokens, {report['config']['samples']} sample(s)/task"
                     + (f", SpecAttn draft model {Path(draft).name}" if draft else ""))
     for col in ("method", "target", "density", "pre dens", "dec dens", "acc", *(TASK_ABBREV.get(x, x) for x in tasks),
-                "ppl", "dec ppl", "retained", "attn mass", "out err", "rho", "accept", "tok/step", "KV red", "time s"):
+                "ppl", "dec ppl", "retained", "attn mass", "out err", "rho", "fallback", "accept", "tok/step", "KV red",
+                "time s"):
         t.add_column(col, justify="left" if col == "method" else "right")
     for run in report["runs"]:
         target = _fmt(run["density_target"], ".2f")
@@ -73,8 +78,8 @@ def table(report: dict[str, Any]) -> Table:
                   *(_fmt(run["accuracy_per_task"].get(x), ".2f") for x in tasks), _fmt(run["perplexity"], ".2f"),
                   _fmt(run.get("decode_perplexity"), ".2f"), _fmt(fid["retained"]["overall"]),
                   _fmt(fid["attn_mass"]["overall"]), _fmt(fid["out_err"]["overall"]),
-                  _fmt(extra["rho"]), _fmt(extra["accept"], ".2f"), _fmt(extra["tok/step"], ".2f"),
-                  _fmt(extra["KV red"]), f"{run['seconds']:.1f}")
+                  _fmt(extra["rho"]), _fmt(extra["fallback"], ".2f"), _fmt(extra["accept"], ".2f"),
+                  _fmt(extra["tok/step"], ".2f"), _fmt(extra["KV red"]), f"{run['seconds']:.1f}")
     return t
 
 
@@ -104,7 +109,8 @@ def print_table(report: dict[str, Any], console: Console) -> None:
                   "retained: dense attention mass on the selected keys / that of the oracle top-k of the same size "
                   "(1 = oracle); attn mass: dense mass on the selected keys; out err: ||O - O_dense|| / ||O_dense||; "
                   f"ppl: {report['perplexity_scored']}; dec ppl: {report.get('decode_perplexity_scored')}; "
-                  "rho: CIS retrievals / (KV head, step); accept: accepted / drafted tokens; tok/step: tokens per "
+                  "rho: CIS retrievals / (KV head, step); fallback: Delta's fitted (layer, head) corrections that fell "
+                  "back to its base (alpha < 0.05); accept: accepted / drafted tokens; tok/step: tokens per "
                   "verifier step; KV red: 1 - context keys the verifier read / held.")
 
 

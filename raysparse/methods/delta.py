@@ -1,44 +1,80 @@
 """Delta attention (SPEC section 2): a prefill correction on top of any registered sparse prefill.
 
-For one sequence: O_sparse = the base method's ``prefill_seq`` output; the rows R = {i : i mod gamma == 0}
-(absolute positions) are computed densely by ``strided_dense_attention`` (query-sparse, key-dense);
-Delta[j] = O_dense[j gamma] - O_sparse[j gamma] and O[i] = O_sparse[i] + Delta[floor(i / gamma)], rows in
-R being written as O_dense exactly; finally the last ``n mod gamma + max(tail, gamma)`` queries of the
-prompt are computed densely and overwrite the result. ``mode="recompute"`` only swaps in the rows of R
-(and the dense tail); ``mode="sparse-only"`` returns O_sparse. Decode is the base method's decode.
+For one sequence: O_sparse = the base method's prefill output; the anchor rows R = {i : i mod gamma == 0}
+(absolute positions) are computed densely (query-sparse, key-dense) and written exactly, the other rows are
+corrected from their anchor a = gamma floor(i / gamma), and the last ``n mod gamma + max(tail, gamma)`` queries of
+the prompt are computed densely. Decode is the base method's decode. The modes:
+
+- ``far-merge`` (the default): the anchor's attention over its causal keys OUTSIDE the base's selection (its
+  "far" part: output O_far(a), log-mass lse_far(a) and mean key kbar(a) under those weights) is merged into each
+  row's own sparse attention (O_sparse(i), lse_sparse(i), from the base's kernel) by log-sum-exp, with the row's
+  far log-mass estimated to first order, lse_far(a) + (q_i - q_a) . kbar(a) / sqrt(d) (a lower bound: lse is
+  convex in q). So the correction is D_pred(i) = w(i) (O_far(a) - O_sparse(i)), w(i) = the estimated far share
+  of row i's attention. A block-level base attends the same key blocks for every row of a query block, so with
+  gamma = block_size the anchor's far keys are exactly its rows' far keys; only the queries differ. A base that
+  reports no BlockSelection has no far part: this mode then uses the paper's difference (``delta-shrunk``).
+- ``delta-shrunk``: the paper's D_pred(i) = O_dense(a) - O_sparse(a), scaled by the fitted alpha.
+- ``delta``: SPEC's and the paper's formula as written, O[i] = O_sparse[i] + (O_dense(a) - O_sparse(a)).
+- ``recompute`` only swaps in the dense rows; ``sparse-only`` returns O_sparse.
+
+The fitted modes apply O = O_sparse + alpha D_pred, with alpha per query head fitted on check rows: the rows
+gamma j + gamma // 2 of the first ``check_every`` gamma-blocks j and then of one block in ``check_every``,
+computed densely (so they are exact too). At a check row c the true correction D(c) = O_dense(c) - O_sparse(c)
+is known; alpha(i) = clamp(sum <D(c), D_pred(c)> / sum ||D_pred(c)||^2, 0, 1) over the check rows c <= i (the
+earlier chunks' carried in ``ctx.state``), 0 before the first informative one. alpha fitted over all check rows
+never raises their error above the base's (least squares on [0, 1], which holds 0); alpha -> 0 falls back to
+the base plus the exact dense rows, i.e. ``recompute``. ``alpha=x`` fixes it (0: ``recompute``). The stats
+(``stats_dict``; ``raysparse eval``'s ``fallback`` column and ``extras.delta``) give per layer the mean fitted
+alpha, the fraction of heads that fell back (alpha < 0.05) and the check rows' error ratio ||D - alpha D_pred|| /
+||D||, each check row predicted with the alpha fitted before it (out of sample: below 1, the correction helps).
 
 Choices where SPEC is silent:
-- ``density``: unset by default, so the base keeps its own default (streaming: sinks 64 + window 2048);
-  when set it is forwarded to the base as the base's budget (the whole model's, which the base turns into its
-  sparse layers' and checks requests against). Decode is the base's, so it meets the density; the prefill's
-  dense rows (below) come on top of the base's, so Delta's prefill attends more than the density asked: the
-  reported density is the real one, base plus dense rows, so compare methods at the reported density.
-  ``dense_layers`` and ``block_size`` are forwarded too; ``base_params`` (dict or pairs) override all three.
-- Density accounting counts the union: attended = base pairs + sum over the dense rows D of
-  (causal keys of the row - keys the base already attended in that row), the latter read from the base's
-  BlockSelection (captured through the tracer hook). A base that reports no BlockSelection falls back
-  to min(base pairs + dense pairs, causal pairs), an upper bound.
-- ``tail=0`` disables the dense tail (an ablation).
-- Chunked prefill (q_start > 0): the tail is the last rows of the chunk (the chunk does not know whether
-  it is the prompt's last), and rows before the chunk's first anchor use the Delta of their anchor from
-  the previous chunk, kept in ``ctx.state``; without it they stay uncorrected.
+- ``density`` (``--density``) is met with Delta's dense rows inside it. It is forwarded to the base (the whole
+  model's; the base turns it into its sparse layers' d); in prefill the base attends
+  d_b = (d - f) / (1 - f) of the pairs, f = 1 / gamma + 1 / (gamma check_every) the share of a layer's causal
+  pairs held by the anchors and check rows (1 / gamma for ``delta`` and ``recompute``), so that base plus dense
+  rows attend d (the base's ``layer_density`` is swapped for d_b during Delta's prefill and its
+  ``check_request``); decode is the base's at d. A density at or below f is refused at construction, one whose
+  forced units plus f exceed it by ``check_request``. The dense tail's share (about 2 tail / n) depends on the
+  prompt's length, so with a density the tail defaults to 0 and tail > 0 is refused; without a density the
+  base keeps its own budget (streaming: sinks 64 + window 2048), the tail is SPEC's 128, and the dense rows come
+  on top (the reported density is the real one). ``dense_layers`` and ``block_size`` are forwarded too;
+  ``base_params`` (dict or pairs) override all of them.
+- Density accounting counts the union: attended = base pairs + sum over the dense rows of (causal keys of the
+  row - keys the base already attended in that row), read from the base's BlockSelection. A base that reports
+  none falls back to min(base pairs + dense pairs, causal pairs), an upper bound.
+- Anchors stay SPEC's R (the first row of each gamma-block): a row's anchor is then never after it, so a chunked
+  prefill gives the whole prompt's output (rows before a chunk's first anchor use the previous chunk's anchor,
+  carried in ``ctx.state``, as does the fit). The tail is the last rows of each chunk.
 - The tracer sees a ``DeltaSelection``: the base's BlockSelection plus which rows were computed densely.
 - Prefix caching: none. The dense tail sits at the end of the prompt that computed a page, so a cached
   prefix's K/V depend on where that prompt ended; a prompt is always prefilled whole.
 
-Measured on the default model (benchmarks/probe_delta.py --diagnose): Delta rests on the true correction
-D(i) = O_dense(i) - O_sparse(i) of a row being close to its anchor's; on SmolLM2-135M at 2K tokens their
-cosine is ~0.4 and reusing D(anchor) raises the output error of most layers (error after / before: 1.16
-over a token-level sliding window as in the paper, 2.3 over the block-level streaming base, whose anchor
-row i = 64 j is the first row of its query block and so has the smallest window of the block). The
-correction therefore raises perplexity there; this is the formula as specified, not a defect of the code.
+Measured on the default model (SmolLM2-135M, CPU, 2026-11-25; BENCHMARKS.md "Delta that helps"):
+- The paper's premise fails here: a row's true correction D(i) has cosine ~0.4 with its anchor's, and reusing it
+  raises the output error of every layer (after / before at 4096 tokens: 1.9 over the block-level streaming
+  base, whose anchor row has the smallest window of its block; 1.15 over a token-level window as in the
+  paper). ``delta`` raises perplexity: 28.19 -> 39.94 at 7680 tokens, density 0.15. ``delta-shrunk`` detects
+  it: alpha 0.15, 38% of the heads fall back, check-row error ratio 0.93.
+- Other predictors, per layer on the dense run's q, k, v at 4096 tokens, density 0.15 (``probe_delta.py
+  --diagnose --variants``), error ratio of the rows not computed: the paper's difference from mid-block anchors
+  1.13; linear interpolation between dense rows every 32 1.33; the paper's difference with the fitted alpha
+  0.95; far-merge without the first-order term 1.50; far-merge 0.78 (0.75 with the mid-block row of the row's
+  own query block as anchor, which a chunk may not have yet); far-merge with the row's exact far output (not
+  computable cheaply) 0.65. Letting alpha reach 2 gained nothing (scratch measurement).
+- far-merge keeps alpha ~0.98 (no head falls back) with check-row error ratio 0.72-0.75, but at the same base
+  budget (dense rows on top) it lowers the KL to dense by only 6-7% (streaming) and 3-11% (Sketch&Walk), and at
+  the same real density its dense rows (1.7% of a sparse layer's pairs, ~19% of its budget at density 0.15)
+  cost the base more than the correction returns: perplexity 28.54 against streaming's 28.19 and Sketch&Walk's
+  27.59 against Delta over it 28.01 at 7680 tokens. Issue 16's ">= 50% of the gap" is not reached.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,11 +85,24 @@ from raysparse.kernels import dispatch
 from raysparse.kernels.reference import strided_dense_attention  # noqa: F401 - re-exported
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import baselines  # noqa: F401  - registers the default base, streaming
-from raysparse.methods.base import DecodeView, MethodConfig, SeqContext, SparseMethod, method_spec
+from raysparse.methods.base import (
+    DecodeView,
+    MethodConfig,
+    SeqContext,
+    SparseMethod,
+    density_floor_error,
+    method_spec,
+    prefill_floor,
+)
 from raysparse.methods.registry import create_backend, register
-from raysparse.methods.selection import SENTINEL, BlockSelection
+from raysparse.methods.selection import SENTINEL, BlockSelection, block_pairs, mask_from_indices
 
-MODES = ("delta", "recompute", "sparse-only")
+MODES = ("far-merge", "delta-shrunk", "delta", "recompute", "sparse-only")
+FITTED = ("far-merge", "delta-shrunk")  # the modes whose correction is scaled by alpha
+SPEC_TAIL = 128  # SPEC's dense tail: the last n mod gamma + max(128, gamma) queries
+FALLBACK_ALPHA = 0.05  # a head whose fitted alpha is below this counts as fallen back (stats)
+NOISE = 1e-5  # a predicted correction below this fraction of a check row's output is no evidence for alpha
+_CHUNK_ELEMS = 1 << 24  # scores materialised per chunk of dense rows
 
 
 @dataclass(frozen=True)
@@ -67,30 +116,121 @@ class DeltaSelection(BlockSelection):
 
 @dataclass(frozen=True)
 class DeltaConfig(MethodConfig):
-    density: float | None = None  # None: the base's own budget; set: forwarded to the base
+    density: float | None = None  # None: the base's own budget; set: Delta's dense rows and the base share it
     gamma: int = 64
-    mode: str = "delta"
-    tail: int = 128  # dense tail = n mod gamma + max(tail, gamma) queries; 0 disables it
+    mode: str = "far-merge"
+    tail: int | None = None  # dense tail = n mod gamma + max(tail, gamma) queries; None: 128 without a density, 0
+    # with one; 0 disables it
+    # Check rows gamma j + gamma // 2 of the first check_every gamma-blocks j (early evidence, few keys) and then
+    # of one block in check_every; 0: none (alpha 1)
+    check_every: int = 16
+    alpha: float | None = None  # the correction's scale: None fits it per head on the check rows; a number fixes it
     base: str = "streaming"
     base_params: Any = ()  # dict or (key, value) pairs for the base
 
     def __post_init__(self) -> None:
-        if self.density is None:
-            replace(self, density=1.0)  # validates the shared fields
+        if self.density is None:  # validates the shared fields
+            MethodConfig(1.0, self.dense_layers, self.block_size, self.target_density)
         else:
             super().__post_init__()
         if isinstance(self.base_params, dict):
             object.__setattr__(self, "base_params", tuple(sorted(self.base_params.items())))
         object.__setattr__(self, "base_params", tuple((str(a), b) for a, b in self.base_params))
-        if self.gamma < 1 or self.tail < 0:
-            raise ValueError(f"need gamma >= 1 and tail >= 0, got {self.gamma}, {self.tail}")
+        if self.gamma < 1 or (self.tail is not None and self.tail < 0) or self.check_every < 0:
+            raise ValueError(f"need gamma >= 1, tail >= 0 and check_every >= 0, got {self.gamma}, {self.tail}, "
+                             f"{self.check_every}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1] or unset, got {self.alpha}")
         if self.base == "delta":
             raise ValueError("Delta cannot wrap itself")
+        if self.density is not None and self.tail:
+            raise ValueError("a dense tail (tail > 0) cannot share a density budget: its share of a prefill's pairs "
+                             "(about 2 tail / n) depends on the prompt's length; leave tail unset (0 with --density) "
+                             "or leave the density unset")
+
+    @property
+    def tail_len(self) -> int:
+        """The dense tail's ``tail`` in effect: SPEC's 128 without a density budget, none with one."""
+        if self.tail is not None:
+            return self.tail
+        return SPEC_TAIL if self.density is None else 0
 
     def tail_rows(self, n: int) -> int:
-        return n % self.gamma + max(self.tail, self.gamma) if self.tail else 0
+        return n % self.gamma + max(self.tail_len, self.gamma) if self.tail_len and self.mode != "sparse-only" else 0
+
+    @property
+    def checks(self) -> bool:
+        """Whether check rows are computed (a fitted correction)."""
+        return self.mode in FITTED and self.alpha is None and self.check_every > 0 and self.gamma > 1
+
+    @property
+    def check_offset(self) -> int:
+        return self.gamma // 2
+
+    def dense_share(self) -> float:
+        """The share of a sparse layer's causal pairs that the strided dense rows (anchors and check rows) hold,
+        for a long prompt (anchors every gamma rows hold 1 / gamma of them, check rows 1 / (gamma check_every))."""
+        if self.mode == "sparse-only":
+            return 0.0
+        share = 1.0 / self.gamma
+        if self.checks:
+            share += 1.0 / (self.gamma * self.check_every)
+        return share
+
+
+def dense_rows_attention(q_rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         blocks: torch.Tensor | None = None, block_size: int = 64, scale: float | None = None
+                         ) -> tuple[torch.Tensor, ...]:
+    """Rows at absolute positions ``pos`` [m] (queries ``q_rows`` [m, h, d]) densely over their causal keys of
+    k, v [h_kv, n, d]: out [m, h, d] and lse [m, h], fp32. With ``blocks`` ([h_kv, m, ceil(n / block_size)]
+    bool: the key blocks the base attends for each row) also the rows' attention over their causal keys outside
+    those blocks (the "far" part): its out, lse (-inf where there is none) and attention-weighted mean key
+    [m, h, d]."""
+    m, h, d = q_rows.shape
+    h_kv, n, _ = k.shape
+    g = h // h_kv
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    kf, vf = k.float(), v.float()
+    kpos = torch.arange(n, device=k.device)
+    res = [torch.empty(m, h, d, device=k.device), torch.empty(m, h, device=k.device)]
+    if blocks is not None:
+        res += [torch.empty(m, h, d, device=k.device), torch.empty(m, h, device=k.device),
+                torch.empty(m, h, d, device=k.device)]
+    step = max(1, _CHUNK_ELEMS // max(1, h * n))
+    for r0 in range(0, m, step):
+        r1 = min(m, r0 + step)
+        s = torch.einsum("rkgd,knd->kgrn", q_rows[r0:r1].float().view(r1 - r0, h_kv, g, d), kf) * scale
+        causal = kpos[None, :] <= pos[r0:r1, None]  # [r, n]
+        s = s.masked_fill(~causal, -math.inf)
+        lse = torch.logsumexp(s, -1)  # [h_kv, g, r]
+        p = torch.exp(s - lse[..., None])
+        res[0][r0:r1] = torch.einsum("kgrn,knd->rkgd", p, vf).reshape(r1 - r0, h, d)
+        res[1][r0:r1] = lse.permute(2, 0, 1).reshape(r1 - r0, h)
+        if blocks is not None:
+            near = blocks[:, r0:r1].repeat_interleave(block_size, -1)[..., :n]  # [h_kv, r, n]
+            sf = s.masked_fill(near[:, None], -math.inf)
+            lse_f = torch.logsumexp(sf, -1)
+            pf = torch.exp(sf - lse_f[..., None]).nan_to_num(0.0)  # a row without far keys: all zeros
+            res[2][r0:r1] = torch.einsum("kgrn,knd->rkgd", pf, vf).reshape(r1 - r0, h, d)
+            res[3][r0:r1] = lse_f.permute(2, 0, 1).reshape(r1 - r0, h)
+            res[4][r0:r1] = torch.einsum("kgrn,knd->rkgd", pf, kf).reshape(r1 - r0, h, d)
+    return tuple(res)
+
+
+def far_merge_prediction(q: torch.Tensor, o_s: torch.Tensor, lse_s: torch.Tensor, q_a: torch.Tensor,
+                         o_far: torch.Tensor, lse_far: torch.Tensor, kbar: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """The far-merge correction of rows whose own sparse attention is (o_s [r, h, d], lse_s [r, h]) from their
+    anchors' far part (q_a, o_far, kbar [r, h, d], lse_far [r, h]; the anchor of each row, gathered): the row's
+    far log-mass is the anchor's plus its first-order change (q - q_a) . kbar * scale (a lower bound: lse is
+    convex in q), its far output the anchor's, merged with the row's own by log-sum-exp. Returns
+    O_merged - o_s = w (o_far - o_s), w = the estimated far share of the row's attention."""
+    lse_hat = lse_far + ((q.float() - q_a) * kbar).sum(-1) * scale
+    w = torch.exp(lse_hat - torch.logaddexp(lse_hat, lse_s))
+    w = torch.where(torch.isfinite(lse_hat), w, torch.zeros_like(w))  # no far key: no correction
+    return w[..., None] * (o_far - o_s)
 
 
 class Delta(SparseMethod):
@@ -112,6 +252,32 @@ class Delta(SparseMethod):
         if not isinstance(base, SparseMethod):
             raise ValueError(f"Delta needs a sparse prefill method as its base, got {cfg.base!r}")
         self.base = base
+        # Honest density: with a density budget, the base's prefill gets what Delta's dense rows leave of it
+        # (decode keeps the whole budget: Delta's decode is the base's).
+        self.prefill_density: float | None = None
+        d, share = base.layer_density, cfg.dense_share()
+        if cfg.density is not None and d is not None and share > 0:
+            if d <= share:
+                raise ValueError(f"density {params['density']} gives a sparse layer {d:.4f} of its pairs, no more than "
+                                 f"Delta's dense rows alone attend ({share:.4f}: anchors every {cfg.gamma} rows"
+                                 + (f", check rows every {cfg.gamma * cfg.check_every}" if cfg.checks else "")
+                                 + "); raise the density, gamma or check_every")
+            self.prefill_density = (d - share) / (1 - share)
+        self.reset_stats()
+
+    # ---- statistics: the fitted correction per layer ----------------------------------------------
+    def reset_stats(self) -> None:
+        n = self.model_cfg.num_layers
+        self._alpha_sum, self._heads, self._fell = [0.0] * n, [0] * n, [0] * n
+        self._chk_before, self._chk_after = [0.0] * n, [0.0] * n
+
+    def fit_sums(self) -> tuple[list[float], ...]:
+        """The additive sums behind ``stats_dict`` (per layer; summed over requests, items and TP shards)."""
+        return (list(self._alpha_sum), [float(h) for h in self._heads], [float(f) for f in self._fell],
+                list(self._chk_before), list(self._chk_after))
+
+    def stats_dict(self) -> dict[str, Any]:
+        return {"mode": self.config.mode, **fit_summary(*self.fit_sums())}
 
     @contextmanager
     def _base_tracer(self, fn) -> Iterator[None]:
@@ -120,6 +286,18 @@ class Delta(SparseMethod):
             yield
         finally:
             self.base.tracer = saved
+
+    @contextmanager
+    def _prefill_budget(self) -> Iterator[None]:
+        """The base's prefill budget: its layer density less Delta's dense rows' share (``prefill_density``)."""
+        if self.prefill_density is None:
+            yield
+            return
+        saved, self.base.layer_density = self.base.layer_density, self.prefill_density
+        try:
+            yield
+        finally:
+            self.base.layer_density = saved
 
     def dense_seq(self, ctx, q, k, v) -> torch.Tensor:
         return self.base.dense_seq(ctx, q, k, v)
@@ -133,7 +311,19 @@ class Delta(SparseMethod):
         self.base.release(seq_id)
 
     def check_request(self, prompt_len: int, total_len: int) -> None:
-        self.base.check_request(prompt_len, total_len)
+        base = self.base
+        try:
+            with self._prefill_budget():  # the prefill at the base's share of the budget
+                base.check_request(prompt_len, prompt_len)
+        except ValueError:
+            forced = base.prefill_forced_blocks
+            if forced is None:
+                raise
+            share = self.config.dense_share()
+            floor = share + (1 - share) * prefill_floor(prompt_len, forced, base.config.block_size)
+            raise ValueError(density_floor_error(base, f"prefill (with Delta's dense rows, {share:.4f} of a layer's "
+                                                       "pairs)", prompt_len, floor)) from None
+        base.check_request(prompt_len, total_len)
 
     # ---- batched decode: the base's (Delta corrects prefill only) ---------------------------------
     @property
@@ -159,29 +349,65 @@ class Delta(SparseMethod):
     def decode_keys(self, layer: int, n: int) -> int:
         return self.base.decode_keys(layer, n)
 
+    # ---- prefill ------------------------------------------------------------------------------------
+    def _base_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_lse: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, float, BlockSelection | None]:
+        """The base's prefill at its share of the budget: out, lse (None unless ``need_lse``, or where the base
+        reports no BlockSelection), attended pairs and its selection."""
+        base = self.base
+        with self._prefill_budget():
+            if type(base).prefill_seq is SparseMethod.prefill_seq:  # select, then attend: the lse comes along
+                sel = base.select_prefill(ctx, q, k, v)
+                out, lse = dispatch.block_sparse_attention(q, k, v, sel)
+                return out, lse, float(block_pairs(sel.indices, sel.block_size, ctx.q_start, ctx.n).sum()), sel
+            seen: list[Any] = []
+            with self._base_tracer(lambda *args: seen.append(args[4])):
+                out, pairs = base.prefill_seq(ctx, q, k, v)
+        sel = seen[-1] if seen and isinstance(seen[-1], BlockSelection) else None
+        lse = dispatch.block_sparse_attention(q, k, v, sel)[1] if need_lse and sel is not None else None
+        return out, lse, pairs, sel
+
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:
         cfg, gamma = self.config, self.config.gamma
-        seen: list[Any] = []
-        with self._base_tracer(lambda *args: seen.append(args[4])):
-            o_sparse, attended = self.base.prefill_seq(ctx, q, k, v)
-        base_sel = seen[-1] if seen and isinstance(seen[-1], BlockSelection) else None
+        far = cfg.mode == "far-merge"
+        o_sparse, lse_s, attended, base_sel = self._base_prefill(ctx, q, k, v, need_lse=far)
+        far = far and lse_s is not None and base_sel is not None  # else: the paper's difference, fitted
         n_q, n = q.shape[0], ctx.n
         pos = ctx.q_start + torch.arange(n_q, device=q.device)
-        tail_lo = max(n - cfg.tail_rows(n), ctx.q_start)
         dense = torch.zeros(n_q, dtype=torch.bool, device=q.device)
         out = o_sparse
         if cfg.mode != "sparse-only":
             first = (-ctx.q_start) % gamma
-            o_rows, _ = dispatch.strided_dense_attention(q, k, v, gamma, ctx.q_start)
+            anchors = torch.arange(first, n_q, gamma, device=q.device)
             out = o_sparse.float()
-            if cfg.mode == "delta":
-                out = out + self._deltas(ctx, o_rows.float() - out[first::gamma], pos, first)
-            out[first::gamma] = o_rows.float()
+            if far:
+                blocks = _row_blocks(base_sel, pos[anchors], ctx.q_start, n)
+                o_rows, _, o_far, lse_far, kbar = dense_rows_attention(q[anchors], pos[anchors], k, v, blocks,
+                                                                      base_sel.block_size)
+                per_row = self._per_row(ctx, "far_carry", (q[anchors].float(), o_far, lse_far, kbar),
+                                        (0.0, 0.0, -math.inf, 0.0), pos, first)
+                pred = far_merge_prediction(q, out, lse_s, *per_row, 1.0 / math.sqrt(q.shape[-1]))
+            else:
+                o_rows, _ = dispatch.strided_dense_attention(q, k, v, gamma, ctx.q_start)
+                o_rows = o_rows.float()
+                pred = None
+                if cfg.mode != "recompute":
+                    pred = self._per_row(ctx, "delta_carry", (o_rows - out[anchors],), (0.0,), pos, first)[0]
+            checks = None
+            if pred is not None:
+                alpha, checks = self._alpha(ctx, q, k, v, pos, out, pred)
+                out = out + (pred if alpha is None else alpha[..., None] * pred)
+            out[anchors] = o_rows
+            dense[anchors] = True
+            if checks is not None:
+                out[checks[0]] = checks[1]
+                dense[checks[0]] = True
+            tail_lo = max(n - cfg.tail_rows(n), ctx.q_start)
             if tail_lo < n:
                 out[tail_lo - ctx.q_start:] = dense_attention(q[tail_lo - ctx.q_start:], k, v).float()
+                dense[tail_lo - ctx.q_start:] = True
             out = out.to(q.dtype)
-            dense = (pos % gamma == 0) | (pos >= tail_lo)
             attended += self._extra_pairs(base_sel, pos[dense], k.shape[0], n, ctx.q_start, attended)
         if self.tracer is not None:
             sel = None if base_sel is None else DeltaSelection(base_sel.indices, base_sel.block_size, dense,
@@ -189,20 +415,68 @@ class Delta(SparseMethod):
             self.tracer(ctx, q, k, v, sel, out)
         return out, attended
 
-    def _deltas(self, ctx: SeqContext, delta: torch.Tensor, pos: torch.Tensor, first: int) -> torch.Tensor:
-        """Delta[floor(i / gamma)] for every row i of the call: [n_q, h, d]. Row 0 of the table is the
-        carried Delta of the anchor before this call's first one (zeros when there is none)."""
+    def _per_row(self, ctx: SeqContext, key: str, rows: tuple[torch.Tensor, ...], fills: tuple[float, ...],
+                 pos: torch.Tensor, first: int) -> tuple[torch.Tensor, ...]:
+        """Each row's anchor's entry of ``rows`` (per anchor of the call, [m, ...] each): [n_q, ...] each. Rows
+        before the call's first anchor take the previous anchor's, carried in ``ctx.state[key]`` from the chunk
+        that computed it (``fills`` where there is none)."""
         gamma, st = self.config.gamma, ctx.state
         anchor0 = (ctx.q_start // gamma) * gamma  # anchor of the call's first row
-        carry = st.get("delta_carry")
-        shape = (1, *delta.shape[1:])
+        carry = st.get(key)
         use_carry = carry is not None and carry[0] == anchor0 and first
-        prev = carry[1].to(delta).view(shape) if use_carry else delta.new_zeros(shape)
-        table = torch.cat([prev, delta])
-        if len(delta):
-            st["delta_carry"] = (ctx.q_start + first + gamma * (len(delta) - 1), delta[-1])
+        tables = []
+        for i, (r, fill) in enumerate(zip(rows, fills, strict=True)):
+            prev = carry[1][i].to(r)[None] if use_carry else torch.full_like(r[:1], fill)
+            tables.append(torch.cat([prev, r]))
+        m = rows[0].shape[0]
+        if m:
+            st[key] = (ctx.q_start + first + gamma * (m - 1), tuple(r[-1] for r in rows))
         group = torch.div(pos - (ctx.q_start + first), gamma, rounding_mode="floor") + 1  # 0: before first anchor
-        return table[group]
+        return tuple(t[group] for t in tables)
+
+    def _alpha(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+               o_s: torch.Tensor, pred: torch.Tensor
+               ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The correction's scale per row and query head ([n_q, h]; None: 1, the paper's), and the check rows
+        (local indices, dense outputs) where they are computed. Fitted: alpha(i) = clamp(<D, D_pred> / ||D_pred||^2,
+        0, 1) per head over the check rows at or before row i (this chunk's and, carried in ``ctx.state``, the
+        earlier chunks'), D = the check row's true correction O_dense - O_sparse and D_pred its predicted one;
+        no check row yet, or no predicted correction there: 0, the base."""
+        cfg = self.config
+        if cfg.mode == "delta" or (cfg.alpha is None and not cfg.checks):
+            return None, None
+        if cfg.alpha is not None:
+            return torch.full(pred.shape[:2], cfg.alpha, device=pred.device), None
+        g, off, every = cfg.gamma, cfg.check_offset, cfg.check_every
+        blk = torch.div(pos, g, rounding_mode="floor")
+        is_chk = (pos % g == off) & ((blk < every) | (blk % every == every - 1))
+        ci = is_chk.nonzero()[:, 0]
+        o_chk = dense_rows_attention(q[ci], pos[ci], k, v)[0]
+        d_true, d_pred = o_chk - o_s[ci], pred[ci]
+        h = q.shape[1]
+        st = ctx.state
+        carry = st.get("delta_fit")
+        if carry is not None and carry[0] == ctx.q_start:
+            num0, den0 = carry[1].to(pred), carry[2].to(pred)
+        else:
+            num0 = den0 = pred.new_zeros(h)
+        # A check row whose predicted correction is rounding noise (below 1e-5 of the row's output: the base
+        # already attends every causal key there) says nothing of alpha.
+        sq = (d_pred * d_pred).sum(-1)
+        some = sq > NOISE ** 2 * (o_s[ci] * o_s[ci]).sum(-1)
+        num = torch.cat([num0[None], num0 + torch.where(some, (d_true * d_pred).sum(-1), 0.0).cumsum(0)])
+        den = torch.cat([den0[None], den0 + torch.where(some, sq, 0.0).cumsum(0)])  # [checks + 1, h]
+        st["delta_fit"] = (ctx.n, num[-1], den[-1])
+        fitted = torch.where(den > 0, (num / den.clamp(min=1e-30)).clamp(0.0, 1.0), torch.zeros_like(num))
+        alpha = fitted[torch.searchsorted(pos[ci], pos, right=True)]  # the fit over the check rows <= row
+        # Statistics: each check row predicted by the alpha of the check rows before it, and the final alpha.
+        layer = ctx.layer
+        self._chk_before[layer] += float((d_true * d_true).sum())
+        self._chk_after[layer] += float(((d_true - fitted[:-1, :, None] * d_pred) ** 2).sum())
+        self._alpha_sum[layer] += float(fitted[-1].sum())
+        self._heads[layer] += h
+        self._fell[layer] += int((fitted[-1] < FALLBACK_ALPHA).sum())
+        return alpha, (ci, o_chk)
 
     def _extra_pairs(self, sel: BlockSelection | None, rows: torch.Tensor, h_kv: int, n: int,
                      q_start: int, base_pairs: float) -> float:
@@ -218,4 +492,29 @@ class Delta(SparseMethod):
         return dense_pairs - float(covered)
 
 
-register(method_spec(Delta, "Delta attention: dense every-gamma rows correct any sparse prefill (default streaming)"))
+def fit_summary(alpha_sum: list[float], heads: list[float], fell: list[float], before: list[float],
+                after: list[float]) -> dict[str, Any]:
+    """Delta's fitted correction from its sums (``Delta.fit_sums``), overall and per layer, over the prefill calls
+    summed: the mean fitted alpha of the query heads (each call's final fit), the fraction of heads that fell back
+    (alpha < 0.05), and the check rows' error ratio ||D - alpha D_pred|| / ||D||, each check row predicted with
+    the alpha fitted on the check rows before it (an out-of-sample test of the correction; below 1: it helps).
+    None where nothing was fitted (dense layers; modes without a fit)."""
+    def ratio(a: float, b: float) -> float | None:
+        return math.sqrt(a / b) if b > 0 else None
+
+    h = sum(heads)
+    return {"alpha": sum(alpha_sum) / h if h else None, "fallback": sum(fell) / h if h else None,
+            "check_error_ratio": ratio(sum(after), sum(before)),
+            "alpha_per_layer": [a / n if n else None for a, n in zip(alpha_sum, heads, strict=True)],
+            "fallback_per_layer": [f / n if n else None for f, n in zip(fell, heads, strict=True)],
+            "check_error_ratio_per_layer": [ratio(a, b) for a, b in zip(after, before, strict=True)]}
+
+
+def _row_blocks(sel: BlockSelection, rows: torch.Tensor, q_start: int, n: int) -> torch.Tensor:
+    """The key blocks the base attends for each row at absolute position ``rows``: [h_kv, m, ceil(n / B)]."""
+    b = sel.block_size
+    return mask_from_indices(sel.indices[:, rows // b - q_start // b], -(-n // b))
+
+
+register(method_spec(Delta, "Delta attention: dense anchor rows correct any sparse prefill (default streaming; "
+                            "default mode far-merge, fitted and checked per head)"))
