@@ -31,7 +31,8 @@ RATIO_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mea
 def bench_args(a: argparse.Namespace, model: str) -> list[str]:
     common = ["--model", model, "--no-draft", "--num-prompts", str(a.num_prompts), "--prompt-lens", str(a.prompt_len),
               "--output-len", str(a.output_len), "--max-concurrency", str(a.max_concurrency),
-              "--slo", f"ttft:{a.slo_ttft_ms}", "--slo", f"tpot:{a.slo_tpot_ms}", "--no-plot"]
+              "--slo", f"ttft:{a.slo_ttft_ms}", "--slo", f"tpot:{a.slo_tpot_ms}", "--no-plot",
+              "--num-warmups", str(a.max_concurrency)]  # untimed: every in-flight batch size's first use
     if a.quick:
         return common + ["--num-cpus", "2", "--cpus-per-shard", "0.5", "--kv-cache-tokens", "4096"]
     kv = a.max_concurrency * (a.prompt_len + a.output_len + 64)

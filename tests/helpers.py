@@ -15,6 +15,22 @@ def fresh_cache(model: LlamaForCausalLM, tokens: int = 2048, page_size: int = 16
                    num_kv_heads=model.num_kv_heads)
 
 
+def measure_density(model: LlamaForCausalLM, backend, n: int, steps: int, g: torch.Generator, page: int = 16
+                    ) -> tuple[float, float, float]:
+    """One random prompt of n tokens prefilled, then ``steps`` decode steps on a fresh paged cache (page = block:
+    the batched seams run, as in serving): the backend meter's (overall, prefill, decode) density."""
+    from raysparse.attention import ShardContext
+
+    cache = fresh_cache(model, n + steps + 2 * page, page_size=page)
+    backend.bind(ShardContext(cache=cache, max_batch=2))
+    cache.allocate(0, n + steps)
+    model(torch.randint(0, 97, (n,), generator=g), cache.prepare([0], [n], True), cache, backend)
+    for _ in range(steps):
+        model(torch.randint(0, 97, (1,), generator=g), cache.prepare([0], [1], False), cache, backend)
+    m = backend.meter
+    return m.overall(), m.prefill_overall(), m.decode_overall()
+
+
 def full_logits(model: LlamaForCausalLM, ids: list[int], backend=None) -> torch.Tensor:
     """Logits of every position of one sequence from one prefill."""
     cache = fresh_cache(model, len(ids) + 8)

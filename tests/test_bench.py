@@ -128,11 +128,12 @@ def test_bench_command_end_to_end(tmp_path):
     rc = main(["bench", "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5", "--no-draft",
                "--kv-cache-tokens", "2048", "--num-prompts", str(n), "--prompt-lens", ",".join(map(str, lens)),
                "--output-len", str(output_len), "--request-rate", "50", "--max-concurrency", "4",
-               "--slo", "ttft:60000", "--out", str(out)])
+               "--slo", "ttft:60000", "--num-warmups", "2", "--out", str(out)])
     assert rc == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["schema"] == "raysparse.bench/1" and [r["prompt_len"] for r in report["sweep"]] == list(lens)
-    for row in report["sweep"]:
+    for row in report["sweep"]:  # the warm-ups ran, and are not in the timed figures
+        assert row["warmups_completed"] == 2
         assert row["completed"] == n and row["failed"] == 0 and not row["errors"]
         assert row["total_input_tokens"] == n * row["prompt_len"] and row["total_output_tokens"] == n * output_len
         assert row["request_goodput"] == pytest.approx(row["request_throughput"])

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from helpers import fresh_cache, random_state, tiny_hf_config
+from helpers import measure_density, random_state, tiny_hf_config
 from test_baselines import ctx_for, model_cfg, rand_qkv
 
-from raysparse.attention import ShardContext, dense_attention
+from raysparse.attention import dense_attention
 from raysparse.loader import model_from_state
 from raysparse.methods.base import SeqContext
 from raysparse.methods.delta import Delta, DeltaConfig, DeltaSelection
@@ -249,14 +249,7 @@ def tiny():
 
 
 def _measure(model, backend, n: int, steps: int, g: torch.Generator) -> tuple[float, float]:
-    """One random prompt of n tokens prefilled, then ``steps`` decode steps: (prefill, decode) density."""
-    cache = fresh_cache(model, n + steps + 2 * B, page_size=B)
-    backend.bind(ShardContext(cache=cache, max_batch=2))
-    cache.allocate(0, n + steps)
-    model(torch.randint(0, 97, (n,), generator=g), cache.prepare([0], [n], True), cache, backend)
-    for _ in range(steps):
-        model(torch.randint(0, 97, (1,), generator=g), cache.prepare([0], [1], False), cache, backend)
-    return backend.meter.prefill_overall(), backend.meter.decode_overall()
+    return measure_density(model, backend, n, steps, g, B)[1:]
 
 
 @pytest.mark.parametrize("base,params,mode", [("streaming", {"sink_tokens": B}, "far-merge"),

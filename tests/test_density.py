@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fresh_cache, random_state, tiny_hf_config
+from helpers import fresh_cache, measure_density, random_state, tiny_hf_config
 
-from raysparse.attention import ShardContext
 from raysparse.loader import model_from_state
 from raysparse.methods.base import layer_density, prefill_block_budget, prefill_floor
 from raysparse.methods.registry import create_backend
@@ -29,15 +28,7 @@ def model():
 
 
 def _measure(model, backend, n: int, steps: int, g: torch.Generator) -> tuple[float, float, float]:
-    """One random prompt of n tokens prefilled, then ``steps`` decode steps: (overall, prefill, decode) density."""
-    cache = fresh_cache(model, n + steps + 2 * B, page_size=B)
-    backend.bind(ShardContext(cache=cache, max_batch=2))
-    cache.allocate(0, n + steps)
-    model(torch.randint(0, 97, (n,), generator=g), cache.prepare([0], [n], True), cache, backend)
-    for _ in range(steps):
-        model(torch.randint(0, 97, (1,), generator=g), cache.prepare([0], [1], False), cache, backend)
-    m = backend.meter
-    return m.overall(), m.prefill_overall(), m.decode_overall()
+    return measure_density(model, backend, n, steps, g, B)
 
 
 @pytest.mark.parametrize("name,params", METHODS)

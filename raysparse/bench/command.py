@@ -61,6 +61,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--slo", action="append", default=[], metavar="METRIC:MS",
                    help="goodput SLO, repeatable: ttft:MS, tpot:MS or e2el:MS")
     add_method_args(b)
+    b.add_argument("--num-warmups", type=int, default=1, metavar="N",
+                   help="untimed requests per prompt length before the timed ones (first-use compiles, captures)")
     b.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrivals")
     b.add_argument("--text", metavar="PATH", help="text file or directory the prompts are cut from "
                    "(default: ../shared/data/text/, else a generated haystack)")
@@ -137,7 +139,7 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         load = LoadConfig(num_prompts=args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
                           max_concurrency=args.max_concurrency, output_len=args.output_len, method=args.method,
                           method_params=tuple(sorted(method_params(args).items())), seed=args.seed,
-                          backend=args.backend, model=args.served_model_name)
+                          backend=args.backend, model=args.served_model_name, num_warmups=args.num_warmups)
         if args.target and args.backend != "grpc":
             from raysparse.bench.openai_backend import OpenAITarget
 

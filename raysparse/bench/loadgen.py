@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -36,6 +36,9 @@ class LoadConfig:
     timeout_s: float = 600.0  # per request
     backend: str = "grpc"  # grpc, or openai / openai-chat: the OpenAI-compatible HTTP API (openai_backend)
     model: str = ""  # the model the OpenAI backends name ("": the first one the server lists)
+    # Untimed requests of each prompt length before its timed ones (vLLM's warm-ups): kernels compiled on first
+    # use and graph captures would otherwise land in the first timed requests' TTFT
+    num_warmups: int = 0
 
     def __post_init__(self) -> None:
         from raysparse.bench.openai_backend import BACKENDS
@@ -44,6 +47,8 @@ class LoadConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.num_prompts < 1 or self.output_len < 1:
             raise ValueError("num_prompts and output_len must be >= 1")
+        if self.num_warmups < 0:
+            raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (inf for all at once), got {self.request_rate}")
         if not self.burstiness > 0:
@@ -179,9 +184,11 @@ class SweepResult:
     prompt_len: int
     metrics: dict[str, Any]
     errors: list[str] = field(default_factory=list)
+    warmups_completed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prompt_len": self.prompt_len, **self.metrics, "errors": self.errors[:5]}
+        return {"prompt_len": self.prompt_len, **self.metrics, "errors": self.errors[:5],
+                "warmups_completed": self.warmups_completed}
 
 
 def sweep(target: str, sampler: PromptSampler, prompt_lens: Sequence[int], cfg: LoadConfig,
@@ -190,8 +197,13 @@ def sweep(target: str, sampler: PromptSampler, prompt_lens: Sequence[int], cfg: 
     out = []
     for n in prompt_lens:
         prompts = [sampler.sample(n) for _ in range(cfg.num_prompts)]
+        warmed = 0
+        if cfg.num_warmups:  # sampled after the timed prompts, so those stay what the seed gives
+            warm = [sampler.sample(n) for _ in range(cfg.num_warmups)]
+            _, wrecs = run_load(target, warm, replace(cfg, request_rate=math.inf), decode=sampler.decode)
+            warmed = sum(1 for r in wrecs if not r.error)
         metrics, records = run_load(target, prompts, cfg, slos_ms, decode=sampler.decode)
-        res = SweepResult(n, metrics, sorted({r.error for r in records if r.error}))
+        res = SweepResult(n, metrics, sorted({r.error for r in records if r.error}), warmed)
         if on_step is not None:
             on_step(n, res.as_dict())
         out.append(res)
