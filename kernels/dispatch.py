@@ -24,7 +24,7 @@ import torch
 
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
-from .paged_torch import block_sparse_prefill_torch
+from .paged_torch import block_sparse_prefill_torch, paged_decode_torch
 from .selection import BlockSelection, TokenSelection
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -151,6 +151,16 @@ def sparse_decode_attention_varlen(q: torch.Tensor, kv: KVSource, indices: torch
         outs.append(o)
         lses.append(s)
     return torch.stack(outs), torch.stack(lses)
+
+
+def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
+                           unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared attend of the batched seam (dense decode included): Triton's split-K decode on GPUs, the
+    in-place PyTorch gather elsewhere; both read the selected rows straight from their pages, with no
+    per-sequence K/V copy and no host read."""
+    if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
+        return sparse_decode_attention_varlen(q, kv, indices, unit)
+    return paged_decode_torch(q, kv, indices, unit)
 
 
 def strided_dense_attention_varlen(q: torch.Tensor, kv: KVSource, cu_seqlens_q: torch.Tensor, gamma: int,

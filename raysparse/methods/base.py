@@ -24,12 +24,10 @@ from raysparse.config import ModelConfig
 from raysparse.kernels.dispatch import (
     block_sparse_attention,
     block_sparse_attention_varlen,
+    paged_decode_attention,
     sparse_decode_attention,
-    sparse_decode_attention_varlen,
-    use_triton,
 )
 from raysparse.kernels.formats import PackedBlockSelection, PagedKV, pack_block_selections
-from raysparse.kernels.paged_torch import paged_decode_torch
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.registry import MethodCapabilities, MethodSpec
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs, packed_block_pairs
@@ -428,15 +426,6 @@ class PrefillView:
     def pack(sels: list[BlockSelection]) -> PackedBlockSelection:
         """Per-sequence selections (batch order) packed: for methods whose selection runs per sequence."""
         return pack_block_selections(sels)
-
-
-def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
-                           unit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared attend of the batched seam: Triton's split-K decode on GPUs, the in-place PyTorch gather
-    elsewhere; both read the selected rows straight from their pages."""
-    if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
-        return sparse_decode_attention_varlen(q, kv, indices, unit)
-    return paged_decode_torch(q, kv, indices, unit)
 
 
 def row_budget(density: float, causal_units: torch.Tensor) -> torch.Tensor:

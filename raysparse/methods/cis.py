@@ -272,71 +272,109 @@ class CISBatchedState:
         return self.buffers[batch_rows]
 
 
-def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv: PagedKV, width_tokens: int,
-                     visible_lo: torch.Tensor) -> torch.Tensor:
-    """``cis_step`` of every row at once: q [B, h, d], the rows' paged keys ``kv`` (page-width bucket of
-    ``width_tokens``), the lowest visible non-sink key per row [B] (PSAW in CPE; 0 elsewhere). Advances the
-    rows' state of sparse layer ``li`` in place and writes the step's counts; returns the selection, int32
-    [B, h_kv, W] ascending and SENTINEL-padded, W fixed by the parameters and ``width_tokens``."""
-    b, h, d = q.shape
-    h_kv, dev = kv.k.shape[1], q.device
-    g, s, r, wt = h // h_kv, cfg.share_block, cfg.radius, width_tokens
-    n = kv.seqlens.long()  # [B]
-    kk_w, m_w = bounded_budget(cfg, wt)
+@dataclass(frozen=True)
+class CISStepConsts:
+    """What every sparse layer of one decode step shares (the rows' lengths and the width bucket are the
+    step's): built once per step instead of once per layer, which on a CPU is a fifth of a layer's select."""
+
+    pos: torch.Tensor  # [W] key positions
+    inrange: torch.Tensor  # [B, W] below the row's length
+    forced: torch.Tensor  # [B, W] sinks and local window
+    kk_n: torch.Tensor  # [B] k per row
+    m_n: torch.Tensor  # [B] m per row
+    rank: torch.Tensor  # [max(k_w, 1)]
+    offs: torch.Tensor  # [2 r] the dilation's offsets
+    slots: torch.Tensor  # [1, s, 1]
+    rows: torch.Tensor  # [B]
+    heads: torch.Tensor  # [h_kv]
+
+
+def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: int) -> CISStepConsts:
+    """``CISStepConsts`` for lengths n [B] (int64) in a bucket of ``width_tokens``."""
+    dev, wt, r = n.device, width_tokens, cfg.radius
+    pos = torch.arange(wt, device=dev)
+    nn = n[:, None]
     kk_n, m_n = budget_rows(cfg, n)
+    j = torch.arange(2 * r, device=dev)
+    return CISStepConsts(pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
+                         torch.arange(max(bounded_budget(cfg, wt)[0], 1), device=dev), j - r + (j >= r).long(),
+                         torch.arange(cfg.share_block, device=dev)[None, :, None],
+                         torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev))
+
+
+def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv: PagedKV, width_tokens: int,
+                     visible_lo: torch.Tensor | None, consts: CISStepConsts | None = None) -> torch.Tensor:
+    """``cis_step`` of every row at once: q [B, h, d], the rows' paged keys ``kv`` (page-width bucket of
+    ``width_tokens``), the lowest visible non-sink key per row [B] (PSAW in CPE; None: every key). Advances
+    the rows' state of sparse layer ``li`` in place and writes the step's counts; returns the selection, int32
+    [B, h_kv, W] ascending and SENTINEL-padded, W fixed by the parameters and ``width_tokens``. ``consts``:
+    the step's ``cis_step_consts`` (built here when not given).
+
+    On GPUs every shape is fixed and nothing is read back (a captured step). On a CPU, where a host read is
+    free, a step whose pairs all share skips the retrieval and the anchor update (their results would be
+    discarded by the ``torch.where`` below: the same bits)."""
+    b, h, d = q.shape
+    h_kv = kv.k.shape[1]
+    g, wt = h // h_kv, width_tokens
+    n = kv.seqlens.long()  # [B]
+    c = consts if consts is not None else cis_step_consts(cfg, n, wt, h_kv)
+    kk_w, m_w = bounded_budget(cfg, wt)
     cq, sets, valid, step = buf.q[li], buf.sets[li], buf.valid[li], buf.step[li]
-    rows, heads = torch.arange(b, device=dev), torch.arange(h_kv, device=dev)
-    slot = step % s
+    rows, heads = c.rows, c.heads
+    slot = step % cfg.share_block
     valid.masked_fill_((slot == 0)[:, None, None], False)  # a block's first step has no anchor to share
 
     # Share: the most recent anchor slot of this block with cosine > threshold, per (row, KV head).
     qg = q.float().reshape(b, h_kv, g * d)
     qn = qg / qg.norm(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     cos = (cq * qn[:, None]).sum(-1)  # [B, s, h_kv]
-    slots = torch.arange(s, device=dev)[None, :, None]
-    chosen = torch.where(valid & (cos > cfg.threshold), slots, -1).amax(1)  # [B, h_kv]
+    chosen = torch.where(valid & (cos > cfg.threshold), c.slots, -1).amax(1)  # [B, h_kv]
     share = chosen >= 0
+    here = ~share
+    width = buf.sets.shape[-1]
     shared = sets[rows[:, None], chosen.clamp(min=0), heads[None, :]]  # [B, h_kv, width]
 
-    # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
-    pos = torch.arange(wt, device=dev)
-    nn = n[:, None]
-    inrange = pos < nn
-    sinks, local = pos < cfg.sink, pos >= nn - cfg.local
-    visible = (sinks | (pos >= visible_lo[:, None])) & inrange  # [B, W]
-    allowed = visible & ~sinks & ~local
-    order, ok = _retrieve(q, kv, wt, inrange, allowed, max(kk_w, 1), None if q.is_cuda else ~share)
-    rank = torch.arange(order.shape[-1], device=dev)
-    top = torch.where(ok & (rank < kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
-    # The dilation: the +-r neighbours of the top-m (offsets -r..-1, 1..r, as cis_step lists them).
-    j = torch.arange(2 * r, device=dev)
-    offs = j - r + (j >= r).long()
-    lead = top[..., :m_w]
-    nb = lead[..., None] + offs
-    nb_ok = ((lead >= 0) & (rank[:m_w] < m_n[:, None, None]))[..., None] & (nb >= 0)
-    cand = torch.cat([top, torch.where(nb_ok, nb, SENTINEL).flatten(-2)], -1)
-    big = torch.iinfo(torch.int64).max
-    packed = torch.where(cand >= 0, cand, big).sort(dim=-1).values[..., : buf.sets.shape[-1]]  # valid first
-    new_set = torch.nn.functional.pad(torch.where(packed == big, SENTINEL, packed).to(torch.int32),
-                                      (0, buf.sets.shape[-1] - packed.shape[-1]), value=SENTINEL)
-
-    # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
-    here = ~share
-    cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
-    sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
+    visible = c.inrange if visible_lo is None else ((c.pos < cfg.sink) | (c.pos >= visible_lo[:, None])) & c.inrange
+    if q.is_cuda or bool(here.any()):
+        # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
+        allowed = visible & ~c.forced
+        order, ok = _retrieve(q, kv, wt, c.inrange, allowed, max(kk_w, 1), None if q.is_cuda else here)
+        top = torch.where(ok & (c.rank < c.kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
+        # The dilation: the +-r neighbours of the top-m (offsets -r..-1, 1..r, as cis_step lists them).
+        lead = top[..., :m_w]
+        nb = lead[..., None] + c.offs
+        nb_ok = ((lead >= 0) & (c.rank[:m_w] < c.m_n[:, None, None]))[..., None] & (nb >= 0)
+        cand = torch.cat([top, torch.where(nb_ok, nb, SENTINEL).flatten(-2)], -1)
+        big = torch.iinfo(torch.int64).max
+        packed = torch.where(cand >= 0, cand, big).sort(dim=-1).values[..., :width]  # valid first
+        new_set = torch.nn.functional.pad(torch.where(packed == big, SENTINEL, packed).to(torch.int32),
+                                          (0, width - packed.shape[-1]), value=SENTINEL)
+        # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
+        cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
+        sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
+        # One index list per pair, the shared set or the retrieval's top-k (no dilation on its own step), made
+        # a mask once.
+        if top.shape[-1] <= width:
+            top_w = torch.nn.functional.pad(top.to(torch.int32), (0, width - top.shape[-1]), value=SENTINEL)
+            mask_mid = _as_mask(torch.where(share[..., None], shared, top_w), n, wt)
+        else:  # a bucket wider than the sets were sized for
+            mask_mid = torch.where(share[..., None], _as_mask(shared, n, wt), _as_mask(top, n, wt))
+    else:
+        mask_mid = _as_mask(shared, n, wt)
     valid[rows, slot] = here
     step.add_(1)
 
-    def as_mask(idx: torch.Tensor) -> torch.Tensor:  # entries in [0, n) -> bool [B, h_kv, W]
-        ok = (idx >= 0) & (idx < nn[..., None])
-        hit = torch.zeros(b, h_kv, wt + 1, dtype=torch.bool, device=dev)
-        return hit.scatter_(-1, torch.where(ok, idx.long(), wt), True)[..., :wt]
-
-    middle = torch.where(share[..., None], as_mask(shared), as_mask(top))
-    mask = ((sinks | local)[:, None, :] | middle) & visible[:, None, :]
+    mask = (c.forced[:, None, :] | mask_mid) & visible[:, None, :]
     buf.counts[li].copy_(torch.stack([mask.sum((1, 2)), here.sum(1)], -1))
-    out_width = max(min(wt, cfg.sink + cfg.local + min(kk_w + 2 * r * m_w, buf.sets.shape[-1])), 1)
+    out_width = max(min(wt, cfg.sink + cfg.local + min(kk_w + 2 * cfg.radius * m_w, width)), 1)
     return compact(mask, out_width)
+
+
+def _as_mask(idx: torch.Tensor, n: torch.Tensor, wt: int) -> torch.Tensor:
+    """Index lists [B, h_kv, K] (entries in [0, n) count; SENTINEL and the rest do not) -> bool [B, h_kv, wt]."""
+    ok = (idx >= 0) & (idx < n[:, None, None])
+    hit = torch.zeros(*idx.shape[:2], wt + 1, dtype=torch.bool, device=idx.device)
+    return hit.scatter_(-1, torch.where(ok, idx.long(), wt), True)[..., :wt]
 
 
 def compact(mask: torch.Tensor, width: int) -> torch.Tensor:

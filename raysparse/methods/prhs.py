@@ -35,7 +35,7 @@ from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import DecodeView, PrefillView, SeqContext, SparseMethod, method_spec
-from raysparse.methods.cis import CISBatchedState, CISConfig, cis_batched_step, cis_step
+from raysparse.methods.cis import CISBatchedState, CISConfig, cis_batched_step, cis_step, cis_step_consts
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
 from raysparse.methods.psaw import (
     PrHSConfig,
@@ -264,9 +264,13 @@ class PrHSMethod(SparseMethod):
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         if self.use_cis:
-            state = self._cis_state(view.cache)
+            state, n, wt = self._cis_state(view.cache), view.seqlens.long(), view.width_tokens
+            key = ("cis-step", wt)  # built by the step's first CIS layer, read by the rest
+            consts = view.batch.extras.get(key)
+            if consts is None:
+                consts = view.batch.extras[key] = cis_step_consts(self.config, n, wt, view.kv.k.shape[1])  # type: ignore
             return cis_batched_step(self.config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
-                                    view.kv, view.width_tokens, self._window_lo(layer, view.seqlens.long()))
+                                    view.kv, wt, self._window_lo(layer, n) if self.use_psaw else None, consts)
         sink, width = self.config.sink, view.width_tokens
         n = view.seqlens.long()[:, None]
         start = torch.maximum(self._window_lo(layer, n), n.clamp(max=sink))
