@@ -22,6 +22,9 @@ CASES = [
     ("quest", {"density": 0.15, "page_size": 16}),
     ("psaw", {"start_layer": 1, "phi": 0.3, "sink": 8}),  # windows cut into blocks: a per-row bound in the kernel
     ("psaw", {"start_layer": 2, "phi": 0.05, "alpha": 2.0, "sink": 20}),
+    # frozen rows: whole frozen query blocks attend their sink block alone, partly frozen ones their window
+    ("etf", {"start_layer": 1, "psi": 0.2, "sink": 8}),
+    ("cpe", {"start_layer": 1, "phi": 0.3, "psi": 0.2, "sink": 8, "density": 0.3}),
     ("sketch_walk", {"density": 0.3}),  # the default: paired heads, key parts, one-hop
     ("sketch_walk", {**GRAPH_DECODE, "density": 0.25, "walk": "product", "local_blocks": 2}),
     ("sketch_walk", {"density": 0.3, "heads": "kv", "sub_blocks": 2, "decode_unit": "block"}),

@@ -103,7 +103,12 @@ class PrHSMethod(SparseMethod):
     def frozen_rows(self, layer: int, batch: BatchMeta) -> torch.Tensor | None:
         """The model's ETF hook: bool [T] of the rows frozen at this layer, or None."""
         frac = self.etf_frac(layer)
-        return frozen_mask(frac, self.config.sink, batch) if batch.is_prefill and frac > 0 else None
+        if not batch.is_prefill or frac <= 0:
+            return None
+        key = ("etf-frozen", layer)  # asked by the model and by the batched selection: built once
+        if key not in batch.extras:
+            batch.extras[key] = frozen_mask(frac, self.config.sink, batch)
+        return batch.extras[key]
 
     # ---- prefill -------------------------------------------------------------------------------
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
@@ -134,31 +139,56 @@ class PrHSMethod(SparseMethod):
         return covering_blocks(ctx.q_start, ctx.n, self.config.block_size, self.config.sink,
                                self.psaw_frac(ctx.layer), live, k.shape[0])
 
-    # ---- the batched prefill seam: PSAW's windows (ETF's frozen rows keep the per-sequence path) ------
+    # ---- the batched prefill seam: PSAW's windows and ETF's frozen rows ------------------------------
     @property
     def batched_prefill(self) -> bool:  # type: ignore[override]
-        return self.use_psaw and not self.use_etf
+        return self.use_psaw or self.use_etf
 
     def prefill_selects(self, layer: int) -> bool:
-        return self.psaw_frac(layer) > 0  # below l_s the prefill is dense
+        return self.psaw_frac(layer) > 0 or self.etf_frac(layer) > 0  # below l_s the prefill is dense
 
     def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
         """Every query block's covering key blocks (``covering_blocks``: from the window bound of its first
         row, the lowest) and each row's own bound, which the kernel applies inside the blocks: the exact
-        token-level window of ``window_prefill`` in one varlen launch over the pages."""
+        token-level window of ``window_prefill`` in one varlen launch over the pages. A query block whose
+        rows ETF freezes all attends its sink block alone (the model carries those rows' hidden states and
+        drops their output, ``frozen_rows``), so frozen blocks cost next to nothing."""
         b, sink, frac = self.config.block_size, self.config.sink, self.psaw_frac(layer)
         rows = view.qblocks(b)
         lo_first = window_lo(frac, torch.maximum(rows.qblock * b, rows.q_start))
         kb = torch.arange(-(-max(view.batch.ctx_lens) // b), device=lo_first.device)[None, :]
         mask = (kb <= rows.qblock[:, None]) & ((kb * b < sink) | (kb * b + b - 1 >= lo_first[:, None]))
+        frozen = self._frozen_blocks(layer, view, rows.qblock.shape[0])
+        if frozen is not None:
+            mask &= ~frozen[:, None] | (kb == 0)
         sel = view.packed(indices_from_mask(mask)[None].expand(view.cache.num_kv_heads, -1, -1), b)
         lo = window_lo(frac, view.batch.positions.to(lo_first.device))
         return replace(sel, window_lo=lo.to(torch.int32), sink=sink)
+
+    def _frozen_blocks(self, layer: int, view: PrefillView, num_blocks: int) -> torch.Tensor | None:
+        """bool [R]: the packed query blocks whose rows are all frozen at this layer (None: no row is)."""
+        frozen = self.frozen_rows(layer, view.batch)
+        if frozen is None:
+            return None
+        b, batch = self.config.block_size, view.batch
+        rows = view.qblocks(b)
+        pos = batch.positions.to(frozen.device).long()
+        seq = torch.repeat_interleave(torch.arange(len(batch.q_lens), device=pos.device),
+                                      torch.tensor(batch.q_lens, device=pos.device))
+        first_block = torch.tensor([(n - m) // b for n, m in zip(batch.ctx_lens, batch.q_lens, strict=True)],
+                                   device=pos.device)
+        blk = rows.start.long().to(pos.device)[seq] + pos // b - first_block[seq]  # each row's packed block
+        count = torch.zeros(num_blocks, dtype=torch.long, device=pos.device)
+        live = count.index_add(0, blk, (~frozen).long())
+        return (live == 0).to(rows.qblock.device)
 
     def prefill_pairs(self, view: PrefillView, sel: PackedBlockSelection) -> torch.Tensor:
         """Token-exact, as ``window_prefill`` counts: sinks plus each row's window."""
         pos = view.batch.positions.to(sel.window_lo.device)
         per_row = visible_pairs(pos, sel.window_lo.long(), sel.sink)
+        frozen = self.frozen_rows(view.layer, view.batch)
+        if frozen is not None:  # a frozen row attends nothing that counts: the model drops its output
+            per_row = per_row.masked_fill(frozen.to(per_row.device), 0)
         seq = torch.repeat_interleave(torch.arange(len(view.batch.q_lens), device=pos.device),
                                       torch.tensor(view.batch.q_lens, device=pos.device))
         per_seq = torch.zeros(len(view.batch.q_lens), dtype=torch.int64, device=pos.device)
