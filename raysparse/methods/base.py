@@ -220,9 +220,10 @@ class SparseMethod(AttentionBackend):
         new keys (``view.new_keys``) and the method's state, never a sequence's gathered K/V."""
         raise NotImplementedError(f"{self.name} has no batched prefill selection")
 
-    def prefill_selects(self, layer: int) -> bool:
-        """Whether this (non-dense) layer's prefill goes through ``prefill_select``; a method whose prefill is
-        dense at some layers (PSAW below its start layer) keeps those on the dense path."""
+    def prefill_selects(self, layer: int, batch: BatchMeta) -> bool:
+        """Whether this (non-dense) layer's prefill of this step goes through ``prefill_select``; a method whose
+        prefill is dense at some layers or steps (PSAW below its start layer, ETF where it freezes no row of the
+        step) keeps those on the dense path."""
         return True
 
     def prefill_pairs(self, view: PrefillView, sel: PackedBlockSelection) -> torch.Tensor:
@@ -302,7 +303,7 @@ class SparseMethod(AttentionBackend):
         if self.batched_decode and not self.is_dense_layer(layer):
             self.update_state(layer, cache, batch)  # the decode steps read it
         if (self.batched_prefill and self.tracer is None and not self.is_dense_layer(layer)
-                and cache.page_size == self.config.block_size and self.prefill_selects(layer)):
+                and cache.page_size == self.config.block_size and self.prefill_selects(layer, batch)):
             return self._prefill_batched(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=False)
 

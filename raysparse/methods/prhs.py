@@ -144,8 +144,10 @@ class PrHSMethod(SparseMethod):
     def batched_prefill(self) -> bool:  # type: ignore[override]
         return self.use_psaw or self.use_etf
 
-    def prefill_selects(self, layer: int) -> bool:
-        return self.psaw_frac(layer) > 0 or self.etf_frac(layer) > 0  # below l_s the prefill is dense
+    def prefill_selects(self, layer: int, batch: BatchMeta) -> bool:
+        # Below l_s, and at ETF's layers in a step that freezes no row (a chunk past E_l(t)), the prefill is
+        # dense: the per-sequence path's SDPA, cheaper there than the block kernel over every causal block.
+        return self.psaw_frac(layer) > 0 or self.frozen_rows(layer, batch) is not None
 
     def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
         """Every query block's covering key blocks (``covering_blocks``: from the window bound of its first
