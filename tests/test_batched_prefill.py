@@ -55,6 +55,8 @@ def _prefill(model, name: str, params: dict, chunks: list[list[int]], seed: int,
     logits = []
     for step in chunks:
         rows = [i for i, m in enumerate(step) if m > 0]
+        if not rows:  # every prompt was whole in the first step: nothing left to prefill
+            continue
         batch = cache.prepare([sids[i] for i in rows], [step[i] for i in rows], True)
         tok = torch.cat([ids[i][done[i]: done[i] + step[i]] for i in rows]).to(dev)
         logits.append(model(tok, batch, cache, backend, all_logits=True))
