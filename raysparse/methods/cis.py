@@ -353,12 +353,11 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
         cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
         sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
         # One index list per pair, the shared set or the retrieval's top-k (no dilation on its own step), made
-        # a mask once.
-        if top.shape[-1] <= width:
-            top_w = torch.nn.functional.pad(top.to(torch.int32), (0, width - top.shape[-1]), value=SENTINEL)
-            mask_mid = _as_mask(torch.where(share[..., None], shared, top_w), n, wt)
-        else:  # a bucket wider than the sets were sized for
-            mask_mid = torch.where(share[..., None], _as_mask(shared, n, wt), _as_mask(top, n, wt))
+        # a mask once (both padded to the wider: a bucket may be wider than the sets were sized for).
+        wide = max(width, top.shape[-1])
+        pad = torch.nn.functional.pad
+        mask_mid = _as_mask(torch.where(share[..., None], pad(shared, (0, wide - width), value=SENTINEL),
+                                        pad(top.to(torch.int32), (0, wide - top.shape[-1]), value=SENTINEL)), n, wt)
     else:
         mask_mid = _as_mask(shared, n, wt)
     valid[rows, slot] = here

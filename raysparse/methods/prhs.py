@@ -168,21 +168,17 @@ class PrHSMethod(SparseMethod):
         return replace(sel, window_lo=lo.to(torch.int32), sink=sink)
 
     def _frozen_blocks(self, layer: int, view: PrefillView, num_blocks: int) -> torch.Tensor | None:
-        """bool [R]: the packed query blocks whose rows are all frozen at this layer (None: no row is)."""
-        frozen = self.frozen_rows(layer, view.batch)
-        if frozen is None:
+        """bool [R]: the packed query blocks whose rows all lie in their sequence's frozen span at this layer
+        (None: no row is frozen)."""
+        if self.frozen_rows(layer, view.batch) is None:
             return None
-        b, batch = self.config.block_size, view.batch
+        b, batch, frac = self.config.block_size, view.batch, self.etf_frac(layer)
         rows = view.qblocks(b)
-        pos = batch.positions.to(frozen.device).long()
-        seq = torch.repeat_interleave(torch.arange(len(batch.q_lens), device=pos.device),
-                                      torch.tensor(batch.q_lens, device=pos.device))
-        first_block = torch.tensor([(n - m) // b for n, m in zip(batch.ctx_lens, batch.q_lens, strict=True)],
-                                   device=pos.device)
-        blk = rows.start.long().to(pos.device)[seq] + pos // b - first_block[seq]  # each row's packed block
-        count = torch.zeros(num_blocks, dtype=torch.long, device=pos.device)
-        live = count.index_add(0, blk, (~frozen).long())
-        return (live == 0).to(rows.qblock.device)
+        spans = torch.tensor([frozen_span(frac, self.config.sink, n, n - m)
+                              for n, m in zip(batch.ctx_lens, batch.q_lens, strict=True)], device=rows.seq.device)
+        a, z = spans[rows.seq.long()].unbind(-1)  # each block's sequence's frozen rows [a, z)
+        first = torch.maximum(rows.qblock * b, rows.q_start)
+        return (first >= a) & (torch.minimum(rows.qblock * b + b, rows.n) <= z)
 
     def prefill_pairs(self, view: PrefillView, sel: PackedBlockSelection) -> torch.Tensor:
         """Token-exact, as ``window_prefill`` counts: sinks plus each row's window."""
