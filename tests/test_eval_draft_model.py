@@ -48,7 +48,7 @@ def pair():
 def test_eval_runs_specattn_with_the_draft_and_reports_its_rows(pair, tmp_path):
     verifier, draft_model = pair
     draft = SeparateDraft(draft_model, verifier.cfg, "tiny-draft", 2048)
-    cfg = EvalConfig(methods=("specattn",), tasks=("single_needle", "multi_key"), samples=1, context_tokens=512,
+    cfg = EvalConfig(methods=("specattn",), tasks=("single_needle", "multi_key"), samples=1, context_tokens=576,
                      max_new_tokens=3, rows=8, decode_ppl_tokens=14,
                      method_params=parse_method_params(["specattn:top_p=0.3,1.0", "specattn:gamma=3",
                                                                       "specattn:chunk_size=1"]))

@@ -231,26 +231,31 @@ def build_task(name: str, tokenizer: Any, text: str, source: str, context_tokens
     # Prose runs about four characters a token, so six characters a token over-fills the window safely.
     window = _window(units, rng, 6 * budget)
     counts = [len(ids) + 1 for ids in tokenizer([u[0] for u in window], add_special_tokens=False)["input_ids"]]
-    hi, used = 0, 0
+    lo, hi, used = 0, 0, 0
     while hi < len(window) and used + counts[hi] <= budget:
         used, hi = used + counts[hi], hi + 1
     best: list[int] | None = None
     for _ in range(12):  # each round measures the real prompt, then adds or drops what the counts say
-        ids = prompt(_place(window[:hi], counts[:hi], spec.needles, depths))
+        ids = prompt(_place(window[lo:hi], counts[lo:hi], spec.needles, depths))
         slack = context_tokens - len(ids)
         if slack >= 0 and (best is None or len(ids) > len(best)):
             best = ids
         if slack < 0:
-            while slack < 0 and hi > 1:
+            while slack < 0 and hi > lo + 1:
                 hi -= 1
                 slack += counts[hi]
+            if slack < 0 and hi < len(window):
+                # One sentence left and it still overflows (the needles' own paragraph breaks cost tokens the
+                # counts do not see): try the next sentence instead, which may be shorter.
+                lo, hi = hi, hi + 1
             continue
         if hi >= len(window) or counts[hi] > slack:
             break
         while hi < len(window) and counts[hi] <= slack:
             slack, hi = slack - counts[hi], hi + 1
     if best is None:
-        raise ValueError(f"could not fit a haystack into context_tokens={context_tokens}")
+        raise ValueError(f"could not fit a haystack into context_tokens={context_tokens}: every sentence of the "
+                         f"window is longer than the {budget} tokens left beside the needles; raise context_tokens")
     question = f"{spec.question} {spec.answer_hint}"
     answer_tokens = len(tokenizer(", ".join(spec.expected), add_special_tokens=False)["input_ids"])
     return EvalTask(name, seed, tuple(best), question, spec.expected, tuple(spec.needles), context_tokens, source,
