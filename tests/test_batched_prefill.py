@@ -28,6 +28,14 @@ CASES = [
     ("sketch_walk", {"density": 0.3}),  # the default: paired heads, key parts, one-hop
     ("sketch_walk", {**GRAPH_DECODE, "density": 0.25, "walk": "product", "local_blocks": 2}),
     ("sketch_walk", {"density": 0.3, "heads": "kv", "sub_blocks": 2, "decode_unit": "block"}),
+    # Delta: the base's packed selection, then anchors every gamma rows (carried across the chunks), check rows
+    # and the fitted far-merge correction; the other modes; a tail; bases other than streaming
+    ("delta", {"gamma": B, "check_every": 2, "tail": 0, "base_params": {"sink_tokens": 16, "window": 32}}),
+    ("delta", {"gamma": 8, "check_every": 1, "density": 0.4, "base": "sketch_walk"}),
+    ("delta", {"gamma": B, "mode": "delta-shrunk", "tail": 20, "base": "quest",
+               "base_params": {"density": 0.3, "page_size": 4}}),
+    ("delta", {"gamma": 32, "mode": "delta", "tail": 0, "base_params": {"sink_tokens": 8, "window": 40}}),
+    ("delta", {"gamma": B, "mode": "recompute", "density": 0.4}),
 ]
 
 

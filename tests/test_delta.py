@@ -133,9 +133,9 @@ def test_chunked_prefill_carries_the_delta_across_chunks():
     n, split = 300, 135  # 135 is not a multiple of gamma: rows 128..134 and 135..143 share an anchor
     q, k, v = rand_qkv(n)
     whole, _ = run(delta(tail=0), q, k, v)
-    m, state = delta(tail=0), {}
-    a, _ = m.prefill_seq(SeqContext(2, 0, 0, split, state), q[:split], k[:, :split], v[:, :split])
-    b, _ = m.prefill_seq(SeqContext(2, 0, split, n, state), q[split:], k, v)
+    m, state, seq_state = delta(tail=0), {}, {}
+    a, _ = m.prefill_seq(SeqContext(2, 0, 0, split, state, seq_state), q[:split], k[:, :split], v[:, :split])
+    b, _ = m.prefill_seq(SeqContext(2, 0, split, n, state, seq_state), q[split:], k, v)
     assert (torch.cat([a, b]) - whole).abs().max() < 1e-5
 
 

@@ -133,15 +133,16 @@ def test_alpha_zero_is_recompute(mode, n, n_q):
 
 @pytest.mark.parametrize("mode", ["far-merge", "delta-shrunk"])
 def test_chunked_prefill_equals_whole(mode):
-    """Anchors' far parts (or corrections) and the check rows' fit are carried in ctx.state: a prompt in three
-    chunks (cut inside a gamma-block, before and after a check row) gives the whole prompt's output and pairs."""
+    """Anchors' far parts (or corrections) and the check rows' fit are carried in the sequence's state: a prompt
+    in three chunks (cut inside a gamma-block, before and after a check row) gives the whole prompt's output and
+    pairs."""
     seed = seeded()
     n, cuts = 331, (135, 220)  # 135: row 7 of block 8 (anchor 128 in the first chunk); 220: after check 216
     q, k, v = rand_qkv(n, seed=seed)
     whole, pairs = delta(mode, check_every=2).prefill_seq(ctx_for(n, n), q, k, v)
-    m, state, outs, total = delta(mode, check_every=2), {}, [], 0.0
+    m, state, seq_state, outs, total = delta(mode, check_every=2), {}, {}, [], 0.0
     for lo, hi in zip((0, *cuts), (*cuts, n), strict=True):
-        o, p = m.prefill_seq(SeqContext(2, 0, lo, hi, state), q[lo:hi], k[:, :hi], v[:, :hi])
+        o, p = m.prefill_seq(SeqContext(2, 0, lo, hi, state, seq_state), q[lo:hi], k[:, :hi], v[:, :hi])
         outs.append(o)
         total += p
     assert (torch.cat(outs) - whole).abs().max() < 1e-5, f"seed {seed}"

@@ -21,8 +21,8 @@ The fitted modes apply O = O_sparse + alpha D_pred, with alpha per query head fi
 gamma j + gamma // 2 of the first ``check_every`` gamma-blocks j and then of one block in ``check_every``,
 computed densely (so they are exact too). At a check row c the true correction D(c) = O_dense(c) - O_sparse(c)
 is known; alpha(i) = clamp(sum <D(c), D_pred(c)> / sum ||D_pred(c)||^2, 0, 1) over the check rows c <= i (the
-earlier chunks' carried in ``ctx.state``), 0 before the first informative one. alpha fitted over all check rows
-never raises their error above the base's (least squares on [0, 1], which holds 0); alpha -> 0 falls back to
+earlier chunks' carried in Delta's per-sequence state), 0 before the first informative one. alpha fitted over all
+check rows never raises their error above the base's (least squares on [0, 1], which holds 0); alpha -> 0 falls back to
 the base plus the exact dense rows, i.e. ``recompute``. ``alpha=x`` fixes it (0: ``recompute``). The stats
 (``stats_dict``; ``raysparse eval``'s ``fallback`` column and ``extras.delta``) give per layer the mean fitted
 alpha, the fraction of heads that fell back (alpha < 0.05) and the check rows' error ratio ||D - alpha D_pred|| /
@@ -45,7 +45,12 @@ Choices where SPEC is silent:
   none falls back to min(base pairs + dense pairs, causal pairs), an upper bound.
 - Anchors stay SPEC's R (the first row of each gamma-block): a row's anchor is then never after it, so a chunked
   prefill gives the whole prompt's output (rows before a chunk's first anchor use the previous chunk's anchor,
-  carried in ``ctx.state``, as does the fit). The tail is the last rows of each chunk.
+  carried in Delta's per-sequence state, as does the fit). The tail is the last rows of each chunk.
+- Prefill runs on the batched seam when the base's does and its blocks are all it attends (streaming, quest,
+  sketch_walk): the base selects the whole batch at its share of the budget, the shared varlen kernel attends it
+  over the paged cache in place and returns the lse the far part merges against. The dense rows (1 / gamma of
+  the rows, plus the check rows) are computed per sequence over its K/V, as ``prefill_seq`` does; a paged kernel
+  for them (dense rows with their far part) is not written yet.
 - The tracer sees a ``DeltaSelection``: the base's BlockSelection plus which rows were computed densely.
 - Prefix caching: none. The dense tail sits at the end of the prompt that computed a page, so a cached
   prefix's K/V depend on where that prompt ended; a prompt is always prefilled whole.
@@ -88,6 +93,7 @@ from raysparse.methods import baselines  # noqa: F401  - registers the default b
 from raysparse.methods.base import (
     DecodeView,
     MethodConfig,
+    PrefillView,
     SeqContext,
     SparseMethod,
     density_floor_error,
@@ -369,64 +375,104 @@ class Delta(SparseMethod):
 
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:
+        o_sparse, lse_s, attended, base_sel = self._base_prefill(ctx, q, k, v, need_lse=self.config.mode == "far-merge")
+        out, dense, extra = self._correct(ctx, q, k, v, o_sparse, lse_s, attended, base_sel)
+        if self.tracer is not None:
+            sel = None if base_sel is None else DeltaSelection(base_sel.indices, base_sel.block_size, dense,
+                                                               self.config.gamma, self.config.mode)
+            self.tracer(ctx, q, k, v, sel, out)
+        return out, attended + extra
+
+    def _correct(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_sparse: torch.Tensor,
+                 lse_s: torch.Tensor | None, attended: float, base_sel: BlockSelection | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One sequence's corrected output from the base's (``o_sparse``, its lse and selection; ``attended``:
+        the base's pairs): the output, which rows were computed densely, and the causal pairs those rows add."""
         cfg, gamma = self.config, self.config.gamma
-        far = cfg.mode == "far-merge"
-        o_sparse, lse_s, attended, base_sel = self._base_prefill(ctx, q, k, v, need_lse=far)
-        far = far and lse_s is not None and base_sel is not None  # else: the paper's difference, fitted
+        far = cfg.mode == "far-merge" and lse_s is not None and base_sel is not None  # else: the paper's difference
         n_q, n = q.shape[0], ctx.n
         pos = ctx.q_start + torch.arange(n_q, device=q.device)
         dense = torch.zeros(n_q, dtype=torch.bool, device=q.device)
-        out = o_sparse
-        if cfg.mode != "sparse-only":
-            first = (-ctx.q_start) % gamma
-            anchors = torch.arange(first, n_q, gamma, device=q.device)
-            out = o_sparse.float()
-            if far:
-                blocks = _row_blocks(base_sel, pos[anchors], ctx.q_start, n)
-                o_rows, _, o_far, lse_far, kbar = dense_rows_attention(q[anchors], pos[anchors], k, v, blocks,
-                                                                      base_sel.block_size)
-                per_row = self._per_row(ctx, "far_carry", (q[anchors].float(), o_far, lse_far, kbar),
-                                        (0.0, 0.0, -math.inf, 0.0), pos, first)
-                pred = far_merge_prediction(q, out, lse_s, *per_row, 1.0 / math.sqrt(q.shape[-1]))
-            else:
-                o_rows, _ = dispatch.strided_dense_attention(q, k, v, gamma, ctx.q_start)
-                o_rows = o_rows.float()
-                pred = None
-                if cfg.mode != "recompute":
-                    pred = self._per_row(ctx, "delta_carry", (o_rows - out[anchors],), (0.0,), pos, first)[0]
-            checks = None
-            if pred is not None:
-                alpha, checks = self._alpha(ctx, q, k, v, pos, out, pred)
-                out = out + (pred if alpha is None else alpha[..., None] * pred)
-            out[anchors] = o_rows
-            dense[anchors] = True
-            if checks is not None:
-                out[checks[0]] = checks[1]
-                dense[checks[0]] = True
-            tail_lo = max(n - cfg.tail_rows(n), ctx.q_start)
-            if tail_lo < n:
-                out[tail_lo - ctx.q_start:] = dense_attention(q[tail_lo - ctx.q_start:], k, v).float()
-                dense[tail_lo - ctx.q_start:] = True
-            out = out.to(q.dtype)
-            attended += self._extra_pairs(base_sel, pos[dense], k.shape[0], n, ctx.q_start, attended)
-        if self.tracer is not None:
-            sel = None if base_sel is None else DeltaSelection(base_sel.indices, base_sel.block_size, dense,
-                                                               gamma, cfg.mode)
-            self.tracer(ctx, q, k, v, sel, out)
-        return out, attended
+        if cfg.mode == "sparse-only":
+            return o_sparse, dense, 0.0
+        first = (-ctx.q_start) % gamma
+        anchors = torch.arange(min(first, n_q), n_q, gamma, device=q.device)  # a short chunk may hold none
+        out = o_sparse.float()
+        if far:
+            blocks = _row_blocks(base_sel, pos[anchors], ctx.q_start, n)
+            o_rows, _, o_far, lse_far, kbar = dense_rows_attention(q[anchors], pos[anchors], k, v, blocks,
+                                                                  base_sel.block_size)
+            per_row = self._per_row(ctx, "far_carry", (q[anchors].float(), o_far, lse_far, kbar),
+                                    (0.0, 0.0, -math.inf, 0.0), pos, first)
+            pred = far_merge_prediction(q, out, lse_s, *per_row, 1.0 / math.sqrt(q.shape[-1]))
+        else:
+            o_rows, _ = dispatch.strided_dense_attention(q, k, v, gamma, ctx.q_start)
+            o_rows = o_rows.float()
+            pred = None
+            if cfg.mode != "recompute":
+                pred = self._per_row(ctx, "delta_carry", (o_rows - out[anchors],), (0.0,), pos, first)[0]
+        checks = None
+        if pred is not None:
+            alpha, checks = self._alpha(ctx, q, k, v, pos, out, pred)
+            out = out + (pred if alpha is None else alpha[..., None] * pred)
+        out[anchors] = o_rows
+        dense[anchors] = True
+        if checks is not None:
+            out[checks[0]] = checks[1]
+            dense[checks[0]] = True
+        tail_lo = max(n - cfg.tail_rows(n), ctx.q_start)
+        if tail_lo < n:
+            out[tail_lo - ctx.q_start:] = dense_attention(q[tail_lo - ctx.q_start:], k, v).float()
+            dense[tail_lo - ctx.q_start:] = True
+        extra = self._extra_pairs(base_sel, pos[dense], k.shape[0], n, ctx.q_start, attended)
+        return out.to(q.dtype), dense, extra
+
+    # ---- batched prefill: the base's packed selection and one varlen attend, then the dense rows ------------
+    @property
+    def batched_prefill(self) -> bool:  # type: ignore[override]
+        """On the batched seam when the base is and its blocks are all it attends (the far part is the
+        complement of those blocks): PrHS's bases add per-row windows in their own ``prefill_seq`` and keep
+        the per-sequence path."""
+        base = self.base
+        return base.batched_prefill and type(base).prefill_seq is SparseMethod.prefill_seq
+
+    def prefill_selects(self, layer: int, batch: BatchMeta) -> bool:
+        return self.base.prefill_selects(layer, batch)
+
+    def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        """The base selects the whole batch (at its share of the budget) and the shared varlen kernel attends
+        it over the paged cache in place, with the lse the far part merges against; the dense rows (anchors,
+        check rows, tail: 1 / gamma of the rows) then correct each sequence as ``prefill_seq`` does."""
+        view = PrefillView.of(layer, batch, cache)
+        with self._prefill_budget():
+            sel = self.base.prefill_select(layer, q, view)
+        o_sparse, lse_s = dispatch.block_sparse_attention_varlen(q, view.kv, sel, view.cu_q_dev)
+        base_pairs = self.base.prefill_pairs(view, sel).tolist()  # one sync
+        out = torch.empty_like(q)
+        b, h_kv, start = sel.block_size, cache.num_kv_heads, 0
+        for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
+            lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
+            blocks = (n - 1) // b - (n - n_q) // b + 1  # this sequence's query blocks in the packed selection
+            one = BlockSelection(sel.indices[:, start:start + blocks], b)
+            start += blocks
+            k, v = cache.gather(layer, batch, i)
+            out[lo:hi], _, extra = self._correct(view.context(i, self._seq_state), q[lo:hi], k, v, o_sparse[lo:hi],
+                                                 lse_s[lo:hi], float(base_pairs[i]), one)
+            self.meter.add(layer, base_pairs[i] + extra, float(causal_pairs(n_q, n) * h_kv), decode=False)
+        return out
 
     def _per_row(self, ctx: SeqContext, key: str, rows: tuple[torch.Tensor, ...], fills: tuple[float, ...],
                  pos: torch.Tensor, first: int) -> tuple[torch.Tensor, ...]:
         """Each row's anchor's entry of ``rows`` (per anchor of the call, [m, ...] each): [n_q, ...] each. Rows
-        before the call's first anchor take the previous anchor's, carried in ``ctx.state[key]`` from the chunk
+        before the call's first anchor take the previous anchor's, carried in ``_carries(ctx)[key]`` from the chunk
         that computed it (``fills`` where there is none)."""
-        gamma, st = self.config.gamma, ctx.state
+        gamma, st = self.config.gamma, _carries(ctx)
         anchor0 = (ctx.q_start // gamma) * gamma  # anchor of the call's first row
         carry = st.get(key)
         use_carry = carry is not None and carry[0] == anchor0 and first
         tables = []
         for i, (r, fill) in enumerate(zip(rows, fills, strict=True)):
-            prev = carry[1][i].to(r)[None] if use_carry else torch.full_like(r[:1], fill)
+            prev = carry[1][i].to(r)[None] if use_carry else r.new_full((1, *r.shape[1:]), fill)
             tables.append(torch.cat([prev, r]))
         m = rows[0].shape[0]
         if m:
@@ -439,7 +485,7 @@ class Delta(SparseMethod):
                ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The correction's scale per row and query head ([n_q, h]; None: 1, the paper's), and the check rows
         (local indices, dense outputs) where they are computed. Fitted: alpha(i) = clamp(<D, D_pred> / ||D_pred||^2,
-        0, 1) per head over the check rows at or before row i (this chunk's and, carried in ``ctx.state``, the
+        0, 1) per head over the check rows at or before row i (this chunk's and, carried in ``_carries(ctx)``, the
         earlier chunks'), D = the check row's true correction O_dense - O_sparse and D_pred its predicted one;
         no check row yet, or no predicted correction there: 0, the base."""
         cfg = self.config
@@ -454,7 +500,7 @@ class Delta(SparseMethod):
         o_chk = dense_rows_attention(q[ci], pos[ci], k, v)[0]
         d_true, d_pred = o_chk - o_s[ci], pred[ci]
         h = q.shape[1]
-        st = ctx.state
+        st = _carries(ctx)
         carry = st.get("delta_fit")
         if carry is not None and carry[0] == ctx.q_start:
             num0, den0 = carry[1].to(pred), carry[2].to(pred)
@@ -508,6 +554,13 @@ def fit_summary(alpha_sum: list[float], heads: list[float], fell: list[float], b
             "alpha_per_layer": [a / n if n else None for a, n in zip(alpha_sum, heads, strict=True)],
             "fallback_per_layer": [f / n if n else None for f, n in zip(fell, heads, strict=True)],
             "check_error_ratio_per_layer": [ratio(a, b) for a, b in zip(after, before, strict=True)]}
+
+
+def _carries(ctx: SeqContext) -> dict[str, Any]:
+    """What Delta carries from one prefill chunk to the next at ``ctx``'s layer (the last anchor's rows, the
+    fit's sums). Kept in Delta's own per-sequence state, not in the layer's metadata slot (``ctx.state``),
+    which belongs to the base: a base may replace it whole at each step."""
+    return ctx.seq_state.setdefault(("delta", ctx.layer), {})
 
 
 def _row_blocks(sel: BlockSelection, rows: torch.Tensor, q_start: int, n: int) -> torch.Tensor:
