@@ -15,6 +15,7 @@ at most and queue there, while the replicas' loops and the other streams go on.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -102,8 +103,8 @@ class Engine:
             gpus = ray.cluster_resources().get("GPU", 0)
             self.use_gpu = self.cfg.device == "cuda" or (self.cfg.device == "auto" and gpus >= self.cfg.tp)
             spec = ShardSpec(str(src.directory), self.cfg.dtype, self.cfg.kv_cache_tokens, self.cfg.page_size,
-                             self.cfg.random_weights, self.cfg.seed, cuda_graphs=self.cfg.cuda_graphs,
-                             max_batch=self.cfg.max_batch, runtime=self.cfg.runtime)
+                             self.cfg.random_weights, self.cfg.seed, num_threads=self._shard_threads(),
+                             cuda_graphs=self.cfg.cuda_graphs, max_batch=self.cfg.max_batch, runtime=self.cfg.runtime)
             load: dict[str, int] = {}
             current = self._current_placement_group()
             for i in range(self.cfg.replicas):
@@ -133,6 +134,16 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
+
+    def _shard_threads(self) -> int | None:
+        """Torch threads of each CPU shard. On the local instance this engine started, its shards are all there
+        is, so they split its cores (a TP=1 engine takes them all; the draft actor runs between the verifier's
+        steps). On a cluster a shard cannot know its node's other tenants: None keeps the worker's own
+        default, half its node's cores."""
+        if self.use_gpu or not self._owns_ray:
+            return None
+        cores = self.cfg.num_cpus or os.cpu_count() or 1
+        return max(1, cores // (self.cfg.tp * self.cfg.replicas))
 
     def _current_placement_group(self) -> Any:
         """The placement group this process runs in when ``placement`` is "current" (else None)."""

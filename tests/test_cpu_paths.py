@@ -38,7 +38,7 @@ def _seed() -> int:
 def test_compact_matches_stable_sort_of_flags():
     """CIS's list from a mask (a running count) against the stable sort it replaced, every element, on random
     masks of every density, widths below and above the set count included."""
-    from raysparse.methods.cis import compact
+    from raysparse.methods.cis_batched import compact
     from raysparse.methods.selection import SENTINEL
 
     seed = _seed()
@@ -57,7 +57,7 @@ def test_cis_retrieval_of_some_pairs_matches_all_pairs():
     """The CPU's CIS retrieval of the retrieving (row, KV head) pairs alone gives, for those pairs, the same
     entries as the fixed-shape retrieval of every pair (every element), and nothing valid for the others."""
     from raysparse.kernels.formats import PagedKV
-    from raysparse.methods.cis import _retrieve
+    from raysparse.methods.cis_batched import _retrieve
 
     seed = _seed()
     g = torch.Generator().manual_seed(seed)

@@ -35,7 +35,8 @@ from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import DecodeView, PrefillView, SeqContext, SparseMethod, method_spec
-from raysparse.methods.cis import CISBatchedState, CISConfig, cis_batched_step, cis_step, cis_step_consts
+from raysparse.methods.cis import CISConfig, cis_step
+from raysparse.methods.cis_batched import CISBatchedState, cis_batched_step, cis_step_consts
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
 from raysparse.methods.psaw import (
     PrHSConfig,

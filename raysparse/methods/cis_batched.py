@@ -1,0 +1,285 @@
+"""CIS's batched decode step (``cis.py`` holds the method's rule and its per-sequence reference, ``cis_step``).
+
+The same steps as ``cis_step`` for a whole decode batch, in fixed shapes and without host reads, so they run
+inside a captured CUDA graph. The per-sequence state becomes rows of static buffers (``CISRows``), one set per
+row count (batch bucket): a graph reads its buffers by address, so they are never reallocated.
+``CISBatchedState.prepare`` (host side, before each step) moves each sequence's state into the row it occupies:
+only when the batch's composition changes (a sequence joins or leaves), so steady decoding, and chained
+multi-step replays, copy nothing. Sequences that leave the batch but live on are parked as per-sequence tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.paged_torch import stable_top
+from raysparse.kv_cache import KVCache
+from raysparse.methods.base import row_budget
+from raysparse.methods.cis import CISConfig, cis_budget
+from raysparse.methods.selection import SENTINEL
+
+
+def bounded_budget(cfg: CISConfig, n: int) -> tuple[int, int]:
+    """``cis_step``'s (k, m) after its clamps to the n candidates: the static bound at a width of n tokens
+    (both are non-decreasing in n, so the bound at the bucket's width holds for every row)."""
+    kk, m = cis_budget(cfg, n)
+    kk = min(kk, n)
+    return kk, min(m, kk)
+
+
+def set_width(cfg: CISConfig, n: int) -> int:
+    """Entries an anchor set of a step with at most n keys can hold (k + 2 r m, duplicates counted)."""
+    kk, m = bounded_budget(cfg, n)
+    return kk + 2 * cfg.radius * m
+
+
+def budget_rows(cfg: CISConfig, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bounded_budget`` on device for lengths n [B] (int64): (k, m) per row."""
+    if cfg.density is None:
+        k = torch.full_like(n, cfg.topk)
+    else:
+        k = (row_budget(cfg.density, n) - cfg.sink - cfg.local).clamp(min=0)
+    m = k // 3 if cfg.top_m is None else k.clamp(max=cfg.top_m)
+    kk = torch.minimum(k, n)
+    return kk, torch.minimum(m, kk)
+
+
+class CISRows:
+    """Every sparse layer's CIS state for the rows of a padded decode batch of ``rows`` rows. Anchor sets
+    keep their valid entries first (ascending, SENTINEL after), so a prefix of ``width`` entries holds a whole
+    set of a step with at most ``n`` keys when ``set_width(n) <= width`` (what parking keeps)."""
+
+    def __init__(self, layers: int, rows: int, cfg: CISConfig, h_kv: int, qdim: int, width: int,
+                 device: torch.device) -> None:
+        s = cfg.share_block
+        self.q = torch.zeros(layers, rows, s, h_kv, qdim, device=device)  # unit anchor queries
+        self.sets = torch.full((layers, rows, s, h_kv, width), SENTINEL, dtype=torch.int32, device=device)
+        self.valid = torch.zeros(layers, rows, s, h_kv, dtype=torch.bool, device=device)
+        self.step = torch.zeros(layers, rows, dtype=torch.long, device=device)  # decode steps so far
+        # The last step's keys attended (summed over KV heads) and KV heads that retrieved, per row.
+        self.counts = torch.zeros(layers, rows, 2, dtype=torch.long, device=device)
+
+    def reset(self, row: int) -> None:
+        """A new sequence: no step yet (the first step opens a block, which clears the anchors)."""
+        self.step[:, row] = 0
+        self.valid[:, row] = False
+
+    def save(self, row: int, width: int) -> tuple[torch.Tensor, ...]:
+        return (self.q[:, row].clone(), self.sets[:, row, ..., :width].clone(), self.valid[:, row].clone(),
+                self.step[:, row].clone())
+
+    def load(self, row: int, saved: tuple[torch.Tensor, ...]) -> None:
+        q, sets, valid, step = saved
+        width = min(sets.shape[-1], self.sets.shape[-1])
+        self.q[:, row] = q
+        self.sets[:, row] = SENTINEL
+        self.sets[:, row, ..., :width] = sets[..., :width]
+        self.valid[:, row] = valid
+        self.step[:, row] = step
+
+
+class CISBatchedState:
+    """Row buffers and parked states of the batched CIS decode, for the layers in ``layers``."""
+
+    def __init__(self, cfg: CISConfig, layers: tuple[int, ...], qdim: int, max_tokens: int) -> None:
+        self.cfg, self.qdim = cfg, qdim
+        self.index = {layer: i for i, layer in enumerate(layers)}
+        # Sets are sized for the longest sequence there can be (the cache's capacity, capped by the model's
+        # positions): fixed for the buffers' life, which captured graphs require.
+        self.width = max(set_width(cfg, max_tokens), 1)
+        self.buffers: dict[int, CISRows] = {}  # by row count
+        self.current: list[int] | None = None  # the sequence of each row of the buffers in use (-1: none)
+        self.parked: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    # The buffers are normal tensors, whichever mode the first step runs in: an inference tensor could not
+    # be updated in place by the host-side calls below, which run outside the model's inference mode.
+    @torch.inference_mode(False)
+    def prepare(self, rows: list[int], cache: KVCache) -> CISRows:
+        """Puts each row's sequence state in place (new sequences start empty); padding rows start empty."""
+        if self.current == rows:
+            return self.buffers[len(rows)]
+        self._park(cache)
+        buf = self.buffers.get(len(rows))
+        if buf is None:
+            buf = CISRows(len(self.index), len(rows), self.cfg, cache.num_kv_heads, self.qdim, self.width,
+                          cache.device)
+            self.buffers[len(rows)] = buf
+        for i, sid in enumerate(rows):
+            saved = self.parked.pop(sid, None) if sid >= 0 else None
+            if saved is None:
+                buf.reset(i)
+            else:
+                buf.load(i, saved)
+        self.current = list(rows)
+        return buf
+
+    def _park(self, cache: KVCache) -> None:
+        if self.current is None:
+            return
+        buf = self.buffers[len(self.current)]
+        for i, sid in enumerate(self.current):
+            if sid >= 0:
+                # Its sets hold at most set_width(its length) entries, all in that prefix.
+                self.parked[sid] = buf.save(i, max(set_width(self.cfg, cache.seq_len(sid)), 1))
+        self.current = None
+
+    @torch.inference_mode(False)
+    def forget(self, sid: int) -> None:
+        """Drops a sequence's state (released, or prefilled anew: its decode steps count from zero)."""
+        self.parked.pop(sid, None)
+        if self.current is not None and sid in self.current:
+            i = self.current.index(sid)
+            self.buffers[len(self.current)].reset(i)
+            self.current[i] = -1  # not parked when the batch changes
+
+    def rows(self, batch_rows: int) -> CISRows:
+        if self.current is None or len(self.current) != batch_rows:
+            raise RuntimeError(f"CIS batched decode: no state prepared for {batch_rows} rows (graph_prepare first)")
+        return self.buffers[batch_rows]
+
+
+@dataclass(frozen=True)
+class CISStepConsts:
+    """What every sparse layer of one decode step shares (the rows' lengths and the width bucket are the
+    step's): built once per step instead of once per layer, which on a CPU is a fifth of a layer's select."""
+
+    pos: torch.Tensor  # [W] key positions
+    inrange: torch.Tensor  # [B, W] below the row's length
+    forced: torch.Tensor  # [B, W] sinks and local window
+    kk_n: torch.Tensor  # [B] k per row
+    m_n: torch.Tensor  # [B] m per row
+    rank: torch.Tensor  # [max(k_w, 1)]
+    offs: torch.Tensor  # [2 r] the dilation's offsets
+    slots: torch.Tensor  # [1, s, 1]
+    rows: torch.Tensor  # [B]
+    heads: torch.Tensor  # [h_kv]
+
+
+def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: int) -> CISStepConsts:
+    """``CISStepConsts`` for lengths n [B] (int64) in a bucket of ``width_tokens``."""
+    dev, wt, r = n.device, width_tokens, cfg.radius
+    pos = torch.arange(wt, device=dev)
+    nn = n[:, None]
+    kk_n, m_n = budget_rows(cfg, n)
+    j = torch.arange(2 * r, device=dev)
+    return CISStepConsts(pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
+                         torch.arange(max(bounded_budget(cfg, wt)[0], 1), device=dev), j - r + (j >= r).long(),
+                         torch.arange(cfg.share_block, device=dev)[None, :, None],
+                         torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev))
+
+
+def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv: PagedKV, width_tokens: int,
+                     visible_lo: torch.Tensor | None, consts: CISStepConsts | None = None) -> torch.Tensor:
+    """``cis_step`` of every row at once: q [B, h, d], the rows' paged keys ``kv`` (page-width bucket of
+    ``width_tokens``), the lowest visible non-sink key per row [B] (PSAW in CPE; None: every key). Advances
+    the rows' state of sparse layer ``li`` in place and writes the step's counts; returns the selection, int32
+    [B, h_kv, W] ascending and SENTINEL-padded, W fixed by the parameters and ``width_tokens``. ``consts``:
+    the step's ``cis_step_consts`` (built here when not given).
+
+    On GPUs every shape is fixed and nothing is read back (a captured step). On a CPU, where a host read is
+    free, a step whose pairs all share skips the retrieval and the anchor update (their results would be
+    discarded by the ``torch.where`` below: the same bits)."""
+    b, h, d = q.shape
+    h_kv = kv.k.shape[1]
+    g, wt = h // h_kv, width_tokens
+    n = kv.seqlens.long()  # [B]
+    c = consts if consts is not None else cis_step_consts(cfg, n, wt, h_kv)
+    kk_w, m_w = bounded_budget(cfg, wt)
+    cq, sets, valid, step = buf.q[li], buf.sets[li], buf.valid[li], buf.step[li]
+    rows, heads = c.rows, c.heads
+    slot = step % cfg.share_block
+    valid.masked_fill_((slot == 0)[:, None, None], False)  # a block's first step has no anchor to share
+
+    # Share: the most recent anchor slot of this block with cosine > threshold, per (row, KV head).
+    qg = q.float().reshape(b, h_kv, g * d)
+    qn = qg / qg.norm(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    cos = (cq * qn[:, None]).sum(-1)  # [B, s, h_kv]
+    chosen = torch.where(valid & (cos > cfg.threshold), c.slots, -1).amax(1)  # [B, h_kv]
+    share = chosen >= 0
+    here = ~share
+    width = buf.sets.shape[-1]
+    shared = sets[rows[:, None], chosen.clamp(min=0), heads[None, :]]  # [B, h_kv, width]
+
+    visible = c.inrange if visible_lo is None else ((c.pos < cfg.sink) | (c.pos >= visible_lo[:, None])) & c.inrange
+    if q.is_cuda or bool(here.any()):
+        # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
+        allowed = visible & ~c.forced
+        order, ok = _retrieve(q, kv, wt, c.inrange, allowed, max(kk_w, 1), None if q.is_cuda else here)
+        top = torch.where(ok & (c.rank < c.kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
+        # The dilation: the +-r neighbours of the top-m (offsets -r..-1, 1..r, as cis_step lists them).
+        lead = top[..., :m_w]
+        nb = lead[..., None] + c.offs
+        nb_ok = ((lead >= 0) & (c.rank[:m_w] < c.m_n[:, None, None]))[..., None] & (nb >= 0)
+        cand = torch.cat([top, torch.where(nb_ok, nb, SENTINEL).flatten(-2)], -1)
+        big = torch.iinfo(torch.int64).max
+        packed = torch.where(cand >= 0, cand, big).sort(dim=-1).values[..., :width]  # valid first
+        new_set = torch.nn.functional.pad(torch.where(packed == big, SENTINEL, packed).to(torch.int32),
+                                          (0, width - packed.shape[-1]), value=SENTINEL)
+        # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
+        cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
+        sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
+        # One index list per pair, the shared set or the retrieval's top-k (no dilation on its own step), made
+        # a mask once (both padded to the wider: a bucket may be wider than the sets were sized for).
+        wide = max(width, top.shape[-1])
+        pad = torch.nn.functional.pad
+        mask_mid = _as_mask(torch.where(share[..., None], pad(shared, (0, wide - width), value=SENTINEL),
+                                        pad(top.to(torch.int32), (0, wide - top.shape[-1]), value=SENTINEL)), n, wt)
+    else:
+        mask_mid = _as_mask(shared, n, wt)
+    valid[rows, slot] = here
+    step.add_(1)
+
+    mask = (c.forced[:, None, :] | mask_mid) & visible[:, None, :]
+    buf.counts[li].copy_(torch.stack([mask.sum((1, 2)), here.sum(1)], -1))
+    out_width = max(min(wt, cfg.sink + cfg.local + min(kk_w + 2 * cfg.radius * m_w, width)), 1)
+    return compact(mask, out_width)
+
+
+def _as_mask(idx: torch.Tensor, n: torch.Tensor, wt: int) -> torch.Tensor:
+    """Index lists [B, h_kv, K] (entries in [0, n) count; SENTINEL and the rest do not) -> bool [B, h_kv, wt]."""
+    ok = (idx >= 0) & (idx < n[:, None, None])
+    hit = torch.zeros(*idx.shape[:2], wt + 1, dtype=torch.bool, device=idx.device)
+    return hit.scatter_(-1, torch.where(ok, idx.long(), wt), True)[..., :wt]
+
+
+def compact(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [..., N] -> int32 [..., width]: the columns of the first ``width`` set entries, ascending, SENTINEL
+    after. A running count places each set entry (one pass), where a stable sort of the flags costs N log N."""
+    pos = mask.long().cumsum(-1) - 1
+    dst = torch.where(mask & (pos < width), pos, width)  # the rest land in a spare last column, dropped
+    cols = torch.arange(mask.shape[-1], dtype=torch.int32, device=mask.device).expand(mask.shape)
+    out = torch.full((*mask.shape[:-1], width + 1), SENTINEL, dtype=torch.int32, device=mask.device)
+    return out.scatter_(-1, dst, cols)[..., :width]
+
+
+def _retrieve(q: torch.Tensor, kv: PagedKV, wt: int, inrange: torch.Tensor, allowed: torch.Tensor, k: int,
+              rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle top-k of every (row, KV head) by exact probabilities over the row's keys (``stable_top`` of
+    the group-summed softmax): indices [B, h_kv, k] best first and whether each is allowed. ``rows`` [B, h_kv]
+    bool (None: all): which pairs need it; the others get no valid entry. Fixed shapes when ``rows`` is None
+    (the captured path); given (the CPU), only the retrieving pairs read their keys and are scored: a sharing
+    pair's retrieval is discarded by the step anyway, and each pair's scores are its own, so the kept ones
+    are the same bits."""
+    b, h, d = q.shape
+    h_kv, page = kv.k.shape[1], kv.k.shape[2]
+    g, width = h // h_kv, kv.page_table.shape[1]
+    pairs = torch.arange(b * h_kv, device=q.device) if rows is None else rows.flatten().nonzero().squeeze(1)
+    bi, hi = pairs // h_kv, pairs % h_kv
+    # Each pair's pages of its KV head, in order, as rows of the cache seen as [pages * h_kv, page * d]: one
+    # copy of the keys, already laid out [pair, W * page, d] (no permute of the gathered pages).
+    tiles = kv.page_table.long()[bi] * h_kv + hi[:, None]  # [P, W]
+    keys = kv.k.reshape(-1, page * d).index_select(0, tiles.flatten()).view(-1, width * page, d)[:, :wt]
+    qp = q.float().view(b * h_kv, g, d).index_select(0, pairs)
+    logits = torch.bmm(qp, keys.float().transpose(1, 2)).div(math.sqrt(d))  # [P, g, W]
+    keyed = logits.masked_fill(~inrange[bi][:, None, :], -math.inf).softmax(-1).sum(1)  # [P, W]
+    order, ok = stable_top(keyed, allowed[bi], k)
+    if rows is None:
+        return order.view(b, h_kv, -1), ok.view(b, h_kv, -1)
+    full = torch.zeros(b * h_kv, order.shape[-1], dtype=order.dtype, device=q.device)
+    valid = torch.zeros(b * h_kv, order.shape[-1], dtype=torch.bool, device=q.device)
+    full[pairs], valid[pairs] = order, ok
+    return full.view(b, h_kv, -1), valid.view(b, h_kv, -1)
