@@ -215,9 +215,15 @@ def test_selection_is_deduplicated_ascending_keeps_sink_local_and_respects_budge
         sel = m.select_decode(ctx_for(n, state), q, k, v)
         assert sel.indices.dtype == torch.int32 and sel.block_size == 1
         sink, local = min(4, n), min(4, n - min(4, n))
-        rest = n - sink - local
-        k_want = kw["top_k"] if "top_k" in kw else budget(kw["density"], n) - sink - local
-        k_want = max(0, min(k_want, rest))
+        if "top_k" in kw:
+            k_want = kw["top_k"]
+        else:  # the density's budget holds the forced tokens too: where they exceed it, they shrink to it
+            b = budget(kw["density"], n)
+            if b < sink + local:
+                sink = min(sink, b // 2)
+                local = min(local, b - sink)
+            k_want = b - sink - local
+        k_want = max(0, min(k_want, n - sink - local))
         assert sel.indices.shape == (H_KV, sink + local + k_want)  # fixed width = the budget, no padding
         for h, row in enumerate(rows_of(sel.indices)):
             assert row == sorted(set(row)) and len(row) == sel.indices.shape[1]
@@ -236,9 +242,15 @@ def test_selection_is_deduplicated_ascending_keeps_sink_local_and_respects_budge
 def test_density_budget_counts_sink_and_local():
     m = Socket(model_cfg(), SocketConfig())  # defaults: density 0.1, sink 128, local 128
     assert m.budget(3000) == (128, 128, 44)
-    assert m.budget(1000) == (128, 128, 0)  # forced tokens win over a small budget
-    assert m.budget(200) == (128, 72, 0)
+    assert m.budget(1000) == (50, 50, 0)  # sink and local alone exceed the budget: they shrink to it
+    assert m.budget(200) == (10, 10, 0)
+    assert Socket(model_cfg(), SocketConfig(sink_tokens=30, local_tokens=90)).budget(1000) == (25, 75, 0)
     assert Socket(model_cfg(), SocketConfig(top_k=500)).budget(3000) == (128, 128, 500)
+    assert Socket(model_cfg(), SocketConfig(top_k=5)).budget(1000) == (128, 128, 5)  # the paper's k: on top
+    for n in range(1, 3000, 7):  # the device rule equals the host one
+        got = [int(t) for t in m._budget_rows(torch.tensor([[n]]))]
+        assert tuple(got) == m.budget(n), n
+        assert sum(m.budget(n)) == budget(0.1, n), n  # the attended tokens are the budget
 
 
 # ---- through the model -------------------------------------------------------------------------

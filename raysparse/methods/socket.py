@@ -15,7 +15,9 @@ outside both (disjoint by construction, so deduplicated), ascending, shared by t
 Choices where SPEC and paper are silent:
 - Budget. ``density`` (default 0.1) is the fraction of the context attended in total, forced tokens
   included (round(density * n), as ``row_budget``): k = budget - sink - local, so methods compare at equal
-  real density; sink and local are kept even where they alone exceed the budget (short contexts). An
+  real density. Where sink and local alone exceed the budget (short contexts, or a whole-model density the
+  dense layers leave little of), they shrink to it in proportion to their sizes and no token is scored, so
+  the attended fraction is the budget (rounded per row), as for every method with a density. An
   explicit ``top_k`` is the paper's k: that many scored tokens on top of sink and local. k is clamped to
   the tokens outside sink and local, so ``top_k >= n`` (or density 1.0) attends every key: dense.
 - Sink = the first min(sink_tokens, n) keys; local = the last ones (the new token included) up to
@@ -196,7 +198,11 @@ class Socket(SparseMethod):
         if c.top_k is not None:
             k = c.top_k
         else:
-            k = host_row_budget(self.layer_density, n) - sink - local  # host ints: the meter calls this per step
+            b = host_row_budget(self.layer_density, n)  # host ints: the meter calls this per step
+            if b < sink + local:  # the forced tokens alone exceed the budget: they shrink to it, in proportion
+                sink = min(sink, b * c.sink_tokens // max(1, c.sink_tokens + c.local_tokens))
+                local = min(local, b - sink)
+            k = b - sink - local
         return sink, local, max(0, min(k, n - sink - local))
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
@@ -246,7 +252,15 @@ class Socket(SparseMethod):
         c = self.config
         sink = n.clamp(max=c.sink_tokens)
         local = (n - sink).clamp(max=c.local_tokens)
-        k = torch.full_like(n, c.top_k) if c.top_k is not None else row_budget(self.layer_density, n) - sink - local
+        if c.top_k is not None:
+            k = torch.full_like(n, c.top_k)
+        else:
+            b = row_budget(self.layer_density, n)
+            over = b < sink + local
+            shrunk = torch.minimum(sink, b * c.sink_tokens // max(1, c.sink_tokens + c.local_tokens))
+            sink = torch.where(over, shrunk, sink)
+            local = torch.where(over, torch.minimum(local, b - sink), local)
+            k = b - sink - local
         return sink, local, torch.minimum(k.clamp(min=0), n - sink - local)
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
