@@ -3,6 +3,7 @@ only its own part (``loader.load_model_shard``), and gives the logits of one dev
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -89,12 +90,19 @@ def test_bin_weights_load_whole_then_sliced(tmp_path):
 
 
 def test_peak_host_memory_sees_an_allocation():
-    with PeakHostMemory() as mem:
-        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-        del x
+    # The process frees memory of its own meanwhile (the garbage collector, other threads), which lowers the
+    # resident size under ``before``: the allocation is large against that noise, and the collector is idle.
+    gc.collect()
+    gc.disable()
+    try:
+        with PeakHostMemory() as mem:
+            x = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
+            del x
+    finally:
+        gc.enable()
     if not mem.exact:
         pytest.skip("this kernel does not reset the peak resident memory")
-    assert mem.peak() - mem.before >= 60 * 2**20
+    assert mem.peak() - mem.before >= 192 * 2**20
 
 
 @pytest.mark.parametrize("size", ["small", pytest.param("large", marks=pytest.mark.slow)])
