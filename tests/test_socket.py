@@ -318,7 +318,7 @@ def test_sparse_decode_density_through_the_model(tiny_model):
 def test_config_registry_and_metadata_bytes():
     c = SocketConfig()
     assert (c.planes, c.tables, c.tau, c.sink_tokens, c.local_tokens, c.density, c.top_k, c.group_reduce,
-            c.hard, c.dense_layers) == (8, 60, 0.3, 128, 128, 0.1, None, "mean", False, (0, 1))
+            c.hard, c.value_norm, c.dense_layers) == (8, 60, 0.3, 128, 128, 0.1, None, "mean", False, False, (0, 1))
     for bad in ({"planes": 0}, {"planes": 16}, {"tables": 0}, {"tau": 0.0}, {"sink_tokens": -1},
                 {"top_k": -1}, {"group_reduce": "sum"}, {"seed": -1}, {"density": 0.0}):
         with pytest.raises(ValueError):

@@ -31,15 +31,21 @@ Choices where SPEC and paper are silent:
   in which the key's bucket equals the query's hard bucket sign(W_l q), NOT weighted by ||v|| (eq. 3 and
   Fig. 2 have no value term). It runs as a one-hot p_l through the same scorer and group reduction (mean:
   collisions averaged over the group's heads; max: tables where any head collides). Same budget rule.
-- Value-norm factor (``value_norm``, default True as SPEC and Algorithm 3 say): measured on SmolLM2-135M
-  (4096-token Austen window, 4 decode steps, layers 2-29, this scorer), it lowers the retained mass and
-  raises the output error: at total density 0.1 retained 0.74 with ||v|| vs 0.93 without (hard: 0.85),
-  output error 0.44 vs 0.15 (hard: 0.27); at 0.2 retained 0.77 vs 0.96 (hard 0.87). The soft count
-  estimates an angular kernel, far flatter than exp(q.k / sqrt d), so multiplying it by ||v|| (which varies
-  5-8x across keys here) lets the value norm dominate the ranking. ``value_norm=False`` ranks by the soft
-  count alone (the paper's Fig. 2 scorer). Of the values tried (tau 0.01-0.3, group mean vs max), tau 0.3
-  with the mean is best without the factor; with it, tau 0.1 is slightly better (retained 0.75 / 0.84 at
-  0.1 / 0.2) and still below the factor-free scorer.
+- Value-norm factor (``value_norm``): SPEC and Algorithm 3 multiply the soft count by ||v_j||. Measured on
+  SmolLM2-135M it loses, so the default leaves it out (``value_norm=True`` restores SPEC's scorer):
+  - `raysparse eval --methods socket --densities 0.15 --context-tokens 4096 --tasks single_needle --samples 8
+    --no-perplexity --method-params socket:value_norm=true,false` (2-core CPU, 2026-11-26; decode density
+    0.150 for both): retained mass 0.763 with the factor against 0.948 without, output error 0.202 against
+    0.129, single-needle accuracy 8/8 for both (and dense).
+  - Earlier (2048 tokens, one sample per task, BENCHMARKS.md "Issue 4's methods"): decode perplexity +4.1%
+    with the factor against +2.0% without at 0.2; the one single-needle sample was lost without it, which the
+    eight samples at 4096 tokens above do not repeat.
+  - On the real q, k, v of 4 decode steps after a 4096-token window (layers 2-29): retained 0.74 with vs 0.93
+    without at 0.1 (hard: 0.85), output error 0.44 vs 0.15 (hard: 0.27).
+  - Why: the soft count estimates an angular kernel, far flatter than exp(q.k / sqrt d), so multiplying it by
+    ||v|| (which varies 5-8x across keys here) lets the value norm dominate the ranking. Without the factor
+    the scorer is the paper's Fig. 2 soft count. Of the values tried (tau 0.01-0.3, group mean vs max), tau
+    0.3 with the mean is best without the factor; with it, tau 0.1 is slightly better and still below.
 - Ties (frequent for hard counts) break toward the lower token index (a stable sort), deterministically.
 - Hyperplanes are drawn on the CPU from a generator seeded by (seed, layer, global KV head), fixed for
   the backend's life and identical on every device. With tensor parallelism set ``kv_head_offset`` to
@@ -97,7 +103,7 @@ class SocketConfig(MethodConfig):
     local_tokens: int = 128
     group_reduce: str = "mean"
     hard: bool = False
-    value_norm: bool = True  # SPEC's ||v_j|| factor on the soft score (see the module docstring)
+    value_norm: bool = False  # SPEC's ||v_j|| factor on the soft score: off by measurement (module docstring)
     seed: int = 0
 
     def __post_init__(self) -> None:
