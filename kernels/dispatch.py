@@ -182,6 +182,32 @@ def strided_dense_attention_varlen(q: torch.Tensor, kv: KVSource, cu_seqlens_q: 
     return torch.cat(outs), torch.cat(lses)
 
 
+def dense_rows_attention_varlen(q: torch.Tensor, kv: KVSource, row_tok: torch.Tensor, row_pos: torch.Tensor,
+                                rows: list[int], near: torch.Tensor | None = None, block_size: int = 64,
+                                scale: float | None = None) -> tuple[torch.Tensor, ...]:
+    """Chosen rows of every sequence densely over their causal keys, with the far part outside ``near``'s
+    blocks of ``block_size`` keys when it is given (``dense_rows``): fp32 (out, lse) or (out, lse, out_far,
+    lse_far, kbar)."""
+    block = kv.k.shape[2] if isinstance(kv, PagedKV) else block_size
+    if use_triton(q, kv.k, head_dim=q.shape[-1], block=block) and (near is None or block == block_size):
+        from .dense_rows import dense_rows
+
+        return dense_rows(_like_kv(q, kv.k), kv, row_tok, row_pos, rows, near, scale, block_size=block_size)
+    parts: list[tuple[torch.Tensor, ...]] = []
+    lo = 0
+    for i, m in enumerate(rows):
+        k, v = _seq_kv(kv, i)
+        blocks = None if near is None else near[:, lo:lo + m, : -(-k.shape[1] // block_size)]
+        parts.append(ref.dense_rows_attention(q[row_tok[lo:lo + m].long()], row_pos[lo:lo + m].long(), k, v,
+                                              blocks, block_size, scale))
+        lo += m
+    if not parts:
+        h, d = q.shape[1:]
+        empty = (torch.empty(0, h, d, device=q.device), torch.empty(0, h, device=q.device))
+        return empty if near is None else empty + empty + empty[:1]
+    return tuple(torch.cat(t) for t in zip(*parts, strict=True))
+
+
 # ---- the method scorers (kept in their own module; importable from here) -------------------------
 from .scorer_dispatch import (  # noqa: E402
     collision_scores,
@@ -196,7 +222,8 @@ from .scorer_dispatch import (  # noqa: E402
 )
 
 __all__ = ["ENV", "block_sparse_attention", "block_sparse_attention_varlen", "collision_scores",
-           "collision_scores_varlen", "combine", "decode_sketches", "lsh_bucket_ids", "quest_page_bounds",
+           "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen", "lsh_bucket_ids",
+           "quest_page_bounds",
            "quest_page_scores", "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen",
            "srht_apply", "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted",
            "use_triton"]

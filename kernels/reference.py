@@ -122,3 +122,42 @@ def strided_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         p = torch.softmax(s, -1)
         out[r0:r1] = torch.einsum("mhgn,hnd->mhgd", p, v.float()).flatten(1, 2)
     return out.to(q.dtype), lse
+
+
+def dense_rows_attention(q_rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         blocks: torch.Tensor | None = None, block_size: int = 64, scale: float | None = None
+                         ) -> tuple[torch.Tensor, ...]:
+    """Rows at absolute positions ``pos`` [m] (queries ``q_rows`` [m, h, d]) densely over their causal keys of
+    k, v [h_kv, n, d]: out [m, h, d] and lse [m, h], fp32. With ``blocks`` ([h_kv, m, ceil(n / block_size)]
+    bool: the key blocks the base attends for each row) also the rows' attention over their causal keys outside
+    those blocks (the "far" part): its out, lse (-inf where there is none) and attention-weighted mean key
+    [m, h, d]."""
+    m, h, d = q_rows.shape
+    h_kv, n, _ = k.shape
+    g = h // h_kv
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    kf, vf = k.float(), v.float()
+    kpos = torch.arange(n, device=k.device)
+    res = [torch.empty(m, h, d, device=k.device), torch.empty(m, h, device=k.device)]
+    if blocks is not None:
+        res += [torch.empty(m, h, d, device=k.device), torch.empty(m, h, device=k.device),
+                torch.empty(m, h, d, device=k.device)]
+    step = max(1, _STRIDED_CHUNK_ELEMS // max(1, h * n))
+    for r0 in range(0, m, step):
+        r1 = min(m, r0 + step)
+        s = torch.einsum("rkgd,knd->kgrn", q_rows[r0:r1].float().view(r1 - r0, h_kv, g, d), kf) * scale
+        causal = kpos[None, :] <= pos[r0:r1, None]  # [r, n]
+        s = s.masked_fill(~causal, -math.inf)
+        lse = torch.logsumexp(s, -1)  # [h_kv, g, r]
+        p = torch.exp(s - lse[..., None])
+        res[0][r0:r1] = torch.einsum("kgrn,knd->rkgd", p, vf).reshape(r1 - r0, h, d)
+        res[1][r0:r1] = lse.permute(2, 0, 1).reshape(r1 - r0, h)
+        if blocks is not None:
+            near = blocks[:, r0:r1].repeat_interleave(block_size, -1)[..., :n]  # [h_kv, r, n]
+            sf = s.masked_fill(near[:, None], -math.inf)
+            lse_f = torch.logsumexp(sf, -1)
+            pf = torch.exp(sf - lse_f[..., None]).nan_to_num(0.0)  # a row without far keys: all zeros
+            res[2][r0:r1] = torch.einsum("kgrn,knd->rkgd", pf, vf).reshape(r1 - r0, h, d)
+            res[3][r0:r1] = lse_f.permute(2, 0, 1).reshape(r1 - r0, h)
+            res[4][r0:r1] = torch.einsum("kgrn,knd->rkgd", pf, kf).reshape(r1 - r0, h, d)
+    return tuple(res)

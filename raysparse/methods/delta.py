@@ -84,10 +84,13 @@ from typing import Any
 
 import torch
 
-from raysparse.attention import causal_pairs, dense_attention
+from raysparse.attention import causal_pairs
 from raysparse.config import ModelConfig
 from raysparse.kernels import dispatch
-from raysparse.kernels.reference import strided_dense_attention  # noqa: F401 - re-exported
+from raysparse.kernels.reference import (
+    dense_rows_attention,
+    strided_dense_attention,  # noqa: F401 - re-exported
+)
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import baselines  # noqa: F401  - registers the default base, streaming
 from raysparse.methods.base import (
@@ -108,7 +111,6 @@ FITTED = ("far-merge", "delta-shrunk")  # the modes whose correction is scaled b
 SPEC_TAIL = 128  # SPEC's dense tail: the last n mod gamma + max(128, gamma) queries
 FALLBACK_ALPHA = 0.05  # a head whose fitted alpha is below this counts as fallen back (stats)
 NOISE = 1e-5  # a predicted correction below this fraction of a check row's output is no evidence for alpha
-_CHUNK_ELEMS = 1 << 24  # scores materialised per chunk of dense rows
 
 
 @dataclass(frozen=True)
@@ -184,45 +186,6 @@ class DeltaConfig(MethodConfig):
         if self.checks:
             share += 1.0 / (self.gamma * self.check_every)
         return share
-
-
-def dense_rows_attention(q_rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         blocks: torch.Tensor | None = None, block_size: int = 64, scale: float | None = None
-                         ) -> tuple[torch.Tensor, ...]:
-    """Rows at absolute positions ``pos`` [m] (queries ``q_rows`` [m, h, d]) densely over their causal keys of
-    k, v [h_kv, n, d]: out [m, h, d] and lse [m, h], fp32. With ``blocks`` ([h_kv, m, ceil(n / block_size)]
-    bool: the key blocks the base attends for each row) also the rows' attention over their causal keys outside
-    those blocks (the "far" part): its out, lse (-inf where there is none) and attention-weighted mean key
-    [m, h, d]."""
-    m, h, d = q_rows.shape
-    h_kv, n, _ = k.shape
-    g = h // h_kv
-    scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    kf, vf = k.float(), v.float()
-    kpos = torch.arange(n, device=k.device)
-    res = [torch.empty(m, h, d, device=k.device), torch.empty(m, h, device=k.device)]
-    if blocks is not None:
-        res += [torch.empty(m, h, d, device=k.device), torch.empty(m, h, device=k.device),
-                torch.empty(m, h, d, device=k.device)]
-    step = max(1, _CHUNK_ELEMS // max(1, h * n))
-    for r0 in range(0, m, step):
-        r1 = min(m, r0 + step)
-        s = torch.einsum("rkgd,knd->kgrn", q_rows[r0:r1].float().view(r1 - r0, h_kv, g, d), kf) * scale
-        causal = kpos[None, :] <= pos[r0:r1, None]  # [r, n]
-        s = s.masked_fill(~causal, -math.inf)
-        lse = torch.logsumexp(s, -1)  # [h_kv, g, r]
-        p = torch.exp(s - lse[..., None])
-        res[0][r0:r1] = torch.einsum("kgrn,knd->rkgd", p, vf).reshape(r1 - r0, h, d)
-        res[1][r0:r1] = lse.permute(2, 0, 1).reshape(r1 - r0, h)
-        if blocks is not None:
-            near = blocks[:, r0:r1].repeat_interleave(block_size, -1)[..., :n]  # [h_kv, r, n]
-            sf = s.masked_fill(near[:, None], -math.inf)
-            lse_f = torch.logsumexp(sf, -1)
-            pf = torch.exp(sf - lse_f[..., None]).nan_to_num(0.0)  # a row without far keys: all zeros
-            res[2][r0:r1] = torch.einsum("kgrn,knd->rkgd", pf, vf).reshape(r1 - r0, h, d)
-            res[3][r0:r1] = lse_f.permute(2, 0, 1).reshape(r1 - r0, h)
-            res[4][r0:r1] = torch.einsum("kgrn,knd->rkgd", pf, kf).reshape(r1 - r0, h, d)
-    return tuple(res)
 
 
 def far_merge_prediction(q: torch.Tensor, o_s: torch.Tensor, lse_s: torch.Tensor, q_a: torch.Tensor,
@@ -376,18 +339,36 @@ class Delta(SparseMethod):
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:
         o_sparse, lse_s, attended, base_sel = self._base_prefill(ctx, q, k, v, need_lse=self.config.mode == "far-merge")
-        out, dense, extra = self._correct(ctx, q, k, v, o_sparse, lse_s, attended, base_sel)
+        out, dense, extra = self._correct(ctx, q, _SeqRows(q, k, v), o_sparse, lse_s, attended, base_sel)
         if self.tracer is not None:
             sel = None if base_sel is None else DeltaSelection(base_sel.indices, base_sel.block_size, dense,
                                                                self.config.gamma, self.config.mode)
             self.tracer(ctx, q, k, v, sel, out)
         return out, attended + extra
 
-    def _correct(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_sparse: torch.Tensor,
+    def _row_sets(self, q_start: int, n_q: int, n: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One call's dense rows, local to its n_q rows: the anchors (absolute positions 0 mod gamma; a short chunk
+        may hold none), the check rows (empty unless the correction is fitted on them) and the first tail row
+        (n_q: no tail)."""
+        cfg, gamma = self.config, self.config.gamma
+        first = (-q_start) % gamma
+        anchors = torch.arange(min(first, n_q), n_q, gamma, device=device)
+        checks = torch.zeros(0, dtype=torch.long, device=device)
+        if cfg.mode in FITTED and cfg.alpha is None and cfg.checks:
+            g, off, every = gamma, cfg.check_offset, cfg.check_every
+            pos = q_start + torch.arange(n_q, device=device)
+            blk = torch.div(pos, g, rounding_mode="floor")
+            checks = ((pos % g == off) & ((blk < every) | (blk % every == every - 1))).nonzero()[:, 0]
+        tail_lo = max(n - cfg.tail_rows(n), q_start) - q_start
+        return anchors, checks, min(tail_lo, n_q)
+
+    def _correct(self, ctx: SeqContext, q: torch.Tensor, rows: _Rows, o_sparse: torch.Tensor,
                  lse_s: torch.Tensor | None, attended: float, base_sel: BlockSelection | None
                  ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One sequence's corrected output from the base's (``o_sparse``, its lse and selection; ``attended``:
-        the base's pairs): the output, which rows were computed densely, and the causal pairs those rows add."""
+        the base's pairs), its dense rows taken from ``rows``: the output, which rows were computed densely, and
+        the causal pairs those rows add."""
         cfg, gamma = self.config, self.config.gamma
         far = cfg.mode == "far-merge" and lse_s is not None and base_sel is not None  # else: the paper's difference
         n_q, n = q.shape[0], ctx.n
@@ -396,35 +377,32 @@ class Delta(SparseMethod):
         if cfg.mode == "sparse-only":
             return o_sparse, dense, 0.0
         first = (-ctx.q_start) % gamma
-        anchors = torch.arange(min(first, n_q), n_q, gamma, device=q.device)  # a short chunk may hold none
+        anchors, checks_at, tail_lo = self._row_sets(ctx.q_start, n_q, n, q.device)
         out = o_sparse.float()
         if far:
-            blocks = _row_blocks(base_sel, pos[anchors], ctx.q_start, n)
-            o_rows, _, o_far, lse_far, kbar = dense_rows_attention(q[anchors], pos[anchors], k, v, blocks,
-                                                                  base_sel.block_size)
+            o_rows, o_far, lse_far, kbar = rows.far(anchors, pos[anchors], base_sel, ctx.q_start, n)
             per_row = self._per_row(ctx, "far_carry", (q[anchors].float(), o_far, lse_far, kbar),
                                     (0.0, 0.0, -math.inf, 0.0), pos, first)
             pred = far_merge_prediction(q, out, lse_s, *per_row, 1.0 / math.sqrt(q.shape[-1]))
         else:
-            o_rows, _ = dispatch.strided_dense_attention(q, k, v, gamma, ctx.q_start)
-            o_rows = o_rows.float()
+            o_rows = rows.strided(gamma, ctx.q_start)
             pred = None
             if cfg.mode != "recompute":
                 pred = self._per_row(ctx, "delta_carry", (o_rows - out[anchors],), (0.0,), pos, first)[0]
         checks = None
         if pred is not None:
-            alpha, checks = self._alpha(ctx, q, k, v, pos, out, pred)
+            alpha, checks = self._alpha(ctx, q, pos, out, pred, rows, checks_at)
             out = out + (pred if alpha is None else alpha[..., None] * pred)
         out[anchors] = o_rows
         dense[anchors] = True
         if checks is not None:
             out[checks[0]] = checks[1]
             dense[checks[0]] = True
-        tail_lo = max(n - cfg.tail_rows(n), ctx.q_start)
-        if tail_lo < n:
-            out[tail_lo - ctx.q_start:] = dense_attention(q[tail_lo - ctx.q_start:], k, v).float()
-            dense[tail_lo - ctx.q_start:] = True
-        extra = self._extra_pairs(base_sel, pos[dense], k.shape[0], n, ctx.q_start, attended)
+        if tail_lo < n_q:
+            tail = torch.arange(tail_lo, n_q, device=q.device)
+            out[tail_lo:] = rows.dense(tail, pos[tail])
+            dense[tail_lo:] = True
+        extra = self._extra_pairs(base_sel, pos[dense], rows.h_kv, n, ctx.q_start, attended)
         return out.to(q.dtype), dense, extra
 
     # ---- batched prefill: the base's packed selection and one varlen attend, then the dense rows ------------
@@ -440,14 +418,16 @@ class Delta(SparseMethod):
         return self.base.prefill_selects(layer, batch)
 
     def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        """The base selects the whole batch (at its share of the budget) and the shared varlen kernel attends
-        it over the paged cache in place, with the lse the far part merges against; the dense rows (anchors,
-        check rows, tail: 1 / gamma of the rows) then correct each sequence as ``prefill_seq`` does."""
+        """The base selects the whole batch (at its share of the budget) and the shared varlen kernel attends it
+        over the paged cache in place, with the lse the far part merges against. The dense rows of every
+        sequence (anchors with their far part, check rows, tail) then come from one paged launch each
+        (``_PackedRows``), and each sequence is corrected from them as ``prefill_seq`` does."""
         view = PrefillView.of(layer, batch, cache)
         with self._prefill_budget():
             sel = self.base.prefill_select(layer, q, view)
         o_sparse, lse_s = dispatch.block_sparse_attention_varlen(q, view.kv, sel, view.cu_q_dev)
         base_pairs = self.base.prefill_pairs(view, sel).tolist()  # one sync
+        rows = _PackedRows(self, q, view, sel)
         out = torch.empty_like(q)
         b, h_kv, start = sel.block_size, cache.num_kv_heads, 0
         for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
@@ -455,9 +435,8 @@ class Delta(SparseMethod):
             blocks = (n - 1) // b - (n - n_q) // b + 1  # this sequence's query blocks in the packed selection
             one = BlockSelection(sel.indices[:, start:start + blocks], b)
             start += blocks
-            k, v = cache.gather(layer, batch, i)
-            out[lo:hi], _, extra = self._correct(view.context(i, self._seq_state), q[lo:hi], k, v, o_sparse[lo:hi],
-                                                 lse_s[lo:hi], float(base_pairs[i]), one)
+            out[lo:hi], _, extra = self._correct(view.context(i, self._seq_state), q[lo:hi], rows.of(i),
+                                                 o_sparse[lo:hi], lse_s[lo:hi], float(base_pairs[i]), one)
             self.meter.add(layer, base_pairs[i] + extra, float(causal_pairs(n_q, n) * h_kv), decode=False)
         return out
 
@@ -480,8 +459,8 @@ class Delta(SparseMethod):
         group = torch.div(pos - (ctx.q_start + first), gamma, rounding_mode="floor") + 1  # 0: before first anchor
         return tuple(t[group] for t in tables)
 
-    def _alpha(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-               o_s: torch.Tensor, pred: torch.Tensor
+    def _alpha(self, ctx: SeqContext, q: torch.Tensor, pos: torch.Tensor, o_s: torch.Tensor, pred: torch.Tensor,
+               rows: _Rows, ci: torch.Tensor
                ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The correction's scale per row and query head ([n_q, h]; None: 1, the paper's), and the check rows
         (local indices, dense outputs) where they are computed. Fitted: alpha(i) = clamp(<D, D_pred> / ||D_pred||^2,
@@ -493,11 +472,7 @@ class Delta(SparseMethod):
             return None, None
         if cfg.alpha is not None:
             return torch.full(pred.shape[:2], cfg.alpha, device=pred.device), None
-        g, off, every = cfg.gamma, cfg.check_offset, cfg.check_every
-        blk = torch.div(pos, g, rounding_mode="floor")
-        is_chk = (pos % g == off) & ((blk < every) | (blk % every == every - 1))
-        ci = is_chk.nonzero()[:, 0]
-        o_chk = dense_rows_attention(q[ci], pos[ci], k, v)[0]
+        o_chk = rows.dense(ci, pos[ci])  # ci: the check rows (``_row_sets``)
         d_true, d_pred = o_chk - o_s[ci], pred[ci]
         h = q.shape[1]
         st = _carries(ctx)
@@ -536,6 +511,113 @@ class Delta(SparseMethod):
         hi = torch.minimum(lo + b, rows[None, :, None] + 1)
         covered = ((hi - lo).clamp(min=0) * (kb != SENTINEL)).sum()
         return dense_pairs - float(covered)
+
+
+class _Rows:
+    """Where ``Delta._correct`` takes one sequence's dense rows from (local row indices ``idx``, absolute positions
+    ``pos``; outputs fp32): its anchors with their far part outside the base's blocks, its strided anchors, and
+    plain dense rows (check rows, tail)."""
+
+    h_kv: int
+
+    def far(self, idx: torch.Tensor, pos: torch.Tensor, sel: BlockSelection, q_start: int, n: int
+            ) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def strided(self, gamma: int, q_start: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _SeqRows(_Rows):
+    """One sequence's rows over its contiguous K/V (``prefill_seq``)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.q, self.k, self.v, self.h_kv = q, k, v, k.shape[0]
+
+    def far(self, idx, pos, sel, q_start, n):
+        blocks = _row_blocks(sel, pos, q_start, n)
+        o_rows, _, o_far, lse_far, kbar = dense_rows_attention(self.q[idx], pos, self.k, self.v, blocks, sel.block_size)
+        return o_rows, o_far, lse_far, kbar
+
+    def strided(self, gamma, q_start):
+        return dispatch.strided_dense_attention(self.q, self.k, self.v, gamma, q_start)[0].float()
+
+    def dense(self, idx, pos):
+        return dense_rows_attention(self.q[idx], pos, self.k, self.v)[0]
+
+
+class _PackedRows:
+    """Every sequence's dense rows of a batched prefill, computed up front over the paged cache in place: the
+    anchors with their far part in one ``dense_rows`` launch (far-merge; the strided kernel otherwise), the
+    check and tail rows in another. ``of(i)`` hands sequence i's slices to ``_correct``."""
+
+    def __init__(self, delta: Delta, q: torch.Tensor, view: PrefillView, sel: Any) -> None:
+        batch, dev, cfg = view.batch, q.device, delta.config
+        b = sel.block_size
+        self.h_kv = view.kv.k.shape[1]
+        self.anchors, self.dense_idx = [], []
+        a_tok, a_pos, a_qb, d_tok, d_pos = [], [], [], [], []
+        qb0 = 0
+        for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
+            q_start, lo = n - n_q, batch.cu_q[i]
+            anchors, checks, tail_lo = delta._row_sets(q_start, n_q, n, dev)
+            rest = torch.cat([checks, torch.arange(tail_lo, n_q, device=dev)]).unique()  # sorted
+            self.anchors.append(anchors)
+            self.dense_idx.append(rest)
+            a_tok.append(lo + anchors)
+            a_pos.append(q_start + anchors)
+            a_qb.append(qb0 + (q_start + anchors) // b - q_start // b)
+            d_tok.append(lo + rest)
+            d_pos.append(q_start + rest)
+            qb0 += (n - 1) // b - q_start // b + 1
+        self.a_cu = _cumsum([len(a) for a in self.anchors])
+        self.d_cu = _cumsum([len(r) for r in self.dense_idx])
+        self.far_rows: tuple[torch.Tensor, ...] = ()
+        self.strided_rows: torch.Tensor | None = None
+        if cfg.mode == "far-merge":
+            nb = -(-max(batch.ctx_lens) // b)
+            near = mask_from_indices(sel.indices[:, torch.cat(a_qb)], nb)
+            o, _, o_far, lse_far, kbar = dispatch.dense_rows_attention_varlen(
+                q, view.kv, torch.cat(a_tok), torch.cat(a_pos), [len(a) for a in self.anchors], near, b)
+            self.far_rows = (o, o_far, lse_far, kbar)
+        elif cfg.mode != "sparse-only":
+            self.strided_rows = dispatch.strided_dense_attention_varlen(
+                q, view.kv, view.cu_q_dev, cfg.gamma, list(batch.q_lens), list(batch.ctx_lens))[0].float()
+        self.dense_out = dispatch.dense_rows_attention_varlen(q, view.kv, torch.cat(d_tok), torch.cat(d_pos),
+                                                              [len(r) for r in self.dense_idx])[0]
+
+    def of(self, i: int) -> _Rows:
+        return _SliceRows(self, i)
+
+
+class _SliceRows(_Rows):
+    """Sequence i's slices of a ``_PackedRows``; asks for rows it computed (checked)."""
+
+    def __init__(self, packed: _PackedRows, i: int) -> None:
+        self.p, self.i, self.h_kv = packed, i, packed.h_kv
+
+    def far(self, idx, pos, sel, q_start, n):
+        lo, hi = self.p.a_cu[self.i], self.p.a_cu[self.i + 1]
+        assert idx.shape[0] == hi - lo, "Delta asked for other anchors than it computed"
+        return tuple(t[lo:hi] for t in self.p.far_rows)
+
+    def strided(self, gamma, q_start):
+        assert self.p.strided_rows is not None
+        return self.p.strided_rows[self.p.a_cu[self.i]:self.p.a_cu[self.i + 1]]
+
+    def dense(self, idx, pos):
+        lo, hi = self.p.d_cu[self.i], self.p.d_cu[self.i + 1]
+        return self.p.dense_out[lo:hi][torch.searchsorted(self.p.dense_idx[self.i], idx)]
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
 
 
 def fit_summary(alpha_sum: list[float], heads: list[float], fell: list[float], before: list[float],
