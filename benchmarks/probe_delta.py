@@ -118,7 +118,7 @@ def variant_ratios(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o_dense: t
     64 j and 64 j + 32; ``no-taylor``: far-merge without the first-order term (the anchor's far log-mass as the
     row's); ``mid-own``: far-merge from the row 64 j + 32 of the row's own query block (before or after it);
     ``exact-far-out``: far-merge with the row's own exact far output (an upper bound, not computable cheaply)."""
-    from raysparse.methods.delta import far_merge_prediction
+    from raysparse.methods.delta_rows import far_merge_prediction
     from raysparse.methods.selection import mask_from_indices
 
     n = q.shape[0]

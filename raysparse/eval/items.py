@@ -215,7 +215,7 @@ def merge_items(setting: Setting, items: list[ItemResult], num_layers: int, rows
                                                                                                  strict=True)]}
     fits = [i.delta for i in items if i.delta is not None]
     if fits:
-        from raysparse.methods.delta import fit_summary
+        from raysparse.methods.delta_rows import fit_summary
 
         sums = fits[0]
         for f in fits[1:]:

@@ -49,8 +49,9 @@ Choices where SPEC is silent:
 - Prefill runs on the batched seam when the base's does and its blocks are all it attends (streaming, quest,
   sketch_walk): the base selects the whole batch at its share of the budget, the shared varlen kernel attends it
   over the paged cache in place and returns the lse the far part merges against. The dense rows (1 / gamma of
-  the rows, plus the check rows) are computed per sequence over its K/V, as ``prefill_seq`` does; a paged kernel
-  for them (dense rows with their far part) is not written yet.
+  the rows, plus the check rows and the tail) are computed for the whole batch over the paged cache in place too
+  (``delta_rows.PackedRows``: one ``dense_rows`` launch for every sequence's anchors with their far part, one for
+  the check and tail rows), then each sequence is corrected by the same ``_correct`` as ``prefill_seq``.
 - The tracer sees a ``DeltaSelection``: the base's BlockSelection plus which rows were computed densely.
 - Prefix caching: none. The dense tail sits at the end of the prompt that computed a page, so a cached
   prefix's K/V depend on where that prompt ended; a prompt is always prefilled whole.
@@ -88,7 +89,6 @@ from raysparse.attention import causal_pairs
 from raysparse.config import ModelConfig
 from raysparse.kernels import dispatch
 from raysparse.kernels.reference import (
-    dense_rows_attention,
     strided_dense_attention,  # noqa: F401 - re-exported
 )
 from raysparse.kv_cache import BatchMeta, KVCache
@@ -103,8 +103,9 @@ from raysparse.methods.base import (
     method_spec,
     prefill_floor,
 )
+from raysparse.methods.delta_rows import PackedRows, Rows, SeqRows, far_merge_prediction, fit_summary
 from raysparse.methods.registry import create_backend, register
-from raysparse.methods.selection import SENTINEL, BlockSelection, block_pairs, mask_from_indices
+from raysparse.methods.selection import SENTINEL, BlockSelection, block_pairs
 
 MODES = ("far-merge", "delta-shrunk", "delta", "recompute", "sparse-only")
 FITTED = ("far-merge", "delta-shrunk")  # the modes whose correction is scaled by alpha
@@ -186,20 +187,6 @@ class DeltaConfig(MethodConfig):
         if self.checks:
             share += 1.0 / (self.gamma * self.check_every)
         return share
-
-
-def far_merge_prediction(q: torch.Tensor, o_s: torch.Tensor, lse_s: torch.Tensor, q_a: torch.Tensor,
-                         o_far: torch.Tensor, lse_far: torch.Tensor, kbar: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """The far-merge correction of rows whose own sparse attention is (o_s [r, h, d], lse_s [r, h]) from their
-    anchors' far part (q_a, o_far, kbar [r, h, d], lse_far [r, h]; the anchor of each row, gathered): the row's
-    far log-mass is the anchor's plus its first-order change (q - q_a) . kbar * scale (a lower bound: lse is
-    convex in q), its far output the anchor's, merged with the row's own by log-sum-exp. Returns
-    O_merged - o_s = w (o_far - o_s), w = the estimated far share of the row's attention."""
-    lse_hat = lse_far + ((q.float() - q_a) * kbar).sum(-1) * scale
-    w = torch.exp(lse_hat - torch.logaddexp(lse_hat, lse_s))
-    w = torch.where(torch.isfinite(lse_hat), w, torch.zeros_like(w))  # no far key: no correction
-    return w[..., None] * (o_far - o_s)
 
 
 class Delta(SparseMethod):
@@ -339,7 +326,7 @@ class Delta(SparseMethod):
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:
         o_sparse, lse_s, attended, base_sel = self._base_prefill(ctx, q, k, v, need_lse=self.config.mode == "far-merge")
-        out, dense, extra = self._correct(ctx, q, _SeqRows(q, k, v), o_sparse, lse_s, attended, base_sel)
+        out, dense, extra = self._correct(ctx, q, SeqRows(q, k, v), o_sparse, lse_s, attended, base_sel)
         if self.tracer is not None:
             sel = None if base_sel is None else DeltaSelection(base_sel.indices, base_sel.block_size, dense,
                                                                self.config.gamma, self.config.mode)
@@ -363,7 +350,7 @@ class Delta(SparseMethod):
         tail_lo = max(n - cfg.tail_rows(n), q_start) - q_start
         return anchors, checks, min(tail_lo, n_q)
 
-    def _correct(self, ctx: SeqContext, q: torch.Tensor, rows: _Rows, o_sparse: torch.Tensor,
+    def _correct(self, ctx: SeqContext, q: torch.Tensor, rows: Rows, o_sparse: torch.Tensor,
                  lse_s: torch.Tensor | None, attended: float, base_sel: BlockSelection | None
                  ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One sequence's corrected output from the base's (``o_sparse``, its lse and selection; ``attended``:
@@ -421,13 +408,13 @@ class Delta(SparseMethod):
         """The base selects the whole batch (at its share of the budget) and the shared varlen kernel attends it
         over the paged cache in place, with the lse the far part merges against. The dense rows of every
         sequence (anchors with their far part, check rows, tail) then come from one paged launch each
-        (``_PackedRows``), and each sequence is corrected from them as ``prefill_seq`` does."""
+        (``PackedRows``), and each sequence is corrected from them as ``prefill_seq`` does."""
         view = PrefillView.of(layer, batch, cache)
         with self._prefill_budget():
             sel = self.base.prefill_select(layer, q, view)
         o_sparse, lse_s = dispatch.block_sparse_attention_varlen(q, view.kv, sel, view.cu_q_dev)
         base_pairs = self.base.prefill_pairs(view, sel).tolist()  # one sync
-        rows = _PackedRows(self, q, view, sel)
+        rows = PackedRows(self._row_sets, self.config.mode, self.config.gamma, q, view, sel)
         out = torch.empty_like(q)
         b, h_kv, start = sel.block_size, cache.num_kv_heads, 0
         for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
@@ -460,7 +447,7 @@ class Delta(SparseMethod):
         return tuple(t[group] for t in tables)
 
     def _alpha(self, ctx: SeqContext, q: torch.Tensor, pos: torch.Tensor, o_s: torch.Tensor, pred: torch.Tensor,
-               rows: _Rows, ci: torch.Tensor
+               rows: Rows, ci: torch.Tensor
                ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The correction's scale per row and query head ([n_q, h]; None: 1, the paper's), and the check rows
         (local indices, dense outputs) where they are computed. Fitted: alpha(i) = clamp(<D, D_pred> / ||D_pred||^2,
@@ -513,142 +500,11 @@ class Delta(SparseMethod):
         return dense_pairs - float(covered)
 
 
-class _Rows:
-    """Where ``Delta._correct`` takes one sequence's dense rows from (local row indices ``idx``, absolute positions
-    ``pos``; outputs fp32): its anchors with their far part outside the base's blocks, its strided anchors, and
-    plain dense rows (check rows, tail)."""
-
-    h_kv: int
-
-    def far(self, idx: torch.Tensor, pos: torch.Tensor, sel: BlockSelection, q_start: int, n: int
-            ) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
-
-    def strided(self, gamma: int, q_start: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def dense(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class _SeqRows(_Rows):
-    """One sequence's rows over its contiguous K/V (``prefill_seq``)."""
-
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.q, self.k, self.v, self.h_kv = q, k, v, k.shape[0]
-
-    def far(self, idx, pos, sel, q_start, n):
-        blocks = _row_blocks(sel, pos, q_start, n)
-        o_rows, _, o_far, lse_far, kbar = dense_rows_attention(self.q[idx], pos, self.k, self.v, blocks, sel.block_size)
-        return o_rows, o_far, lse_far, kbar
-
-    def strided(self, gamma, q_start):
-        return dispatch.strided_dense_attention(self.q, self.k, self.v, gamma, q_start)[0].float()
-
-    def dense(self, idx, pos):
-        return dense_rows_attention(self.q[idx], pos, self.k, self.v)[0]
-
-
-class _PackedRows:
-    """Every sequence's dense rows of a batched prefill, computed up front over the paged cache in place: the
-    anchors with their far part in one ``dense_rows`` launch (far-merge; the strided kernel otherwise), the
-    check and tail rows in another. ``of(i)`` hands sequence i's slices to ``_correct``."""
-
-    def __init__(self, delta: Delta, q: torch.Tensor, view: PrefillView, sel: Any) -> None:
-        batch, dev, cfg = view.batch, q.device, delta.config
-        b = sel.block_size
-        self.h_kv = view.kv.k.shape[1]
-        self.anchors, self.dense_idx = [], []
-        a_tok, a_pos, a_qb, d_tok, d_pos = [], [], [], [], []
-        qb0 = 0
-        for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
-            q_start, lo = n - n_q, batch.cu_q[i]
-            anchors, checks, tail_lo = delta._row_sets(q_start, n_q, n, dev)
-            rest = torch.cat([checks, torch.arange(tail_lo, n_q, device=dev)]).unique()  # sorted
-            self.anchors.append(anchors)
-            self.dense_idx.append(rest)
-            a_tok.append(lo + anchors)
-            a_pos.append(q_start + anchors)
-            a_qb.append(qb0 + (q_start + anchors) // b - q_start // b)
-            d_tok.append(lo + rest)
-            d_pos.append(q_start + rest)
-            qb0 += (n - 1) // b - q_start // b + 1
-        self.a_cu = _cumsum([len(a) for a in self.anchors])
-        self.d_cu = _cumsum([len(r) for r in self.dense_idx])
-        self.far_rows: tuple[torch.Tensor, ...] = ()
-        self.strided_rows: torch.Tensor | None = None
-        if cfg.mode == "far-merge":
-            nb = -(-max(batch.ctx_lens) // b)
-            near = mask_from_indices(sel.indices[:, torch.cat(a_qb)], nb)
-            o, _, o_far, lse_far, kbar = dispatch.dense_rows_attention_varlen(
-                q, view.kv, torch.cat(a_tok), torch.cat(a_pos), [len(a) for a in self.anchors], near, b)
-            self.far_rows = (o, o_far, lse_far, kbar)
-        elif cfg.mode != "sparse-only":
-            self.strided_rows = dispatch.strided_dense_attention_varlen(
-                q, view.kv, view.cu_q_dev, cfg.gamma, list(batch.q_lens), list(batch.ctx_lens))[0].float()
-        self.dense_out = dispatch.dense_rows_attention_varlen(q, view.kv, torch.cat(d_tok), torch.cat(d_pos),
-                                                              [len(r) for r in self.dense_idx])[0]
-
-    def of(self, i: int) -> _Rows:
-        return _SliceRows(self, i)
-
-
-class _SliceRows(_Rows):
-    """Sequence i's slices of a ``_PackedRows``; asks for rows it computed (checked)."""
-
-    def __init__(self, packed: _PackedRows, i: int) -> None:
-        self.p, self.i, self.h_kv = packed, i, packed.h_kv
-
-    def far(self, idx, pos, sel, q_start, n):
-        lo, hi = self.p.a_cu[self.i], self.p.a_cu[self.i + 1]
-        assert idx.shape[0] == hi - lo, "Delta asked for other anchors than it computed"
-        return tuple(t[lo:hi] for t in self.p.far_rows)
-
-    def strided(self, gamma, q_start):
-        assert self.p.strided_rows is not None
-        return self.p.strided_rows[self.p.a_cu[self.i]:self.p.a_cu[self.i + 1]]
-
-    def dense(self, idx, pos):
-        lo, hi = self.p.d_cu[self.i], self.p.d_cu[self.i + 1]
-        return self.p.dense_out[lo:hi][torch.searchsorted(self.p.dense_idx[self.i], idx)]
-
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
-
-
-def fit_summary(alpha_sum: list[float], heads: list[float], fell: list[float], before: list[float],
-                after: list[float]) -> dict[str, Any]:
-    """Delta's fitted correction from its sums (``Delta.fit_sums``), overall and per layer, over the prefill calls
-    summed: the mean fitted alpha of the query heads (each call's final fit), the fraction of heads that fell back
-    (alpha < 0.05), and the check rows' error ratio ||D - alpha D_pred|| / ||D||, each check row predicted with
-    the alpha fitted on the check rows before it (an out-of-sample test of the correction; below 1: it helps).
-    None where nothing was fitted (dense layers; modes without a fit)."""
-    def ratio(a: float, b: float) -> float | None:
-        return math.sqrt(a / b) if b > 0 else None
-
-    h = sum(heads)
-    return {"alpha": sum(alpha_sum) / h if h else None, "fallback": sum(fell) / h if h else None,
-            "check_error_ratio": ratio(sum(after), sum(before)),
-            "alpha_per_layer": [a / n if n else None for a, n in zip(alpha_sum, heads, strict=True)],
-            "fallback_per_layer": [f / n if n else None for f, n in zip(fell, heads, strict=True)],
-            "check_error_ratio_per_layer": [ratio(a, b) for a, b in zip(after, before, strict=True)]}
-
-
 def _carries(ctx: SeqContext) -> dict[str, Any]:
     """What Delta carries from one prefill chunk to the next at ``ctx``'s layer (the last anchor's rows, the
     fit's sums). Kept in Delta's own per-sequence state, not in the layer's metadata slot (``ctx.state``),
     which belongs to the base: a base may replace it whole at each step."""
     return ctx.seq_state.setdefault(("delta", ctx.layer), {})
-
-
-def _row_blocks(sel: BlockSelection, rows: torch.Tensor, q_start: int, n: int) -> torch.Tensor:
-    """The key blocks the base attends for each row at absolute position ``rows``: [h_kv, m, ceil(n / B)]."""
-    b = sel.block_size
-    return mask_from_indices(sel.indices[:, rows // b - q_start // b], -(-n // b))
 
 
 register(method_spec(Delta, "Delta attention: dense anchor rows correct any sparse prefill (default streaming; "
