@@ -20,7 +20,7 @@ from raysparse.loader import model_from_state
 from raysparse.methods.base import SeqContext, row_budget
 from raysparse.methods.registry import get_method
 from raysparse.methods.selection import SENTINEL
-from raysparse.methods.socket import Socket, SocketConfig, SocketHard
+from raysparse.methods.socket import Socket, SocketConfig, SocketHard, SocketHardConfig
 from raysparse.sampling import SamplingParams
 
 H_KV, G, D = 2, 3, 16
@@ -330,8 +330,12 @@ def test_config_registry_and_metadata_bytes():
     assert isinstance(hard, SocketHard) and hard.config.hard and hard.name == "socket_hard"
     with pytest.raises(ValueError):
         get_method("socket").factory(model_cfg(), bogus=1)
-    m = Socket(model_cfg(layers=5), SocketConfig())  # 3 sparse layers
+    m = Socket(model_cfg(layers=5), SocketConfig(value_norm=True))  # 3 sparse layers; SPEC's scorer keeps norms
     assert m.metadata_bytes_per_token_per_layer() == H_KV * (60 + 4)
     assert m.metadata_bytes_per_token() == 3 * H_KV * 64
     assert m.metadata_bytes_per_token_per_layer(num_kv_heads=1) == 64
-    assert Socket(model_cfg(), SocketConfig(planes=10)).metadata_bytes_per_token_per_layer() == H_KV * 124
+    wide = Socket(model_cfg(), SocketConfig(planes=10, value_norm=True))
+    assert wide.metadata_bytes_per_token_per_layer() == H_KV * 124
+    # the default scorer (no value-norm factor) and the hard counts keep only bucket ids
+    assert Socket(model_cfg(layers=5), SocketConfig()).metadata_bytes_per_token() == 3 * H_KV * 60
+    assert SocketHard(model_cfg(layers=5), SocketHardConfig()).metadata_bytes_per_token() == 3 * H_KV * 60

@@ -51,8 +51,9 @@ Choices where SPEC and paper are silent:
   the backend's life and identical on every device. With tensor parallelism set ``kv_head_offset`` to
   the shard's first KV head so each head keeps its tables.
 - Metadata: ``metadata_bytes_per_token`` = per sparse layer and KV head L bytes of bucket ids (2 L for
-  P > 8) + 4 bytes of fp32 value norm; dense layers store nothing. The per-sequence arrays grow by
-  1/8 when full (amortised O(1) per appended key), so allocated memory is at most ~12.5% above that.
+  P > 8), + 4 bytes of fp32 value norm only where the scorer uses it (``value_norm=True``, soft counts): the
+  default and ``socket_hard`` neither compute nor store norms. Dense layers store nothing. The per-sequence
+  arrays grow by 1/8 when full (amortised O(1) per appended key), so allocated memory is at most ~12.5% above that.
 - Prefix caching (``prefix_state = "pages"``): the batched decode's bucket ids and value norms are kept per
   physical page, so a prompt starting from cached pages finds its prefix's hashed already.
 - Chunked prefill: each chunk attends densely and hashes the keys not hashed yet. Rollback of rejected
@@ -224,12 +225,20 @@ class Socket(SparseMethod):
         return TokenSelection(idx.to(torch.int32).contiguous(), 1)
 
     # ---- batched decode over per-page bucket ids and value norms ---------------------------------
-    def _pools(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per cache page and KV head: the L bucket ids of each slot ``[h_kv, L, page]`` and ``||v||`` of each
-        slot ``[h_kv, page]``, keyed by what fixes the hash (seed, tables, planes, the shard's heads)."""
+    @property
+    def uses_value_norms(self) -> bool:
+        """Whether the scorer multiplies by ||v_j|| (SPEC's factor): only then are norms computed and kept."""
+        return self.config.value_norm and not self.config.hard
+
+    def _pools(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per cache page and KV head: the L bucket ids of each slot ``[h_kv, L, page]`` and, where the scorer
+        uses them, ``||v||`` of each slot ``[h_kv, page]`` (else None), keyed by what fixes the hash (seed,
+        tables, planes, the shard's heads)."""
         c, h_kv = self.config, cache.num_kv_heads
         key = ("socket", layer, c.seed, c.tables, c.planes, self.kv_head_offset)
         ids = cache.page_pool(key + ("ids",), (h_kv, c.tables, cache.page_size), lsh.bucket_dtype(c.planes))
+        if not self.uses_value_norms:
+            return ids, None
         return ids, cache.page_pool(key + ("norm",), (h_kv, cache.page_size), torch.float32)
 
     def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
@@ -237,11 +246,11 @@ class Socket(SparseMethod):
         ids_pool, norm_pool = self._pools(layer, cache)
         pages, offs = batch.slot_pages, batch.slot_offsets
         k = cache.k[layer][pages, :, offs]  # [T, h_kv, d]
-        v = cache.v[layer][pages, :, offs]
         w = self.planes_for(layer, k.shape[1], k.device)
         ids = lsh.bucket_ids(w, k.transpose(0, 1))  # [h_kv, L, T]
         ids_pool[pages, :, :, offs] = ids.permute(2, 0, 1).to(ids_pool.dtype)
-        norm_pool[pages, :, offs] = torch.linalg.vector_norm(v.float(), dim=-1)
+        if norm_pool is not None:
+            norm_pool[pages, :, offs] = torch.linalg.vector_norm(cache.v[layer][pages, :, offs].float(), dim=-1)
 
     def _batch_probs(self, layer: int, q: torch.Tensor, h_kv: int) -> torch.Tensor:
         """``bucket_probs`` of every row at once: q [B, h, d] -> [B, h_kv, L, R]."""
@@ -281,7 +290,7 @@ class Socket(SparseMethod):
             score = torch.zeros(n.shape[0], h_kv, width, device=q.device)
         else:
             probs = self._batch_probs(layer, q, h_kv)
-            norms = None if c.hard or not c.value_norm else norm_pool
+            norms = norm_pool  # None unless the scorer uses value norms
             if triton_wanted(q, ids_pool):
                 score = paged_collision(probs, ids_pool, norms, view.kv.page_table, view.seqlens)
             else:
@@ -316,10 +325,11 @@ class Socket(SparseMethod):
     # ---- capacity accounting --------------------------------------------------------------------
     def metadata_bytes_per_token_per_layer(self, num_kv_heads: int | None = None) -> int:
         """Bytes this method adds to the KV cache per token in one sparse layer: L bucket ids (1 byte each
-        for P <= 8, else 2) + the fp32 value norm, per KV head (``num_kv_heads``: this shard's count)."""
+        for P <= 8, else 2) + the fp32 value norm where the scorer uses it, per KV head (``num_kv_heads``: this
+        shard's count)."""
         h_kv = num_kv_heads or self.model_cfg.num_kv_heads
         id_bytes = torch.tensor([], dtype=lsh.bucket_dtype(self.config.planes)).element_size()
-        return h_kv * (self.config.tables * id_bytes + NORM_BYTES)
+        return h_kv * (self.config.tables * id_bytes + (NORM_BYTES if self.uses_value_norms else 0))
 
     def metadata_bytes_per_token(self, num_kv_heads: int | None = None) -> int:
         """Per token over all layers (dense layers store nothing): KVCache's ``metadata_bytes_per_token``."""
