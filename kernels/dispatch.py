@@ -53,6 +53,18 @@ def use_triton(*tensors: torch.Tensor, head_dim: int, block: int = 16) -> bool:
     return _pow2_at_least_16(head_dim) and _pow2_at_least_16(block) and triton_wanted(*tensors)
 
 
+def attend_rounding(t: torch.Tensor) -> float:
+    """The unit roundoff of the attends this module serves for tensors like ``t``: a caller that compares two
+    attention outputs (Delta's fit compares corrections) treats differences near it as noise. Triton's fp32
+    dots run on TF32 tensor cores (10-bit mantissa, ``common.dot_precision``); 16-bit inputs keep their own
+    precision; the PyTorch paths are exact fp32."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return torch.finfo(t.dtype).eps / 2
+    if t.dtype == torch.float32 and triton_wanted(t) and t.is_cuda:
+        return 2.0 ** -11  # TF32 (the interpreter's fp32 dots are exact)
+    return torch.finfo(torch.float32).eps / 2
+
+
 def _like_kv(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     # tl.dot needs both operands in one dtype; the cache's dtype wins (the output is cast back).
     return q if q.dtype == k.dtype else q.to(k.dtype)

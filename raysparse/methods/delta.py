@@ -112,6 +112,7 @@ FITTED = ("far-merge", "delta-shrunk")  # the modes whose correction is scaled b
 SPEC_TAIL = 128  # SPEC's dense tail: the last n mod gamma + max(128, gamma) queries
 FALLBACK_ALPHA = 0.05  # a head whose fitted alpha is below this counts as fallen back (stats)
 NOISE = 1e-5  # a predicted correction below this fraction of a check row's output is no evidence for alpha
+NOISE_ROUNDINGS = 8  # ... nor one below this many unit roundoffs of the attends that computed it
 
 
 @dataclass(frozen=True)
@@ -468,10 +469,12 @@ class Delta(SparseMethod):
             num0, den0 = carry[1].to(pred), carry[2].to(pred)
         else:
             num0 = den0 = pred.new_zeros(h)
-        # A check row whose predicted correction is rounding noise (below 1e-5 of the row's output: the base
-        # already attends every causal key there) says nothing of alpha.
+        # A check row whose predicted correction is rounding noise says nothing of alpha: below 1e-5 of the row's
+        # output (the base already attends every causal key there), or below NOISE_ROUNDINGS roundoffs of the
+        # attends that made it (TF32 kernels on GPUs, 16-bit outputs), where the fit would follow the noise.
+        noise = max(NOISE, NOISE_ROUNDINGS * dispatch.attend_rounding(q))
         sq = (d_pred * d_pred).sum(-1)
-        some = sq > NOISE ** 2 * (o_s[ci] * o_s[ci]).sum(-1)
+        some = sq > noise ** 2 * (o_s[ci] * o_s[ci]).sum(-1)
         num = torch.cat([num0[None], num0 + torch.where(some, (d_true * d_pred).sum(-1), 0.0).cumsum(0)])
         den = torch.cat([den0[None], den0 + torch.where(some, sq, 0.0).cumsum(0)])  # [checks + 1, h]
         st["delta_fit"] = (ctx.n, num[-1], den[-1])
