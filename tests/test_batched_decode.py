@@ -35,6 +35,8 @@ CASES = [
     ("socket", {"density": 0.05, "sink_tokens": 8, "local_tokens": 16, "tables": 12}),
     ("cis", {"density": 0.15, "sink": 4, "local": 8, "share_block": 4, "threshold": 0.1}),
     ("cis", {"topk": 12, "sink": 2, "local": 3, "share_block": 5, "radius": 2, "threshold": 0.05}),
+    # a density limits each anchor's set, its neighbours included, to the middle budget (priority order)
+    ("cis", {"density": 0.3, "sink": 2, "local": 3, "share_block": 5, "radius": 2, "threshold": 0.05}),
     # every pair shares after a block's first step: the CPU's all-share steps, which skip the retrieval
     ("cis", {"density": 0.15, "sink": 4, "local": 8, "share_block": 3, "threshold": -1.0}),
     ("cpe", {"start_layer": 1, "phi": 0.3, "density": 0.15, "sink": 4, "local": 8, "share_block": 4,

@@ -12,7 +12,8 @@ from raysparse.attention import DenseAttention
 from raysparse.config import ModelConfig
 from raysparse.generate import GenerationRequest, Generator
 from raysparse.loader import model_from_state
-from raysparse.methods.base import SeqContext
+from raysparse.methods.base import SeqContext, host_row_budget
+from raysparse.methods.cis import cis_budget
 from raysparse.methods.prhs import CIS, CPE, ETF, PSAW, CPEConfig, PSAWConfig
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL
@@ -84,8 +85,9 @@ def test_psaw_prefill_and_decode_follow_the_formula(layer, n, n_q, sink):
 
 
 # ---- CIS ---------------------------------------------------------------------------------------
-def brute_cis(qs, ks, sink, local, k, m, r, s, thr, lo_of):
-    """Per-head loop simulation of CIS; returns the per-step per-head sets and the retrieval count."""
+def brute_cis(qs, ks, sink, local, budget_of, r, s, thr, lo_of):
+    """Per-head loop simulation of CIS; returns the per-step per-head sets and the retrieval count.
+    ``budget_of(n)`` gives (k, m, limit) at a step with n keys."""
     anchors: list[list] = [[] for _ in range(H_KV)]
     sets, retrievals = [], 0
     for step, (q, kk) in enumerate(zip(qs, ks, strict=True)):
@@ -103,13 +105,16 @@ def brute_cis(qs, ks, sink, local, k, m, r, s, thr, lo_of):
                     share = aset
                     break
             fixed = {j for j in range(n) if j < sink or j >= n - local}
+            k, m, limit = budget_of(n)
             if share is None:
                 retrievals += 1
                 probs = sum(torch.softmax(kk[h].double() @ q[h * G + i].double() / math.sqrt(D), 0) for i in range(G))
                 cands = [j for j in vis if j not in fixed]
                 ranked = sorted(cands, key=lambda j: (-float(probs[j]), j))[:k]
-                dilated = {p + o for p in ranked[:m] for o in range(-r, r + 1) if p + o >= 0}
-                anchors[h].append((qv, set(ranked) | dilated))
+                # priority order: each of the top-m, then its neighbours; then the rest of the ranking
+                prio = [x for p in ranked[:m] for x in [p] + [p + o for o in range(-r, r + 1) if o]] + ranked[m:]
+                distinct = list(dict.fromkeys(x for x in prio if 0 <= x < n))
+                anchors[h].append((qv, set(distinct if limit is None else distinct[:limit])))
                 middle = set(ranked)
             else:
                 middle = {j for j in share if j < n}
@@ -118,13 +123,15 @@ def brute_cis(qs, ks, sink, local, k, m, r, s, thr, lo_of):
     return sets, retrievals
 
 
-@pytest.mark.parametrize("kind", ["cis", "cpe"])
+@pytest.mark.parametrize("kind", ["cis", "cpe", "cis-density"])
 def test_cis_sets_and_retrieval_ratio_match_loop_simulation(kind):
     g = gen()
     sink, local, topk, s, r, thr, steps, n0 = 2, 3, 7, 4, 1, 0.75, 14, 30
     kw = dict(sink=sink, local=local, topk=topk, share_block=s, radius=r, threshold=thr)
-    if kind == "cis":
-        m, layer = CIS(model_cfg(), CIS.config_cls(**kw)), 3
+    if kind.startswith("cis"):
+        # with a density, an anchor's set (the top-m's neighbours included) is limited to the middle budget
+        cfg = CIS.config_cls(**kw, **({"density": 0.55} if kind == "cis-density" else {}))
+        m, layer = CIS(model_cfg(), cfg), 3
         lo_of = lambda n: 0  # noqa: E731
     else:
         m, layer = CPE(model_cfg(), CPEConfig(**kw)), 7
@@ -144,8 +151,10 @@ def test_cis_sets_and_retrieval_ratio_match_loop_simulation(kind):
         assert_set_rows(sel.indices, n)
         rows = rows_of(sel.indices)
         assert all(set(range(sink)) <= set(row) and set(range(n - local, n)) <= set(row) for row in rows)
+        if m.config.density is not None:  # every step, sharing ones included, within the budget
+            assert all(len(row) <= host_row_budget(m.config.density, n) for row in rows)
         got.append(rows)
-    want, retrievals = brute_cis(qs, ks, sink, local, topk, topk // 3, r, s, thr, lo_of)
+    want, retrievals = brute_cis(qs, ks, sink, local, lambda n: cis_budget(m.config, n), r, s, thr, lo_of)
     assert got == want
     assert m.retrieval_ratio == pytest.approx(retrievals / (steps * H_KV))
     assert 0 < m.retrieval_ratio < 1  # both sharing and re-retrieval happened
@@ -155,11 +164,10 @@ def test_cis_sets_and_retrieval_ratio_match_loop_simulation(kind):
 
 def test_cis_density_sets_the_middle_budget():
     m = create_backend("cis", model_cfg(), density=whole_model_density(0.25, N_LAYERS))  # 0.25 per sparse layer
-    from raysparse.methods.cis import cis_budget
-
-    assert cis_budget(m.config, 1000) == (250 - 16 - 64, (250 - 16 - 64) // 3)
-    assert cis_budget(m.config, 100) == (0, 0)
-    assert cis_budget(create_backend("cis", model_cfg()).config, 5000) == (432, 144)
+    # with a density: k = the middle budget, m = k // (3 + 2 r), the set limited to k
+    assert cis_budget(m.config, 1000) == (250 - 16 - 64, (250 - 16 - 64) // 5, 250 - 16 - 64)
+    assert cis_budget(m.config, 100) == (0, 0, 0)
+    assert cis_budget(create_backend("cis", model_cfg()).config, 5000) == (432, 144, None)  # the paper's: no limit
     with pytest.raises(ValueError):
         create_backend("cis", model_cfg(), phi=0.5)
 

@@ -14,10 +14,17 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
 - Sharing: sinks + local of the current step + the anchor's dilated set (clipped to [0, n)), deduplicated.
 - GQA: the group shares one selection, so similarity is per KV head: the cosine between the concatenated
   g query vectors of the group (for g = 1, the paper's per-head cosine).
-- Budget: ``topk`` = k (432) with ``density`` unset; with ``density`` set, the whole budget is
-  row_budget(density, n) tokens and k = max(budget - C_sink - C_local, 0), so sinks and local window are
-  always kept and k grows with the context. Dilation adds up to 2 r m tokens on sharing steps; the meter
-  reports the real density. ``threshold`` > 1 never shares.
+- An anchor's set is built in priority order and deduplicated, keeping first occurrences: each of the top-m
+  entries followed by its +-r neighbours, then the rest of the ranked top-k (``priority_set``). The set is its
+  first ``limit`` distinct entries.
+- Budget: ``topk`` = k (432) with ``density`` unset, m = floor(k / 3) and no limit (the set is S* and the
+  dilation whole, the paper's, up to k + 2 r m tokens). With ``density`` set, the whole budget is
+  row_budget(density, n) tokens and B = max(budget - C_sink - C_local, 0) of them are the middle's: a
+  retrieval step attends the top-B (k = B), and an anchor's set is limited to B tokens, with m = floor(B / (3 +
+  2 r)) so that the paper's proportion (k' = 3 m top entries and 2 r m neighbours) fills it when nothing
+  repeats; repeats leave room for the next-ranked entries. The dilation thus counts inside ``--density``: a
+  sharing step attends at most the budget (it attended up to 2 r m more before, 0.103-0.164 at 0.10-0.15).
+  ``threshold`` > 1 never shares.
 - Retrieval ratio rho = retrievals / (KV-head, step) pairs over the layers where CIS ran (the paper's
   R_t / (H N) averaged over steps); the reference path keeps the counts on device (no sync per step).
 - Batched decode (``cis_batched_step``, in ``cis_batched.py``): the same steps for a whole padded batch in fixed shapes,
@@ -68,14 +75,46 @@ class CISConfig(PrHSConfig):
             raise ValueError(f"threshold must be finite, got {self.threshold}")
 
 
-def cis_budget(cfg: CISConfig, n: int) -> tuple[int, int]:
-    """(k, m) at a step with n keys."""
+def cis_budget(cfg: CISConfig, n: int) -> tuple[int, int, int | None]:
+    """(k, m, limit) at a step with n keys: the retrieval's top-k, the dilated top-m and the most entries an
+    anchor's set keeps (None: no limit, the paper's set whole)."""
     if cfg.density is None:
         k = cfg.topk
-    else:
-        k = max(host_row_budget(cfg.density, n) - cfg.sink - cfg.local, 0)
-    m = k // 3 if cfg.top_m is None else min(cfg.top_m, k)
-    return k, m
+        return k, (k // 3 if cfg.top_m is None else min(cfg.top_m, k)), None
+    k = max(host_row_budget(cfg.density, n) - cfg.sink - cfg.local, 0)
+    return k, (k // (3 + 2 * cfg.radius) if cfg.top_m is None else min(cfg.top_m, k)), k
+
+
+def priority_set(top: torch.Tensor, m: torch.Tensor | int, m_max: int, offs: torch.Tensor,
+                 limit: torch.Tensor | int | None, n: torch.Tensor | int, n_bound: int, width: int) -> torch.Tensor:
+    """An anchor's set from its ranked top entries ``top`` [..., k] (SENTINEL: none): the priority list (each
+    of the first ``m`` entries followed by its neighbours at ``offs``, then the other entries in rank order),
+    entries in [0, n) only, first occurrences only, its first ``limit`` distinct entries (None: all), valid
+    first in priority order and SENTINEL after, ``width`` wide. ``m``, ``limit`` and ``n`` are ints or per-row
+    tensors shaped like top[..., 0]; ``m_max`` >= every m and ``n_bound`` >= every n are static (the shapes).
+    Fixed shapes, no host read: it runs inside a captured decode step."""
+    dev, k = top.device, top.shape[-1]
+    m_max = min(m_max, k)
+    m_t = torch.as_tensor(m, device=dev)
+    lead = top[..., :m_max]
+    nb = lead[..., None] + offs  # [..., m_max, 2 r]
+    nb_ok = ((lead >= 0) & (torch.arange(m_max, device=dev) < m_t[..., None]))[..., None] & (nb >= 0)
+    grouped = torch.cat([lead[..., None], torch.where(nb_ok, nb, SENTINEL)], -1).flatten(-2)
+    cand = torch.cat([grouped, top[..., m_max:]], -1)  # the priority list, [..., L]
+    ok = (cand >= 0) & (cand < torch.as_tensor(n, device=dev)[..., None])  # a neighbour past the newest key
+    # First occurrences: each value's lowest list position, by a scatter-min into the values' range.
+    pos = torch.arange(cand.shape[-1], device=dev).expand(cand.shape)
+    slot = torch.where(ok, cand.long(), n_bound)
+    first = torch.full((*cand.shape[:-1], n_bound + 1), cand.shape[-1], dtype=torch.long, device=dev)
+    first = first.scatter_reduce(-1, slot, pos, reduce="amin")
+    keep = ok & (first.gather(-1, slot) == pos)
+    rank = keep.long().cumsum(-1)  # 1-based rank among the distinct entries
+    if limit is not None:
+        keep &= rank <= torch.as_tensor(limit, device=dev)[..., None]
+    keep &= rank <= width
+    dst = torch.where(keep, rank - 1, width)  # the rest land in a spare last column, dropped
+    out = torch.full((*cand.shape[:-1], width + 1), SENTINEL, dtype=cand.dtype, device=dev)
+    return out.scatter_(-1, dst, cand)[..., :width]
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -92,7 +131,7 @@ def cis_step(cfg: CISConfig, state: dict[str, Any], q: torch.Tensor, k: torch.Te
     """
     h_kv, n, d = k.shape
     g, s, dev = q.shape[0] // h_kv, cfg.share_block, k.device
-    kk, m = cis_budget(cfg, n)
+    kk, m, limit = cis_budget(cfg, n)
     kk, r = min(kk, n), cfg.radius  # no more than n candidates: same sets, bounded state
     m = min(m, kk)
     qg = q.float().reshape(h_kv, g * d)
@@ -125,9 +164,7 @@ def cis_step(cfg: CISConfig, state: dict[str, Any], q: torch.Tensor, k: torch.Te
     order = keyed.sort(dim=-1, descending=True, stable=True).indices[:, :kk]
     top = _pad(torch.where(allowed.expand(h_kv, -1).gather(-1, order), order, SENTINEL), kk)  # [h_kv, k]
     offs = torch.tensor([j for j in range(-r, r + 1) if j], dtype=torch.long, device=dev)
-    nb = top[:, :m, None] + offs
-    nb = torch.where((top[:, :m, None] >= 0) & (nb >= 0), nb, SENTINEL).flatten(1)  # [h_kv, 2 r m]
-    new_set = _pad(torch.cat([top, nb], dim=1), width)
+    new_set = priority_set(top, m, m, offs, limit, n, n, width)
 
     # Heads that retrieved become anchors of this slot (out of place: state may be an inference tensor).
     here = (slots == slot) & ~share[None, :]  # [s, h_kv]

@@ -19,31 +19,34 @@ from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import stable_top
 from raysparse.kv_cache import KVCache
 from raysparse.methods.base import row_budget
-from raysparse.methods.cis import CISConfig, cis_budget
+from raysparse.methods.cis import CISConfig, cis_budget, priority_set
 from raysparse.methods.selection import SENTINEL
 
 
 def bounded_budget(cfg: CISConfig, n: int) -> tuple[int, int]:
     """``cis_step``'s (k, m) after its clamps to the n candidates: the static bound at a width of n tokens
     (both are non-decreasing in n, so the bound at the bucket's width holds for every row)."""
-    kk, m = cis_budget(cfg, n)
+    kk, m, _ = cis_budget(cfg, n)
     kk = min(kk, n)
     return kk, min(m, kk)
 
 
 def set_width(cfg: CISConfig, n: int) -> int:
-    """Entries an anchor set of a step with at most n keys can hold (k + 2 r m, duplicates counted)."""
+    """Entries an anchor set of a step with at most n keys can hold: its limit (the middle budget, k) with a
+    density, else k + 2 r m."""
     kk, m = bounded_budget(cfg, n)
-    return kk + 2 * cfg.radius * m
+    return kk if cfg.density is not None else kk + 2 * cfg.radius * m
 
 
 def budget_rows(cfg: CISConfig, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``bounded_budget`` on device for lengths n [B] (int64): (k, m) per row."""
+    """``bounded_budget`` on device for lengths n [B] (int64): (k, m) per row. With a density an anchor's set
+    is limited to k entries (``cis_budget``)."""
     if cfg.density is None:
         k = torch.full_like(n, cfg.topk)
+        m = k // 3 if cfg.top_m is None else k.clamp(max=cfg.top_m)
     else:
         k = (row_budget(cfg.density, n) - cfg.sink - cfg.local).clamp(min=0)
-    m = k // 3 if cfg.top_m is None else k.clamp(max=cfg.top_m)
+        m = k // (3 + 2 * cfg.radius) if cfg.top_m is None else k.clamp(max=cfg.top_m)
     kk = torch.minimum(k, n)
     return kk, torch.minimum(m, kk)
 
@@ -210,15 +213,10 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
         allowed = visible & ~c.forced
         order, ok = _retrieve(q, kv, wt, c.inrange, allowed, max(kk_w, 1), None if q.is_cuda else here)
         top = torch.where(ok & (c.rank < c.kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
-        # The dilation: the +-r neighbours of the top-m (offsets -r..-1, 1..r, as cis_step lists them).
-        lead = top[..., :m_w]
-        nb = lead[..., None] + c.offs
-        nb_ok = ((lead >= 0) & (c.rank[:m_w] < c.m_n[:, None, None]))[..., None] & (nb >= 0)
-        cand = torch.cat([top, torch.where(nb_ok, nb, SENTINEL).flatten(-2)], -1)
-        big = torch.iinfo(torch.int64).max
-        packed = torch.where(cand >= 0, cand, big).sort(dim=-1).values[..., :width]  # valid first
-        new_set = torch.nn.functional.pad(torch.where(packed == big, SENTINEL, packed).to(torch.int32),
-                                          (0, width - packed.shape[-1]), value=SENTINEL)
+        # The anchor's set: the top-m with their +-r neighbours (offsets -r..-1, 1..r, as cis_step lists them),
+        # then the rest of the top-k, distinct, limited to k with a density (``priority_set``).
+        limit = c.kk_n[:, None] if cfg.density is not None else None
+        new_set = priority_set(top, c.m_n[:, None], m_w, c.offs, limit, n[:, None], wt, width).to(torch.int32)
         # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
         cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
         sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
@@ -235,7 +233,7 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
 
     mask = (c.forced[:, None, :] | mask_mid) & visible[:, None, :]
     buf.counts[li].copy_(torch.stack([mask.sum((1, 2)), here.sum(1)], -1))
-    out_width = max(min(wt, cfg.sink + cfg.local + min(kk_w + 2 * cfg.radius * m_w, width)), 1)
+    out_width = max(min(wt, cfg.sink + cfg.local + max(kk_w, min(set_width(cfg, wt), width))), 1)
     return compact(mask, out_width)
 
 
