@@ -74,11 +74,17 @@ class CISConfig(PrHSConfig):
         if not math.isfinite(self.threshold):
             raise ValueError(f"threshold must be finite, got {self.threshold}")
 
+    @property
+    def limited_sets(self) -> bool:
+        """Whether an anchor's set is limited to k, the middle budget (with a density), or is the paper's whole
+        (top-k and the dilation)."""
+        return self.density is not None
+
 
 def cis_budget(cfg: CISConfig, n: int) -> tuple[int, int, int | None]:
     """(k, m, limit) at a step with n keys: the retrieval's top-k, the dilated top-m and the most entries an
     anchor's set keeps (None: no limit, the paper's set whole)."""
-    if cfg.density is None:
+    if not cfg.limited_sets:
         k = cfg.topk
         return k, (k // 3 if cfg.top_m is None else min(cfg.top_m, k)), None
     k = max(host_row_budget(cfg.density, n) - cfg.sink - cfg.local, 0)
@@ -103,9 +109,9 @@ def priority_set(top: torch.Tensor, m: torch.Tensor | int, m_max: int, offs: tor
     cand = torch.cat([grouped, top[..., m_max:]], -1)  # the priority list, [..., L]
     ok = (cand >= 0) & (cand < torch.as_tensor(n, device=dev)[..., None])  # a neighbour past the newest key
     # First occurrences: each value's lowest list position, by a scatter-min into the values' range.
-    pos = torch.arange(cand.shape[-1], device=dev).expand(cand.shape)
+    pos = torch.arange(cand.shape[-1], dtype=torch.int32, device=dev).expand(cand.shape)
     slot = torch.where(ok, cand.long(), n_bound)
-    first = torch.full((*cand.shape[:-1], n_bound + 1), cand.shape[-1], dtype=torch.long, device=dev)
+    first = torch.full((*cand.shape[:-1], n_bound + 1), cand.shape[-1], dtype=torch.int32, device=dev)
     first = first.scatter_reduce(-1, slot, pos, reduce="amin")
     keep = ok & (first.gather(-1, slot) == pos)
     rank = keep.long().cumsum(-1)  # 1-based rank among the distinct entries

@@ -35,13 +35,13 @@ def set_width(cfg: CISConfig, n: int) -> int:
     """Entries an anchor set of a step with at most n keys can hold: its limit (the middle budget, k) with a
     density, else k + 2 r m."""
     kk, m = bounded_budget(cfg, n)
-    return kk if cfg.density is not None else kk + 2 * cfg.radius * m
+    return kk if cfg.limited_sets else kk + 2 * cfg.radius * m
 
 
 def budget_rows(cfg: CISConfig, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``bounded_budget`` on device for lengths n [B] (int64): (k, m) per row. With a density an anchor's set
     is limited to k entries (``cis_budget``)."""
-    if cfg.density is None:
+    if not cfg.limited_sets:
         k = torch.full_like(n, cfg.topk)
         m = k // 3 if cfg.top_m is None else k.clamp(max=cfg.top_m)
     else:
@@ -215,7 +215,7 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
         top = torch.where(ok & (c.rank < c.kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
         # The anchor's set: the top-m with their +-r neighbours (offsets -r..-1, 1..r, as cis_step lists them),
         # then the rest of the top-k, distinct, limited to k with a density (``priority_set``).
-        limit = c.kk_n[:, None] if cfg.density is not None else None
+        limit = c.kk_n[:, None] if cfg.limited_sets else None
         new_set = priority_set(top, c.m_n[:, None], m_w, c.offs, limit, n[:, None], wt, width).to(torch.int32)
         # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
         cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])

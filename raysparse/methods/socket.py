@@ -290,11 +290,11 @@ class Socket(SparseMethod):
             score = torch.zeros(n.shape[0], h_kv, width, device=q.device)
         else:
             probs = self._batch_probs(layer, q, h_kv)
-            norms = norm_pool  # None unless the scorer uses value norms
+            # norm_pool is None unless the scorer uses value norms
             if triton_wanted(q, ids_pool):
-                score = paged_collision(probs, ids_pool, norms, view.kv.page_table, view.seqlens)
+                score = paged_collision(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens)
             else:
-                score = paged_collision_torch(probs, ids_pool, norms, view.kv.page_table, view.seqlens)
+                score = paged_collision_torch(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens)
         sink, local, top = self._budget_rows(n)
         j = torch.arange(width, device=q.device)
         middle = ((j >= sink) & (j < n - local))[:, None, :]
