@@ -49,7 +49,9 @@ def main() -> None:
     for method in args.methods.split(","):
         from raysparse.methods.sketch_walk import GRAPH_DECODE
 
-        params = {} if method == "dense" else {"density": 0.1}
+        # density 0.1 over the sparse layers alone: the profile shows a sparse layer's step, and a short
+        # --layers would put the dense layers' share above 0.1
+        params = {} if method == "dense" else {"density": 0.1, "dense_layers": ()}
         if method == "sketch_walk" and args.sw_scoring == "graph":
             params.update(GRAPH_DECODE)
         backend = create_backend(method, model.cfg, **params)
@@ -67,7 +69,6 @@ def main() -> None:
         if args.graphs:
             from raysparse.decode_graphs import DecodeGraphs
 
-            backend.build_batched(cache, args.batch)
             graphs = DecodeGraphs(model, cache, max_batch=args.batch)
             if not DecodeGraphs.supports(backend):
                 print(f"{method}: no graph decode path; eager")

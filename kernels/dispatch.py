@@ -226,6 +226,7 @@ from .scorer_dispatch import (  # noqa: E402
     collision_scores_varlen,
     decode_sketches,
     lsh_bucket_ids,
+    paged_group_probs,
     quest_page_bounds,
     quest_page_scores,
     sketch_block_sums,
@@ -235,7 +236,7 @@ from .scorer_dispatch import (  # noqa: E402
 
 __all__ = ["ENV", "block_sparse_attention", "block_sparse_attention_varlen", "collision_scores",
            "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen", "lsh_bucket_ids",
-           "quest_page_bounds",
+           "paged_group_probs", "quest_page_bounds",
            "quest_page_scores", "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen",
            "srht_apply", "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted",
            "use_triton"]

@@ -20,6 +20,7 @@ import torch
 from .common import next_pow2, tl, triton
 
 _HASH_ROWS = 64  # keys per bucketing program
+_DECODE_TABLES = 4  # tables per bucketing program when few keys are hashed
 _SCORE_KEYS = 512  # keys per scoring program
 
 
@@ -27,9 +28,11 @@ if triton is not None:
 
     @triton.jit
     def _bucket_kernel(X, W, Out, m, planes, tables, stride_xh, stride_xm, stride_wh, stride_wl, stride_wp,
-                       stride_oh, stride_ol, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, P_PAD: tl.constexpr):
+                       stride_oh, stride_ol, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, P_PAD: tl.constexpr,
+                       TABLES_PER: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1).to(tl.int64)
+        t0 = tl.program_id(2) * TABLES_PER
         ok = rows < m
         d = tl.arange(0, HEAD_DIM)
         x = tl.load(X + h * stride_xh + rows.to(tl.int64)[:, None] * stride_xm + d[None, :], mask=ok[:, None],
@@ -39,11 +42,13 @@ if triton is not None:
         bit = tl.where(p_ok, 1 << p, 0)
         w_row = W + h * stride_wh + p[:, None] * stride_wp + d[None, :]
         out_row = Out + h * stride_oh + rows
-        for t in range(tables):
-            w = tl.load(w_row + t * stride_wl, mask=p_ok[:, None], other=0.0)
-            proj = tl.dot(x, tl.trans(w), input_precision="ieee")  # [BLOCK_M, P_PAD]
-            ids = tl.sum(tl.where(proj > 0, bit[None, :], 0), 1)
-            tl.store(out_row + t * stride_ol, ids.to(Out.dtype.element_ty), mask=ok)
+        for i in range(TABLES_PER):
+            t = t0 + i
+            if t < tables:
+                w = tl.load(w_row + t * stride_wl, mask=p_ok[:, None], other=0.0)
+                proj = tl.dot(x, tl.trans(w), input_precision="ieee")  # [BLOCK_M, P_PAD]
+                ids = tl.sum(tl.where(proj > 0, bit[None, :], 0), 1)
+                tl.store(out_row + t * stride_ol, ids.to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _collision_kernel(P, B, NORM, Out, CU, tables, stride_pb, stride_ph, stride_pl, stride_bh, stride_bl,
@@ -83,10 +88,15 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.
     if out.stride(-1) != 1:
         raise ValueError("out needs a contiguous token dimension")
     if m and h:
-        _bucket_kernel[(-(-m // _HASH_ROWS), h)](
+        # A prompt's keys fill the GPU with one program per _HASH_ROWS keys looping over the tables; a decode
+        # step's few keys would leave it nearly idle (one program per head, 60 tables in a row: 0.33 ms a layer
+        # at batch 4 on an H200), so there the tables are split over programs too.
+        block = min(_HASH_ROWS, max(16, next_pow2(m)))
+        per = tables if m >= 16 * _HASH_ROWS else _DECODE_TABLES
+        _bucket_kernel[(-(-m // block), h, -(-tables // per))](
             x, w, out, m, planes, tables, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-            out.stride(0), out.stride(1), BLOCK_M=_HASH_ROWS, HEAD_DIM=d, P_PAD=max(16, next_pow2(planes)),
-            num_warps=4)
+            out.stride(0), out.stride(1), BLOCK_M=block, HEAD_DIM=d, P_PAD=max(16, next_pow2(planes)),
+            TABLES_PER=per, num_warps=4)
     return out
 
 

@@ -42,41 +42,44 @@ def _encode(score: torch.Tensor, seqlens: torch.Tensor, quest_page: int) -> torc
 if triton is not None:
 
     @triton.jit
-    def _quest_kernel(Q, LO, HI, PT, SEQ, Out, stride_qb, stride_qh, stride_lp, stride_lh, stride_ls,
+    def _quest_kernel(Q, LO, HI, PT, SEQ, Out, width, stride_qb, stride_qh, stride_lp, stride_lh, stride_ls,
                       stride_tb, stride_ob, stride_oh, QPAGE: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-                      G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-        j = tl.program_id(0)  # one cache page of the row: its S Quest pages
+                      G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGES: tl.constexpr):
         kvh = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
         n = tl.load(SEQ + b)
         n_pages = (n + QPAGE - 1) // QPAGE
         s = tl.arange(0, S)
-        qp = j * S + s  # Quest page ids
-        out_ptr = Out + b * stride_ob + kvh * stride_oh + qp
-        if j * S < n_pages:
-            pg = tl.load(PT + b * stride_tb + j).to(tl.int64)
-            gi = tl.arange(0, G_PAD)
-            d = tl.arange(0, HEAD_DIM)
-            q = tl.load(Q + b * stride_qb + (kvh * G + gi)[:, None] * stride_qh + d[None, :],
-                        mask=(gi < G)[:, None], other=0.0).to(tl.float32)  # [G_PAD, d]
-            base = pg * stride_lp + kvh * stride_lh + s[:, None] * stride_ls + d[None, :]  # [S, d]
-            lo = tl.load(LO + base).to(tl.float32)
-            hi = tl.load(HI + base).to(tl.float32)
-            best = tl.full([S], float("-inf"), tl.float32)
-            for g in tl.static_range(G):
-                qg = tl.sum(tl.where(gi[:, None] == g, q, 0.0), 0)  # [d]
-                ub = tl.sum(tl.maximum(qg[None, :] * lo, qg[None, :] * hi), 1)  # [S]
-                best = tl.maximum(best, ub)
-            res = tl.where(qp < n_pages, best, float("-inf"))
-            res = tl.where((qp == 0) | (qp == n_pages - 1), float("inf"), res)
-            tl.store(out_ptr, res)
-        else:
-            tl.store(out_ptr, tl.full([S], float("-inf"), tl.float32))
+        gi = tl.arange(0, G_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + b * stride_qb + (kvh * G + gi)[:, None] * stride_qh + d[None, :],
+                    mask=(gi < G)[:, None], other=0.0).to(tl.float32)  # [G_PAD, d], loaded once for PAGES pages
+        for i in range(PAGES):  # cache pages of the row, each with its S Quest pages
+            j = tl.program_id(0) * PAGES + i
+            qp = j * S + s  # Quest page ids
+            out_ptr = Out + b * stride_ob + kvh * stride_oh + qp
+            if j < width:
+                if j * S < n_pages:
+                    pg = tl.load(PT + b * stride_tb + j).to(tl.int64)
+                    base = pg * stride_lp + kvh * stride_lh + s[:, None] * stride_ls + d[None, :]  # [S, d]
+                    lo = tl.load(LO + base).to(tl.float32)
+                    hi = tl.load(HI + base).to(tl.float32)
+                    # every query head of the group at once: [G_PAD, S, d] -> [G_PAD, S], then the max over g
+                    ub = tl.sum(tl.maximum(q[:, None, :] * lo[None, :, :], q[:, None, :] * hi[None, :, :]), 2)
+                    best = tl.max(tl.where((gi < G)[:, None], ub, float("-inf")), 0)
+                    res = tl.where(qp < n_pages, best, float("-inf"))
+                    res = tl.where((qp == 0) | (qp == n_pages - 1), float("inf"), res)
+                    tl.store(out_ptr, res)
+                else:
+                    tl.store(out_ptr, tl.full([S], float("-inf"), tl.float32))
+
+
+_PAGES_PER_PROGRAM = 8  # cache pages per program: one page's bounds are a few KB, too little work alone
 
 
 def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
                        seqlens: torch.Tensor, quest_page: int) -> torch.Tensor:
-    """The Triton form: one program per (cache page of the row, KV head, row)."""
+    """The Triton form: one program per (up to ``_PAGES_PER_PROGRAM`` cache pages of the row, KV head, row)."""
     b, h, d = q.shape
     _, h_kv, sub, _ = lo.shape
     width = page_table.shape[1]
@@ -84,8 +87,9 @@ def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page
         raise ValueError("bounds need one contiguous layout and q a contiguous head dim")
     out = torch.empty(b, h_kv, width * sub, dtype=torch.float32, device=q.device)
     g = h // h_kv
-    _quest_kernel[(width, h_kv, b)](
-        q, lo, hi, page_table, seqlens, out, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1), lo.stride(2),
-        page_table.stride(0), out.stride(0), out.stride(1), QPAGE=quest_page, S=sub, G=g,
-        G_PAD=max(2, next_pow2(g)), HEAD_DIM=d, num_warps=2)
+    per = min(_PAGES_PER_PROGRAM, width)
+    _quest_kernel[(-(-width // per), h_kv, b)](
+        q, lo, hi, page_table, seqlens, out, width, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1),
+        lo.stride(2), page_table.stride(0), out.stride(0), out.stride(1), QPAGE=quest_page, S=sub, G=g,
+        G_PAD=max(2, next_pow2(g)), HEAD_DIM=d, PAGES=per, num_warps=4)
     return out

@@ -4,6 +4,7 @@ kernels run in Triton's interpreter (shapes stay small: it pays per program)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
@@ -42,8 +43,10 @@ def test_paged_collision_matches_torch():
     seqlens = torch.tensor(lens, dtype=torch.int32)
     for nrm in (norms, None):
         want = paged_collision_torch(probs, ids, nrm, table, seqlens)
-        got = paged_collision(*(t.to(DEV) if t is not None else None for t in (probs, ids, nrm, table, seqlens)))
-        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+        for per_load in (1, 4):  # one table's ids per load, or several (the last load partial)
+            got = paged_collision(*(t.to(DEV) if t is not None else None for t in (probs, ids, nrm, table, seqlens)),
+                                  tables_per_load=per_load)
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
 
 
 def test_sparse_decode_paged_matches_torch():
@@ -72,14 +75,15 @@ def test_sparse_decode_paged_matches_torch():
         torch.testing.assert_close(lse.cpu(), want_lse, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
 
 
-def test_paged_quest_scores_match_torch():
+@pytest.mark.parametrize("width", [6, 11])  # one program's pages, or two programs with a partial last one
+def test_paged_quest_scores_match_torch(width: int):
     from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
 
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
     page, qpage, pages, h_kv, g_heads, d = 32, 8, 20, 2, 3, 16
     lens = [int(x) for x in torch.randint(1, 150, (3,), generator=g)]
-    table = _table(g, lens, page, 6, pages)
+    table = _table(g, lens, page, width, pages)
     lo = torch.randn(pages + 1, h_kv, page // qpage, d, generator=g)
     hi = lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=g)
     q = torch.randn(3, h_kv * g_heads, d, generator=g)
@@ -90,3 +94,33 @@ def test_paged_quest_scores_match_torch():
     assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], want[inf]), f"seed {seed}"  # the encoding
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("width,g_heads", [(3, 3), (9, 4)])  # one chunk of pages; three, the last partial
+def test_paged_group_probs_match_torch(width: int, g_heads: int):
+    from raysparse.kernels.paged_probs import paged_group_probs, paged_group_probs_torch
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    page, pages, h_kv, d = 16, 40, 2, 16
+    lens = [int(x) for x in torch.randint(1, width * page + 1, (3,), generator=g)]
+    table = _table(g, lens, page, width, pages)
+    k = torch.randn(pages + 1, h_kv, page, d, generator=g).to(torch.bfloat16)
+    kv = PagedKV(k, k, table, torch.tensor(lens, dtype=torch.int32))
+    q = 3 * torch.randn(3, h_kv * g_heads, d, generator=g)
+    need = torch.rand(3, h_kv, generator=g) < 0.6
+    wt = min(width * page, max(lens) + int(torch.randint(0, page, (), generator=g)))  # a bucket wider than a row
+    for mask in (need, None):
+        want = paged_group_probs_torch(q, kv, wt, mask)
+        dev_kv = PagedKV(*(t.to(DEV) for t in (kv.k, kv.v, kv.page_table, kv.seqlens)))
+        got = paged_group_probs(q.to(DEV), dev_kv, wt, None if mask is None else mask.to(DEV)).cpu()
+        assert got.shape == (3, h_kv, wt)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+        if mask is not None:
+            assert (got[~mask] == 0).all(), f"seed {seed}"  # a pair that needs none reads no key
+        # each needed pair's probabilities sum to its group size over the row's keys, and are 0 past them
+        rows = torch.ones(3, h_kv, dtype=torch.bool) if mask is None else mask
+        sums = got.sum(-1)
+        torch.testing.assert_close(sums[rows], torch.full_like(sums[rows], float(g_heads)), rtol=1e-4, atol=1e-4)
+        past = torch.arange(wt) >= torch.tensor(lens)[:, None, None]
+        assert (got[past.expand_as(got)] == 0).all(), f"seed {seed}"

@@ -132,7 +132,7 @@ def test_decode_sketches(monkeypatch: pytest.MonkeyPatch, g: int, d: int, sketch
 def test_bucket_ids(d: int, planes: int, out_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(d + planes)
     w = lsh.hyperplanes(5, 0, range(H_KV), 6, planes, d).to(DEV)
-    for m in (1, 70, 200):  # a decode append, a chunk, a prompt
+    for m in (1, 70, 200, 1030):  # a decode append, a chunk, a prompt (its tables split over programs), one not
         x = _rand(H_KV, m, d, gen=gen, dtype=torch.float16)
         fill = 255 if out_dtype == torch.uint8 else -1
         out = torch.full((H_KV, 6, m), fill, dtype=out_dtype, device=DEV)

@@ -10,11 +10,11 @@ multi-step replays, copy nothing. Sequences that leave the batch but live on are
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from raysparse.kernels import dispatch
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import stable_top
 from raysparse.kv_cache import KVCache
@@ -211,7 +211,7 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     if q.is_cuda or bool(here.any()):
         # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
         allowed = visible & ~c.forced
-        order, ok = _retrieve(q, kv, wt, c.inrange, allowed, max(kk_w, 1), None if q.is_cuda else here)
+        order, ok = _retrieve(q, kv, wt, allowed, max(kk_w, 1), here)
         top = torch.where(ok & (c.rank < c.kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
         # The anchor's set: the top-m with their +-r neighbours (offsets -r..-1, 1..r, as cis_step lists them),
         # then the rest of the top-k, distinct, limited to k with a density (``priority_set``).
@@ -254,30 +254,14 @@ def compact(mask: torch.Tensor, width: int) -> torch.Tensor:
     return out.scatter_(-1, dst, cols)[..., :width]
 
 
-def _retrieve(q: torch.Tensor, kv: PagedKV, wt: int, inrange: torch.Tensor, allowed: torch.Tensor, k: int,
+def _retrieve(q: torch.Tensor, kv: PagedKV, wt: int, allowed: torch.Tensor, k: int,
               rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle top-k of every (row, KV head) by exact probabilities over the row's keys (``stable_top`` of
-    the group-summed softmax): indices [B, h_kv, k] best first and whether each is allowed. ``rows`` [B, h_kv]
-    bool (None: all): which pairs need it; the others get no valid entry. Fixed shapes when ``rows`` is None
-    (the captured path); given (the CPU), only the retrieving pairs read their keys and are scored: a sharing
-    pair's retrieval is discarded by the step anyway, and each pair's scores are its own, so the kept ones
-    are the same bits."""
-    b, h, d = q.shape
-    h_kv, page = kv.k.shape[1], kv.k.shape[2]
-    g, width = h // h_kv, kv.page_table.shape[1]
-    pairs = torch.arange(b * h_kv, device=q.device) if rows is None else rows.flatten().nonzero().squeeze(1)
-    bi, hi = pairs // h_kv, pairs % h_kv
-    # Each pair's pages of its KV head, in order, as rows of the cache seen as [pages * h_kv, page * d]: one
-    # copy of the keys, already laid out [pair, W * page, d] (no permute of the gathered pages).
-    tiles = kv.page_table.long()[bi] * h_kv + hi[:, None]  # [P, W]
-    keys = kv.k.reshape(-1, page * d).index_select(0, tiles.flatten()).view(-1, width * page, d)[:, :wt]
-    qp = q.float().view(b * h_kv, g, d).index_select(0, pairs)
-    logits = torch.bmm(qp, keys.float().transpose(1, 2)).div(math.sqrt(d))  # [P, g, W]
-    keyed = logits.masked_fill(~inrange[bi][:, None, :], -math.inf).softmax(-1).sum(1)  # [P, W]
-    order, ok = stable_top(keyed, allowed[bi], k)
-    if rows is None:
-        return order.view(b, h_kv, -1), ok.view(b, h_kv, -1)
-    full = torch.zeros(b * h_kv, order.shape[-1], dtype=order.dtype, device=q.device)
-    valid = torch.zeros(b * h_kv, order.shape[-1], dtype=torch.bool, device=q.device)
-    full[pairs], valid[pairs] = order, ok
-    return full.view(b, h_kv, -1), valid.view(b, h_kv, -1)
+    the group-summed softmax, ``dispatch.paged_group_probs``): indices [B, h_kv, k] best first and whether
+    each is allowed. ``rows`` [B, h_kv] bool (None: all): which pairs need it; the others get no valid entry
+    and read no key (the kernel skips them inside its fixed-shape launch; the PyTorch form scores only the
+    retrieving pairs). A sharing pair's retrieval is discarded by the step anyway, and each pair's scores
+    are its own, so the kept ones are the same bits."""
+    keyed = dispatch.paged_group_probs(q, kv, wt, rows)  # [B, h_kv, W]
+    ok_rows = allowed[:, None, :] if rows is None else allowed[:, None, :] & rows[..., None]
+    return stable_top(keyed, ok_rows, k)

@@ -1,0 +1,107 @@
+"""The decode scorers of SOCKET, Quest and CIS against one layer's dense paged decode, and their launch knobs.
+
+One sparse layer of a decode batch on Llama-3.1-8B's KV layout (32 query heads, 8 KV heads of dim 128, bf16
+keys in 64-token pages scattered over the cache), each call captured in a CUDA graph (median replay, L2
+flushed):
+- ``dense``: the dense backend's split-K decode over every page (the baseline each scorer must undercut);
+- ``collision``: SOCKET's paged soft-collision scores (``kernels/paged_collision.py``), 60 tables of 8
+  planes, by ``tables_per_load`` x ``num_warps``;
+- ``quest``: Quest's paged page bounds (``kernels/paged_quest.py``), 16-token Quest pages;
+- ``probs``: CIS's exact group probabilities (``kernels/paged_probs.py``), by pages per chunk, warps and the
+  logits' dot precision, with every pair retrieving and with 44% of them (the others share an anchor).
+
+    python benchmarks/bench_decode_scorers.py [--batch 4] [--context 32768]
+    python benchmarks/bench_decode_scorers.py --smoke   # tiny sizes: CUDA if present, else the interpreter
+
+Writes ``$OUT/bench_decode_scorers.json`` (``OUT`` defaults to ./results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter has to be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common when run from elsewhere
+
+from bench_common import environment, table, time_ms, wall_ms, write_json  # noqa: E402
+
+from raysparse.kernels.dispatch import paged_decode_attention  # noqa: E402
+from raysparse.kernels.formats import PagedKV  # noqa: E402
+from raysparse.kernels.paged_collision import paged_collision  # noqa: E402
+from raysparse.kernels.paged_probs import paged_group_probs, paged_group_probs_torch  # noqa: E402
+from raysparse.kernels.paged_quest import paged_quest_scores  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    b, ctx = (2, 256) if args.smoke else (args.batch, args.context)
+    h, h_kv, d, page, tables, planes, qpage = 32, 8, 128, 64, 60, 8, 16
+    if args.smoke:
+        h, h_kv, tables = 8, 2, 6
+    width = -(-ctx // page)
+    pages = b * width
+    gen = torch.Generator().manual_seed(0)
+    table_ = torch.randperm(pages, generator=gen).view(b, width).to(torch.int32).to(dev)
+    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    k = torch.randn(pages + 1, h_kv, page, d, generator=gen).to(torch.bfloat16).to(dev)
+    v = torch.randn(pages + 1, h_kv, page, d, generator=gen).to(torch.bfloat16).to(dev)
+    q = torch.randn(b, h, d, generator=gen).to(torch.bfloat16).to(dev)
+    kv = PagedKV(k, v, table_, seqlens)
+    blocks = torch.arange(width, dtype=torch.int32, device=dev)[None, None, :].expand(b, h_kv, -1).contiguous()
+    timer = time_ms if cuda else (lambda fn, graph=False: wall_ms(fn))
+    rows: list[dict[str, Any]] = []
+
+    def add(kernel: str, knobs: str, fn, **extra: Any) -> None:
+        rows.append({"kernel": kernel, "knobs": knobs, "ms": timer(fn, graph=True), **extra})
+
+    add("dense", "split-K decode", lambda: paged_decode_attention(q, kv, blocks, unit=page))
+    ids = torch.randint(0, 1 << planes, (pages + 1, h_kv, tables, page), generator=gen).to(torch.uint8).to(dev)
+    probs = torch.softmax(torch.randn(b, h_kv, tables, 1 << planes, generator=gen), -1).to(dev)
+    for per_load in (1, 4, 16):
+        for warps in (1, 2, 4):
+            add("collision", f"tables_per_load={per_load} warps={warps}",
+                lambda per_load=per_load, warps=warps: paged_collision(probs, ids, None, table_, seqlens,
+                                                                       tables_per_load=per_load, num_warps=warps))
+    lo = torch.randn(pages + 1, h_kv, page // qpage, d, generator=gen).to(dev)
+    hi = lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=gen).to(dev)
+    add("quest", "8 pages per program", lambda: paged_quest_scores(q, lo, hi, table_, seqlens, qpage))
+
+    need_some = (torch.rand(b, h_kv, generator=gen) < 0.44).to(dev)
+    want = paged_group_probs_torch(q.float(), kv, ctx, None)
+    precisions = ("tf32x3", "tf32", "ieee") if cuda else ("ieee",)
+    for need, label in ((None, "all"), (need_some, "44%")):
+        for per in (1, 2, 4, 8):
+            for warps in (4, 8):
+                for prec in precisions:
+                    got = paged_group_probs(q, kv, ctx, need, per, warps, prec)
+                    mask = torch.ones(b, h_kv, dtype=torch.bool, device=dev) if need is None else need
+                    err = (got - want)[mask].abs().max().item() / want[mask].abs().max().item()
+                    add("probs", f"pairs={label} pages={per} warps={warps} {prec}",
+                        lambda need=need, per=per, warps=warps, prec=prec: paged_group_probs(
+                            q, kv, ctx, need, per, warps, prec), rel_err=err)
+    dense_ms = rows[0]["ms"]
+    for r in rows:
+        r["vs_dense"] = r["ms"] / dense_ms
+    payload = {"env": environment(), "batch": b, "context": ctx, "heads": h, "kv_heads": h_kv, "head_dim": d,
+               "page": page, "rows": rows}
+    path = write_json("bench_decode_scorers.json", payload)
+    print(table(rows, [("kernel", "kernel"), ("knobs", "knobs"), ("ms", "ms"), ("vs_dense", "x dense"),
+                       ("rel_err", "rel err")]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
