@@ -142,10 +142,12 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     out = torch.empty(b, h_kv, width_tokens, dtype=torch.float32, device=q.device)
     if pairs == 0 or width == 0:
         return out.zero_()
-    # 3xTF32 on the GPU: fp32-exact to about 1e-6 on tensor cores, so the ranking matches the fp32 reference
-    # (plain TF32's 1e-3 would reorder near-equal keys); the interpreter computes in fp32 anyway.
+    # 16-bit queries and keys (the serving path's) are exact in TF32's 10-bit mantissa, so plain TF32 tensor
+    # cores give the fp32 reference's logits; fp32 inputs take 3xTF32 (fp32-exact to about 1e-6, twice the
+    # time on an H200), as plain TF32's 1e-3 would reorder near-equal keys. The interpreter computes in fp32.
     if precision is None:
-        precision = "ieee" if interpreting() else "tf32x3"
+        half = (torch.bfloat16, torch.float16)
+        precision = "ieee" if interpreting() else ("tf32" if q.dtype in half and kv.k.dtype in half else "tf32x3")
     _logits_kernel[(chunks, pairs)](
         q, kv.k, kv.page_table, kv.seqlens, need_i, logits, m, s, width, h_kv, width_tokens, math.sqrt(d),
         q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), kv.page_table.stride(0),

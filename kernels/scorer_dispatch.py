@@ -151,7 +151,8 @@ def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> to
 def paged_group_probs(q: torch.Tensor, kv, width_tokens: int, need: torch.Tensor | None = None) -> torch.Tensor:
     """CIS's retrieval scores (``paged_probs``): q [B, h, d] over the rows' paged keys -> fp32 [B, h_kv,
     width_tokens], the group-summed exact probabilities of the ``need`` pairs (zeros elsewhere)."""
-    from .paged_probs import paged_group_probs as fast, paged_group_probs_torch
+    from .paged_probs import paged_group_probs as fast
+    from .paged_probs import paged_group_probs_torch
 
     page = kv.k.shape[2]
     if _dim_ok(q.shape[-1]) and _dim_ok(page) and kv.k.stride(-1) == 1 and _triton(q, kv.k):
