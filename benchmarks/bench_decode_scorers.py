@@ -6,6 +6,9 @@ flushed):
 - ``dense``: the dense backend's split-K decode over every page (the baseline each scorer must undercut);
 - ``collision``: SOCKET's paged soft-collision scores (``kernels/paged_collision.py``), 60 tables of 8
   planes, by ``tables_per_load`` x ``num_warps``;
+- ``hash``: SOCKET's bucketing (``kernels/lsh_scorer.py``) of a decode step's new keys (one per row) and of a
+  whole prompt's keys (what a prefill adds to dense attention), by the projections' dot precision (``rel err``:
+  the fraction of ids that differ from exact fp32's);
 - ``quest``: Quest's paged page bounds (``kernels/paged_quest.py``), 16-token Quest pages;
 - ``probs``: CIS's exact group probabilities (``kernels/paged_probs.py``), by pages per chunk, warps and the
   logits' dot precision, with every pair retrieving and with 44% of them (the others share an anchor).
@@ -34,6 +37,7 @@ from bench_common import environment, table, time_ms, wall_ms, write_json  # noq
 
 from raysparse.kernels.dispatch import paged_decode_attention  # noqa: E402
 from raysparse.kernels.formats import PagedKV  # noqa: E402
+from raysparse.kernels.lsh_scorer import bucket_ids  # noqa: E402
 from raysparse.kernels.paged_collision import paged_collision  # noqa: E402
 from raysparse.kernels.paged_probs import paged_group_probs, paged_group_probs_torch  # noqa: E402
 from raysparse.kernels.paged_quest import paged_quest_scores  # noqa: E402
@@ -75,6 +79,14 @@ def main() -> None:
             add("collision", f"tables_per_load={per_load} warps={warps}",
                 lambda per_load=per_load, warps=warps: paged_collision(probs, ids, None, table_, seqlens,
                                                                        tables_per_load=per_load, num_warps=warps))
+    w = torch.randn(h_kv, tables, planes, d, generator=gen).to(dev)
+    for m in (b, ctx):
+        x = torch.randn(h_kv, m, d, generator=gen).to(torch.bfloat16).to(dev)
+        exact = bucket_ids(w, x, torch.uint8, precision="ieee")
+        for prec in ("tf32x3", "ieee") if cuda else ("ieee",):
+            same = (bucket_ids(w, x, torch.uint8, precision=prec) == exact).float().mean().item()
+            add("hash", f"{m} keys {prec}", lambda x=x, prec=prec: bucket_ids(w, x, torch.uint8, precision=prec),
+                rel_err=1 - same)
     lo = torch.randn(pages + 1, h_kv, page // qpage, d, generator=gen).to(dev)
     hi = lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=gen).to(dev)
     add("quest", "8 pages per program", lambda: paged_quest_scores(q, lo, hi, table_, seqlens, qpage))

@@ -3,7 +3,9 @@
 Bucketing: ``w [h, L, P, d]`` hyperplanes, ``x [h, m, d]`` keys -> ids ``[h, L, m]``, bit p of a table's id
 set iff (W_l x)_p > 0 (little-endian, an exact 0 counts as negative). One program takes ``BLOCK_M`` keys of
 one head, loads them once and loops over the L tables: a ``[BLOCK_M, d] x [d, P]`` product per table in
-exact fp32 (``ieee``: TF32 would flip the sign of near-zero projections against the reference), then the
+fp32 on tensor cores as 3xTF32 (about 1e-6 relative, as exact fp32 sums differ among themselves; plain TF32
+would flip the sign of many near-zero projections against the reference, and exact fp32 on CUDA cores
+took 10 ms a layer to hash a 32K-token prompt on an H200), then the
 sign bits are packed and stored in the output's dtype (int32 like the reference, or the uint8 / int16 of
 the cache). The same call hashes a whole prompt at prefill and the few keys appended by a decode step.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import next_pow2, tl, triton
+from .common import interpreting, next_pow2, tl, triton
 
 _HASH_ROWS = 64  # keys per bucketing program
 _DECODE_TABLES = 4  # tables per bucketing program when few keys are hashed
@@ -29,7 +31,7 @@ if triton is not None:
     @triton.jit
     def _bucket_kernel(X, W, Out, m, planes, tables, stride_xh, stride_xm, stride_wh, stride_wl, stride_wp,
                        stride_oh, stride_ol, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, P_PAD: tl.constexpr,
-                       TABLES_PER: tl.constexpr):
+                       TABLES_PER: tl.constexpr, PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1).to(tl.int64)
         t0 = tl.program_id(2) * TABLES_PER
@@ -46,7 +48,7 @@ if triton is not None:
             t = t0 + i
             if t < tables:
                 w = tl.load(w_row + t * stride_wl, mask=p_ok[:, None], other=0.0)
-                proj = tl.dot(x, tl.trans(w), input_precision="ieee")  # [BLOCK_M, P_PAD]
+                proj = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, P_PAD]
                 ids = tl.sum(tl.where(proj > 0, bit[None, :], 0), 1)
                 tl.store(out_row + t * stride_ol, ids.to(Out.dtype.element_ty), mask=ok)
 
@@ -74,8 +76,9 @@ if triton is not None:
 
 
 def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.int32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """w: [h, L, P, d], x: [h, m, d] -> bucket ids [h, L, m] in ``out_dtype`` (or written into ``out``)."""
+               out: torch.Tensor | None = None, precision: str | None = None) -> torch.Tensor:
+    """w: [h, L, P, d], x: [h, m, d] -> bucket ids [h, L, m] in ``out_dtype`` (or written into ``out``).
+    ``precision``: the projections' dot (None: 3xTF32 on GPUs, exact fp32 in the interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     h, tables, planes, d = w.shape
@@ -96,7 +99,7 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.
         _bucket_kernel[(-(-m // block), h, -(-tables // per))](
             x, w, out, m, planes, tables, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
             out.stride(0), out.stride(1), BLOCK_M=block, HEAD_DIM=d, P_PAD=max(16, next_pow2(planes)),
-            TABLES_PER=per, num_warps=4)
+            TABLES_PER=per, PRECISION=precision or ("ieee" if interpreting() else "tf32x3"), num_warps=4)
     return out
 
 
