@@ -47,11 +47,14 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(hf, dtype=torch.bfloat16, device="cuda")
     for method in args.methods.split(","):
-        from raysparse.methods.sketch_walk import GRAPH_DECODE
-
         # density 0.1 over the sparse layers alone: the profile shows a sparse layer's step, and a short
         # --layers would put the dense layers' share above 0.1
-        params = {} if method == "dense" else {"density": 0.1, "dense_layers": ()}
+        from raysparse.methods.registry import method_params
+        from raysparse.methods.sketch_walk import GRAPH_DECODE
+
+        params = {} if method == "dense" else {
+            k: v for k, v in (("density", 0.1), ("dense_layers", ()), ("start_layer", 0))
+            if k in method_params(method)}  # every layer sparse: PSAW/ETF start at 3/4 of the layers by default
         if method == "sketch_walk" and args.sw_scoring == "graph":
             params.update(GRAPH_DECODE)
         backend = create_backend(method, model.cfg, **params)
