@@ -71,10 +71,10 @@ def test_cis_retrieval_of_some_pairs_matches_all_pairs():
     inrange = pos < n[:, None]
     allowed = inrange & (torch.rand(b, wt, generator=g) < 0.8)
     q = torch.randn(b, h_kv * grp, d, generator=g)
-    want_order, want_ok = _retrieve(q, kv, wt, inrange, allowed, 11, None)
+    want_order, want_ok = _retrieve(q, kv, wt, allowed, 11, None)
     for rows in (torch.rand(b, h_kv, generator=g) < 0.5, torch.ones(b, h_kv, dtype=torch.bool),
                  torch.zeros(b, h_kv, dtype=torch.bool)):
-        order, ok = _retrieve(q, kv, wt, inrange, allowed, 11, rows)
+        order, ok = _retrieve(q, kv, wt, allowed, 11, rows)
         assert torch.equal(ok[rows], want_ok[rows]), f"seed {seed}"
         assert torch.equal(torch.where(ok, order, -1)[rows], torch.where(want_ok, want_order, -1)[rows]), f"seed {seed}"
         assert not ok[~rows].any(), f"seed {seed}"
