@@ -24,17 +24,22 @@ from typing import Any
 
 import torch
 
+from raysparse.attention import ShardContext
 from raysparse.generate import GenerationRequest, Generator
 from raysparse.kv_cache import KVCache
 from raysparse.loader import load_model, resolve_source
 from raysparse.methods.registry import create_backend, method_names, method_params
 from raysparse.sampling import SamplingParams
+from raysparse.shard_executor import bind_backend
 
 
 def run_once(model: Any, name: str, params: dict[str, Any], prompt: tuple[int, ...], new: int) -> dict[str, Any]:
     cache = KVCache(model.cfg, num_pages=-(-(len(prompt) + new + 64) // 64), page_size=64,
                     dtype=model.lm_head.weight.dtype, num_kv_heads=model.num_kv_heads)
     backend = create_backend(name, model.cfg, **params)
+    # bound to the cache as a shard binds it: Sketch&Walk's batched decode state lives there (unbound, it
+    # decodes per sequence, the reference path)
+    bind_backend(backend, ShardContext(cache=cache))
     gen = Generator(model, cache, backend)
     req = GenerationRequest(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), "r")
     t0 = time.perf_counter()
