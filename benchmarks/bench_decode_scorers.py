@@ -5,7 +5,7 @@ keys in 64-token pages scattered over the cache), each call captured in a CUDA g
 flushed):
 - ``dense``: the dense backend's split-K decode over every page (the baseline each scorer must undercut);
 - ``collision``: SOCKET's paged soft-collision scores (``kernels/paged_collision.py``), 60 tables of 8
-  planes, by ``tables_per_load`` x ``num_warps``;
+  planes, by ``num_warps`` (several tables' ids per load measured slower and was dropped);
 - ``hash``: SOCKET's bucketing (``kernels/lsh_scorer.py``) of a decode step's new keys (one per row) and of a
   whole prompt's keys (what a prefill adds to dense attention), by the projections' dot precision (``rel err``:
   the fraction of ids that differ from exact fp32's);
@@ -74,11 +74,9 @@ def main() -> None:
     add("dense", "split-K decode", lambda: paged_decode_attention(q, kv, blocks, unit=page))
     ids = torch.randint(0, 1 << planes, (pages + 1, h_kv, tables, page), generator=gen).to(torch.uint8).to(dev)
     probs = torch.softmax(torch.randn(b, h_kv, tables, 1 << planes, generator=gen), -1).to(dev)
-    for per_load in (1, 4, 16):
-        for warps in (1, 2, 4):
-            add("collision", f"tables_per_load={per_load} warps={warps}",
-                lambda per_load=per_load, warps=warps: paged_collision(probs, ids, None, table_, seqlens,
-                                                                       tables_per_load=per_load, num_warps=warps))
+    for warps in (1, 2, 4):
+        add("collision", f"warps={warps}",
+            lambda warps=warps: paged_collision(probs, ids, None, table_, seqlens, num_warps=warps))
     w = torch.randn(h_kv, tables, planes, d, generator=gen).to(dev)
     for m in (b, ctx):
         x = torch.randn(h_kv, m, d, generator=gen).to(torch.bfloat16).to(dev)

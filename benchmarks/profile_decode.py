@@ -31,7 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     from raysparse.kv_cache import KVCache
     from raysparse.loader import build_model, load_hf_config, resolve_source
-    from raysparse.methods.registry import create_backend
+    from raysparse.methods.registry import create_backend, method_params
+    from raysparse.methods.sketch_walk import GRAPH_DECODE
 
     hf = load_hf_config(resolve_source(args.model))
     hf.num_hidden_layers = args.layers
@@ -47,14 +48,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(hf, dtype=torch.bfloat16, device="cuda")
     for method in args.methods.split(","):
-        # density 0.1 over the sparse layers alone: the profile shows a sparse layer's step, and a short
-        # --layers would put the dense layers' share above 0.1
-        from raysparse.methods.registry import method_params
-        from raysparse.methods.sketch_walk import GRAPH_DECODE
-
+        # Every layer sparse at density 0.1 (no dense layers, PSAW/ETF from layer 0): the profile shows a sparse
+        # layer's step, and a short --layers would put the default dense layers' share above 0.1.
         params = {} if method == "dense" else {
             k: v for k, v in (("density", 0.1), ("dense_layers", ()), ("start_layer", 0))
-            if k in method_params(method)}  # every layer sparse: PSAW/ETF start at 3/4 of the layers by default
+            if k in method_params(method)}
         if method == "sketch_walk" and args.sw_scoring == "graph":
             params.update(GRAPH_DECODE)
         backend = create_backend(method, model.cfg, **params)

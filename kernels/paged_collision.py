@@ -46,7 +46,7 @@ if triton is not None:
     def _paged_collision_kernel(P, IDS, NORM, PT, SEQ, Out, tables, width,
                                 stride_pb, stride_ph, stride_pl, stride_ip, stride_ih, stride_il,
                                 stride_np, stride_nh, stride_tb, stride_ob, stride_oh,
-                                PAGE: tl.constexpr, HAS_NORM: tl.constexpr, T_BLOCK: tl.constexpr):
+                                PAGE: tl.constexpr, HAS_NORM: tl.constexpr):
         j = tl.program_id(0)  # one page of the row
         h = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
@@ -59,20 +59,10 @@ if triton is not None:
             off = tl.arange(0, PAGE)
             id_row = IDS + pg * stride_ip + h * stride_ih + off
             prob_row = P + b * stride_pb + h * stride_ph
-            if T_BLOCK == 1:
-                acc = tl.zeros([PAGE], dtype=tl.float32)
-                for t in range(tables):
-                    ids = tl.load(id_row + t * stride_il).to(tl.int32)
-                    acc += tl.load(prob_row + t * stride_pl + ids)
-            else:  # T_BLOCK tables' ids of the page in one [T_BLOCK, PAGE] load
-                tb = tl.arange(0, T_BLOCK)
-                acc2 = tl.zeros([T_BLOCK, PAGE], dtype=tl.float32)
-                for t0 in range(0, tables, T_BLOCK):
-                    t = t0 + tb
-                    t_ok = (t < tables)[:, None]
-                    ids = tl.load(id_row[None, :] + t[:, None] * stride_il, mask=t_ok, other=0).to(tl.int32)
-                    acc2 += tl.load(prob_row + t[:, None] * stride_pl + ids, mask=t_ok, other=0.0)
-                acc = tl.sum(acc2, 0)
+            acc = tl.zeros([PAGE], dtype=tl.float32)
+            for t in range(tables):
+                ids = tl.load(id_row + t * stride_il).to(tl.int32)
+                acc += tl.load(prob_row + t * stride_pl + ids)
             if HAS_NORM:
                 acc *= tl.load(NORM + pg * stride_np + h * stride_nh + off)
             tl.store(out_row, tl.where(ok, acc, float("-inf")))
@@ -81,9 +71,10 @@ if triton is not None:
 
 
 def paged_collision(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None, page_table: torch.Tensor,
-                    seqlens: torch.Tensor, tables_per_load: int = 1, num_warps: int = 2) -> torch.Tensor:
-    """The Triton form: one program per (page of the row, KV head, row), reading ``tables_per_load`` tables'
-    ids of its page at once (a power of two; ``benchmarks/bench_decode_scorers.py`` compares them)."""
+                    seqlens: torch.Tensor, num_warps: int = 2) -> torch.Tensor:
+    """The Triton form: one program per (page of the row, KV head, row), one table's ids of its page per load
+    (loading several tables' at once measured slower on an H200: BENCHMARKS.md, "Decode scorers that fill the
+    GPU"). ``num_warps`` is a knob for ``benchmarks/bench_decode_scorers.py``."""
     b, h, tables, _ = probs.shape
     page, width = ids.shape[-1], page_table.shape[1]
     probs = probs if probs.dtype == torch.float32 and probs.is_contiguous() else probs.float().contiguous()
@@ -93,5 +84,5 @@ def paged_collision(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor 
         probs, ids, nrm, page_table, seqlens, out, tables, width,
         probs.stride(0), probs.stride(1), probs.stride(2), ids.stride(0), ids.stride(1), ids.stride(2),
         nrm.stride(0), nrm.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
-        PAGE=page, HAS_NORM=norms is not None, T_BLOCK=tables_per_load, num_warps=num_warps)
+        PAGE=page, HAS_NORM=norms is not None, num_warps=num_warps)
     return out
