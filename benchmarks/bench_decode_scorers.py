@@ -11,7 +11,8 @@ flushed):
   the fraction of ids that differ from exact fp32's);
 - ``quest``: Quest's paged page bounds (``kernels/paged_quest.py``), 16-token Quest pages;
 - ``probs``: CIS's exact group probabilities (``kernels/paged_probs.py``), by pages per chunk, warps and the
-  logits' dot precision, with every pair retrieving and with 44% of them (the others share an anchor).
+  logits' dot precision (``tf32`` on these bf16 inputs is the kernel's native bf16 dot), with every pair
+  retrieving and with 44% of them (the others share an anchor).
 
     python benchmarks/bench_decode_scorers.py [--batch 4] [--context 32768]
     python benchmarks/bench_decode_scorers.py --smoke   # tiny sizes: CUDA if present, else the interpreter

@@ -51,7 +51,7 @@ if triton is not None:
                        stride_qb, stride_qh, stride_kp, stride_kh, stride_kt, stride_tb,
                        stride_lp, stride_lg, stride_mp, stride_mg,
                        G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                       PAGES: tl.constexpr, PRECISION: tl.constexpr):
+                       PAGES: tl.constexpr, PRECISION: tl.constexpr, NATIVE: tl.constexpr):
         c = tl.program_id(0)  # a chunk of PAGES pages of the row
         pair = tl.program_id(1)
         if tl.load(NEED + pair) != 0:
@@ -60,25 +60,27 @@ if triton is not None:
             n = tl.load(SEQ + b)
             gi = tl.arange(0, G_PAD)
             d = tl.arange(0, HEAD_DIM)
-            off = tl.arange(0, PAGE)
+            # The chunk's PAGES pages in one tile: every page's keys are in flight at once (a loop over the
+            # pages issued one page's loads at a time, 2.35 TB/s of keys on an H200).
+            t = tl.arange(0, PAGES * PAGE)
+            j = c * PAGES + t // PAGE
+            tok = c * (PAGES * PAGE) + t
+            live = (j < width) & (tok < n)
+            pg = tl.load(PT + b * stride_tb + j, mask=j < width, other=0).to(tl.int64)
+            k = tl.load(K + pg[:, None] * stride_kp + kvh * stride_kh + (t % PAGE)[:, None] * stride_kt + d[None, :],
+                        mask=live[:, None], other=0.0)
             q = tl.load(Q + b * stride_qb + (kvh * G + gi)[:, None] * stride_qh + d[None, :],
-                        mask=(gi < G)[:, None], other=0.0).to(tl.float32)  # [G_PAD, d]
-            m = tl.full([G_PAD], float("-inf"), tl.float32)
-            s = tl.zeros([G_PAD], dtype=tl.float32)
+                        mask=(gi < G)[:, None], other=0.0)  # [G_PAD, d]
+            if NATIVE:  # 16-bit q and k: their products are exact in the fp32 accumulator
+                lg = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+            else:
+                lg = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+            lg = tl.where(live[None, :], lg / sqrt_d, float("-inf"))  # [G_PAD, PAGES * PAGE]
+            m = tl.max(lg, 1)
+            safe = tl.where(m == float("-inf"), 0.0, m)
+            s = tl.sum(tl.exp(lg - safe[:, None]), 1)
             l_row = L + pair.to(tl.int64) * stride_lp + gi[:, None] * stride_lg
-            for i in range(PAGES):
-                j = c * PAGES + i
-                tok = j * PAGE + off
-                if (j < width) & (j * PAGE < n):
-                    pg = tl.load(PT + b * stride_tb + j).to(tl.int64)
-                    k = tl.load(K + pg * stride_kp + kvh * stride_kh + off[:, None] * stride_kt + d[None, :])
-                    lg = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) / sqrt_d  # [G_PAD, PAGE]
-                    lg = tl.where((tok < n)[None, :], lg, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(lg, 1))
-                    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    s = s * tl.exp(m - safe) + tl.sum(tl.exp(lg - safe[:, None]), 1)
-                    m = m_new
-                    tl.store(l_row + tok[None, :], lg, mask=(gi < G)[:, None] & (tok < wt)[None, :])
+            tl.store(l_row + tok[None, :], lg, mask=(gi < G)[:, None] & (tok < wt)[None, :])
             g_ok = gi < G
             tl.store(M + pair.to(tl.int64) * stride_mp + gi * stride_mg + c, m, mask=g_ok)
             tl.store(S + pair.to(tl.int64) * stride_mp + gi * stride_mg + c, s, mask=g_ok)
@@ -116,7 +118,7 @@ _PAGES_PER_CHUNK = 4  # pages per program: one 64-token page of one KV head is 1
 
 
 def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: torch.Tensor | None = None,
-                      pages_per_chunk: int = _PAGES_PER_CHUNK, num_warps: int = 4,
+                      pages_per_chunk: int = _PAGES_PER_CHUNK, num_warps: int = 8,
                       precision: str | None = None) -> torch.Tensor:
     """The Triton form (``paged_group_probs_torch``'s contract): two launches over (chunk of pages, pair).
     ``pages_per_chunk`` (a power of two), ``num_warps`` and ``precision`` (of the logits' dot: None for the
@@ -145,14 +147,18 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     # 16-bit queries and keys (the serving path's) are exact in TF32's 10-bit mantissa, so plain TF32 tensor
     # cores give the fp32 reference's logits; fp32 inputs take 3xTF32 (fp32-exact to about 1e-6, twice the
     # time on an H200), as plain TF32's 1e-3 would reorder near-equal keys. The interpreter computes in fp32.
+    half = q.dtype in (torch.bfloat16, torch.float16) and kv.k.dtype == q.dtype
     if precision is None:
-        half = (torch.bfloat16, torch.float16)
-        precision = "ieee" if interpreting() else ("tf32" if q.dtype in half and kv.k.dtype in half else "tf32x3")
+        precision = "ieee" if interpreting() else ("tf32" if half else "tf32x3")
+    # 16-bit inputs of one dtype dot natively (bf16 products are exact in fp32: TF32's logits, half the
+    # operand bytes); the interpreter's 16-bit dot is not exact, so it stays on the fp32 path.
+    native = half and not interpreting() and precision == "tf32"
     _logits_kernel[(chunks, pairs)](
         q, kv.k, kv.page_table, kv.seqlens, need_i, logits, m, s, width, h_kv, width_tokens, math.sqrt(d),
         q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), kv.page_table.stride(0),
         logits.stride(0), logits.stride(1), m.stride(0), m.stride(1),
-        G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=page, PAGES=per, PRECISION=precision, num_warps=num_warps)
+        G=g, G_PAD=g_pad, HEAD_DIM=d, PAGE=page, PAGES=per, PRECISION=precision, NATIVE=native,
+        num_warps=num_warps)
     chunk = per * page
     out_chunks = -(-width_tokens // chunk)
     _probs_kernel[(out_chunks, pairs)](

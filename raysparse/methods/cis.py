@@ -30,7 +30,10 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
 - Batched decode (``cis_batched_step``, in ``cis_batched.py``): the same steps for a whole padded batch in fixed shapes,
   state in per-row buffers. The step writes each row's attended keys and retrievals on the device; the
   backend reads them back once per step, after it (the size of a CIS selection is data-dependent, so the
-  meter cannot derive it from the length as it does for the other methods).
+  meter cannot derive it from the length as it does for the other methods). With a density (and no
+  ``top_m``) its retrieval, anchor sets and selection are three exact list selections (``select_list``):
+  there an anchor's set is N (the top-m and their neighbours, |N| < k) plus the k - |N| best others, the
+  same entries as ``priority_set``'s, without a sort or a cumulative sum.
 
 The reference scores every head every step (then keeps the retrieved or shared set with ``torch.where``),
 so it is sync-free but not cheaper than the oracle. The batched step on the CPU scores only the (row, KV

@@ -17,6 +17,7 @@ import torch
 from raysparse.kernels import dispatch
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import stable_top
+from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import KVCache
 from raysparse.methods.base import row_budget
 from raysparse.methods.cis import CISConfig, cis_budget, priority_set
@@ -208,7 +209,11 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     shared = sets[rows[:, None], chosen.clamp(min=0), heads[None, :]]  # [B, h_kv, width]
 
     visible = c.inrange if visible_lo is None else ((c.pos < cfg.sink) | (c.pos >= visible_lo[:, None])) & c.inrange
-    if q.is_cuda or bool(here.any()):
+    forced = c.forced & visible
+    out_width = max(min(wt, cfg.sink + cfg.local + max(kk_w, min(set_width(cfg, wt), width))), 1)
+    if cfg.limited_sets and cfg.top_m is None and (q.is_cuda or bool(here.any())):
+        out = _listed_step(cfg, c, q, kv, wt, visible, forced, here, share, shared, qn, buf, li, slot, out_width)
+    elif q.is_cuda or bool(here.any()):
         # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
         allowed = visible & ~c.forced
         order, ok = _retrieve(q, kv, wt, allowed, max(kk_w, 1), here)
@@ -217,24 +222,61 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
         # then the rest of the top-k, distinct, limited to k with a density (``priority_set``).
         limit = c.kk_n[:, None] if cfg.limited_sets else None
         new_set = priority_set(top, c.m_n[:, None], m_w, c.offs, limit, n[:, None], wt, width).to(torch.int32)
-        # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
-        cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
-        sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
+        _store_anchors(cq, sets, rows, slot, here, qn, new_set)
         # One index list per pair, the shared set or the retrieval's top-k (no dilation on its own step), made
         # a mask once (both padded to the wider: a bucket may be wider than the sets were sized for).
         wide = max(width, top.shape[-1])
         pad = torch.nn.functional.pad
         mask_mid = _as_mask(torch.where(share[..., None], pad(shared, (0, wide - width), value=SENTINEL),
                                         pad(top.to(torch.int32), (0, wide - top.shape[-1]), value=SENTINEL)), n, wt)
+        out = compact((forced[:, None, :] | mask_mid) & visible[:, None, :], out_width)
     else:
-        mask_mid = _as_mask(shared, n, wt)
+        out = compact((forced[:, None, :] | _as_mask(shared, n, wt)) & visible[:, None, :], out_width)
     valid[rows, slot] = here
     step.add_(1)
+    buf.counts[li].copy_(torch.stack([(out >= 0).sum((1, 2)), here.sum(1)], -1))
+    return out
 
-    mask = (c.forced[:, None, :] | mask_mid) & visible[:, None, :]
-    buf.counts[li].copy_(torch.stack([mask.sum((1, 2)), here.sum(1)], -1))
-    out_width = max(min(wt, cfg.sink + cfg.local + max(kk_w, min(set_width(cfg, wt), width))), 1)
-    return compact(mask, out_width)
+
+def _store_anchors(cq: torch.Tensor, sets: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor,
+                   here: torch.Tensor, qn: torch.Tensor, new_set: torch.Tensor) -> None:
+    """Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state)."""
+    cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
+    sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
+
+
+def _listed_step(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV, wt: int, visible: torch.Tensor,
+                 forced: torch.Tensor, here: torch.Tensor, share: torch.Tensor, shared: torch.Tensor,
+                 qn: torch.Tensor, buf: CISRows, li: int, slot: torch.Tensor, out_width: int) -> torch.Tensor:
+    """The retrieval, the anchor sets and the step's selection as three exact list selections
+    (``select_list``), for sets limited to k with m = k // (3 + 2 r) (a density, no ``top_m``).
+
+    There the priority list's first k distinct entries are N, the top-m with their +-r neighbours in [0, n),
+    followed by the best-ranked candidates outside N up to k: |N| <= m (1 + 2 r) < k, and the ranked top-k
+    holds at least k - |N| entries outside N. So a set is N forced (+inf) plus the k - |N| best others, one
+    selection, and the sorted top-k, the int64 sort keys and the cumulative sums of ``priority_set`` and
+    ``compact`` (the most of a GPU step) are not needed. The ranking is ``stable_top``'s: score descending,
+    column ascending on ties. The lists come out ascending, so stored sets are ascending too."""
+    b, h_kv = here.shape
+    n = kv.seqlens.long()
+    kk_w, m_w = bounded_budget(cfg, wt)
+    rk = c.kk_n.repeat_interleave(h_kv)
+    inf = torch.tensor(float("inf"), device=q.device)
+    score = dispatch.paged_group_probs(q, kv, wt, here)  # [B, h_kv, W]; pairs that share read no key
+    cand = torch.where((visible & ~c.forced)[:, None, :] & here[..., None], score, -inf).flatten(0, 1)
+    # The anchors' sets: N from the top-m, then N forced plus the best others up to k.
+    lead = select_list(cand.contiguous(), c.m_n.repeat_interleave(h_kv), m_w, max(m_w, 1)).long()
+    nb = torch.cat([lead[..., None], lead[..., None] + c.offs], -1)  # [R, m, 1 + 2 r]
+    ok = (lead >= 0)[..., None] & (nb >= 0) & (nb < n.repeat_interleave(h_kv)[:, None, None])
+    hood = torch.zeros(b * h_kv, wt + 1, dtype=torch.bool, device=q.device)
+    hood = hood.scatter_(-1, torch.where(ok, nb, wt).flatten(1), True)[:, :wt]
+    width = buf.sets.shape[-1]
+    new_set = select_list(torch.where(hood, inf, cand).contiguous(), rk - hood.sum(-1), kk_w, width)
+    _store_anchors(buf.q[li], buf.sets[li], c.rows, slot, here, qn, new_set.view(b, h_kv, width))
+    # The step: forced keys, plus the retrieval's top-k (no dilation on its own step) or the shared set.
+    listed = forced[:, None, :] | (_as_mask(shared, n, wt) & share[..., None] & visible[:, None, :])
+    final = torch.where(listed.flatten(0, 1), inf, cand)
+    return select_list(final.contiguous(), torch.where(here.flatten(), rk, 0), kk_w, out_width).view(b, h_kv, -1)
 
 
 def _as_mask(idx: torch.Tensor, n: torch.Tensor, wt: int) -> torch.Tensor:
