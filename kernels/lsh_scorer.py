@@ -2,7 +2,7 @@
 
 Bucketing: ``w [h, L, P, d]`` hyperplanes, ``x [h, m, d]`` keys -> ids ``[h, L, m]``, bit p of a table's id
 set iff (W_l x)_p > 0 (little-endian, an exact 0 counts as negative). One program takes ``BLOCK_M`` keys of
-one head, loads them once and loops over the L tables: a ``[BLOCK_M, d] x [d, P]`` product per table in
+one head and a group of tables whose planes fill 64 columns: one ``[BLOCK_M, d] x [d, 64]`` product in
 fp32 on tensor cores as 3xTF32 (about 1e-6 relative, as exact fp32 sums differ among themselves; plain TF32
 would flip the sign of many near-zero projections against the reference, and exact fp32 on CUDA cores
 took 10 ms a layer to hash a 32K-token prompt on an H200), then the
@@ -22,7 +22,7 @@ import torch
 from .common import interpreting, next_pow2, tl, triton
 
 _HASH_ROWS = 64  # keys per bucketing program
-_DECODE_TABLES = 4  # tables per bucketing program when few keys are hashed
+_HASH_COLS = 64  # projections per bucketing program (tables x padded planes)
 _SCORE_KEYS = 512  # keys per scoring program
 
 
@@ -31,26 +31,26 @@ if triton is not None:
     @triton.jit
     def _bucket_kernel(X, W, Out, m, planes, tables, stride_xh, stride_xm, stride_wh, stride_wl, stride_wp,
                        stride_oh, stride_ol, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, P_PAD: tl.constexpr,
-                       TABLES_PER: tl.constexpr, PRECISION: tl.constexpr):
+                       GROUP: tl.constexpr, PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1).to(tl.int64)
-        t0 = tl.program_id(2) * TABLES_PER
+        t0 = tl.program_id(2) * GROUP  # this program's GROUP tables, side by side in one product
         ok = rows < m
         d = tl.arange(0, HEAD_DIM)
         x = tl.load(X + h * stride_xh + rows.to(tl.int64)[:, None] * stride_xm + d[None, :], mask=ok[:, None],
                     other=0.0).to(tl.float32)
-        p = tl.arange(0, P_PAD)
-        p_ok = p < planes
-        bit = tl.where(p_ok, 1 << p, 0)
-        w_row = W + h * stride_wh + p[:, None] * stride_wp + d[None, :]
-        out_row = Out + h * stride_oh + rows
-        for i in range(TABLES_PER):
-            t = t0 + i
-            if t < tables:
-                w = tl.load(w_row + t * stride_wl, mask=p_ok[:, None], other=0.0)
-                proj = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, P_PAD]
-                ids = tl.sum(tl.where(proj > 0, bit[None, :], 0), 1)
-                tl.store(out_row + t * stride_ol, ids.to(Out.dtype.element_ty), mask=ok)
+        col = tl.arange(0, GROUP * P_PAD)
+        t = t0 + col // P_PAD
+        p = col % P_PAD
+        live = (p < planes) & (t < tables)
+        w = tl.load(W + h * stride_wh + t[:, None] * stride_wl + p[:, None] * stride_wp + d[None, :],
+                    mask=live[:, None], other=0.0)
+        proj = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, GROUP * P_PAD]
+        bits = tl.where((proj > 0) & live[None, :], (1 << p)[None, :], 0)
+        ids = tl.sum(tl.reshape(bits, (BLOCK_M, GROUP, P_PAD)), 2)  # [BLOCK_M, GROUP]
+        g = tl.arange(0, GROUP)
+        out = Out + h * stride_oh + (t0 + g)[None, :] * stride_ol + rows[:, None]
+        tl.store(out, ids.to(Out.dtype.element_ty), mask=ok[:, None] & ((t0 + g) < tables)[None, :])
 
     @triton.jit
     def _collision_kernel(P, B, NORM, Out, CU, tables, stride_pb, stride_ph, stride_pl, stride_bh, stride_bl,
@@ -91,15 +91,17 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.
     if out.stride(-1) != 1:
         raise ValueError("out needs a contiguous token dimension")
     if m and h:
-        # A prompt's keys fill the GPU with one program per _HASH_ROWS keys looping over the tables; a decode
-        # step's few keys would leave it nearly idle (one program per head, 60 tables in a row: 0.33 ms a layer
-        # at batch 4 on an H200), so there the tables are split over programs too.
+        # One program per (BLOCK_M keys, head, group of tables): the group's planes side by side make one
+        # [BLOCK_M, d] x [d, 64] product (a loop over the tables, one [d, 16]-padded product each, hashed a
+        # 32K-token prompt at 1.7 ms a layer on an H200), and a decode step's few keys still spread over
+        # h x L / GROUP programs.
         block = min(_HASH_ROWS, max(16, next_pow2(m)))
-        per = tables if m >= 16 * _HASH_ROWS else _DECODE_TABLES
-        _bucket_kernel[(-(-m // block), h, -(-tables // per))](
+        p_pad = next_pow2(planes)
+        group = max(1, _HASH_COLS // p_pad)
+        _bucket_kernel[(-(-m // block), h, -(-tables // group))](
             x, w, out, m, planes, tables, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-            out.stride(0), out.stride(1), BLOCK_M=block, HEAD_DIM=d, P_PAD=max(16, next_pow2(planes)),
-            TABLES_PER=per, PRECISION=precision or ("ieee" if interpreting() else "tf32x3"), num_warps=4)
+            out.stride(0), out.stride(1), BLOCK_M=block, HEAD_DIM=d, P_PAD=p_pad, GROUP=group,
+            PRECISION=precision or ("ieee" if interpreting() else "tf32x3"), num_warps=4)
     return out
 
 
