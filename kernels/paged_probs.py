@@ -115,6 +115,7 @@ if triton is not None:
 
 
 _PAGES_PER_CHUNK = 4  # pages per program: one 64-token page of one KV head is 16 KB of bf16 keys
+_TILE_BYTES = 1 << 17  # the largest key tile a program dots (shared memory)
 
 
 def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: torch.Tensor | None = None,
@@ -135,15 +136,6 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     need_i = (torch.ones(pairs, dtype=torch.int8, device=q.device) if need is None
               else need.reshape(pairs).to(torch.int8))
     q = q if q.stride(-1) == 1 else q.contiguous()
-    per = min(pages_per_chunk, next_pow2(width))  # a power of two: the probabilities' chunk is an arange
-    chunks = -(-width // per)
-    g_pad = max(16, next_pow2(g))  # tl.dot's least M
-    logits = torch.empty(pairs, g, width * page, dtype=torch.float32, device=q.device)
-    m = torch.empty(pairs, g, chunks, dtype=torch.float32, device=q.device)
-    s = torch.empty_like(m)
-    out = torch.empty(b, h_kv, width_tokens, dtype=torch.float32, device=q.device)
-    if pairs == 0 or width == 0:
-        return out.zero_()
     # 16-bit queries and keys (the serving path's) are exact in TF32's 10-bit mantissa, so plain TF32 tensor
     # cores give the fp32 reference's logits; fp32 inputs take 3xTF32 (fp32-exact to about 1e-6, twice the
     # time on an H200), as plain TF32's 1e-3 would reorder near-equal keys. The interpreter computes in fp32.
@@ -153,6 +145,19 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     # 16-bit inputs of one dtype dot natively (bf16 products are exact in fp32: TF32's logits, half the
     # operand bytes); the interpreter's 16-bit dot is not exact, so it stays on the fp32 path.
     native = half and not interpreting() and precision == "tf32"
+    # A power of two (the probabilities' chunk is an arange), and a key tile of at most 128 KB: the tile is
+    # the dot's operand in shared memory (512 fp32 keys of dim 128 need 270 KB, over an H100's 227 KB).
+    per = min(pages_per_chunk, next_pow2(width))
+    while per > 1 and per * page * d * (2 if native else 4) > _TILE_BYTES:
+        per //= 2
+    chunks = -(-width // per)
+    g_pad = max(16, next_pow2(g))  # tl.dot's least M
+    logits = torch.empty(pairs, g, width * page, dtype=torch.float32, device=q.device)
+    m = torch.empty(pairs, g, chunks, dtype=torch.float32, device=q.device)
+    s = torch.empty_like(m)
+    out = torch.empty(b, h_kv, width_tokens, dtype=torch.float32, device=q.device)
+    if pairs == 0 or width == 0:
+        return out.zero_()
     _logits_kernel[(chunks, pairs)](
         q, kv.k, kv.page_table, kv.seqlens, need_i, logits, m, s, width, h_kv, width_tokens, math.sqrt(d),
         q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), kv.page_table.stride(0),

@@ -260,14 +260,15 @@ def _listed_step(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV,
     b, h_kv = here.shape
     n = kv.seqlens.long()
     kk_w, m_w = bounded_budget(cfg, wt)
-    rk = c.kk_n.repeat_interleave(h_kv)
-    inf = torch.tensor(float("inf"), device=q.device)
+    per_pair = (b, h_kv)  # expanded views, not repeat_interleave: nothing sized on the host inside a capture
+    rk = c.kk_n[:, None].expand(per_pair).reshape(-1)
+    inf = float("inf")  # a Python scalar: a tensor made here would be a host copy inside a graph capture
     score = dispatch.paged_group_probs(q, kv, wt, here)  # [B, h_kv, W]; pairs that share read no key
     cand = torch.where((visible & ~c.forced)[:, None, :] & here[..., None], score, -inf).flatten(0, 1)
     # The anchors' sets: N from the top-m, then N forced plus the best others up to k.
-    lead = select_list(cand.contiguous(), c.m_n.repeat_interleave(h_kv), m_w, max(m_w, 1)).long()
+    lead = select_list(cand.contiguous(), c.m_n[:, None].expand(per_pair).reshape(-1), m_w, max(m_w, 1)).long()
     nb = torch.cat([lead[..., None], lead[..., None] + c.offs], -1)  # [R, m, 1 + 2 r]
-    ok = (lead >= 0)[..., None] & (nb >= 0) & (nb < n.repeat_interleave(h_kv)[:, None, None])
+    ok = (lead >= 0)[..., None] & (nb >= 0) & (nb < n[:, None].expand(per_pair).reshape(-1, 1, 1))
     hood = torch.zeros(b * h_kv, wt + 1, dtype=torch.bool, device=q.device)
     hood = hood.scatter_(-1, torch.where(ok, nb, wt).flatten(1), True)[:, :wt]
     width = buf.sets.shape[-1]
