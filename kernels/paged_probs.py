@@ -119,7 +119,7 @@ _TILE_BYTES = 1 << 17  # the largest key tile a program dots (shared memory)
 
 
 def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: torch.Tensor | None = None,
-                      pages_per_chunk: int = _PAGES_PER_CHUNK, num_warps: int = 8,
+                      pages_per_chunk: int = _PAGES_PER_CHUNK, num_warps: int = 4,
                       precision: str | None = None) -> torch.Tensor:
     """The Triton form (``paged_group_probs_torch``'s contract): two launches over (chunk of pages, pair).
     ``pages_per_chunk`` (a power of two), ``num_warps`` and ``precision`` (of the logits' dot: None for the
