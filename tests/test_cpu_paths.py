@@ -80,6 +80,52 @@ def test_cis_retrieval_of_some_pairs_matches_all_pairs():
         assert not ok[~rows].any(), f"seed {seed}"
 
 
+@pytest.mark.parametrize("params", [
+    {"density": 0.3, "sink": 2, "local": 3, "share_block": 3, "radius": 1, "threshold": 0.5},
+    {"density": 0.5, "sink": 1, "local": 2, "share_block": 4, "radius": 2, "threshold": 0.7},
+    {"density": 0.2, "sink": 4, "local": 4, "share_block": 2, "radius": 3, "threshold": 0.9}])
+@pytest.mark.parametrize("psaw", [False, True])
+def test_cis_listed_step_matches_ranked_step(params, psaw):
+    """CIS's batched step by three list selections (the GPUs' path) against the ranked path (sorted top-k,
+    ``priority_set``, ``compact``; the CPU's) over several steps of one ragged batch: every selected entry,
+    the counts, and the stored anchor sets as sets, on steps where some pairs share and others retrieve."""
+    from raysparse.kernels.formats import PagedKV
+    from raysparse.methods.cis import CISConfig
+    from raysparse.methods.cis_batched import CISRows, cis_batched_step, set_width
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    cfg = CISConfig(**params)
+    b, h_kv, grp, d, page, width = 3, 2, 2, 16, 8, 12
+    k = torch.randn(b * width + 1, h_kv, page, d, generator=g)
+    table = torch.randperm(b * width + 1, generator=g)[: b * width].view(b, width).to(torch.int32)
+    n = torch.randint(page, width * page - 8, (b,), generator=g)
+    wt = width * page
+    bufs = [CISRows(1, b, cfg, h_kv, grp * d, set_width(cfg, wt), torch.device("cpu")) for _ in range(2)]
+    q = torch.randn(b, h_kv * grp, d, generator=g)
+    mixed = 0
+    for step in range(12):
+        kv = PagedKV(k, k, table, (n + step).to(torch.int32))
+        lo = (n + step) // 3 if psaw else None
+        outs = [cis_batched_step(cfg, buf, 0, q, kv, wt, lo, listed=lst)
+                for buf, lst in zip(bufs, (True, False), strict=True)]
+        assert torch.equal(outs[0], outs[1]), f"seed {seed} step {step}"
+        assert torch.equal(bufs[0].counts, bufs[1].counts), f"seed {seed} step {step}"
+        assert torch.equal(bufs[0].valid, bufs[1].valid), f"seed {seed} step {step}"
+        ranked = bufs[1].sets.clone()
+        ranked[ranked < 0] = torch.iinfo(torch.int32).max  # the ranked path keeps priority order: compare sorted
+        listed = bufs[0].sets.clone()
+        listed[listed < 0] = torch.iinfo(torch.int32).max
+        assert torch.equal(listed.sort(-1).values, ranked.sort(-1).values), f"seed {seed} step {step}"
+        # Half the pairs jump to a fresh query (they retrieve) and half barely move (they share the anchor set
+        # of their last jump), alternating, so every step but a block's first mixes both.
+        slow = (torch.arange(b * h_kv).view(b, h_kv, 1, 1) + step) % 2 == 0
+        drift = q.view(b, h_kv, grp, d) + 0.01 * torch.randn(b, h_kv, grp, d, generator=g)
+        q = torch.where(slow, drift, torch.randn(b, h_kv, grp, d, generator=g)).view(q.shape)
+        mixed += 0 < int(bufs[0].counts[0, :, 1].sum()) < b * h_kv
+    assert mixed >= 6, f"seed {seed}: too few steps mixed sharing and retrieving pairs ({mixed})"
+
+
 @pytest.mark.parametrize("tables,width,elems", [(60, 40, 1 << 18), (5, 3, 1 << 18), (13, 9, 3000), (60, 7, 1)])
 def test_paged_collision_torch_matches_per_sequence_scores(tables, width, elems, monkeypatch):
     """SOCKET's paged CPU scorer (page chunks, every table at once) against the per-sequence reference

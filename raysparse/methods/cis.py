@@ -31,7 +31,8 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
   state in per-row buffers. The step writes each row's attended keys and retrievals on the device; the
   backend reads them back once per step, after it (the size of a CIS selection is data-dependent, so the
   meter cannot derive it from the length as it does for the other methods). With a density (and no
-  ``top_m``) its retrieval, anchor sets and selection are three exact list selections (``select_list``):
+  ``top_m``), where ``select_list`` runs on Triton (GPUs), its retrieval, anchor sets and selection are three
+  exact list selections:
   there an anchor's set is N (the top-m and their neighbours, |N| < k) plus the k - |N| best others, the
   same entries as ``priority_set``'s, without a sort or a cumulative sum.
 
