@@ -56,8 +56,26 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
     return out.to(q.dtype), lse.view(b, h)
 
 
-def _paged_pages_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
-                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_window_decode_cpu(q: torch.Tensor, kv: PagedKV, window_lo: torch.Tensor, sink: int,
+                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, h, d] (each row's newest position) over its keys below ``sink`` and from ``window_lo`` [B] up to its
+    length: a sliding window with sinks (PSAW's decode), on the CPU. The pages holding those keys are attended
+    as whole tiles by the dense decode's fused call and the rest of those pages masked, so the cost follows the
+    window's pages, without gathering the window token by token. Returns (out, lse) as ``paged_decode_torch``."""
+    page, h_kv = kv.k.shape[2], kv.k.shape[1]
+    n = kv.seqlens.long()
+    sink_pages = -(-sink // page)
+    used = -(-n // page)
+    first = (window_lo.long() // page).clamp(min=sink_pages)  # the window's pages start after the sinks' pages
+    width = sink_pages + int((used - first).clamp(min=0).max())  # a host read: this path is the CPU's alone
+    cols = torch.arange(width, device=q.device)[None, :]
+    pages = torch.where(cols < sink_pages, cols, first[:, None] + cols - sink_pages)
+    indices = torch.where(pages < used[:, None], pages, SENTINEL).to(torch.int32)[:, None, :].expand(-1, h_kv, -1)
+    return _paged_pages_cpu(q, kv, indices, scale, window_lo, sink)
+
+
+def _paged_pages_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, scale: float | None,
+                     window_lo: torch.Tensor | None = None, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, d = q.shape
     h_kv, page = kv.k.shape[1], kv.k.shape[2]
     g, width = h // h_kv, indices.shape[-1]
@@ -71,7 +89,10 @@ def _paged_pages_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     v = kv.v.reshape(-1, page * d).index_select(0, tiles).view(b * h_kv, 1, width * page, d).to(q.dtype)
     tok = (logical[..., None] * page + torch.arange(page, device=q.device)).flatten(2)
     ok = ((indices != SENTINEL)[..., None].expand(-1, -1, -1, page).flatten(2)
-          & (tok < kv.seqlens.long()[:, None, None])).view(b * h_kv, 1, 1, -1)
+          & (tok < kv.seqlens.long()[:, None, None]))
+    if window_lo is not None:  # inside the listed pages, only the sinks and the keys from the row's bound up
+        ok &= (tok < sink) | (tok >= window_lo.long()[:, None, None])
+    ok = ok.view(b * h_kv, 1, 1, -1)
     mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = op(q.view(b * h_kv, g, 1, d), k.expand(-1, g, -1, -1), v.expand(-1, g, -1, -1), attn_mask=mask,

@@ -11,12 +11,16 @@ from helpers import fresh_cache, random_state, tiny_hf_config, whole_model_densi
 from raysparse.attention import DenseAttention
 from raysparse.config import ModelConfig
 from raysparse.generate import GenerationRequest, Generator
+from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.paged_torch import paged_window_decode_cpu
 from raysparse.loader import model_from_state
 from raysparse.methods.base import SeqContext, host_row_budget
 from raysparse.methods.cis import cis_budget
 from raysparse.methods.prhs import CIS, CPE, ETF, PSAW, CPEConfig, PSAWConfig
+from raysparse.methods.psaw import window_attention_cpu, window_lo, window_prefill
 from raysparse.methods.registry import create_backend
-from raysparse.methods.selection import SENTINEL
+from raysparse.methods.selection import SENTINEL, TokenSelection
+from raysparse.methods.sparse_attention import sparse_decode_attention
 from raysparse.sampling import SamplingParams
 
 H_KV, G, D, N_LAYERS = 2, 3, 16, 8
@@ -82,6 +86,56 @@ def test_psaw_prefill_and_decode_follow_the_formula(layer, n, n_q, sink):
     dec = m.select_decode(SeqContext(layer, 0, n - 1, n, {}), q[-1], k, v)
     assert_set_rows(dec.indices, n)
     assert all(r == psaw_visible(n - 1, layer, sink) for r in rows_of(dec.indices))
+
+
+def test_psaw_cpu_prefill_equals_the_masked_reference():
+    """The CPU's fused windowed prefill (``window_attention_cpu``: unmasked middle, causal own block, masked sinks
+    and band, merged) against ``window_prefill``'s masked attention, element by element: chunks of few rows, windows
+    starting inside the rows' own block (fractions near 1), no sinks, sinks past the prompt, chunked prompts."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = gen(seed)
+    for case in range(60):
+        n = int(torch.randint(1, 600, (), generator=g))
+        q_start = 0 if case % 3 == 0 else int(torch.randint(0, n, (), generator=g))
+        sink = [0, 1, 16, 700][case % 4] if case % 2 else int(torch.randint(0, 40, (), generator=g))
+        frac = [0.0, 1.0, 0.999][case % 3] if case % 5 == 0 else float(torch.rand((), generator=g)) ** 2
+        rows = int(torch.randint(1, 200, (), generator=g))
+        q = torch.randn(n - q_start, H_KV * G, D, generator=g)
+        k, v = torch.randn(H_KV, n, D, generator=g), torch.randn(H_KV, n, D, generator=g)
+        want, _ = window_prefill(q, k, v, q_start, sink, frac, [(0, n - q_start)])
+        got = window_attention_cpu(q, k, v, q_start, sink, frac, rows_per_call=rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, c=case: f"seed {seed} case {c}: {m}")
+
+
+def test_psaw_cpu_window_decode_equals_the_gathering_reference():
+    """``paged_window_decode_cpu`` (the window's pages attended whole, the rest of them masked) against attention
+    over the exact token list gathered from each row's K/V, on ragged batches over scattered pages: sinks over
+    several pages, windows starting inside the sinks' pages, rows of one key."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = gen(seed)
+    page, pages = 8, 80  # 5 rows of up to 15 pages, all distinct
+    for case in range(30):
+        b = int(torch.randint(1, 6, (), generator=g))
+        lens = torch.randint(1, 120, (b,), generator=g)
+        lens[0] = 1 if case % 4 == 0 else lens[0]
+        sink = int(torch.randint(0, 30, (), generator=g))
+        frac = float(torch.rand((), generator=g))
+        width = -(-int(lens.max()) // page)
+        table = torch.randperm(pages, generator=g)[: b * width].view(b, width).to(torch.int32)
+        k = torch.randn(pages, H_KV, page, D, generator=g)
+        v = torch.randn(pages, H_KV, page, D, generator=g)
+        q = torch.randn(b, H_KV * G, D, generator=g)
+        lo = window_lo(frac, lens - 1)
+        out, lse = paged_window_decode_cpu(q, PagedKV(k, v, table, lens.to(torch.int32)), lo, sink)
+        for i in range(b):
+            n = int(lens[i])
+            kk = k[table[i].long()].transpose(0, 1).reshape(H_KV, -1, D)[:, :n]
+            vv = v[table[i].long()].transpose(0, 1).reshape(H_KV, -1, D)[:, :n]
+            keys = torch.tensor([j for j in range(n) if j < sink or j >= int(lo[i])], dtype=torch.int32)
+            o, s = sparse_decode_attention(q[i], kk, vv, TokenSelection(keys[None].expand(H_KV, -1), 1))
+            msg = lambda m, c=case, i=i: f"seed {seed} case {c} row {i}: {m}"  # noqa: E731
+            torch.testing.assert_close(out[i], o, rtol=1e-5, atol=1e-5, msg=msg)
+            torch.testing.assert_close(lse[i], s, rtol=1e-5, atol=1e-5, msg=msg)
 
 
 # ---- CIS ---------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import torch
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
+from raysparse.kernels.paged_torch import paged_window_decode_cpu
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import DecodeView, PrefillView, SeqContext, SparseMethod, method_spec
 from raysparse.methods.cis import CISConfig, cis_step
@@ -45,6 +46,7 @@ from raysparse.methods.psaw import (
     depth_fraction,
     start_layer,
     visible_pairs,
+    window_attention_cpu,
     window_lo,
     window_prefill,
     window_start,
@@ -167,6 +169,28 @@ class PrHSMethod(SparseMethod):
         sel = view.packed(indices_from_mask(mask)[None].expand(view.cache.num_kv_heads, -1, -1), b)
         lo = window_lo(frac, view.batch.positions.to(lo_first.device))
         return replace(sel, window_lo=lo.to(torch.int32), sink=sink)
+
+    def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        """On a CPU, a step that freezes no row at this layer attends each row's exact window through
+        ``window_attention_cpu`` (the fused CPU attention over the window's key ranges, as the dense prefill
+        attends) instead of the block-sparse path, which gathers every covering block and masks each row inside
+        it (several times dense's cost at PSAW's near-dense windows). The selection is still built: its
+        ``window_lo`` meters the step exactly as on the block path. Elsewhere (GPUs, frozen rows) the varlen
+        block kernel runs."""
+        if q.device.type != "cpu" or self.frozen_rows(layer, batch) is not None:
+            return super()._prefill_batched(layer, q, cache, batch)
+        view = PrefillView.of(layer, batch, cache)
+        sel = self.prefill_select(layer, q, view)
+        sink, frac = self.config.sink, self.psaw_frac(layer)
+        out = torch.empty_like(q)
+        for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
+            k, v = cache.gather(layer, batch, i)
+            lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
+            out[lo:hi] = window_attention_cpu(q[lo:hi], k, v, n - n_q, sink, frac)
+        h_kv = cache.num_kv_heads
+        for n_q, n, pairs in zip(batch.q_lens, batch.ctx_lens, self.prefill_pairs(view, sel).tolist(), strict=True):
+            self.meter.add(layer, float(pairs), float(causal_pairs(n_q, n) * h_kv), decode=False)
+        return out
 
     def _frozen_blocks(self, layer: int, view: PrefillView, num_blocks: int) -> torch.Tensor | None:
         """bool [R]: the packed query blocks whose rows all lie in their sequence's frozen span at this layer
@@ -309,6 +333,18 @@ class PrHSMethod(SparseMethod):
         win = start + w_cols
         idx = torch.cat([torch.where(s_cols < n, s_cols, SENTINEL), torch.where(win < n, win, SENTINEL)], 1)
         return idx.to(torch.int32)[:, None, :].expand(-1, view.kv.k.shape[1], -1)
+
+    def _decode_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        """PSAW's window on a CPU: the sinks' and the window's whole pages through the dense decode's fused
+        attention, the keys of those pages outside the window masked (``paged_window_decode_cpu``), rather than
+        ``decode_select``'s token list gathered token by token: the same keys. Elsewhere (GPUs, CIS) the seam's
+        selection and paged attend."""
+        if self.use_cis or q.device.type != "cpu" or self.dense_decode_layer(layer):
+            return super()._decode_batched(layer, q, cache, batch)
+        kv, _ = cache.paged(layer, batch)
+        out, _ = paged_window_decode_cpu(q, kv, self._window_lo(layer, kv.seqlens.long()), self.config.sink)
+        self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)
+        return out
 
     def decode_keys(self, layer: int, n: int) -> int:
         if self.use_cis:
