@@ -169,8 +169,9 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--max-new-tokens", type=_positive_int, default=16,
                     help="greedy tokens allowed beyond the length of each task's expected answer (default: 16)")
     ev.add_argument("--seed", type=int, default=0, help="first seed of the task samples and windows (default: 0)")
-    ev.add_argument("--rows", type=_positive_int, default=64,
-                    help="query rows sampled per traced prefill call (default: 64)")
+    ev.add_argument("--rows", type=_non_negative_int, default=64,
+                    help="query rows sampled per traced prefill call (default: 64); 0: no fidelity tracing, so "
+                         "the methods run their batched fast paths and the fidelity columns stay empty")
     ev.add_argument("--no-perplexity", action="store_true", help="skip the perplexity windows")
     ev.add_argument("--method-params", action="append", default=[], metavar="METHOD:KEY=V[,V...]",
                     help="sweep a method parameter, one setting per value (repeatable), e.g. "

@@ -369,6 +369,40 @@ def test_tiny_end_to_end_report(tiny_model, tmp_path, one_thread):
     assert "error: NotImplementedError" in summary_line(broken) and "accuracy" in summary_line(w03)
 
 
+def test_untraced_eval_runs_the_fast_paths_with_the_same_numbers(tiny_model, one_thread, monkeypatch):
+    """``rows=0``: no fidelity tracer, so Quest's batched seam runs (a traced run takes the per-sequence
+    reference path); the density, accuracy and perplexities equal the traced run's, the fidelity is unknown."""
+    from raysparse.methods.base import SparseMethod
+
+    calls = {"batched": 0}
+    seam = SparseMethod._prefill_batched
+
+    def counted(self, *a, **k):
+        calls["batched"] += 1
+        return seam(self, *a, **k)
+
+    monkeypatch.setattr(SparseMethod, "_prefill_batched", counted)
+    tok = CharTokenizer()
+    runs = {}
+    for rows in (16, 0):
+        cfg = EvalConfig(methods=("quest",), densities=(0.8,), samples=1, context_tokens=768, max_new_tokens=2,
+                         rows=rows, decode_ppl_tokens=24, tasks=("single_needle",))
+        before = calls["batched"]
+        report = run_eval(tiny_model, tok, cfg, synthetic_haystack(400), "synthetic", model_name="tiny")
+        runs[rows] = (report["runs"][1], calls["batched"] - before)
+    (traced, traced_calls), (fast, fast_calls) = runs[16], runs[0]
+    assert traced["status"] == fast["status"] == "ok"
+    assert traced_calls == 0 and fast_calls > 0
+    for key in ("retained", "attn_mass", "out_err"):  # measured when traced, unknown (None) when not
+        assert traced["fidelity"][key]["overall"] is not None and fast["fidelity"][key]["overall"] is None
+    assert fast["density"] == pytest.approx(traced["density"], rel=1e-6)
+    assert fast["accuracy"] == traced["accuracy"]
+    assert fast["perplexity"] == pytest.approx(traced["perplexity"], rel=1e-4)
+    assert fast["decode_perplexity"] == pytest.approx(traced["decode_perplexity"], rel=1e-4)
+    with pytest.raises(ValueError, match="rows must be >= 0"):
+        EvalConfig(methods=("quest",), densities=(0.5,), rows=-1)
+
+
 def test_decode_time_methods_report_their_own_columns(tiny_model, one_thread):
     """SpecAttn swept over top_p runs once per value (no density) through the speculative generator; CIS
     reports rho (1 when it never shares: threshold > 1); PSAW, whose budget is its schedule, runs once."""

@@ -66,7 +66,9 @@ class EvalConfig:
     max_new_tokens: int = 16  # beyond each task's answer length (a preamble such as "The numbers are")
     seed: int = 0
     perplexity: bool = True
-    rows: int = DEFAULT_ROWS  # query rows sampled per traced prefill call
+    # Query rows sampled per traced prefill call. 0: no fidelity tracing, so the methods run their batched fast
+    # paths (a tracer needs the per-sequence reference path); the fidelity columns are then empty.
+    rows: int = DEFAULT_ROWS
     method_params: tuple[ParamSweep, ...] = ()  # (method, key, values): settings.parse_method_params
     decode_ppl_tokens: int = DECODE_PPL_TOKENS  # scored by teacher-forced decode steps; 0: no decode perplexity
     draft_model: str | None = None  # SpecAttn's separate draft checkpoint (None: the self-speculative draft)
@@ -77,9 +79,11 @@ class EvalConfig:
         bad = [t for t in self.tasks if t not in TASK_NAMES]
         if bad:
             raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(TASK_NAMES)}")
-        for name in ("samples", "context_tokens", "max_new_tokens", "rows"):
+        for name in ("samples", "context_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.rows < 0:
+            raise ValueError(f"rows must be >= 0 (0: no fidelity tracing), got {self.rows}")
         if not 0 <= self.decode_ppl_tokens <= self.context_tokens - 2:
             raise ValueError(f"decode_ppl_tokens must be in [0, context_tokens - 2], got {self.decode_ppl_tokens}")
         if not self.tasks and not self.perplexity:

@@ -87,7 +87,7 @@ def reset_accumulators(backend: Any, num_layers: int, rows: int) -> FidelityTrac
     if getattr(backend, "use_cis", False) or hasattr(backend, "fit_sums"):
         backend.reset_stats()
     tracer = None
-    if hasattr(backend, "tracer"):
+    if rows > 0 and hasattr(backend, "tracer"):  # 0 rows: untraced, on the method's fast paths
         tracer = FidelityTracer(num_layers, rows)
         backend.tracer = tracer
     return tracer
