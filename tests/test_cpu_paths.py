@@ -83,7 +83,8 @@ def test_cis_retrieval_of_some_pairs_matches_all_pairs():
 @pytest.mark.parametrize("params", [
     {"density": 0.3, "sink": 2, "local": 3, "share_block": 3, "radius": 1, "threshold": 0.5},
     {"density": 0.5, "sink": 1, "local": 2, "share_block": 4, "radius": 2, "threshold": 0.7},
-    {"density": 0.2, "sink": 4, "local": 4, "share_block": 2, "radius": 3, "threshold": 0.9}])
+    {"density": 0.2, "sink": 4, "local": 4, "share_block": 2, "radius": 3, "threshold": 0.9},
+    {"density": 0.4, "sink": 1, "local": 0, "share_block": 3, "radius": 2, "threshold": 0.6}])  # dilation past n
 @pytest.mark.parametrize("psaw", [False, True])
 def test_cis_listed_step_matches_ranked_step(params, psaw):
     """CIS's batched step by three list selections (the GPUs' path) against the ranked path (sorted top-k,
@@ -99,12 +100,12 @@ def test_cis_listed_step_matches_ranked_step(params, psaw):
     b, h_kv, grp, d, page, width = 3, 2, 2, 16, 8, 12
     k = torch.randn(b * width + 1, h_kv, page, d, generator=g)
     table = torch.randperm(b * width + 1, generator=g)[: b * width].view(b, width).to(torch.int32)
-    n = torch.randint(page, width * page - 8, (b,), generator=g)
-    wt = width * page
+    steps, wt = 12, width * page
+    n = torch.randint(page, wt - steps, (b,), generator=g)  # every row's keys fit the bucket at every step
     bufs = [CISRows(1, b, cfg, h_kv, grp * d, set_width(cfg, wt), torch.device("cpu")) for _ in range(2)]
     q = torch.randn(b, h_kv * grp, d, generator=g)
     mixed = 0
-    for step in range(12):
+    for step in range(steps):
         kv = PagedKV(k, k, table, (n + step).to(torch.int32))
         lo = (n + step) // 3 if psaw else None
         outs = [cis_batched_step(cfg, buf, 0, q, kv, wt, lo, listed=lst)

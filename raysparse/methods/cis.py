@@ -32,7 +32,7 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
   backend reads them back once per step, after it (the size of a CIS selection is data-dependent, so the
   meter cannot derive it from the length as it does for the other methods). With a density (and no
   ``top_m``), where ``select_list`` runs on Triton (GPUs), its retrieval, anchor sets and selection are three
-  exact list selections:
+  exact list selections (``cis_listed.py``):
   there an anchor's set is N (the top-m and their neighbours, |N| < k) plus the k - |N| best others, the
   same entries as ``priority_set``'s, without a sort or a cumulative sum.
 

@@ -17,10 +17,10 @@ import torch
 from raysparse.kernels import dispatch
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import stable_top
-from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import KVCache
 from raysparse.methods.base import row_budget
 from raysparse.methods.cis import CISConfig, cis_budget, priority_set
+from raysparse.methods.cis_listed import listed_select
 from raysparse.methods.selection import SENTINEL
 
 
@@ -151,11 +151,17 @@ class CISStepConsts:
     """What every sparse layer of one decode step shares (the rows' lengths and the width bucket are the
     step's): built once per step instead of once per layer, which on a CPU is a fifth of a layer's select."""
 
+    n: torch.Tensor  # [B] int64 lengths
+    k_w: int  # k's and m's static bounds at the bucket's width (``bounded_budget``)
+    m_w: int
     pos: torch.Tensor  # [W] key positions
     inrange: torch.Tensor  # [B, W] below the row's length
     forced: torch.Tensor  # [B, W] sinks and local window
     kk_n: torch.Tensor  # [B] k per row
     m_n: torch.Tensor  # [B] m per row
+    pair_k: torch.Tensor  # [B h_kv] k, m and n per (row, KV head) pair, row-major (the list selections' rows)
+    pair_m: torch.Tensor
+    pair_n: torch.Tensor
     rank: torch.Tensor  # [max(k_w, 1)]
     offs: torch.Tensor  # [2 r] the dilation's offsets
     slots: torch.Tensor  # [1, s, 1]
@@ -168,10 +174,13 @@ def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: in
     dev, wt, r = n.device, width_tokens, cfg.radius
     pos = torch.arange(wt, device=dev)
     nn = n[:, None]
+    kk_w, m_w = bounded_budget(cfg, wt)
     kk_n, m_n = budget_rows(cfg, n)
+    # Expanded views made contiguous, not repeat_interleave: nothing sized on the host inside a capture.
+    pair_k, pair_m, pair_n = (x[:, None].expand(-1, h_kv).reshape(-1) for x in (kk_n, m_n, n))
     j = torch.arange(2 * r, device=dev)
-    return CISStepConsts(pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
-                         torch.arange(max(bounded_budget(cfg, wt)[0], 1), device=dev), j - r + (j >= r).long(),
+    return CISStepConsts(n, kk_w, m_w, pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
+                         pair_k, pair_m, pair_n, torch.arange(max(kk_w, 1), device=dev), j - r + (j >= r).long(),
                          torch.arange(cfg.share_block, device=dev)[None, :, None],
                          torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev))
 
@@ -184,9 +193,9 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     the rows' state of sparse layer ``li`` in place and writes the step's counts; returns the selection, int32
     [B, h_kv, W] ascending and SENTINEL-padded, W fixed by the parameters and ``width_tokens``. ``consts``:
     the step's ``cis_step_consts`` (built here when not given). ``listed``: whether a step with a density
-    selects by ``select_list`` (``_listed_step``); None: where that runs on Triton. On a CPU its three
-    top-k passes over every key cost more than the sort of the top-k and the cumulative sums they replace
-    (6.8 against 4.8 ms a layer at 4096 tokens, 3 KV heads), so there the ranked path stays.
+    selects by ``select_list`` (``cis_listed.listed_select``); None: where that runs on Triton. On a CPU its
+    three top-k passes over every key cost more than the sort of the top-k and the cumulative sums they
+    replace (6.8 against 4.8 ms a layer at 4096 tokens, 3 KV heads), so there the ranked path stays.
 
     On GPUs every shape is fixed and nothing is read back (a captured step). On a CPU, where a host read is
     free, a step whose pairs all share skips the retrieval and the anchor update (their results would be
@@ -194,9 +203,8 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     b, h, d = q.shape
     h_kv = kv.k.shape[1]
     g, wt = h // h_kv, width_tokens
-    n = kv.seqlens.long()  # [B]
-    c = consts if consts is not None else cis_step_consts(cfg, n, wt, h_kv)
-    kk_w, m_w = bounded_budget(cfg, wt)
+    c = consts if consts is not None else cis_step_consts(cfg, kv.seqlens.long(), wt, h_kv)
+    n = c.n  # [B]
     cq, sets, valid, step = buf.q[li], buf.sets[li], buf.valid[li], buf.step[li]
     rows, heads = c.rows, c.heads
     slot = step % cfg.share_block
@@ -214,28 +222,20 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
 
     visible = c.inrange if visible_lo is None else ((c.pos < cfg.sink) | (c.pos >= visible_lo[:, None])) & c.inrange
     forced = c.forced & visible
-    out_width = max(min(wt, cfg.sink + cfg.local + max(kk_w, min(set_width(cfg, wt), width))), 1)
+    out_width = max(min(wt, cfg.sink + cfg.local + max(c.k_w, min(set_width(cfg, wt), width))), 1)
     if listed is None:
         listed = dispatch.triton_wanted(q)
-    if listed and cfg.limited_sets and cfg.top_m is None and (q.is_cuda or bool(here.any())):
-        out = _listed_step(cfg, c, q, kv, wt, visible, forced, here, share, shared, qn, buf, li, slot, out_width)
-    elif q.is_cuda or bool(here.any()):
-        # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
-        allowed = visible & ~c.forced
-        order, ok = _retrieve(q, kv, wt, allowed, max(kk_w, 1), here)
-        top = torch.where(ok & (c.rank < c.kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
-        # The anchor's set: the top-m with their +-r neighbours (offsets -r..-1, 1..r, as cis_step lists them),
-        # then the rest of the top-k, distinct, limited to k with a density (``priority_set``).
-        limit = c.kk_n[:, None] if cfg.limited_sets else None
-        new_set = priority_set(top, c.m_n[:, None], m_w, c.offs, limit, n[:, None], wt, width).to(torch.int32)
-        _store_anchors(cq, sets, rows, slot, here, qn, new_set)
-        # One index list per pair, the shared set or the retrieval's top-k (no dilation on its own step), made
-        # a mask once (both padded to the wider: a bucket may be wider than the sets were sized for).
-        wide = max(width, top.shape[-1])
-        pad = torch.nn.functional.pad
-        mask_mid = _as_mask(torch.where(share[..., None], pad(shared, (0, wide - width), value=SENTINEL),
-                                        pad(top.to(torch.int32), (0, wide - top.shape[-1]), value=SENTINEL)), n, wt)
-        out = compact((forced[:, None, :] | mask_mid) & visible[:, None, :], out_width)
+    if q.is_cuda or bool(here.any()):
+        allowed = visible & ~c.forced  # the retrieval's candidates: visible middle keys
+        if listed and cfg.limited_sets and cfg.top_m is None:
+            new_set, out = listed_select(c, q, kv, wt, allowed, visible, forced, here, _as_mask(shared, n, wt),
+                                         width, out_width)
+        else:
+            new_set, out = _ranked_select(cfg, c, q, kv, wt, allowed, visible, forced, here, shared, width,
+                                          out_width)
+        # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
+        cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
+        sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
     else:
         out = compact((forced[:, None, :] | _as_mask(shared, n, wt)) & visible[:, None, :], out_width)
     valid[rows, slot] = here
@@ -244,46 +244,24 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     return out
 
 
-def _store_anchors(cq: torch.Tensor, sets: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor,
-                   here: torch.Tensor, qn: torch.Tensor, new_set: torch.Tensor) -> None:
-    """Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state)."""
-    cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
-    sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
-
-
-def _listed_step(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV, wt: int, visible: torch.Tensor,
-                 forced: torch.Tensor, here: torch.Tensor, share: torch.Tensor, shared: torch.Tensor,
-                 qn: torch.Tensor, buf: CISRows, li: int, slot: torch.Tensor, out_width: int) -> torch.Tensor:
-    """The retrieval, the anchor sets and the step's selection as three exact list selections
-    (``select_list``), for sets limited to k with m = k // (3 + 2 r) (a density, no ``top_m``).
-
-    There the priority list's first k distinct entries are N, the top-m with their +-r neighbours in [0, n),
-    followed by the best-ranked candidates outside N up to k: |N| <= m (1 + 2 r) < k, and the ranked top-k
-    holds at least k - |N| entries outside N. So a set is N forced (+inf) plus the k - |N| best others, one
-    selection, and the sorted top-k, the int64 sort keys and the cumulative sums of ``priority_set`` and
-    ``compact`` (the most of a GPU step) are not needed. The ranking is ``stable_top``'s: score descending,
-    column ascending on ties. The lists come out ascending, so stored sets are ascending too."""
-    b, h_kv = here.shape
-    n = kv.seqlens.long()
-    kk_w, m_w = bounded_budget(cfg, wt)
-    per_pair = (b, h_kv)  # expanded views, not repeat_interleave: nothing sized on the host inside a capture
-    rk = c.kk_n[:, None].expand(per_pair).reshape(-1)
-    inf = float("inf")  # a Python scalar: a tensor made here would be a host copy inside a graph capture
-    score = dispatch.paged_group_probs(q, kv, wt, here)  # [B, h_kv, W]; pairs that share read no key
-    cand = torch.where((visible & ~c.forced)[:, None, :] & here[..., None], score, -inf).flatten(0, 1)
-    # The anchors' sets: N from the top-m, then N forced plus the best others up to k.
-    lead = select_list(cand.contiguous(), c.m_n[:, None].expand(per_pair).reshape(-1), m_w, max(m_w, 1)).long()
-    nb = torch.cat([lead[..., None], lead[..., None] + c.offs], -1)  # [R, m, 1 + 2 r]
-    ok = (lead >= 0)[..., None] & (nb >= 0) & (nb < n[:, None].expand(per_pair).reshape(-1, 1, 1))
-    hood = torch.zeros(b * h_kv, wt + 1, dtype=torch.bool, device=q.device)
-    hood = hood.scatter_(-1, torch.where(ok, nb, wt).flatten(1), True)[:, :wt]
-    width = buf.sets.shape[-1]
-    new_set = select_list(torch.where(hood, inf, cand).contiguous(), rk - hood.sum(-1), kk_w, width)
-    _store_anchors(buf.q[li], buf.sets[li], c.rows, slot, here, qn, new_set.view(b, h_kv, width))
-    # The step: forced keys, plus the retrieval's top-k (no dilation on its own step) or the shared set.
-    listed = forced[:, None, :] | (_as_mask(shared, n, wt) & share[..., None] & visible[:, None, :])
-    final = torch.where(listed.flatten(0, 1), inf, cand)
-    return select_list(final.contiguous(), torch.where(here.flatten(), rk, 0), kk_w, out_width).view(b, h_kv, -1)
+def _ranked_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV, wt: int, allowed: torch.Tensor,
+                   visible: torch.Tensor, forced: torch.Tensor, here: torch.Tensor, shared: torch.Tensor, width: int,
+                   out_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``listed_select``'s results by ranking (the CPU's path, and any without a density or with ``top_m``):
+    the sorted top-k, ``priority_set`` and ``compact``. The new sets keep priority order, not ascending."""
+    # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
+    order, ok = _retrieve(q, kv, wt, allowed, max(c.k_w, 1), here)
+    top = torch.where(ok & (c.rank < c.kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
+    # The anchor's set: the top-m with their +-r neighbours (offsets -r..-1, 1..r, as cis_step lists them),
+    # then the rest of the top-k, distinct, limited to k with a density (``priority_set``).
+    limit = c.kk_n[:, None] if cfg.limited_sets else None
+    new_set = priority_set(top, c.m_n[:, None], c.m_w, c.offs, limit, c.n[:, None], wt, width).to(torch.int32)
+    # One index list per pair, the shared set or the retrieval's top-k (no dilation on its own step), made
+    # a mask once (both padded to the wider: a bucket may be wider than the sets were sized for).
+    wide = max(width, top.shape[-1])
+    top, shared = (torch.nn.functional.pad(x, (0, wide - x.shape[-1]), value=SENTINEL) for x in (top, shared))
+    mask_mid = _as_mask(torch.where(here[..., None], top.to(torch.int32), shared), c.n, wt)
+    return new_set, compact((forced[:, None, :] | mask_mid) & visible[:, None, :], out_width)
 
 
 def _as_mask(idx: torch.Tensor, n: torch.Tensor, wt: int) -> torch.Tensor:
