@@ -97,7 +97,7 @@ def main() -> None:
         for per in (1, 2, 4, 8):
             for warps in (4, 8):
                 for prec in precisions:
-                    got = paged_group_probs(q, kv, ctx, need, per, warps, prec)
+                    got = paged_group_probs(q, kv, ctx, need, None, per, warps, prec)
                     mask = torch.ones(b, h_kv, dtype=torch.bool, device=dev) if need is None else need
                     err = (got - want)[mask].abs().max().item() / want[mask].abs().max().item()
                     add("probs", f"pairs={label} pages={per} warps={warps} {prec}",

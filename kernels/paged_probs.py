@@ -11,6 +11,10 @@ max and exp-sum, the second combines the chunks' (max, sum) into the row's softm
 the probabilities. The logits round-trip through memory at 4 bytes per key and query head, against the
 256 bytes of a bf16 key of dim 128 that the first launch reads once. The PyTorch form is the reference and
 the CPU path.
+
+With ``bounds`` (lo [B], hi [B]) the result is the retrieval's candidate row itself: the probabilities at
+keys in [lo, hi) of the needed pairs and -inf everywhere else (the normaliser still spans all n keys). CIS
+selects from that row directly, where masking it after the fact took two more passes over [B, h_kv, W].
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from .common import interpreting, next_pow2, tl, triton
 from .formats import PagedKV
 
 
-def paged_group_probs_torch(q: torch.Tensor, kv: PagedKV, width_tokens: int,
-                            need: torch.Tensor | None = None) -> torch.Tensor:
+def paged_group_probs_torch(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: torch.Tensor | None = None,
+                            bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The reference: only the needed pairs' pages are gathered (one copy of their keys, laid out [pair,
     W * page, d]) and scored in fp32."""
     b, h, d = q.shape
@@ -41,7 +45,13 @@ def paged_group_probs_torch(q: torch.Tensor, kv: PagedKV, width_tokens: int,
     probs = logits.masked_fill(~inrange[:, None, :], -math.inf).softmax(-1).sum(1)  # [P, W]
     out = torch.zeros(b * h_kv, width_tokens, dtype=torch.float32, device=q.device)
     out[pairs] = probs
-    return out.view(b, h_kv, width_tokens)
+    out = out.view(b, h_kv, width_tokens)
+    if bounds is None:
+        return out
+    pos = torch.arange(width_tokens, device=q.device)
+    inside = (pos >= bounds[0][:, None]) & (pos < bounds[1][:, None])  # [B, W]
+    rows = torch.ones(b, h_kv, dtype=torch.bool, device=q.device) if need is None else need
+    return out.masked_fill(~(inside[:, None, :] & rows[..., None]), -math.inf)
 
 
 if triton is not None:
@@ -86,13 +96,14 @@ if triton is not None:
             tl.store(S + pair.to(tl.int64) * stride_mp + gi * stride_mg + c, s, mask=g_ok)
 
     @triton.jit
-    def _probs_kernel(SEQ, NEED, L, M, S, Out, h_kv, wt, chunks, stride_lp, stride_lg, stride_mp, stride_mg,
-                      stride_op, G: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                      C_PAD: tl.constexpr):
+    def _probs_kernel(SEQ, NEED, L, M, S, Out, LO, HI, h_kv, wt, chunks, stride_lp, stride_lg, stride_mp,
+                      stride_mg, stride_op, G: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                      C_PAD: tl.constexpr, BOUNDED: tl.constexpr):
         c = tl.program_id(0)
         pair = tl.program_id(1).to(tl.int64)
         tok = c * CHUNK + tl.arange(0, CHUNK)
         out_ptr = Out + pair * stride_op + tok
+        fill = float("-inf") if BOUNDED else 0.0  # a candidate row, or the plain probabilities
         if tl.load(NEED + pair) != 0:
             n = tl.load(SEQ + pair // h_kv)
             gi = tl.arange(0, G_PAD)
@@ -109,9 +120,12 @@ if triton is not None:
             ok = (gi < G)[:, None] & (tok < n)[None, :]
             lg = tl.load(L + pair * stride_lp + gi[:, None] * stride_lg + tok[None, :], mask=ok, other=float("-inf"))
             p = tl.sum(tl.exp(lg - gm_safe[:, None]) / gs[:, None], 0)
+            if BOUNDED:
+                row = pair // h_kv
+                p = tl.where((tok >= tl.load(LO + row)) & (tok < tl.load(HI + row)), p, fill)
             tl.store(out_ptr, p, mask=tok < wt)
         else:
-            tl.store(out_ptr, tl.zeros([CHUNK], dtype=tl.float32), mask=tok < wt)
+            tl.store(out_ptr, tl.full([CHUNK], fill, dtype=tl.float32), mask=tok < wt)
 
 
 _PAGES_PER_CHUNK = 4  # pages per program: one 64-token page of one KV head is 16 KB of bf16 keys
@@ -119,6 +133,7 @@ _TILE_BYTES = 1 << 17  # the largest key tile a program dots (shared memory)
 
 
 def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: torch.Tensor | None = None,
+                      bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
                       pages_per_chunk: int = _PAGES_PER_CHUNK, num_warps: int = 4,
                       precision: str | None = None) -> torch.Tensor:
     """The Triton form (``paged_group_probs_torch``'s contract): two launches over (chunk of pages, pair).
@@ -157,7 +172,8 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     s = torch.empty_like(m)
     out = torch.empty(b, h_kv, width_tokens, dtype=torch.float32, device=q.device)
     if pairs == 0 or width == 0:
-        return out.zero_()
+        return out.zero_() if bounds is None else out.fill_(-math.inf)
+    lo, hi = (kv.seqlens, kv.seqlens) if bounds is None else bounds  # unread without bounds
     _logits_kernel[(chunks, pairs)](
         q, kv.k, kv.page_table, kv.seqlens, need_i, logits, m, s, width, h_kv, width_tokens, math.sqrt(d),
         q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), kv.page_table.stride(0),
@@ -167,7 +183,7 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     chunk = per * page
     out_chunks = -(-width_tokens // chunk)
     _probs_kernel[(out_chunks, pairs)](
-        kv.seqlens, need_i, logits, m, s, out, h_kv, width_tokens, chunks, logits.stride(0), logits.stride(1),
-        m.stride(0), m.stride(1), width_tokens, G=g, G_PAD=max(2, next_pow2(g)), CHUNK=chunk,
-        C_PAD=max(2, next_pow2(chunks)), num_warps=4)
+        kv.seqlens, need_i, logits, m, s, out, lo, hi, h_kv, width_tokens, chunks, logits.stride(0),
+        logits.stride(1), m.stride(0), m.stride(1), width_tokens, G=g, G_PAD=max(2, next_pow2(g)), CHUNK=chunk,
+        C_PAD=max(2, next_pow2(chunks)), BOUNDED=bounds is not None, num_warps=4)
     return out

@@ -122,3 +122,16 @@ def test_paged_group_probs_match_torch(width: int, g_heads: int):
         torch.testing.assert_close(sums[rows], torch.full_like(sums[rows], float(g_heads)), rtol=1e-4, atol=1e-4)
         past = torch.arange(wt) >= torch.tensor(lens)[:, None, None]
         assert (got[past.expand_as(got)] == 0).all(), f"seed {seed}"
+        # The candidate form: the same probabilities inside each row's [lo, hi), -inf outside it and for the
+        # pairs that need none (the normaliser still spans the whole row).
+        lo = torch.randint(0, wt, (3,), generator=g)
+        hi = torch.minimum(lo + torch.randint(0, wt, (3,), generator=g), torch.tensor(lens))
+        cand = paged_group_probs(q.to(DEV), dev_kv, wt, None if mask is None else mask.to(DEV),
+                                 (lo.to(DEV), hi.to(DEV))).cpu()
+        want_cand = paged_group_probs_torch(q, kv, wt, mask, (lo, hi))
+        pos = torch.arange(wt)
+        inside = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, :] & rows[..., None]
+        for x in (cand, want_cand):
+            assert torch.equal(torch.isinf(x), ~inside) and (x[~inside] < 0).all(), f"seed {seed}"
+        assert torch.equal(want_cand[inside], want[inside]), f"seed {seed}"
+        torch.testing.assert_close(cand[inside], want[inside], rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")

@@ -220,24 +220,26 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     width = buf.sets.shape[-1]
     shared = sets[rows[:, None], chosen.clamp(min=0), heads[None, :]]  # [B, h_kv, width]
 
-    visible = c.inrange if visible_lo is None else ((c.pos < cfg.sink) | (c.pos >= visible_lo[:, None])) & c.inrange
-    forced = c.forced & visible
     out_width = max(min(wt, cfg.sink + cfg.local + max(c.k_w, min(set_width(cfg, wt), width))), 1)
     if listed is None:
         listed = dispatch.triton_wanted(q)
-    if q.is_cuda or bool(here.any()):
-        allowed = visible & ~c.forced  # the retrieval's candidates: visible middle keys
-        if listed and cfg.limited_sets and cfg.top_m is None:
-            new_set, out = listed_select(c, q, kv, wt, allowed, visible, forced, here, _as_mask(shared, n, wt),
-                                         width, out_width)
-        else:
+    listed = listed and cfg.limited_sets and cfg.top_m is None
+    retrieve = q.is_cuda or bool(here.any())
+    if listed and retrieve:  # index lists and the candidate row only: no [B, W] masks
+        new_set, out = listed_select(cfg, c, q, kv, wt, visible_lo, here, shared, width, out_width)
+    else:
+        visible = c.inrange if visible_lo is None else ((c.pos < cfg.sink) | (c.pos >= visible_lo[:, None])) & c.inrange
+        forced = c.forced & visible
+        if retrieve:
+            allowed = visible & ~c.forced  # the retrieval's candidates: visible middle keys
             new_set, out = _ranked_select(cfg, c, q, kv, wt, allowed, visible, forced, here, shared, width,
                                           out_width)
+        else:
+            out = compact((forced[:, None, :] | _as_mask(shared, n, wt)) & visible[:, None, :], out_width)
+    if retrieve:
         # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
         cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
         sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
-    else:
-        out = compact((forced[:, None, :] | _as_mask(shared, n, wt)) & visible[:, None, :], out_width)
     valid[rows, slot] = here
     step.add_(1)
     buf.counts[li].copy_(torch.stack([(out >= 0).sum((1, 2)), here.sum(1)], -1))
