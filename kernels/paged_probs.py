@@ -173,7 +173,8 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     out = torch.empty(b, h_kv, width_tokens, dtype=torch.float32, device=q.device)
     if pairs == 0 or width == 0:
         return out.zero_() if bounds is None else out.fill_(-math.inf)
-    lo, hi = (kv.seqlens, kv.seqlens) if bounds is None else bounds  # unread without bounds
+    # Unread without bounds; read at offset row, so contiguous (a broadcast view would read past its element).
+    lo, hi = (kv.seqlens, kv.seqlens) if bounds is None else (bounds[0].contiguous(), bounds[1].contiguous())
     _logits_kernel[(chunks, pairs)](
         q, kv.k, kv.page_table, kv.seqlens, need_i, logits, m, s, width, h_kv, width_tokens, math.sqrt(d),
         q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), kv.page_table.stride(0),

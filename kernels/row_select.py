@@ -295,6 +295,9 @@ def select_list_triton(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_wi
     receives the lists (int32 [R, out_width] contiguous; every element is written). ``bits`` (summing to 32,
     each 5 to 14) and ``local_hist`` (level 1 by ``tl.histogram``) choose the radix levels, for benchmarks."""
     _check(score, kk, k_max, out_width)
+    # The kernels read kk[r] at offset r: a broadcast view (an expanded [B, 1] flattened at B = 1 has stride 0)
+    # would hand every row past the first whatever lies beyond it.
+    kk = kk.contiguous()
     rows, n = score.shape
     dev = score.device
     if out is None:

@@ -155,6 +155,20 @@ def test_dispatch(monkeypatch):
         assert torch.equal(select_list(s, kk, 30, 40).cpu(), want), f"seed {seed}: {mode}"
 
 
+@pytest.mark.parametrize("n", [90, 3000])  # the one-program path and the multi-program one
+def test_triton_reads_a_broadcast_kk(n: int):
+    """Per-row budgets often come as a broadcast view (one budget per sequence expanded over its KV heads:
+    at one sequence, a stride-0 vector): every row must get its own, not what lies past the first."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    s = _scores(g, 3, n, "ties")
+    kk = torch.tensor([[7]], device=DEV).expand(-1, 3).flatten()
+    assert kk.stride() == (0,)  # the case: a view, not a copy
+    want = select_list_torch(s, kk.cpu().contiguous(), 30, 40)
+    got = select_list_triton(s.to(DEV), kk, 30, 40)
+    assert torch.equal(got.cpu(), want), f"seed {seed}"
+
+
 def test_rejects_bad_shapes():
     s = torch.zeros(2, 8)
     with pytest.raises(ValueError):
