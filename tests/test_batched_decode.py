@@ -185,3 +185,38 @@ def test_graph_decode_tokens_match_reference_path(device, name, params):
     assert torch.equal(out[1].argmax(-1), out[0].argmax(-1)), f"seed {seed}"
     assert meters[1].decode_attended == pytest.approx(meters[0].decode_attended)
     assert meters[1].decode_causal == pytest.approx(meters[0].decode_causal)
+
+
+@pytest.mark.parametrize("name,params", [
+    ("socket", {"density": 0.2, "sink_tokens": 8, "local_tokens": 16, "tables": 12}),
+    ("cis", {"density": 0.3, "sink": 4, "local": 8, "share_block": 3, "radius": 1})])
+def test_single_sequence_decode_on_the_kernels(name, params, monkeypatch):
+    """One sequence, its KV heads' budgets a broadcast view (at one sequence an expanded [B, 1] has stride 0):
+    the Triton kernels (under the interpreter here) select what the PyTorch forms select, head by head."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    cfg = _cfg()
+    n = int(torch.randint(150, 400, (), generator=g))
+    k, v = torch.randn(n + 3, 2, 16, generator=g), torch.randn(n + 3, 2, 16, generator=g)
+    qs = torch.randn(3, 1, 4, 16, generator=g)
+    got = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
+        method = create_backend(name, cfg, dense_layers=(0,), **per_layer(params, cfg.num_layers))
+        cache = KVCache(cfg, num_pages=20, page_size=32)
+        cache.allocate(7, n + 3)
+        batch = cache.prepare([7], [n], True)
+        cache.write(1, k[:n], v[:n], batch)
+        method.update_state(1, cache, batch)
+        sels = []
+        for step in range(3):
+            batch = cache.prepare([7], [1], False)
+            method.graph_prepare([7], cache)
+            cache.write(1, k[n + step: n + step + 1], v[n + step: n + step + 1], batch)
+            method.update_state(1, cache, batch)
+            kv, _ = cache.paged(1, batch)
+            sels.append(_rows(method.decode_select(1, qs[step], DecodeView(kv, batch, cache))[0]))
+        got[mode] = sels
+    for step, (a, b) in enumerate(zip(got["torch"], got["triton"], strict=True)):
+        assert len(a) == 2 and all(len(row) > 8 + 16 for row in b), f"seed {seed} step {step}: {b}"  # not forced only
+        assert a == b, f"seed {seed} step {step}"
