@@ -27,6 +27,25 @@ def selected_tokens(indices: torch.Tensor, unit: int, seqlens: torch.Tensor) -> 
     return torch.where(ok, tok, 0), ok
 
 
+def paged_tiles(x: torch.Tensor, table: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+    """One layer's cache x [pages, h_kv, page, d] at whole pages: ``logical`` [B, h_kv, W] page numbers in their
+    sequence (``table`` [B, max_pages] its pages), in order: [B, h_kv, W * page, d].
+
+    Rows of the cache seen as [pages * h_kv, page * d], one index_select (advanced indexing with two index
+    tensors copies the same tiles markedly slower on a CPU)."""
+    h_kv, page, d = x.shape[1:]
+    heads = torch.arange(h_kv, device=x.device)[None, :, None]
+    pages = table.long().gather(1, logical.flatten(1)).view_as(logical)
+    tiles = (pages * h_kv + heads).flatten()
+    return x.reshape(-1, page * d).index_select(0, tiles).view(*logical.shape[:2], -1, d)
+
+
+def in_window(kpos: torch.Tensor, lo: torch.Tensor, sink: int) -> torch.Tensor:
+    """Whether keys at ``kpos`` are in a sliding window from ``lo`` up with ``sink`` sinks (causality apart):
+    a sink, or at or past the window's bound (broadcast)."""
+    return (kpos < sink) | (kpos >= lo)
+
+
 def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit: int = 1,
                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, h, d] (each row's newest position) over its selected keys of the paged cache.
@@ -79,19 +98,14 @@ def _paged_pages_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, scale:
     b, h, d = q.shape
     h_kv, page = kv.k.shape[1], kv.k.shape[2]
     g, width = h // h_kv, indices.shape[-1]
-    heads = torch.arange(h_kv, device=q.device)[None, :, None]
     logical = indices.long().clamp(min=0)
-    pages = kv.page_table.long().gather(1, logical.flatten(1)).view_as(logical)  # [B, h_kv, W]
-    # Page tiles, in order: rows of the cache seen as [pages * h_kv, page * d], one index_select per tensor
-    # (advanced indexing with two index tensors copies the same tiles markedly slower on a CPU).
-    tiles = (pages * h_kv + heads).flatten()
-    k = kv.k.reshape(-1, page * d).index_select(0, tiles).view(b * h_kv, 1, width * page, d).to(q.dtype)
-    v = kv.v.reshape(-1, page * d).index_select(0, tiles).view(b * h_kv, 1, width * page, d).to(q.dtype)
+    k = paged_tiles(kv.k, kv.page_table, logical).view(b * h_kv, 1, width * page, d).to(q.dtype)
+    v = paged_tiles(kv.v, kv.page_table, logical).view(b * h_kv, 1, width * page, d).to(q.dtype)
     tok = (logical[..., None] * page + torch.arange(page, device=q.device)).flatten(2)
     ok = ((indices != SENTINEL)[..., None].expand(-1, -1, -1, page).flatten(2)
           & (tok < kv.seqlens.long()[:, None, None]))
     if window_lo is not None:  # inside the listed pages, only the sinks and the keys from the row's bound up
-        ok &= (tok < sink) | (tok >= window_lo.long()[:, None, None])
+        ok &= in_window(tok, window_lo.long()[:, None, None], sink)
     ok = ok.view(b * h_kv, 1, 1, -1)
     mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

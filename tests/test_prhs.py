@@ -17,7 +17,8 @@ from raysparse.loader import model_from_state
 from raysparse.methods.base import SeqContext, host_row_budget
 from raysparse.methods.cis import cis_budget
 from raysparse.methods.prhs import CIS, CPE, ETF, PSAW, CPEConfig, PSAWConfig
-from raysparse.methods.psaw import window_attention_cpu, window_lo, window_prefill
+from raysparse.methods.psaw import window_lists, window_lo, window_prefill
+from raysparse.methods.psaw_cpu import paged_window_prefill_cpu
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL, TokenSelection
 from raysparse.methods.sparse_attention import sparse_decode_attention
@@ -86,25 +87,79 @@ def test_psaw_prefill_and_decode_follow_the_formula(layer, n, n_q, sink):
     dec = m.select_decode(SeqContext(layer, 0, n - 1, n, {}), q[-1], k, v)
     assert_set_rows(dec.indices, n)
     assert all(r == psaw_visible(n - 1, layer, sink) for r in rows_of(dec.indices))
+    lens = torch.arange(1, n + 1)  # the batched decode's fixed-width lists, rows of every length up to n
+    assert rows_of(window_lists(m.psaw_frac(layer), sink, lens, n)) == [psaw_visible(i - 1, layer, sink) for i in lens]
+    assert [m.decode_keys(layer, i) for i in range(1, n + 1)] == [len(psaw_visible(i - 1, layer, sink)) for i in lens]
 
 
 def test_psaw_cpu_prefill_equals_the_masked_reference():
-    """The CPU's fused windowed prefill (``window_attention_cpu``: unmasked middle, causal own block, masked sinks
-    and band, merged) against ``window_prefill``'s masked attention, element by element: chunks of few rows, windows
-    starting inside the rows' own block (fractions near 1), no sinks, sinks past the prompt, chunked prompts."""
+    """The CPU's batched windowed prefill (``paged_window_prefill_cpu``: a ragged batch's K/V read from scattered
+    pages in one copy, each sequence's rows through ``window_attention_cpu``: unmasked middle, causal own block,
+    masked sinks and band, merged) against ``window_prefill``'s masked attention over each sequence's gathered K/V,
+    element by element: chunks of few rows, windows starting inside the rows' own block (fractions near 1), no
+    sinks, sinks past the prompt, chunked prompts, sequences of one key, pages of several sizes."""
     seed = int(torch.randint(0, 1 << 30, ()))
     g = gen(seed)
     for case in range(60):
-        n = int(torch.randint(1, 600, (), generator=g))
-        q_start = 0 if case % 3 == 0 else int(torch.randint(0, n, (), generator=g))
+        page, b = [4, 8, 16][case % 3], int(torch.randint(1, 5, (), generator=g))
+        lens = torch.randint(1, 600, (b,), generator=g)
+        lens[0] = 1 if case % 7 == 0 else lens[0]
+        q_lens = [n if (case + i) % 3 == 0 else int(torch.randint(1, n + 1, (), generator=g))
+                  for i, n in enumerate(lens.tolist())]
         sink = [0, 1, 16, 700][case % 4] if case % 2 else int(torch.randint(0, 40, (), generator=g))
         frac = [0.0, 1.0, 0.999][case % 3] if case % 5 == 0 else float(torch.rand((), generator=g)) ** 2
         rows = int(torch.randint(1, 200, (), generator=g))
-        q = torch.randn(n - q_start, H_KV * G, D, generator=g)
-        k, v = torch.randn(H_KV, n, D, generator=g), torch.randn(H_KV, n, D, generator=g)
-        want, _ = window_prefill(q, k, v, q_start, sink, frac, [(0, n - q_start)])
-        got = window_attention_cpu(q, k, v, q_start, sink, frac, rows_per_call=rows)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, c=case: f"seed {seed} case {c}: {m}")
+        rows = rows if case % 4 else 8 * (rows % 8 + 1)  # or a multiple of the pages' sizes
+        width = -(-int(lens.max()) // page)
+        pages = b * width + 2  # all distinct, in random order
+        table = torch.randperm(pages, generator=g)[: b * width].view(b, width).to(torch.int32)
+        k, v = torch.randn(pages, H_KV, page, D, generator=g), torch.randn(pages, H_KV, page, D, generator=g)
+        q = torch.randn(sum(q_lens), H_KV * G, D, generator=g)
+        got = paged_window_prefill_cpu(q, PagedKV(k, v, table, lens.to(torch.int32)), q_lens, sink, frac,
+                                       rows_per_call=rows)
+        assert got.shape == q.shape
+        row = 0
+        for i, (n, n_q) in enumerate(zip(lens.tolist(), q_lens, strict=True)):
+            kk = k[table[i].long()].transpose(0, 1).reshape(H_KV, -1, D)[:, :n]
+            vv = v[table[i].long()].transpose(0, 1).reshape(H_KV, -1, D)[:, :n]
+            want, _ = window_prefill(q[row: row + n_q], kk, vv, n - n_q, sink, frac, [(0, n_q)])
+            msg = lambda m, c=case, i=i: f"seed {seed} case {c} sequence {i}: {m}"  # noqa: E731
+            torch.testing.assert_close(got[row: row + n_q], want, rtol=1e-5, atol=1e-5, msg=msg)
+            row += n_q
+
+
+def test_psaw_cpu_batched_prefill_reads_the_pages_and_meters_as_the_reference(monkeypatch):
+    """PSAW's batched prefill on a CPU (a ragged step, some prompts in their second chunk) against the per-sequence
+    reference path (a tracer sends every layer there): the same outputs and metered keys, and no sequence's K/V
+    gathered whole (``KVCache.gather``, the per-sequence path's)."""
+    from raysparse.kv_cache import KVCache
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = gen(seed)
+    lens = [int(x) for x in torch.randint(1, 300, (4,), generator=g)]
+    done = [0 if i % 2 else int(torch.randint(0, n, (), generator=g)) for i, n in enumerate(lens)]
+    cache = KVCache(model_cfg(), 200, 8)
+    for i, (n, d) in enumerate(zip(lens, done, strict=True)):
+        cache.allocate(i, n)
+        if d:
+            cache.prepare([i], [d], True)  # an earlier chunk: this step starts mid-prompt
+    batch = cache.prepare(list(range(4)), [n - d for n, d in zip(lens, done, strict=True)], True)
+    params = dict(sink=int(torch.randint(0, 20, (), generator=g)), start_layer=4, phi=0.3, block_size=8)
+    got_m, want_m = PSAW(model_cfg(), PSAWConfig(**params)), PSAW(model_cfg(), PSAWConfig(**params))
+    want_m.tracer = lambda *a: None
+    for layer in range(5, N_LAYERS):  # every layer where PSAW prunes
+        cache.k[layer].normal_(generator=g)
+        cache.v[layer].normal_(generator=g)
+        q = torch.randn(batch.positions.numel(), H_KV * G, D, generator=g)
+        want = want_m.prefill(layer, q, cache, batch)
+        with monkeypatch.context() as mp:
+            mp.setattr(KVCache, "gather", lambda *a: pytest.fail("the batched prefill gathered a sequence"))
+            got = got_m.prefill(layer, q, cache, batch)
+        msg = lambda m, la=layer: f"seed {seed} layer {la}: {m}"  # noqa: E731
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=msg)
+    assert got_m.meter.attended == pytest.approx(want_m.meter.attended), f"seed {seed}"
+    assert got_m.meter.causal == pytest.approx(want_m.meter.causal), f"seed {seed}"
+    assert got_m.meter.overall() < 1.0, f"seed {seed}"
 
 
 def test_psaw_cpu_window_decode_equals_the_gathering_reference():

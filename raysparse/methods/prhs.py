@@ -33,9 +33,8 @@ import torch
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
-from raysparse.kernels.paged_torch import paged_window_decode_cpu
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import DecodeView, PrefillView, SeqContext, SparseMethod, method_spec
+from raysparse.methods.base import DecodeView, PrefillView, SeqContext, method_spec
 from raysparse.methods.cis import CISConfig, cis_step
 from raysparse.methods.cis_batched import CISBatchedState, cis_batched_step, cis_step_consts
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
@@ -46,13 +45,16 @@ from raysparse.methods.psaw import (
     depth_fraction,
     start_layer,
     visible_pairs,
-    window_attention_cpu,
+    window_key_count,
+    window_keys,
+    window_lists,
     window_lo,
     window_prefill,
     window_start,
 )
+from raysparse.methods.psaw_cpu import PSAWOnCPU
 from raysparse.methods.registry import register
-from raysparse.methods.selection import SENTINEL, BlockSelection, TokenSelection, indices_from_mask
+from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,8 @@ class CPEConfig(CISConfig, PSAWConfig, ETFConfig):
     """All of CIS, PSAW and ETF's fields (one shared ``sink`` and ``start_layer``)."""
 
 
-class PrHSMethod(SparseMethod):
-    """The composition; subclasses switch components on."""
+class PrHSMethod(PSAWOnCPU):
+    """The composition; subclasses switch components on (PSAWOnCPU: PSAW's batched seams on a CPU)."""
 
     use_cis = use_psaw = use_etf = False
     config: PrHSConfig
@@ -170,28 +172,6 @@ class PrHSMethod(SparseMethod):
         lo = window_lo(frac, view.batch.positions.to(lo_first.device))
         return replace(sel, window_lo=lo.to(torch.int32), sink=sink)
 
-    def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        """On a CPU, a step that freezes no row at this layer attends each row's exact window through
-        ``window_attention_cpu`` (the fused CPU attention over the window's key ranges, as the dense prefill
-        attends) instead of the block-sparse path, which gathers every covering block and masks each row inside
-        it (several times dense's cost at PSAW's near-dense windows). The selection is still built: its
-        ``window_lo`` meters the step exactly as on the block path. Elsewhere (GPUs, frozen rows) the varlen
-        block kernel runs."""
-        if q.device.type != "cpu" or self.frozen_rows(layer, batch) is not None:
-            return super()._prefill_batched(layer, q, cache, batch)
-        view = PrefillView.of(layer, batch, cache)
-        sel = self.prefill_select(layer, q, view)
-        sink, frac = self.config.sink, self.psaw_frac(layer)
-        out = torch.empty_like(q)
-        for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
-            k, v = cache.gather(layer, batch, i)
-            lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
-            out[lo:hi] = window_attention_cpu(q[lo:hi], k, v, n - n_q, sink, frac)
-        h_kv = cache.num_kv_heads
-        for n_q, n, pairs in zip(batch.q_lens, batch.ctx_lens, self.prefill_pairs(view, sel).tolist(), strict=True):
-            self.meter.add(layer, float(pairs), float(causal_pairs(n_q, n) * h_kv), decode=False)
-        return out
-
     def _frozen_blocks(self, layer: int, view: PrefillView, num_blocks: int) -> torch.Tensor | None:
         """bool [R]: the packed query blocks whose rows all lie in their sequence's frozen span at this layer
         (None: no row is frozen)."""
@@ -241,8 +221,7 @@ class PrHSMethod(SparseMethod):
             self._retrievals[ctx.layer] = self._retrievals[ctx.layer] + retrieved.sum()
             self._head_steps[ctx.layer] += k.shape[0]
             return TokenSelection(indices_from_mask(mask, width), 1)
-        dev = k.device
-        idx = torch.cat([torch.arange(min(sink, n), device=dev), torch.arange(min(max(sink, lo), n), n, device=dev)])
+        idx = window_keys(self.psaw_frac(ctx.layer), sink, n, k.device)
         return TokenSelection(idx.to(torch.int32).unsqueeze(0).expand(k.shape[0], -1).contiguous(), 1)
 
     # ---- batched decode: PSAW's window, ETF's dense decode, CIS over per-row state (cis.py) ----------------
@@ -324,33 +303,13 @@ class PrHSMethod(SparseMethod):
                 consts = view.batch.extras[key] = cis_step_consts(self.config, n, wt, view.kv.k.shape[1])  # type: ignore
             return cis_batched_step(self.config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
                                     view.kv, wt, self._window_lo(layer, n) if self.use_psaw else None, consts)
-        sink, width = self.config.sink, view.width_tokens
-        n = view.seqlens.long()[:, None]
-        start = torch.maximum(self._window_lo(layer, n), n.clamp(max=sink))
-        widest = width - int(self._window_lo(layer, torch.tensor(width)))  # windows widen with n
-        s_cols = torch.arange(min(sink, width), device=n.device)
-        w_cols = torch.arange(min(widest, width), device=n.device)
-        win = start + w_cols
-        idx = torch.cat([torch.where(s_cols < n, s_cols, SENTINEL), torch.where(win < n, win, SENTINEL)], 1)
-        return idx.to(torch.int32)[:, None, :].expand(-1, view.kv.k.shape[1], -1)
-
-    def _decode_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        """PSAW's window on a CPU: the sinks' and the window's whole pages through the dense decode's fused
-        attention, the keys of those pages outside the window masked (``paged_window_decode_cpu``), rather than
-        ``decode_select``'s token list gathered token by token: the same keys. Elsewhere (GPUs, CIS) the seam's
-        selection and paged attend."""
-        if self.use_cis or q.device.type != "cpu" or self.dense_decode_layer(layer):
-            return super()._decode_batched(layer, q, cache, batch)
-        kv, _ = cache.paged(layer, batch)
-        out, _ = paged_window_decode_cpu(q, kv, self._window_lo(layer, kv.seqlens.long()), self.config.sink)
-        self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)
-        return out
+        lists = window_lists(self.psaw_frac(layer), self.config.sink, view.seqlens, view.width_tokens)
+        return lists[:, None, :].expand(-1, view.kv.k.shape[1], -1)
 
     def decode_keys(self, layer: int, n: int) -> int:
         if self.use_cis:
             raise NotImplementedError("CIS's selection size is data-dependent: the step counts it (step_keys)")
-        lo = max(window_start(self.psaw_frac(layer), n) - 1, 0)
-        return min(self.config.sink, n) + n - min(max(self.config.sink, lo), n)
+        return window_key_count(self.psaw_frac(layer), self.config.sink, n)
 
     # ---- retrieval ratio -----------------------------------------------------------------------
     def retrieval_ratio_per_layer(self) -> list[float | None]:
