@@ -51,10 +51,11 @@ def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV
     # set's visible keys as +inf; retrieving pairs add their top-k of the candidates (sharing ones' are -inf).
     near = torch.arange(cfg.local, device=n.device)  # not c.pos[:local]: a bucket may be narrower
     cols = torch.cat([c.pos[: cfg.sink].expand(b, -1), n[:, None] - cfg.local + near], 1)
-    vis = (cols >= 0) & (cols < n[:, None]) & ((cols < cfg.sink) | (cols >= (0 if visible_lo is None else lo[:, None])))
+    # Visible: a sink, or at or past lo (which is the sink count when every key is visible).
+    vis = (cols >= 0) & (cols < n[:, None]) & ((cols < cfg.sink) | (cols >= lo[:, None]))
     idx = shared.long()
     seen = (idx >= 0) & (idx < n[:, None, None]) & ~here[..., None]
-    seen &= (idx < cfg.sink) | (idx >= (0 if visible_lo is None else lo[:, None, None]))
+    seen &= (idx < cfg.sink) | (idx >= lo[:, None, None])
     idx = torch.cat([cols[:, None, :].expand(-1, h_kv, -1), idx], -1).flatten(0, 1)
     ok = torch.cat([vis[:, None, :].expand(-1, h_kv, -1), seen], -1).flatten(0, 1)
     final = _plus_inf(cand, idx, ok)
