@@ -54,8 +54,8 @@ def budget_rows(cfg: CISConfig, n: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 class CISRows:
     """Every sparse layer's CIS state for the rows of a padded decode batch of ``rows`` rows. Anchor sets
-    keep their valid entries first (ascending, SENTINEL after), so a prefix of ``width`` entries holds a whole
-    set of a step with at most ``n`` keys when ``set_width(n) <= width`` (what parking keeps)."""
+    keep their valid entries first (in no set order, SENTINEL after), so a prefix of ``width`` entries holds
+    a whole set of a step with at most ``n`` keys when ``set_width(n) <= width`` (what parking keeps)."""
 
     def __init__(self, layers: int, rows: int, cfg: CISConfig, h_kv: int, qdim: int, width: int,
                  device: torch.device) -> None:

@@ -6,17 +6,23 @@ neighbours in [0, n), followed by the best-ranked candidates outside N up to k: 
 the ranked top-k holds at least k - |N| entries outside N. So a set is N forced (+inf) plus the k - |N| best
 others, one selection, and the sorted top-k, the int64 sort keys and the cumulative sums of ``priority_set``
 and ``compact`` (the most of a GPU step) are not needed. The ranking is ``stable_top``'s: score descending,
-column ascending on ties. The lists come out ascending, so stored sets are ascending too.
+column ascending on ties.
 
-Every pass over the [B h_kv, W] rows costs on a GPU step, so the rows are built with few: the scorer writes
-the candidate row itself (probabilities inside [max(sink, lo), n - local), -inf elsewhere), the step's list
-comes first (forced keys and the shared set scattered in as +inf, then the top-k), the top-m is taken from
-that list's own entries (a list of ~k, not W: the top-m of the candidates lie in their top-k, and the list is
-ascending, so ties still break by column), and N's +inf go into one copy of the candidate row.
+Every pass over the [B h_kv, W] rows costs on a GPU step, so the rows are built with few and only the step's
+list selects over them: the scorer writes the candidate row itself (probabilities inside [max(sink, lo), n -
+local), -inf elsewhere), the step's list comes first (forced keys and the shared set scattered in as +inf,
+then the top-k T), and the anchors' sets come from that list's entries, ~k wide, not W. Exact: T's entries are
+the list's candidates, the top-m lies in T, and the j-th best candidate outside N has at most |N| of N above
+it (its rank is at most j + |N|), so the k - |N| best outside N all lie in T. The list is ascending, so list
+order is column order and ties still break by column. The sets' selection row is the list's candidates not in
+N (a lead within r, by a binary search in the ascending leads), then N as +inf (each lead's 1 + 2 r columns, a
+repeat dropped when the previous lead's interval holds it: the leads ascend, so no earlier one reaches
+further). Stored sets hold the listed others ascending, then N, SENTINEL after: not ascending, as the ranked
+path's priority order is not.
 
-``cis_batched.cis_batched_step`` runs it where ``select_list`` runs on Triton (GPUs); on a CPU its three
-top-k passes over every key cost more than the ranked path's sort and cumulative sums, so the CPU keeps
-those (``tests/test_cpu_paths.py`` holds the two paths equal).
+``cis_batched.cis_batched_step`` runs it where ``select_list`` runs on Triton (GPUs); on a CPU its top-k
+passes cost more than the ranked path's sort and cumulative sums, so the CPU keeps those
+(``tests/test_cpu_paths.py`` holds the two paths equal).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from raysparse.kernels import dispatch
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.row_select import select_list
+from raysparse.methods.selection import SENTINEL
 
 _INF = float("inf")  # a Python scalar: a tensor made inside the step would be a host copy in a graph capture
 
@@ -58,24 +65,29 @@ def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV
     seen &= (idx < cfg.sink) | (idx >= lo[:, None, None])
     idx = torch.cat([cols[:, None, :].expand(-1, h_kv, -1), idx], -1).flatten(0, 1)
     ok = torch.cat([vis[:, None, :].expand(-1, h_kv, -1), seen], -1).flatten(0, 1)
-    final = _plus_inf(cand, idx, ok)
+    # A copy: the candidate row stays for the list's scores below (a column given twice is fine: a max).
+    final = cand.clone().scatter_reduce_(1, idx.clamp(0, wt - 1), torch.where(ok, _INF, -_INF).to(cand.dtype),
+                                         "amax")
     out = select_list(final, torch.where(here.flatten(), c.pair_k, 0), c.k_w, out_width)
     # The anchors' sets: the top-m from the step's list (its candidates are the top-k), their +-r
-    # neighbours in [0, n) as N (+inf), then the k - |N| best others.
+    # neighbours in [0, n) as N, then the k - |N| best others, all from the list's own entries.
     listed = out.long()
     pick = torch.where(listed >= 0, cand.gather(1, listed.clamp(min=0)), -_INF)
-    lead = select_list(pick, c.pair_m, c.m_w, max(c.m_w, 1)).long()
-    lead = torch.where(lead >= 0, listed.gather(1, lead.clamp(min=0)), -1)
-    nb = torch.cat([lead[..., None], lead[..., None] + c.offs], -1)  # [R, m, 1 + 2 r]
-    ok = (lead >= 0)[..., None] & (nb >= 0) & (nb < c.pair_n[:, None, None])
-    hood = _plus_inf(cand, nb.flatten(1), ok.flatten(1))
-    new_set = select_list(hood, c.pair_k - torch.isposinf(hood).sum(-1), c.k_w, width)
-    return new_set.view(b, h_kv, width), out.view(b, h_kv, -1)
-
-
-def _plus_inf(row: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """A copy of ``row`` [R, W] with +inf at the columns ``idx`` [R, K] where ``ok`` (the others untouched;
-    repeated columns are fine: a max)."""
-    src = torch.where(ok, _INF, -_INF).to(row.dtype)
-    return row.clone().scatter_reduce_(1, idx.clamp(0, row.shape[1] - 1), src, "amax")
-
+    # One spare column, so every row ends in padding, which is moved past every column: the leads stay
+    # sorted for the search below, and its neighbours fall past n like those of no lead.
+    lead = select_list(pick, c.pair_m, c.m_w, c.m_w + 1).long()
+    lead = torch.where(lead >= 0, listed.gather(1, lead.clamp(min=0)), 2**30)  # ascending, distinct
+    r = cfg.radius
+    nb = torch.cat([lead[..., None], lead[..., None] + c.offs], -1)  # [R, m + 1, 1 + 2 r]: offsets -r..r once
+    # A neighbour inside the previous lead's interval is a repeat (the earlier ones end below it); the first
+    # lead's "previous" interval ends at -1, so that test also drops neighbours below 0.
+    prev_end = torch.nn.functional.pad(lead[:, :-1] + r, (1, 0), value=-1)
+    fresh = ((nb > prev_end[..., None]) & (nb < c.pair_n[:, None, None])).flatten(1)
+    nb = nb.flatten(1)
+    # A listed column c is in N when the first lead at or past c - r is at most c + r (the padding ends every
+    # row, so there is one).
+    in_n = lead.gather(1, torch.searchsorted(lead, listed - r)) - listed <= r
+    score = torch.cat([torch.where(in_n, -_INF, pick), torch.where(fresh, _INF, -_INF).to(pick.dtype)], 1)
+    pos = select_list(score, c.pair_k - fresh.sum(1), c.k_w, width).long()
+    new_set = torch.where(pos >= 0, torch.cat([listed, nb], 1).gather(1, pos.clamp(min=0)), SENTINEL)
+    return new_set.to(torch.int32).view(b, h_kv, width), out.view(b, h_kv, -1)
