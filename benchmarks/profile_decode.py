@@ -29,10 +29,12 @@ def main() -> None:
                     help="Sketch&Walk's scoring: 'graph' = SPEC's head-mean blocks (GRAPH_DECODE, as the recorded "
                          "profiles), 'default' = the method's defaults")
     args = ap.parse_args()
+    from raysparse.attention import ShardContext
     from raysparse.kv_cache import KVCache
     from raysparse.loader import build_model, load_hf_config, resolve_source
     from raysparse.methods.registry import create_backend, method_params
     from raysparse.methods.sketch_walk import GRAPH_DECODE
+    from raysparse.shard_executor import bind_backend
 
     hf = load_hf_config(resolve_source(args.model))
     hf.num_hidden_layers = args.layers
@@ -58,6 +60,9 @@ def main() -> None:
         backend = create_backend(method, model.cfg, **params)
         seqs = list(range(args.batch))
         cache = KVCache(model.cfg, args.batch * -(-(args.context + 256) // 64), 64, torch.bfloat16, "cuda")
+        # As a shard binds it: methods that keep per-page state (Sketch&Walk's part sums) allocate it over the
+        # cache here, before the prefill fills it; without it they decode per sequence, eagerly.
+        bind_backend(backend, ShardContext(cache=cache, max_batch=args.batch if args.graphs else None))
         toks = []
         for sid in seqs:  # one prefill per sequence: the prompts' activations need not fit at once
             cache.allocate(sid, args.context + 200)
