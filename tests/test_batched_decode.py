@@ -192,18 +192,20 @@ def test_graph_decode_tokens_match_reference_path(device, name, params):
     ("cis", {"density": 0.3, "sink": 4, "local": 8, "share_block": 3, "radius": 1})])
 def test_single_sequence_decode_on_the_kernels(name, params, monkeypatch):
     """One sequence, its KV heads' budgets a broadcast view (at one sequence an expanded [B, 1] has stride 0):
-    the Triton kernels (under the interpreter here) select what the PyTorch forms select, head by head."""
+    the Triton kernels (on a GPU where there is one, else under the interpreter) select what the PyTorch forms
+    select, head by head."""
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
     cfg = _cfg()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels take device tensors only
     n = int(torch.randint(150, 400, (), generator=g))
-    k, v = torch.randn(n + 3, 2, 16, generator=g), torch.randn(n + 3, 2, 16, generator=g)
-    qs = torch.randn(3, 1, 4, 16, generator=g)
+    k, v = torch.randn(n + 3, 2, 16, generator=g).to(dev), torch.randn(n + 3, 2, 16, generator=g).to(dev)
+    qs = torch.randn(3, 1, 4, 16, generator=g).to(dev)
     got = {}
     for mode in ("torch", "triton"):
         monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
         method = create_backend(name, cfg, dense_layers=(0,), **per_layer(params, cfg.num_layers))
-        cache = KVCache(cfg, num_pages=20, page_size=32)
+        cache = KVCache(cfg, num_pages=20, page_size=32, device=dev)
         cache.allocate(7, n + 3)
         batch = cache.prepare([7], [n], True)
         cache.write(1, k[:n], v[:n], batch)
