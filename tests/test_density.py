@@ -99,7 +99,7 @@ def test_forced_units_beyond_the_budget_are_refused(model):
     cis.check_request(2000, 2010)  # 0.067 per sparse layer of 2001 keys is 133: the 80 forced ones fit
     # SOCKET's sink and local tokens shrink to a budget they exceed: its decode always meets the density
     socket = create_backend("socket", net.cfg, density=0.3, dense_layers=DENSE, sink_tokens=64, local_tokens=64)
-    socket.check_request(300, 310)  # 128 forced keys of 301 at 0.067 per sparse layer: they shrink to 20
+    socket.check_request(300, 310)  # 128 forced keys of 301 at 0.067 per sparse layer: they shrink to 10 of 20
     assert sum(socket.budget(301)) == host_row_budget(socket.layer_density, 301) == 20
     n = 1200
     floor = prefill_floor(n, 2, B)  # Quest: the sink block and the diagonal

@@ -217,11 +217,12 @@ def test_selection_is_deduplicated_ascending_keeps_sink_local_and_respects_budge
         sink, local = min(4, n), min(4, n - min(4, n))
         if "top_k" in kw:
             k_want = kw["top_k"]
-        else:  # the density's budget holds the forced tokens too: where they exceed it, they shrink to it
+        else:  # the density's budget holds the forced tokens too, at most forced_share of it
             b = budget(kw["density"], n)
-            if b < sink + local:
-                sink = min(sink, b // 2)
-                local = min(local, b - sink)
+            cap = math.floor(b * m.config.forced_share)
+            if cap < sink + local:
+                sink = min(sink, cap // 2)
+                local = min(4, n - sink, cap - sink)
             k_want = b - sink - local
         k_want = max(0, min(k_want, n - sink - local))
         assert sel.indices.shape == (H_KV, sink + local + k_want)  # fixed width = the budget, no padding
@@ -240,17 +241,34 @@ def test_selection_is_deduplicated_ascending_keeps_sink_local_and_respects_budge
 
 
 def test_density_budget_counts_sink_and_local():
-    m = Socket(model_cfg(), SocketConfig())  # defaults: density 0.1, sink 128, local 128
-    assert m.budget(3000) == (128, 128, 44)
-    assert m.budget(1000) == (50, 50, 0)  # sink and local alone exceed the budget: they shrink to it
-    assert m.budget(200) == (10, 10, 0)
-    assert Socket(model_cfg(), SocketConfig(sink_tokens=30, local_tokens=90)).budget(1000) == (25, 75, 0)
+    m = Socket(model_cfg(), SocketConfig())  # defaults: density 0.1, sink 128, local 128, forced share 0.5
+    assert m.budget(6000) == (128, 128, 344)  # a budget of 600: SPEC's forced tokens whole
+    assert m.budget(3000) == (75, 75, 150)  # sink and local would take more than half: they shrink to half
+    assert m.budget(1000) == (25, 25, 50)
+    assert m.budget(200) == (5, 5, 10)
+    assert Socket(model_cfg(), SocketConfig(sink_tokens=30, local_tokens=90)).budget(1000) == (12, 38, 50)
+    whole = Socket(model_cfg(), SocketConfig(forced_share=1.0))  # they shrink only to the whole budget
+    assert whole.budget(3000) == (128, 128, 44)
+    assert whole.budget(1000) == (50, 50, 0)
     assert Socket(model_cfg(), SocketConfig(top_k=500)).budget(3000) == (128, 128, 500)
     assert Socket(model_cfg(), SocketConfig(top_k=5)).budget(1000) == (128, 128, 5)  # the paper's k: on top
-    for n in range(1, 3000, 7):  # the device rule equals the host one
-        got = [int(t) for t in m._budget_rows(torch.tensor([[n]]))]
-        assert tuple(got) == m.budget(n), n
-        assert sum(m.budget(n)) == budget(0.1, n), n  # the attended tokens are the budget
+    share = SocketConfig(forced_share=float(torch.rand(()) * 0.9 + 0.1))
+    for cfg in (SocketConfig(), SocketConfig(forced_share=1.0), share):
+        m = Socket(model_cfg(), cfg)
+        ks = []
+        for n in range(1, 8000, 7):  # the device rule equals the host one
+            got = [int(t) for t in m._budget_rows(torch.tensor([[n]]))]
+            assert tuple(got) == m.budget(n), (cfg.forced_share, n)
+            assert sum(m.budget(n)) == budget(0.1, n), (cfg.forced_share, n)  # the attended tokens are the budget
+            ks.append(got[2])
+        # k never falls as n grows: the bucket's k bounds every shorter row's (the decode's list width)
+        assert all(a <= b for a, b in zip(ks, ks[1:], strict=False)), cfg.forced_share
+
+
+def test_forced_share_is_validated():
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="forced_share"):
+            SocketConfig(forced_share=bad)
 
 
 # ---- through the model -------------------------------------------------------------------------
