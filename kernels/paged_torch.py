@@ -197,8 +197,7 @@ def block_sparse_prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         qpos = ((qb0 + torch.arange(c0, c1, device=q.device))[:, None] * block + offs)  # [c, B]
         ok = kvalid[:, :, None, :] & (kpos[:, :, None, :] <= qpos[:, None, :, None])  # [c, h_kv, B, S*B]
         if lo_rows is not None:
-            kp = kpos[:, :, None, :]
-            ok &= (kp < sink) | (kp >= lo_rows[c0:c1, None, :, None])
+            ok &= in_window(kpos[:, :, None, :], lo_rows[c0:c1, None, :, None], sink)
         entries = (c1 - c0) * h_kv
         mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
         o, s = op(qf[c0:c1].reshape(entries, g, block, d),

@@ -16,7 +16,7 @@ import torch
 
 from raysparse.kernels import dispatch
 from raysparse.kernels.formats import PagedKV
-from raysparse.kernels.paged_torch import stable_top
+from raysparse.kernels.paged_torch import in_window, stable_top
 from raysparse.kv_cache import KVCache
 from raysparse.methods.base import row_budget
 from raysparse.methods.cis import CISConfig, cis_budget, priority_set
@@ -228,7 +228,7 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     if listed and retrieve:  # index lists and the candidate row only: no [B, W] masks
         new_set, out = listed_select(cfg, c, q, kv, wt, visible_lo, here, shared, width, out_width)
     else:
-        visible = c.inrange if visible_lo is None else ((c.pos < cfg.sink) | (c.pos >= visible_lo[:, None])) & c.inrange
+        visible = c.inrange if visible_lo is None else in_window(c.pos, visible_lo[:, None], cfg.sink) & c.inrange
         forced = c.forced & visible
         if retrieve:
             allowed = visible & ~c.forced  # the retrieval's candidates: visible middle keys

@@ -33,6 +33,7 @@ import torch
 
 from raysparse.kernels import dispatch
 from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.paged_torch import in_window
 from raysparse.kernels.row_select import select_list
 from raysparse.methods.selection import SENTINEL
 
@@ -59,10 +60,9 @@ def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV
     near = torch.arange(cfg.local, device=n.device)  # not c.pos[:local]: a bucket may be narrower
     cols = torch.cat([c.pos[: cfg.sink].expand(b, -1), n[:, None] - cfg.local + near], 1)
     # Visible: a sink, or at or past lo (which is the sink count when every key is visible).
-    vis = (cols >= 0) & (cols < n[:, None]) & ((cols < cfg.sink) | (cols >= lo[:, None]))
+    vis = (cols >= 0) & (cols < n[:, None]) & in_window(cols, lo[:, None], cfg.sink)
     idx = shared.long()
-    seen = (idx >= 0) & (idx < n[:, None, None]) & ~here[..., None]
-    seen &= (idx < cfg.sink) | (idx >= lo[:, None, None])
+    seen = (idx >= 0) & (idx < n[:, None, None]) & ~here[..., None] & in_window(idx, lo[:, None, None], cfg.sink)
     idx = torch.cat([cols[:, None, :].expand(-1, h_kv, -1), idx], -1).flatten(0, 1)
     ok = torch.cat([vis[:, None, :].expand(-1, h_kv, -1), seen], -1).flatten(0, 1)
     # A copy: the candidate row stays for the list's scores below (a column given twice is fine: a max).

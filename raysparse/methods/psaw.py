@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from raysparse.kernels.paged_torch import in_window
 from raysparse.methods.base import MethodConfig
 from raysparse.methods.selection import SENTINEL, BlockSelection, indices_from_mask
 
@@ -138,7 +139,7 @@ def window_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: i
             else:
                 kpos = torch.arange(last, device=q.device)
                 kc, vc = k[:, :last], v[:, :last]
-            mask = (kpos[None, :] <= pos[:, None]) & ((kpos[None, :] < sink) | (kpos[None, :] >= lo[:, None]))
+            mask = (kpos[None, :] <= pos[:, None]) & in_window(kpos[None, :], lo[:, None], sink)
             o = F.scaled_dot_product_attention(q[c0:c1].transpose(0, 1)[None], kc[None].to(q.dtype),
                                                vc[None].to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
             out[c0:c1] = o[0].transpose(0, 1)
