@@ -11,6 +11,8 @@ or attends differently shows at once (on a GPU, where the kernels run; the CPU r
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 import torch
 
@@ -18,7 +20,7 @@ import raysparse.methods.base as base
 from raysparse.kernels.paged_torch import paged_decode_torch
 from raysparse.kv_cache import KVCache
 from raysparse.loader import load_hf_config, load_state_dict, load_tokenizer, model_from_state, resolve_source
-from raysparse.methods.registry import create_backend
+from raysparse.methods.registry import create_backend, get_method
 
 MODES = ("reference", "batched", "batched, PyTorch attend")
 
@@ -28,7 +30,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or model directory (default: the embedded model)")
     ap.add_argument("--text", required=True, help="a text file for the prompt")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--methods", default="socket,cis")
+    ap.add_argument("--methods", default="socket,cis",
+                    help="comma-separated NAME or NAME:key=value:... (values as JSON where they parse)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"a subset of: {', '.join(MODES)}")
     ap.add_argument("--density", type=float, default=0.15)
     ap.add_argument("--prompt-tokens", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=32)
@@ -43,10 +47,22 @@ def main() -> None:
         raise SystemExit(f"the text holds fewer than {n + steps} tokens past its first quarter")
     attend = base.paged_decode_attention
 
-    def run(method: str, mode: str) -> torch.Tensor:
+    modes = [m.strip() for m in args.modes.split(",")]
+    if not modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes takes a subset of: {', '.join(MODES)}")
+
+    def run(entry: str, mode: str) -> torch.Tensor:
         # The attend is a module-level name of the seam: swapped here, restored for the next mode.
         base.paged_decode_attention = paged_decode_torch if mode == MODES[2] else attend
-        backend = create_backend(method, model.cfg, density=args.density)
+        method, *extra = entry.split(":")
+        params: dict[str, Any] = {"density": args.density} if get_method(method).takes_density else {}
+        for kv in extra:
+            key, _, value = kv.partition("=")
+            try:
+                params[key] = json.loads(value)
+            except ValueError:
+                params[key] = value
+        backend = create_backend(method, model.cfg, **params)
         if mode == MODES[0]:
             backend.tracer = lambda *a: None  # any tracer forces the per-sequence reference path
         cache = KVCache(model.cfg, (n + steps) // 64 + 4, 64, torch.float32, dev)
@@ -57,16 +73,16 @@ def main() -> None:
                    for j in range(n, n + steps - 1)]
         return torch.cat(out).float()
 
-    print(f"{'method':10s} {'mode':26s} {'nll':>8s} {'max |dlogit|':>13s} {'argmax agree':>13s}")
+    print(f"{'method':36s} {'mode':26s} {'nll':>8s} {'max |dlogit|':>13s} {'argmax agree':>13s}  (against {modes[0]})")
     for method in args.methods.split(","):
-        res = {mode: run(method, mode) for mode in MODES}
+        res = {mode: run(method, mode) for mode in modes}
         base.paged_decode_attention = attend
         tgt = ids[n + 1: n + steps]
         for mode, lg in res.items():
             nll = torch.nn.functional.cross_entropy(lg, tgt).item()
-            diff = (lg - res[MODES[0]]).abs().max().item()
-            agree = (lg.argmax(-1) == res[MODES[0]].argmax(-1)).float().mean().item()
-            print(f"{method:10s} {mode:26s} {nll:8.4f} {diff:13.4f} {agree:13.3f}")
+            diff = (lg - res[modes[0]]).abs().max().item()
+            agree = (lg.argmax(-1) == res[modes[0]].argmax(-1)).float().mean().item()
+            print(f"{method:36s} {mode:26s} {nll:8.4f} {diff:13.4f} {agree:13.3f}")
 
 
 if __name__ == "__main__":
