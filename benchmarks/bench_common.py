@@ -139,3 +139,19 @@ def table(rows: list[dict[str, Any]], cols: list[tuple[str, str]]) -> str:
     cells = [[h for _, h in cols]] + [[fmt(r.get(k)) for k, _ in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
     return "\n".join("  ".join(c[i].rjust(widths[i]) for i in range(len(cols))) for c in cells)
+
+
+def method_spec(entry: str, density: float | None) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name:key=value:...`` (values as JSON where they parse) -> (name, parameters); ``density``
+    reaches the methods that have a budget."""
+    from raysparse.methods.registry import get_method
+
+    name, *extra = entry.split(":")
+    params: dict[str, Any] = {"density": density} if density is not None and get_method(name).takes_density else {}
+    for kv in extra:
+        key, _, value = kv.partition("=")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            params[key] = value
+    return name, params

@@ -140,22 +140,16 @@ def main() -> None:
     model, random_weights, dtype = args.model, True, args.dtype
     if args.smoke:
         contexts, model, random_weights, dtype, args.new_tokens = [512], None, False, "float32", 6
-    from raysparse.methods.registry import get_method
+    from bench_common import method_spec
+
     from raysparse.methods.sketch_walk import GRAPH_DECODE
 
     def params(entry: str) -> tuple[str, dict[str, Any]]:
         """``name`` or ``name:key=value:...`` (values as JSON where they parse); --density reaches the methods
         that have a budget."""
-        m, *extra = entry.split(":")
-        p: dict[str, Any] = {"density": args.density} if get_method(m).takes_density else {}
+        m, p = method_spec(entry, args.density)
         if m == "sketch_walk" and args.sw_scoring == "graph":
-            p.update(GRAPH_DECODE)
-        for kv in extra:
-            key, _, value = kv.partition("=")
-            try:
-                p[key] = json.loads(value)
-            except ValueError:
-                p[key] = value
+            p = {**GRAPH_DECODE, **p}  # the entry's own settings win, as before
         return m, p
 
     methods = [params(m) for m in args.methods.split(",")]

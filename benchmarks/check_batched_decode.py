@@ -11,16 +11,15 @@ or attends differently shows at once (on a GPU, where the kernels run; the CPU r
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
 
 import torch
+from bench_common import method_spec
 
 import raysparse.methods.base as base
 from raysparse.kernels.paged_torch import paged_decode_torch
 from raysparse.kv_cache import KVCache
 from raysparse.loader import load_hf_config, load_state_dict, load_tokenizer, model_from_state, resolve_source
-from raysparse.methods.registry import create_backend, get_method
+from raysparse.methods.registry import create_backend
 
 MODES = ("reference", "batched", "batched, PyTorch attend")
 
@@ -54,14 +53,7 @@ def main() -> None:
     def run(entry: str, mode: str) -> torch.Tensor:
         # The attend is a module-level name of the seam: swapped here, restored for the next mode.
         base.paged_decode_attention = paged_decode_torch if mode == MODES[2] else attend
-        method, *extra = entry.split(":")
-        params: dict[str, Any] = {"density": args.density} if get_method(method).takes_density else {}
-        for kv in extra:
-            key, _, value = kv.partition("=")
-            try:
-                params[key] = json.loads(value)
-            except ValueError:
-                params[key] = value
+        method, params = method_spec(entry, args.density)
         backend = create_backend(method, model.cfg, **params)
         if mode == MODES[0]:
             backend.tracer = lambda *a: None  # any tracer forces the per-sequence reference path
