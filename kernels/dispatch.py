@@ -24,7 +24,7 @@ import torch
 
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
-from .paged_torch import block_sparse_prefill_torch, paged_decode_torch
+from .paged_torch import block_sparse_prefill_torch, paged_decode_torch, paged_window_decode_cpu, window_pages
 from .selection import BlockSelection, TokenSelection
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -173,6 +173,24 @@ def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
         return sparse_decode_attention_varlen(q, kv, indices, unit)
     return paged_decode_torch(q, kv, indices, unit)
+
+
+def paged_window_decode(q: torch.Tensor, kv: PagedKV, window_lo: torch.Tensor, sink: int,
+                        max_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, h, d] (each row's newest position) over its keys below ``sink`` and from ``window_lo`` [B] up: a
+    sliding window with sinks, attended by whole pages with the pages' other keys masked, the dense decode's cost
+    over the window's pages. ``max_window`` bounds every row's window (length - window_lo), from the step's bucket:
+    with it the page list's width is fixed (no host read on GPUs, so the step can be captured)."""
+    page = kv.k.shape[2]
+    if not page & (page - 1) and use_triton(q, kv.k, head_dim=q.shape[-1]):
+        from .sparse_decode import sparse_decode
+
+        width = -(-sink // page) + -(-max_window // page) + 1  # a window of s keys touches <= ceil(s / page) + 1
+        pages = window_pages(window_lo, kv.seqlens, sink, page, width)
+        out, lse = sparse_decode(_like_kv(q, kv.k), kv, pages[:, None, :].expand(-1, kv.k.shape[1], -1), page,
+                                 window_lo=window_lo, sink=sink)
+        return out.to(q.dtype), lse
+    return paged_window_decode_cpu(q, kv, window_lo, sink)
 
 
 def strided_dense_attention_varlen(q: torch.Tensor, kv: KVSource, cu_seqlens_q: torch.Tensor, gamma: int,

@@ -75,21 +75,30 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
     return out.to(q.dtype), lse.view(b, h)
 
 
+def window_pages(window_lo: torch.Tensor, seqlens: torch.Tensor, sink: int, page: int,
+                 width: int | None = None) -> torch.Tensor:
+    """The pages holding each row's sinks and its window from ``window_lo`` [B] up to its length: int32 [B, W],
+    the sinks' pages first, then the window's (which start after the sinks' pages), SENTINEL-padded. ``width``
+    fixes W (a captured step's, from its bucket); None takes the batch's widest (a host read)."""
+    n = seqlens.long()
+    sink_pages = -(-sink // page)
+    used = -(-n // page)
+    first = (window_lo.long() // page).clamp(min=sink_pages)
+    if width is None:
+        width = sink_pages + int((used - first).clamp(min=0).max())
+    cols = torch.arange(width, device=n.device)[None, :]
+    pages = torch.where(cols < sink_pages, cols, first[:, None] + cols - sink_pages)
+    return torch.where(pages < used[:, None], pages, SENTINEL).to(torch.int32)
+
+
 def paged_window_decode_cpu(q: torch.Tensor, kv: PagedKV, window_lo: torch.Tensor, sink: int,
                             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, h, d] (each row's newest position) over its keys below ``sink`` and from ``window_lo`` [B] up to its
     length: a sliding window with sinks (PSAW's decode), on the CPU. The pages holding those keys are attended
     as whole tiles by the dense decode's fused call and the rest of those pages masked, so the cost follows the
     window's pages, without gathering the window token by token. Returns (out, lse) as ``paged_decode_torch``."""
-    page, h_kv = kv.k.shape[2], kv.k.shape[1]
-    n = kv.seqlens.long()
-    sink_pages = -(-sink // page)
-    used = -(-n // page)
-    first = (window_lo.long() // page).clamp(min=sink_pages)  # the window's pages start after the sinks' pages
-    width = sink_pages + int((used - first).clamp(min=0).max())  # a host read: this path is the CPU's alone
-    cols = torch.arange(width, device=q.device)[None, :]
-    pages = torch.where(cols < sink_pages, cols, first[:, None] + cols - sink_pages)
-    indices = torch.where(pages < used[:, None], pages, SENTINEL).to(torch.int32)[:, None, :].expand(-1, h_kv, -1)
+    pages = window_pages(window_lo, kv.seqlens, sink, kv.k.shape[2])
+    indices = pages[:, None, :].expand(-1, kv.k.shape[1], -1)
     return _paged_pages_cpu(q, kv, indices, scale, window_lo, sink)
 
 

@@ -138,18 +138,21 @@ if triton is not None:
         tl.store(LSE + seq.to(tl.int64) * stride_lb + head * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
 
     @triton.jit
-    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT, Out, LSE, CNT,
+    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT, Out, LSE, CNT, LO, sink,
                              stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                              stride_ib, stride_ih, stride_pt, stride_ob, stride_oh, stride_lb, stride_lh,
                              max_sel, per_split, num_splits, qk_scale,
                              G: tl.constexpr, G_PAD: tl.constexpr, G_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                              UNIT: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PREC: tl.constexpr, CNT_CHUNK: tl.constexpr, COMBINE_CHUNK: tl.constexpr):
+                             PREC: tl.constexpr, CNT_CHUNK: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
+                             WINDOW: tl.constexpr):
         split = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.program_id(2)
         h_kv = tl.num_programs(1)
         n = tl.load(SEQ_K + seq)
+        if WINDOW:
+            lo = tl.load(LO + seq)
         e0 = split * per_split
         e_end = tl.minimum(e0 + per_split, max_sel)
         gi = tl.arange(0, G_PAD)
@@ -178,6 +181,8 @@ if triton is not None:
             ent = tl.load(idx_row + e0 + u // UNIT, mask=u_ok, other=0)
             tok = ent * UNIT + u % UNIT
             ok = u_ok & (tok < n)  # the last block may run past the sequence's end
+            if WINDOW:  # a sliding window with sinks: inside the listed blocks, only sinks and keys from lo up
+                ok = ok & ((tok < sink) | (tok >= lo))
             tok = tl.where(ok, tok, 0)
             # K and V gathers both issued before the first dot: one memory round trip per step, not two.
             k_off = kv_row_offsets(PT, pt_row, CU_K, seq, tok, kvh, stride_kb, stride_kh, stride_kt, PAGE, PAGED)
@@ -209,11 +214,13 @@ if triton is not None:
 
 
 def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1, scale: float | None = None,
-                  num_splits: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_splits: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  window_lo: torch.Tensor | None = None, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [batch, h, d]; indices: int32 [batch, h_kv, max_sel]. Returns out [batch, h, d] (q's dtype) and
     lse [batch, h] fp32 (natural log); a query with no valid key gets zeros and lse = -inf. ``out``/``lse``
-    may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves."""
+    may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves.
+    ``window_lo`` [batch] (with ``sink``) keeps, inside the selected entries, only the keys below ``sink`` and those
+    at or past the row's bound: a sliding window with sinks attended by whole blocks (PSAW's decode)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     batch, h, d = q.shape
@@ -245,12 +252,13 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     g_p2 = next_pow2(g)
     # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
     page = a.page_size if a.paged else 1
+    lo = a.seqlens if window_lo is None else window_lo.to(torch.int32).contiguous()  # unread without a window
     _decode_split_kernel[(splits, a.h_kv, batch)](
-        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters,
+        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters, lo, sink,
         q.stride(0), q.stride(1), *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), max_sel, per, splits, scale * LOG2E,
         G=g, G_PAD=max(16, g_p2), G_P2=g_p2, HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=_BLOCK_N,
         PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK,
-        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), num_warps=4,
+        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), WINDOW=window_lo is not None, num_warps=4,
         num_stages=1 if interpreting() else _STAGES)
     return out, lse

@@ -11,14 +11,14 @@ from helpers import fresh_cache, random_state, tiny_hf_config, whole_model_densi
 from raysparse.attention import DenseAttention
 from raysparse.config import ModelConfig
 from raysparse.generate import GenerationRequest, Generator
+from raysparse.kernels.dispatch import paged_window_decode
 from raysparse.kernels.formats import PagedKV
-from raysparse.kernels.paged_torch import paged_window_decode_cpu
 from raysparse.loader import model_from_state
 from raysparse.methods.base import SeqContext, host_row_budget
 from raysparse.methods.cis import cis_budget
 from raysparse.methods.prhs import CIS, CPE, ETF, PSAW, CPEConfig, PSAWConfig
 from raysparse.methods.psaw import window_lists, window_lo, window_prefill
-from raysparse.methods.psaw_cpu import paged_window_prefill_cpu
+from raysparse.methods.psaw_window import paged_window_prefill_cpu
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL, TokenSelection
 from raysparse.methods.sparse_attention import sparse_decode_attention
@@ -162,14 +162,18 @@ def test_psaw_cpu_batched_prefill_reads_the_pages_and_meters_as_the_reference(mo
     assert got_m.meter.overall() < 1.0, f"seed {seed}"
 
 
-def test_psaw_cpu_window_decode_equals_the_gathering_reference():
-    """``paged_window_decode_cpu`` (the window's pages attended whole, the rest of them masked) against attention
-    over the exact token list gathered from each row's K/V, on ragged batches over scattered pages: sinks over
-    several pages, windows starting inside the sinks' pages, rows of one key."""
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_psaw_window_decode_equals_the_gathering_reference(kernels, monkeypatch):
+    """``paged_window_decode`` (the window's pages attended whole, the rest of them masked: the fused CPU call, or
+    the split-K kernel with its window bound under the interpreter) against attention over the exact token list
+    gathered from each row's K/V, on ragged batches over scattered pages: sinks over several pages, windows
+    starting inside the sinks' pages, rows of one key. The kernel's page list has the fixed width a captured step
+    gives it, from a bound on the windows."""
+    monkeypatch.setenv("RAYSPARSE_KERNELS", kernels)
     seed = int(torch.randint(0, 1 << 30, ()))
     g = gen(seed)
     page, pages = 8, 80  # 5 rows of up to 15 pages, all distinct
-    for case in range(30):
+    for case in range(30 if kernels == "torch" else 6):
         b = int(torch.randint(1, 6, (), generator=g))
         lens = torch.randint(1, 120, (b,), generator=g)
         lens[0] = 1 if case % 4 == 0 else lens[0]
@@ -181,7 +185,8 @@ def test_psaw_cpu_window_decode_equals_the_gathering_reference():
         v = torch.randn(pages, H_KV, page, D, generator=g)
         q = torch.randn(b, H_KV * G, D, generator=g)
         lo = window_lo(frac, lens - 1)
-        out, lse = paged_window_decode_cpu(q, PagedKV(k, v, table, lens.to(torch.int32)), lo, sink)
+        widest = int((lens - lo).max()) + (case % 2) * int(torch.randint(0, 20, (), generator=g))  # tight or not
+        out, lse = paged_window_decode(q, PagedKV(k, v, table, lens.to(torch.int32)), lo, sink, widest)
         for i in range(b):
             n = int(lens[i])
             kk = k[table[i].long()].transpose(0, 1).reshape(H_KV, -1, D)[:, :n]

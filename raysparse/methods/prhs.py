@@ -52,7 +52,7 @@ from raysparse.methods.psaw import (
     window_prefill,
     window_start,
 )
-from raysparse.methods.psaw_cpu import PSAWOnCPU
+from raysparse.methods.psaw_window import PSAWWindow
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask
 
@@ -62,8 +62,8 @@ class CPEConfig(CISConfig, PSAWConfig, ETFConfig):
     """All of CIS, PSAW and ETF's fields (one shared ``sink`` and ``start_layer``)."""
 
 
-class PrHSMethod(PSAWOnCPU):
-    """The composition; subclasses switch components on (PSAWOnCPU: PSAW's batched seams on a CPU)."""
+class PrHSMethod(PSAWWindow):
+    """The composition; subclasses switch components on (PSAWWindow: PSAW's window seams)."""
 
     use_cis = use_psaw = use_etf = False
     config: PrHSConfig

@@ -9,7 +9,7 @@ P = 0 (unpruned) and the top layer N - 1 reaches exponent (N - 1 - l_s) / (N - l
 Prefill is exact at token level (``window_prefill``): each query row sees exactly its own window, by
 masked attention over row chunks whose keys are sliced to [the chunk's lowest window start, its last row]
 plus the sinks (the per-sequence path: the tracer's and the tests' oracle). On a CPU the batched prefill
-computes the same rows for the whole batch from the pages (``psaw_cpu.paged_window_prefill_cpu``: the
+computes the same rows for the whole batch from the pages (``psaw_window.paged_window_prefill_cpu``: the
 window's key ranges through the fused CPU attention, as the dense prefill attends) and the batched decode
 attends the window's pages with the rest of them masked (``kernels/paged_torch.paged_window_decode_cpu``).
 The block format is only a covering view (``covering_blocks``: every key block holding at least one visible

@@ -1,7 +1,12 @@
-"""PSAW's batched seams on a CPU (``PSAWOnCPU``, the base of prhs.py's methods): the prefill of every row of a
-ragged batch over its sinks and window from the paged cache (``paged_window_prefill_cpu``), and the decode's
-(``kernels/paged_torch.py``'s ``paged_window_decode_cpu``). Both read the cache by whole pages through that
-module's ``paged_tiles`` and mask with its ``in_window``.
+"""PSAW's window seams (``PSAWWindow``, the base of prhs.py's methods): on a CPU, the prefill of every row of a
+ragged batch over its sinks and window from the paged cache (``paged_window_prefill_cpu``); on every device, the
+decode over the sinks' and the window's whole pages with the pages' other keys masked (the kernels'
+``paged_window_decode``: the split-K decode with a window bound on GPUs, the fused CPU attention on CPUs). Both
+read the cache by whole pages and mask with ``paged_torch.in_window``.
+
+Why the decode goes by pages: PSAW's window holds nearly every key at 32K tokens (real decode density ~0.97), and
+a token list gathered row by row costs more there than the dense decode's page reads (serving TPOT 1.18x dense's
+on an H200 that way). By pages it reads what dense reads over the window's pages.
 
 Why not the block path: it gathers every covering key block per query block and masks each row inside it, several
 times dense's cost at PSAW's near-dense windows. Here a window plus sinks is dense attention over key ranges,
@@ -25,8 +30,9 @@ from collections.abc import Sequence
 import torch
 
 from raysparse.attention import causal_pairs
+from raysparse.kernels.dispatch import paged_window_decode
 from raysparse.kernels.formats import PagedKV
-from raysparse.kernels.paged_torch import in_window, paged_tiles, paged_window_decode_cpu
+from raysparse.kernels.paged_torch import in_window, paged_tiles
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import PrefillView, SparseMethod
 from raysparse.methods.psaw import PrHSConfig, window_lo, window_start
@@ -164,9 +170,9 @@ def paged_window_prefill_cpu(q: torch.Tensor, kv: PagedKV, q_lens: Sequence[int]
     return out
 
 
-class PSAWOnCPU(SparseMethod):
-    """PSAW's batched prefill and decode on a CPU, overriding the batched seams where PSAW's window is the whole
-    selection; elsewhere (GPUs, ETF's frozen rows, CIS) the seams' block and list paths. The PrHS methods
+class PSAWWindow(SparseMethod):
+    """PSAW's batched seams where its window is the whole selection: the prefill on a CPU, the decode everywhere;
+    elsewhere (the prefill on GPUs, ETF's frozen rows, CIS) the seams' block and list paths. The PrHS methods
     (prhs.py) say where PSAW acts."""
 
     use_cis = False
@@ -181,7 +187,7 @@ class PSAWOnCPU(SparseMethod):
         raise NotImplementedError
 
     def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        """A step that freezes no row at this layer attends each row's exact window from the pages
+        """A step on a CPU that freezes no row at this layer attends each row's exact window from the pages
         (``paged_window_prefill_cpu``) rather than the block path, which masks each row inside every covering
         block (several times dense's cost at PSAW's near-dense windows). The selection is still built: its
         ``window_lo`` meters the step as on the block path."""
@@ -194,13 +200,15 @@ class PSAWOnCPU(SparseMethod):
         return paged_window_prefill_cpu(q, view.kv, batch.q_lens, self.config.sink, self.psaw_frac(layer))
 
     def _decode_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        """The sinks' and the window's whole pages through the dense decode's fused attention, the keys of those
-        pages outside the window masked (``paged_window_decode_cpu``), rather than ``decode_select``'s token
-        list gathered token by token: the same keys."""
-        if self.use_cis or q.device.type != "cpu" or self.dense_decode_layer(layer):
+        """The sinks' and the window's whole pages with the pages' other keys masked (``paged_window_decode``),
+        rather than ``decode_select``'s token list gathered token by token: the same keys, read as dense reads
+        them. Only device tensors and the bucket's width: this runs inside a captured step."""
+        if self.use_cis or self.dense_decode_layer(layer):
             return super()._decode_batched(layer, q, cache, batch)
         kv, _ = cache.paged(layer, batch)
-        lo = window_lo(self.psaw_frac(layer), kv.seqlens.long() - 1)  # the newest query's window
-        out, _ = paged_window_decode_cpu(q, kv, lo, self.config.sink)
+        frac, wt = self.psaw_frac(layer), kv.page_table.shape[1] * cache.page_size
+        lo = window_lo(frac, kv.seqlens.long() - 1)  # the newest query's window
+        widest = wt - int(window_lo(frac, torch.tensor(wt - 1)))  # windows widen with the length
+        out, _ = paged_window_decode(q, kv, lo, self.config.sink, widest)
         self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)
         return out
