@@ -1,4 +1,5 @@
-"""SOCKET (papers/socket.md, SPEC section 3): soft-LSH token selection for decode. Plain PyTorch reference.
+"""SOCKET (papers/socket.md, SPEC section 3): soft-LSH token selection for decode. Plain PyTorch reference;
+the batched decode step over per-page hash ids is ``socket_batched.py``'s.
 
 Prefill runs dense attention (SOCKET is a decode method) and builds, per sparse layer and KV head, the
 hash index of the keys: L tables of P seeded Gaussian hyperplanes W_l (P x d), one bucket id per key and
@@ -61,7 +62,8 @@ Choices where SPEC and paper are silent:
   default and ``socket_hard`` neither compute nor store norms. Dense layers store nothing. The per-sequence
   arrays grow by 1/8 when full (amortised O(1) per appended key), so allocated memory is at most ~12.5% above that.
 - Prefix caching (``prefix_state = "pages"``): the batched decode's bucket ids and value norms are kept per
-  physical page, so a prompt starting from cached pages finds its prefix's hashed already.
+  physical page (``socket_batched.page_pools``), so a prompt starting from cached pages finds its prefix's
+  hashed already.
 - Chunked prefill: each chunk attends densely and hashes the keys not hashed yet. Rollback of rejected
   speculative tokens needs no hook: every call rehashes its own new keys (positions q_start..n-1).
 
@@ -78,9 +80,6 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
-from raysparse.kernels.dispatch import triton_wanted
-from raysparse.kernels.paged_collision import paged_collision, paged_collision_torch
-from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
 from raysparse.methods.base import (
@@ -90,10 +89,10 @@ from raysparse.methods.base import (
     SparseMethod,
     host_row_budget,
     method_spec,
-    row_budget,
 )
 from raysparse.methods.registry import register
 from raysparse.methods.selection import TokenSelection
+from raysparse.methods.socket_batched import batched_select, budget_rows, hash_step_keys
 
 GROUP_REDUCES = ("mean", "max")
 NORM_BYTES = 4  # fp32 ||v||_2 per key and KV head
@@ -215,7 +214,7 @@ class Socket(SparseMethod):
             k = c.top_k
         else:
             b = host_row_budget(self.layer_density, n)  # host ints: the meter calls this per step
-            cap = math.floor(b * c.forced_share)  # a float64 product, as the device rule's
+            cap = math.floor(b * c.forced_share)  # a float64 product, as the device rule's (budget_rows)
             if cap < sink + local:  # the forced tokens would take more: they shrink to their share, in proportion
                 sink = min(sink, cap * c.sink_tokens // max(1, c.sink_tokens + c.local_tokens))
                 # from the shrunk sink: a short context's window may then take what the sink left
@@ -235,87 +234,22 @@ class Socket(SparseMethod):
         idx = torch.cat(parts, 1).sort(dim=-1).values  # disjoint parts: deduplicated, width sink+local+top
         return TokenSelection(idx.to(torch.int32).contiguous(), 1)
 
-    # ---- batched decode over per-page bucket ids and value norms ---------------------------------
+    # ---- batched decode over per-page bucket ids and value norms (socket_batched.py) -------------
     @property
     def uses_value_norms(self) -> bool:
         """Whether the scorer multiplies by ||v_j|| (SPEC's factor): only then are norms computed and kept."""
         return self.config.value_norm and not self.config.hard
 
-    def _pools(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per cache page and KV head: the L bucket ids of each slot ``[h_kv, L, page]`` and, where the scorer
-        uses them, ``||v||`` of each slot ``[h_kv, page]`` (else None), keyed by what fixes the hash (seed,
-        tables, planes, the shard's heads)."""
-        c, h_kv = self.config, cache.num_kv_heads
-        key = ("socket", layer, c.seed, c.tables, c.planes, self.kv_head_offset)
-        ids = cache.page_pool(key + ("ids",), (h_kv, c.tables, cache.page_size), lsh.bucket_dtype(c.planes))
-        if not self.uses_value_norms:
-            return ids, None
-        return ids, cache.page_pool(key + ("norm",), (h_kv, cache.page_size), torch.float32)
-
     def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
         """Hashes the step's new keys into their slots (a rollback's rewritten slots are rehashed too)."""
-        ids_pool, norm_pool = self._pools(layer, cache)
-        pages, offs = batch.slot_pages, batch.slot_offsets
-        k = cache.k[layer][pages, :, offs]  # [T, h_kv, d]
-        w = self.planes_for(layer, k.shape[1], k.device)
-        ids = lsh.bucket_ids(w, k.transpose(0, 1))  # [h_kv, L, T]
-        ids_pool[pages, :, :, offs] = ids.permute(2, 0, 1).to(ids_pool.dtype)
-        if norm_pool is not None:
-            norm_pool[pages, :, offs] = torch.linalg.vector_norm(cache.v[layer][pages, :, offs].float(), dim=-1)
-
-    def _batch_probs(self, layer: int, q: torch.Tensor, h_kv: int) -> torch.Tensor:
-        """``bucket_probs`` of every row at once: q [B, h, d] -> [B, h_kv, L, R]."""
-        b, h, d = q.shape
-        w = self.planes_for(layer, h_kv, q.device)
-        qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)  # [h_kv, B * g, d]
-        p = lsh.hard_bucket_probs(w, qg) if self.config.hard else lsh.soft_bucket_probs(w, qg, self.config.tau)
-        p = p.view(h_kv, b, h // h_kv, *p.shape[2:])
-        p = p.mean(2) if self.config.group_reduce == "mean" else p.amax(2)
-        return p.transpose(0, 1)
+        hash_step_keys(self, layer, cache, batch)
 
     def _budget_rows(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``budget`` on device for lengths n [B, 1]: (sink, local, k)."""
-        c = self.config
-        sink = n.clamp(max=c.sink_tokens)
-        local = (n - sink).clamp(max=c.local_tokens)
-        if c.top_k is not None:
-            k = torch.full_like(n, c.top_k)
-        else:
-            b = row_budget(self.layer_density, n)
-            cap = (b.double() * c.forced_share).floor().long()
-            over = cap < sink + local
-            shrunk = torch.minimum(sink, cap * c.sink_tokens // max(1, c.sink_tokens + c.local_tokens))
-            sink = torch.where(over, shrunk, sink)
-            local = torch.where(over, torch.minimum((n - sink).clamp(max=c.local_tokens), cap - sink), local)
-            k = b - sink - local
-        return sink, local, torch.minimum(k.clamp(min=0), n - sink - local)
+        return budget_rows(self, n)
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
-        c, width = self.config, view.width_tokens
-        ids_pool, norm_pool = self._pools(layer, view.cache)
-        h_kv = ids_pool.shape[1]
-        k_max = self.budget(width)[2] if c.top_k is None else min(c.top_k, width)
-        n = view.seqlens.long()[:, None]  # [B, 1]
-        if k_max == 0:
-            # No row of the bucket scores a token (the budget holds no more than the sinks and the local window,
-            # k non-decreasing in n): the selection is the forced tokens, so the collision scores are not computed.
-            score = torch.zeros(n.shape[0], h_kv, width, device=q.device)
-        else:
-            probs = self._batch_probs(layer, q, h_kv)
-            # norm_pool is None unless the scorer uses value norms
-            if triton_wanted(q, ids_pool):
-                score = paged_collision(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens)
-            else:
-                score = paged_collision_torch(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens)
-        sink, local, top = self._budget_rows(n)
-        j = torch.arange(width, device=q.device)
-        middle = ((j >= sink) & (j < n - local))[:, None, :]
-        forced = ((j < sink) | ((j >= n - local) & (j < n)))[:, None, :]
-        # The list selection's encoding: +inf forced (sinks, local window), -inf outside the middle.
-        score = torch.where(forced, math.inf, torch.where(middle, score, -math.inf))
-        out_width = min(width, min(c.sink_tokens, width) + min(c.local_tokens, width) + k_max)
-        return select_list(score.flatten(0, 1), top.expand(-1, h_kv).flatten(), k_max,
-                           max(out_width, 1)).view(*score.shape[:2], -1)
+        return batched_select(self, layer, q, view)
 
     def decode_keys(self, layer: int, n: int) -> int:
         return sum(self.budget(n))
