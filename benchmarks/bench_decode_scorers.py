@@ -9,7 +9,8 @@ flushed):
 - ``hash``: SOCKET's bucketing (``kernels/lsh_scorer.py``) of a decode step's new keys (one per row) and of a
   whole prompt's keys (what a prefill adds to dense attention), by the projections' dot precision (``rel err``:
   the fraction of ids that differ from exact fp32's);
-- ``quest``: Quest's paged page bounds (``kernels/paged_quest.py``), 16-token Quest pages;
+- ``quest``: Quest's paged page bounds (``kernels/paged_quest.py``), 16-token Quest pages, bf16 bounds,
+  by Quest pages per program and warps;
 - ``probs``: CIS's exact group probabilities (``kernels/paged_probs.py``), by pages per chunk, warps and the
   logits' dot precision (``tf32`` on these bf16 inputs is the kernel's native bf16 dot), with every pair
   retrieving and with 44% of them (the others share an anchor).
@@ -86,9 +87,12 @@ def main() -> None:
             same = (bucket_ids(w, x, torch.uint8, precision=prec) == exact).float().mean().item()
             add("hash", f"{m} keys {prec}", lambda x=x, prec=prec: bucket_ids(w, x, torch.uint8, precision=prec),
                 rel_err=1 - same)
-    lo = torch.randn(pages + 1, h_kv, page // qpage, d, generator=gen).to(dev)
-    hi = lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=gen).to(dev)
-    add("quest", "8 pages per program", lambda: paged_quest_scores(q, lo, hi, table_, seqlens, qpage))
+    lo = torch.randn(pages + 1, h_kv, page // qpage, d, generator=gen)
+    hi = (lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=gen)).to(torch.bfloat16).to(dev)
+    lo = lo.to(torch.bfloat16).to(dev)  # the bounds are K's dtype
+    for tile, warps in ((32, 8), (16, 8), (64, 8), (32, 4)):
+        add("quest", f"rows={tile} warps={warps}", lambda tile=tile, warps=warps: paged_quest_scores(
+            q, lo, hi, table_, seqlens, qpage, rows=tile, num_warps=warps))
 
     need_some = (torch.rand(b, h_kv, generator=gen) < 0.44).to(dev)
     want = paged_group_probs_torch(q.float(), kv, ctx, None)
@@ -102,7 +106,7 @@ def main() -> None:
                     err = (got - want)[mask].abs().max().item() / want[mask].abs().max().item()
                     add("probs", f"pairs={label} pages={per} warps={warps} {prec}",
                         lambda need=need, per=per, warps=warps, prec=prec: paged_group_probs(
-                            q, kv, ctx, need, per, warps, prec), rel_err=err)
+                            q, kv, ctx, need, None, per, warps, prec), rel_err=err)
     dense_ms = rows[0]["ms"]
     for r in rows:
         r["vs_dense"] = r["ms"] / dense_ms

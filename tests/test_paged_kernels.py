@@ -73,24 +73,37 @@ def test_sparse_decode_paged_matches_torch():
         torch.testing.assert_close(lse.cpu(), want_lse, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
 
 
-@pytest.mark.parametrize("width", [6, 11])  # one program's pages, or two programs with a partial last one
-def test_paged_quest_scores_match_torch(width: int):
+@pytest.mark.parametrize("page,width,rows,dtype", [
+    (32, 6, 16, torch.float32),  # 4 Quest pages per cache page; 24 of them: two programs, the last partial
+    (32, 11, None, torch.float32),  # 44 at the default tile: two programs, the last partial
+    (32, 6, 64, torch.bfloat16),  # one program wider than the row (the GPU's dtype, up-cast on load)
+    (24, 7, 16, torch.float32),  # 3 Quest pages per cache page: tiles that split a cache page
+])
+def test_paged_quest_scores_match_torch(page: int, width: int, rows: int | None, dtype: torch.dtype):
     from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
 
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    page, qpage, pages, h_kv, g_heads, d = 32, 8, 20, 2, 3, 16
-    lens = [int(x) for x in torch.randint(1, 150, (3,), generator=g)]
+    qpage, pages, h_kv, g_heads, d = 8, 40, 2, 3, 16  # 3 query heads per KV head: not a power of two
+    full = width * page
+    mid = int(torch.randint(1, full // qpage, (), generator=g)) * qpage - int(torch.randint(1, qpage, (), generator=g))
+    lens = [1, mid, full, int(torch.randint(1, full + 1, (), generator=g))]  # mid ends inside a Quest page
     table = _table(g, lens, page, width, pages)
+    for i, n in enumerate(lens):  # past a row's pages the table may hold anything (stale pages of others)
+        m = -(-n // page)
+        table[i, m:] = torch.randint(0, pages + 1, (width - m,), generator=g, dtype=torch.int32)
     lo = torch.randn(pages + 1, h_kv, page // qpage, d, generator=g)
-    hi = lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=g)
-    q = torch.randn(3, h_kv * g_heads, d, generator=g)
+    hi = (lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=g)).to(dtype)
+    lo, q = lo.to(dtype), torch.randn(len(lens), h_kv * g_heads, d, generator=g).to(dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32)
     want = paged_quest_scores_torch(q, lo, hi, table, seqlens, qpage)
-    got = paged_quest_scores(*(t.to(DEV) for t in (q, lo, hi, table, seqlens)), qpage).cpu()
+    knobs = {} if rows is None else {"rows": rows}
+    got = paged_quest_scores(*(t.to(DEV) for t in (q, lo, hi, table, seqlens)), qpage, **knobs).cpu()
+    assert got.shape == want.shape == (len(lens), h_kv, width * page // qpage), f"seed {seed}"
     inf = torch.isinf(want)
     assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], want[inf]), f"seed {seed}"  # the encoding
     fin = torch.isfinite(want)
+    assert int(fin.sum()) > 0 and torch.isfinite(got[fin]).all(), f"seed {seed}"
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
 
 
