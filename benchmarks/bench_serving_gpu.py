@@ -55,6 +55,8 @@ def main() -> int:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory that cuts the text into ids (default: the embedded model's)")
     p.add_argument("--out", default=None, help="record directory (default: benchmarks/records/serving_<date>)")
+    p.add_argument("--repeat-dense", action="store_true",
+                   help="run dense again after the methods (row dense_repeat): the spread of one run's ratios")
     a = p.parse_args()
     date = datetime.date.today().isoformat()
     out = Path(a.out or ROOT / "benchmarks" / "records" / f"serving_{'cpu_quick' if a.quick else 'gpu'}_{date}")
@@ -67,9 +69,11 @@ def main() -> int:
     # METHOD:DENSITY, or METHOD alone for a method without a density budget (psaw, etf)
     runs = [("dense", None)] + [(m.partition(":")[0], float(m.partition(":")[2]) if ":" in m else None)
                                 for m in a.methods.split(",") if m]
+    runs += [("dense", None)] * a.repeat_dense
     results = {}
-    for method, density in runs:
+    for i, (method, density) in enumerate(runs):
         tag = method if density is None else f"{method}_d{density:g}"
+        tag = "dense_repeat" if i and method == "dense" else tag
         cmd = [sys.executable, "-m", "raysparse.cli", "bench", *bench_args(a, model), "--method", method,
                "--out", str(out / tag)]
         if density is not None:
