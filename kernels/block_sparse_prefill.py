@@ -10,7 +10,10 @@ the group at once, a ``[BLOCK_QT * g, d]`` tile whose row m is token ``m // g``,
 of a token are adjacent in q, so the tile load is contiguous). K and V blocks are loaded once per tile and
 never repeated per head. Key blocks below the diagonal run unmasked, ``KB_STEP`` (1 or 2) per step, two
 making one gathered 2 * BLOCK key tile; only the entries at or above the query block (the diagonal,
-normally one) pay for the causal and end-of-sequence masks. The online softmax works in log2 units with
+normally one) pay for the causal and end-of-sequence masks. With a per-row window (PSAW: sinks plus the keys
+from each row's bound up), only the blocks below the tile's highest bound take the window's mask; the blocks
+above it are fully visible as without a window (PSAW's windows hold most of their blocks: masking every block
+ran its prefill at about half the unmasked rate). The online softmax works in log2 units with
 ``scale * log2(e)`` folded into exp2's argument; lse is returned in natural log.
 
 The grid runs the latest (longest) query blocks first, KV head by KV head, so concurrently running
@@ -101,22 +104,30 @@ if triton is not None:
         # Entries are ascending and padded at the end: the valid ones are a prefix, and those below the
         # query block (no mask needed) a prefix of that.
         idx_row = IDX + kvh.to(tl.int64) * stride_ih + qbi.to(tl.int64) * stride_iq
+        # With a per-row window, the blocks below the tile's highest bound lo_max (the sinks' and the band where
+        # the rows' windows start) are masked; those from lo_max up see the plain causal rule (rows' bounds never
+        # fall as positions rise, so lo_max is the tile's last row's). They are a prefix too: n_head entries.
+        if WINDOW:
+            lo = tl.load(WLO + tok, mask=row_ok, other=0)
+            lo_max = tl.max(tl.where(row_ok, lo, 0))
         n_valid = tl.zeros((), dtype=tl.int32)
         n_full = tl.zeros((), dtype=tl.int32)
+        n_head = tl.zeros((), dtype=tl.int32)
         for c in range(0, max_sel, CNT_CHUNK):
             e_off = c + tl.arange(0, CNT_CHUNK)
             e = tl.load(idx_row + e_off, mask=e_off < max_sel, other=-1)
             n_valid += tl.sum((e >= 0).to(tl.int32))
             n_full += tl.sum(((e >= 0) & (e < qb)).to(tl.int32))
+            if WINDOW:
+                n_head += tl.sum(((e >= 0) & (e * BLOCK < lo_max)).to(tl.int32))
 
         pt_row = seq.to(tl.int64) * stride_pt
         kn = tl.arange(0, BLOCK)
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-        if WINDOW:  # a per-row window cuts into blocks below the diagonal too: every block is masked
-            lo = tl.load(WLO + tok, mask=row_ok, other=0)
-            for j in range(0, n_valid):
+        if WINDOW:  # the head under the window's mask; the rest below as without a window
+            for j in range(0, n_head):
                 kb = tl.load(idx_row + j)
                 kpos = kb * BLOCK + kn
                 kb = tl.minimum(kb, (n - 1) // BLOCK)
@@ -126,14 +137,13 @@ if triton is not None:
                                          PAGED)
                 m_i, l_i, acc = _attend_window(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc,
                                                qk_scale, qpos, kpos, n, lo, sink, BLOCK, HEAD_DIM, PREC)
-            n_full = n_full * 0  # nothing left for the loops below
-            n_valid = n_valid * 0
+            n_full = tl.maximum(n_full, n_head)  # a head that reaches the diagonal leaves no full block
         # Fully visible blocks, KB_STEP per step: no mask work at all. Two blocks make one [2 * BLOCK] key
         # tile gathered from two pages (bigger MMAs, half the per-step softmax and rescale overhead).
-        n_main = n_full - n_full % KB_STEP
+        n_main = n_full - (n_full - n_head) % KB_STEP
         kr = tl.arange(0, KB_STEP * BLOCK)
         second = kr >= BLOCK
-        for j in range(0, n_main, KB_STEP):
+        for j in range(n_head, n_main, KB_STEP):
             kb = tl.load(idx_row + j)
             k_rows = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
             v_rows = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
@@ -155,7 +165,7 @@ if triton is not None:
                                          PAGED)
                 m_i, l_i, acc = attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale,
                                              qpos, kb * BLOCK + kn, n, BLOCK, HEAD_DIM, False, PREC)
-        for j in range(n_full, n_valid):
+        for j in range(tl.maximum(n_full, n_head), n_valid):
             kb = tl.load(idx_row + j)
             kpos = kb * BLOCK + kn
             kb = tl.minimum(kb, (n - 1) // BLOCK)  # a stray block past the end is fully masked: stay in bounds

@@ -119,10 +119,16 @@ def test_block_sparse_prefill(g: int, d: int, dtype: torch.dtype, layout: str, b
                    g * 1000 + d)
 
 
-@pytest.mark.parametrize("layout,dtype", [("paged", torch.float32), ("packed", torch.float16)])
-def test_block_sparse_prefill_with_a_row_window(layout: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("layout,dtype,bounds,config", [
+    ("paged", torch.float32, "any", None), ("packed", torch.float16, "any", None),
+    ("paged", torch.float32, "sliding", PrefillConfig(64, 2, 4, 2)),  # key blocks in pairs past the band
+    ("packed", torch.float16, "sliding", None)])
+def test_block_sparse_prefill_with_a_row_window(layout: str, dtype: torch.dtype, bounds: str,
+                                                config: PrefillConfig | None) -> None:
     """PSAW's per-row window inside the listed blocks (``window_lo``, ``sink``): the kernel and the CPU path
-    against masked attention over every key, on random windows, random block lists and a stray block."""
+    against masked attention over every key, on random block lists and a stray block, with any bound per row
+    (most blocks under the window's mask) or PSAW's sliding ones (lo = floor(f (p + 1)) - 1: a band of masked
+    blocks, the blocks above it unmasked)."""
     from dataclasses import replace
 
     from raysparse.kernels.paged_torch import block_sparse_prefill_torch
@@ -133,17 +139,24 @@ def test_block_sparse_prefill_with_a_row_window(layout: str, dtype: torch.dtype)
     seqs = _seqs(PREFILL_LENS, g, d, dtype, gen)
     sels = [_block_sel(n, nq, gen) for n, nq in PREFILL_LENS]
     sink = int(torch.randint(0, 80, (), generator=gen))
+    frac = float(torch.rand((), generator=gen)) * 0.6
     los = []
     for n, nq in PREFILL_LENS:
         pos = torch.arange(n - nq, n)
-        los.append((torch.rand(nq, generator=gen) * (pos + 1)).long())  # any bound in [0, p]
+        if bounds == "any":
+            los.append((torch.rand(nq, generator=gen) * (pos + 1)).long())  # any bound in [0, p]
+        else:
+            los.append(((frac * (pos + 1).double()).floor().long() - 1).clamp(min=0))
     q = torch.cat([s[0] for s in seqs])
     kv = _kv([s[1] for s in seqs], [s[2] for s in seqs], layout, gen)
     cu_q = torch.tensor([0] + [nq for _, nq in PREFILL_LENS]).cumsum(0).to(DEV, torch.int32)
     sel = replace(pack_block_selections(sels), window_lo=torch.cat(los).to(DEV, torch.int32), sink=sink)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=DEV)
-    block_sparse_prefill(q, kv, sel, cu_q, out=out, lse=lse)
+    if config is None:
+        block_sparse_prefill(q, kv, sel, cu_q, out=out, lse=lse)
+    else:
+        block_sparse_prefill_config(q, kv, sel, cu_q, config, out=out, lse=lse)
     want_o, want_l, cpu_o, cpu_l = [], [], [], []
     for (qi, ki, vi), one, lo, (n, nq) in zip(seqs, sels, los, PREFILL_LENS, strict=True):
         pos = torch.arange(n - nq, n, device=DEV)[:, None]
