@@ -103,12 +103,18 @@ def window_key_count(frac: float, sink: int, n: int) -> int:
     return min(sink, n) + n - min(max(sink, lo), n)
 
 
+def widest_window(frac: float, width: int) -> int:
+    """Keys in the window of a row of ``width`` keys (sinks apart): the widest any row of a bucket of that width
+    gets, since windows widen with the length (``window_lo`` of its newest query, on the host)."""
+    return width - max(window_start(frac, width) - 1, 0)
+
+
 def window_lists(frac: float, sink: int, n: torch.Tensor, width: int) -> torch.Tensor:
     """``window_keys`` of a batch's rows with n [B] keys each, at most ``width``: int32 [B, W], SENTINEL-padded,
     W fixed by ``width`` (the sinks' columns, then the widest window's)."""
     n = n.long()[:, None]
     start = torch.maximum(window_lo(frac, n - 1), n.clamp(max=sink))
-    widest = width - int(window_lo(frac, torch.tensor(width - 1)))  # windows widen with n
+    widest = widest_window(frac, width)
     s_cols = torch.arange(min(sink, width), device=n.device)
     win = start + torch.arange(min(widest, width), device=n.device)
     return torch.cat([torch.where(s_cols < n, s_cols, SENTINEL), torch.where(win < n, win, SENTINEL)], 1).int()

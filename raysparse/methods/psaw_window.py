@@ -35,7 +35,7 @@ from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import in_window, paged_tiles
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import PrefillView, SparseMethod
-from raysparse.methods.psaw import PrHSConfig, window_lo, window_start
+from raysparse.methods.psaw import PrHSConfig, widest_window, window_lo, window_start
 
 _ROWS_PER_CALL = 512  # query rows per fused call of ``window_attention_cpu``
 
@@ -208,7 +208,6 @@ class PSAWWindow(SparseMethod):
         kv, _ = cache.paged(layer, batch)
         frac, wt = self.psaw_frac(layer), kv.page_table.shape[1] * cache.page_size
         lo = window_lo(frac, kv.seqlens.long() - 1)  # the newest query's window
-        widest = wt - int(window_lo(frac, torch.tensor(wt - 1)))  # windows widen with the length
-        out, _ = paged_window_decode(q, kv, lo, self.config.sink, widest)
+        out, _ = paged_window_decode(q, kv, lo, self.config.sink, widest_window(frac, wt))
         self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)
         return out
