@@ -1,7 +1,8 @@
 """PrHS / CPE (SPEC section 5): the methods ``cis``, ``psaw``, ``etf`` and ``cpe`` = CIS + PSAW + ETF.
 
 The selectors live in cis.py, psaw.py and etf.py (each documents its conventions); this module composes
-them into backends and registers all four.
+them into backends (their schedules and prefill, per sequence and batched; the decode and CIS's retrieval
+ratio are prhs_decode.py's ``PrHSDecode``, their base) and registers all four.
 
 - ``cis``: dense prefill; CIS decode on every non-dense layer.
 - ``psaw``: exact token-level PSAW in prefill and decode at layers >= l_s; dense below.
@@ -20,8 +21,7 @@ rows select nothing and their output is zero, which is what was computed for the
 on the model shows in perplexity and accuracy) and, in decode, the exact TokenSelection; a decode that
 runs dense (ETF) calls no tracer. ``psaw`` and ``etf`` have ``density_budget = False``: ``--density`` is
 accepted and ignored (only CIS's k follows it), so the eval runs them once and reports the density their
-schedule amounts to. The retrieval ratio rho is ``retrieval_ratio``
-(overall) and ``retrieval_ratio_per_layer()`` on ``cis`` and ``cpe`` backends (``None`` before any step).
+schedule amounts to.
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from raysparse.attention import causal_pairs, dense_attention
-from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import DecodeView, PrefillView, SeqContext, method_spec
-from raysparse.methods.cis import CISConfig, cis_step
-from raysparse.methods.cis_batched import CISBatchedState, cis_batched_step, cis_step_consts
+from raysparse.methods.base import PrefillView, SeqContext, method_spec
+from raysparse.methods.cis import CISConfig
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
+from raysparse.methods.prhs_decode import PrHSDecode
 from raysparse.methods.psaw import (
     PrHSConfig,
     PSAWConfig,
@@ -45,16 +44,11 @@ from raysparse.methods.psaw import (
     depth_fraction,
     start_layer,
     visible_pairs,
-    window_key_count,
-    window_keys,
-    window_lists,
     window_lo,
     window_prefill,
-    window_start,
 )
-from raysparse.methods.psaw_window import PSAWWindow
 from raysparse.methods.registry import register
-from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask
+from raysparse.methods.selection import BlockSelection, indices_from_mask
 
 
 @dataclass(frozen=True)
@@ -62,25 +56,12 @@ class CPEConfig(CISConfig, PSAWConfig, ETFConfig):
     """All of CIS, PSAW and ETF's fields (one shared ``sink`` and ``start_layer``)."""
 
 
-class PrHSMethod(PSAWWindow):
-    """The composition; subclasses switch components on (PSAWWindow: PSAW's window seams)."""
+class PrHSMethod(PrHSDecode):
+    """The composition; subclasses switch components on (PrHSDecode: the decode, prhs_decode.py; PSAWWindow, its
+    base: PSAW's window seams)."""
 
     use_cis = use_psaw = use_etf = False
     config: PrHSConfig
-
-    def __init__(self, model_cfg: ModelConfig, config: PrHSConfig | None = None) -> None:
-        super().__init__(model_cfg, config)
-        layers = model_cfg.num_layers
-        self._retrievals: list[torch.Tensor | int] = [0] * layers
-        self._head_steps = [0] * layers
-        self._cis: CISBatchedState | None = None  # the batched decode's per-row CIS state, made at first use
-
-    def decode_forced_keys(self, n: int) -> int | None:
-        if not self.use_cis or self.use_psaw:  # PSAW's window is its own budget
-            return None
-        c = self.config
-        sink = min(c.sink, n)
-        return sink + min(c.local, n - sink)  # type: ignore[attr-defined]
 
     # ---- schedules -----------------------------------------------------------------------------
     @property
@@ -206,123 +187,6 @@ class PrHSMethod(PSAWWindow):
         if self.tracer is not None:
             self.tracer(ctx, q, k, v, self.select_prefill(ctx, q, k, v), out)
         return out, pairs
-
-    # ---- decode --------------------------------------------------------------------------------
-    def decode_seq(self, ctx, q, k, v) -> tuple[torch.Tensor, float]:
-        if self.use_cis or self.psaw_frac(ctx.layer) > 0:
-            return super().decode_seq(ctx, q, k, v)
-        return dense_attention(q[None], k, v)[0], float(ctx.n * k.shape[0])  # ETF; PSAW at layer l_s
-
-    def select_decode(self, ctx, q, k, v) -> TokenSelection:
-        n, sink = ctx.n, self.config.sink
-        lo = max(window_start(self.psaw_frac(ctx.layer), n) - 1, 0)  # PSAW window [lo, n) plus sinks
-        if self.use_cis:
-            mask, retrieved, width = cis_step(self.config, ctx.state, q, k, lo)  # type: ignore[arg-type]
-            self._retrievals[ctx.layer] = self._retrievals[ctx.layer] + retrieved.sum()
-            self._head_steps[ctx.layer] += k.shape[0]
-            return TokenSelection(indices_from_mask(mask, width), 1)
-        idx = window_keys(self.psaw_frac(ctx.layer), sink, n, k.device)
-        return TokenSelection(idx.to(torch.int32).unsqueeze(0).expand(k.shape[0], -1).contiguous(), 1)
-
-    # ---- batched decode: PSAW's window, ETF's dense decode, CIS over per-row state (cis.py) ----------------
-    def dense_decode_layer(self, layer: int) -> bool:
-        # ETF, and PSAW at l_s: dense; CIS selects on every sparse layer.
-        return self.is_dense_layer(layer) or (not self.use_cis and self.psaw_frac(layer) == 0.0)
-
-    @property
-    def row_state(self) -> bool:  # type: ignore[override]
-        return self.use_cis
-
-    def _cis_state(self, cache: KVCache) -> CISBatchedState:
-        if self._cis is None:
-            mc = self.model_cfg
-            self._cis = CISBatchedState(self.config, self.sparse_layers(),  # type: ignore[arg-type]
-                                        mc.num_heads // mc.num_kv_heads * mc.head_dim,
-                                        min(cache.capacity_tokens, mc.max_position_embeddings))
-        return self._cis
-
-    def graph_prepare(self, rows: list[int], cache: KVCache) -> None:
-        if self.use_cis:
-            self._cis_state(cache).prepare(rows, cache)
-        else:
-            super().graph_prepare(rows, cache)
-
-    def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        eager = (self.use_cis and self.batched_decode and self.tracer is None and not batch.extras.get("graph")
-                 and not self.dense_decode_layer(layer))
-        out = super().decode(layer, q, cache, batch)
-        if eager:
-            self._account_cis([layer], batch.ctx_lens, cache.num_kv_heads)
-        return out
-
-    def _meter_decode(self, layer: int, ctx_lens: list[int], num_kv_heads: int) -> None:
-        if self.use_cis and not self.dense_decode_layer(layer):
-            return  # data-dependent (shared or retrieved sets): ``_account_cis`` reads the step's count
-        super()._meter_decode(layer, ctx_lens, num_kv_heads)
-
-    def account_graph_decode(self, ctx_lens: list[int], num_kv_heads: int) -> None:
-        super().account_graph_decode(ctx_lens, num_kv_heads)
-        if self.use_cis:
-            self._account_cis(list(self.sparse_layers()), ctx_lens, num_kv_heads)
-
-    def _account_cis(self, layers: list[int], ctx_lens: list[int], num_kv_heads: int) -> None:
-        """Density and retrieval counts of the step just run at these CIS layers, for its real rows (the first
-        len(ctx_lens)): one host read of the counts the step wrote on the device, after the step."""
-        state = self._cis
-        if state is None or not layers:
-            return
-        idx = [state.index[layer] for layer in layers]
-        counts = state.rows(len(state.current or ())).counts[idx, : len(ctx_lens)].sum(1).tolist()
-        causal = float(sum(ctx_lens) * num_kv_heads)
-        for layer, (keys, retrieved) in zip(layers, counts, strict=True):
-            self.meter.add(layer, float(keys), causal, decode=True)
-            self._retrievals[layer] = self._retrievals[layer] + retrieved
-            self._head_steps[layer] += len(ctx_lens) * num_kv_heads
-
-    def step_keys(self, layer: int) -> list[int]:
-        """CIS: keys each row of the last batched step attended at this layer, summed over KV heads."""
-        state = self._cis
-        assert state is not None and state.current is not None, "no batched CIS step has run"
-        return state.rows(len(state.current)).counts[state.index[layer], :, 0].tolist()
-
-    def release(self, seq_id: int) -> None:
-        if self._cis is not None:
-            self._cis.forget(seq_id)
-        super().release(seq_id)
-
-    def _window_lo(self, layer: int, n: torch.Tensor) -> torch.Tensor:
-        """Lowest visible non-sink key of the newest query of rows with n keys (``window_start`` in fp64)."""
-        return window_lo(self.psaw_frac(layer), n - 1)
-
-    def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
-        if self.use_cis:
-            state, n, wt = self._cis_state(view.cache), view.seqlens.long(), view.width_tokens
-            key = ("cis-step", wt)  # built by the step's first CIS layer, read by the rest
-            consts = view.batch.extras.get(key)
-            if consts is None:
-                consts = view.batch.extras[key] = cis_step_consts(self.config, n, wt, view.kv.k.shape[1])  # type: ignore
-            return cis_batched_step(self.config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
-                                    view.kv, wt, self._window_lo(layer, n) if self.use_psaw else None, consts)
-        lists = window_lists(self.psaw_frac(layer), self.config.sink, view.seqlens, view.width_tokens)
-        return lists[:, None, :].expand(-1, view.kv.k.shape[1], -1)
-
-    def decode_keys(self, layer: int, n: int) -> int:
-        if self.use_cis:
-            raise NotImplementedError("CIS's selection size is data-dependent: the step counts it (step_keys)")
-        return window_key_count(self.psaw_frac(layer), self.config.sink, n)
-
-    # ---- retrieval ratio -----------------------------------------------------------------------
-    def retrieval_ratio_per_layer(self) -> list[float | None]:
-        return [float(r) / s if s else None for r, s in zip(self._retrievals, self._head_steps, strict=True)]
-
-    @property
-    def retrieval_ratio(self) -> float | None:
-        steps = sum(self._head_steps)
-        return float(sum(float(r) for r in self._retrievals)) / steps if steps else None
-
-    def reset_stats(self) -> None:
-        self._retrievals = [0] * len(self._retrievals)
-        self._head_steps = [0] * len(self._head_steps)
 
 
 class CIS(PrHSMethod):
