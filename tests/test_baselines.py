@@ -15,13 +15,12 @@ from raysparse.methods.base import SeqContext, host_row_budget, row_budget
 from raysparse.methods.baselines import (
     Oracle,
     OracleConfig,
-    Quest,
-    QuestConfig,
     Streaming,
     StreamingConfig,
     page_bounds,
     page_upper_bound,
 )
+from raysparse.methods.quest import Quest, QuestConfig
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL
 

@@ -71,6 +71,7 @@ def register(spec: MethodSpec) -> MethodSpec:
 # Modules that register built-in methods when imported; loaded on first lookup to avoid import cycles.
 BUILTIN_MODULES: list[str] = [
     "raysparse.methods.baselines",
+    "raysparse.methods.quest",
     "raysparse.methods.delta",
     "raysparse.methods.socket",
     "raysparse.methods.sketch_walk",
