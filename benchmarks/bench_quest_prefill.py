@@ -42,6 +42,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=None, help="kernel knob: query blocks per program")
     ap.add_argument("--pages", type=int, default=None, help="kernel knob: Quest pages per program")
     ap.add_argument("--warps", type=int, default=None, help="kernel knob: num_warps")
+    ap.add_argument("--dk", type=int, default=None, help="kernel knob: head dims per product chunk")
+    ap.add_argument("--precision", default=None, help="kernel knob: tl.dot's input_precision (tf32x3, ieee); "
+                                                       "unset: exact FMAs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -71,7 +74,8 @@ def main() -> None:
     cu_q = torch.arange(bsz + 1, dtype=torch.int32, device=dev) * n
     row_seq, row_qb = query_block_rows(lens, lens, blk, dev)
     sc_args = (q, lo, hi, table_, seqlens, cu_q, row_seq, row_qb, blk, qpage, width)
-    knobs = {k: v for k, v in (("rows", args.rows), ("pages", args.pages), ("num_warps", args.warps)) if v}
+    knobs = {k: v for k, v in (("rows", args.rows), ("pages", args.pages), ("num_warps", args.warps),
+                               ("dk", args.dk), ("precision", args.precision)) if v}
     cfg = ModelConfig(97, h * d, 80, 3, h, h_kv, d, 1e-5, max(4096, n), False)
     quest = Quest(cfg, QuestConfig(density=args.density, block_size=blk, page_size=qpage))
     timer = (lambda fn: time_ms(fn)) if dev.type == "cuda" else (lambda fn: wall_ms(fn, reps=1))

@@ -15,13 +15,14 @@ the reference (per sequence, the same ops as ``_prefill_rows``, so bit-equal to 
 The Triton form runs two launches and reads the bounds in place (no fp32 copy of them, no per-page
 scores): one program per (row, query head) averages the row's queries in fp32 (``[R, h, d]``, a few MB),
 then one program per (tile of key blocks, tile of ``QT`` rows, KV head) scores the tile's ``KBT * SB`` Quest
-pages (``SB = block / quest_page``) for the ``QT * g`` query heads, as exact fp32 FMAs over chunks of ``DK``
-head dims (bounds up-cast on load; ``q+ . hi`` and ``q- . lo`` summed apart and added, as the reference's
-two products), then maxes over the group and each block's pages. A row tile is consecutive packed rows;
-where it spans sequences the program scores once per sequence with that sequence's page table and keeps
-each row's own. Tiles wholly above every row's diagonal store -inf without reading anything. Not yet timed
-on a GPU: the tile (16 query heads x 32 Quest pages, 8 head dims a chunk, 4 warps) is a first guess, and
-``benchmarks/bench_quest_prefill.py`` takes each knob as a flag.
+pages (``SB = block / quest_page``) for the ``QT * g`` query heads over chunks of ``DK`` head dims (bounds
+up-cast on load; ``q+ . hi`` and ``q- . lo`` summed apart and added, as the reference's two products), then
+maxes over the group and each block's pages. The products are tensor-core dots at "tf32x3" by default (three
+TF32 products per fp32 one: fp32's accuracy, and the bf16 bounds are exact in TF32), or exact fp32 FMAs
+(``precision="fma"``), which on an H200 took 3.0 ms a layer at 32K, slower than the per-sequence fp32 GEMMs
+they replaced (2.5 ms). A row tile is consecutive packed rows; where it spans sequences the program scores
+once per sequence with that sequence's page table and keeps each row's own. Tiles wholly above every row's
+diagonal store -inf without reading anything. ``benchmarks/bench_quest_prefill.py`` takes each knob as a flag.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ if triton is not None:
     def _score_kernel(QM, LO, HI, PT, SEQ, RSEQ, RQB, Out, n_rows, nkb, head_dim, stride_qr, stride_qh,
                       stride_lp, stride_lh, stride_ls, stride_tb, stride_oh, stride_or, QPAGE: tl.constexpr,
                       S: tl.constexpr, SB: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, QT: tl.constexpr,
-                      KBT: tl.constexpr, DK: tl.constexpr):
+                      KBT: tl.constexpr, DK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
         kvh = tl.program_id(2).to(tl.int64)
         kb0 = tl.program_id(0) * KBT
         r = tl.program_id(1) * QT + tl.arange(0, QT)
@@ -155,8 +156,12 @@ if triton is not None:
                         b_mask = live[:, None] & d_ok[None, :]
                         hi = tl.load(HI + b_off[:, None] + d[None, :], mask=b_mask, other=0.0).to(tl.float32)
                         lo = tl.load(LO + b_off[:, None] + d[None, :], mask=b_mask, other=0.0).to(tl.float32)
-                        acc_hi += tl.sum(tl.maximum(qv, 0.0)[:, None, :] * hi[None, :, :], 2)
-                        acc_lo += tl.sum(tl.minimum(qv, 0.0)[:, None, :] * lo[None, :, :], 2)
+                        if DOT:  # tensor-core products; "tf32x3" keeps fp32's accuracy (bf16 bounds are exact in tf32)
+                            acc_hi = tl.dot(tl.maximum(qv, 0.0), tl.trans(hi), acc_hi, input_precision=PREC)
+                            acc_lo = tl.dot(tl.minimum(qv, 0.0), tl.trans(lo), acc_lo, input_precision=PREC)
+                        else:
+                            acc_hi += tl.sum(tl.maximum(qv, 0.0)[:, None, :] * hi[None, :, :], 2)
+                            acc_lo += tl.sum(tl.minimum(qv, 0.0)[:, None, :] * lo[None, :, :], 2)
                     ub = tl.where((gm < G)[:, None] & live[None, :], acc_hi + acc_lo, float("-inf"))
                     blk = tl.max(tl.max(tl.reshape(ub, [QT, G_PAD, KBT, SB]), 3), 1)  # [QT, KBT]
                     res = tl.where((rseq == s)[:, None], blk, res)
@@ -165,19 +170,23 @@ if triton is not None:
         tl.store(out, res, mask=r_ok[:, None] & (kb < nkb)[None, :])
 
 
-_M = 16  # query heads (rows x the group, padded) per scoring program
-_PAGES = 32  # Quest pages per scoring program
-_DK = 8  # head dims per FMA chunk
+# Tile defaults (query heads of rows x the group padded, Quest pages, head dims per chunk) of the two forms of
+# the products: tensor-core dots (the default, "tf32x3") and exact FMAs ("fma"); 4 warps either way.
+_TILES = {"dot": (64, 64, 32), "fma": (16, 32, 8)}
+_PREC = "tf32x3"
 _WARPS = 4
 
 
 def quest_prefill_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
                          seqlens: torch.Tensor, cu_q: torch.Tensor, row_seq: torch.Tensor, row_qb: torch.Tensor,
-                         block: int, quest_page: int, nkb: int, rows: int | None = None, pages: int = _PAGES,
-                         dk: int = _DK, num_warps: int = _WARPS) -> torch.Tensor:
+                         block: int, quest_page: int, nkb: int, rows: int | None = None, pages: int | None = None,
+                         dk: int | None = None, num_warps: int = _WARPS, precision: str = _PREC) -> torch.Tensor:
     """The Triton form (no host read). ``rows`` (query blocks per scoring program; default 16 query heads'
     worth), ``pages`` (Quest pages per program, rounded up to whole key blocks), ``dk`` and ``num_warps``
-    (powers of two) are knobs for ``benchmarks/bench_quest_prefill.py``."""
+    (powers of two) are knobs for ``benchmarks/bench_quest_prefill.py``. ``precision``: the products as
+    ``tl.dot`` with that ``input_precision`` ("tf32x3", the default: fp32's accuracy on tensor cores, the bf16
+    bounds exact in tf32; "ieee"; the tile then needs 16 query heads, 16 pages and 16 head dims at least), or
+    "fma": exact fp32 FMAs."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     _, h, d = q.shape
     _, h_kv, sub, _ = lo.shape
@@ -186,7 +195,10 @@ def quest_prefill_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pa
     if block % quest_page or (block // quest_page) & (block // quest_page - 1) or h % h_kv:
         raise ValueError(f"block {block} must be a power-of-two multiple of the Quest page {quest_page}")
     g_pad, sb = next_pow2(h // h_kv), block // quest_page
-    qt = rows if rows is not None else max(1, _M // g_pad)
+    dot = precision != "fma"
+    m_def, pages_def, dk_def = _TILES["dot" if dot else "fma"]
+    qt = rows if rows is not None else max(1, m_def // g_pad)
+    pages, dk = pages or pages_def, dk or dk_def
     for name, x in (("rows", qt), ("pages", pages), ("dk", dk)):
         if x < 1 or x & (x - 1):
             raise ValueError(f"{name} must be a power of two, got {x}")
@@ -203,5 +215,6 @@ def quest_prefill_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pa
     _score_kernel[(-(-nkb // kbt), -(-n_rows // qt), h_kv)](
         qmean, lo, hi, table, seqlens, row_seq, row_qb, out, n_rows, nkb, d, qmean.stride(0), qmean.stride(1),
         lo.stride(0), lo.stride(1), lo.stride(2), table.stride(0), out.stride(0), out.stride(1), QPAGE=quest_page,
-        S=sub, SB=sb, G=h // h_kv, G_PAD=g_pad, QT=qt, KBT=kbt, DK=min(dk, next_pow2(d)), num_warps=num_warps)
+        S=sub, SB=sb, G=h // h_kv, G_PAD=g_pad, QT=qt, KBT=kbt, DK=min(dk, next_pow2(d)), DOT=dot,
+        PREC=precision if dot else "ieee", num_warps=num_warps)
     return out

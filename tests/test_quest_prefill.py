@@ -68,9 +68,11 @@ def _args(quest: Quest, cache: KVCache, batch, q: torch.Tensor):
 @pytest.mark.parametrize("block,qpage,cpage,dtype,d,knobs", [
     (16, 4, 16, torch.float32, 16, {}),  # the runtime's layout: a cache page is a block; row tiles span sequences
     (16, 4, 16, torch.bfloat16, 16, {}),  # the GPU's dtype, up-cast on load
-    (32, 8, 16, torch.float32, 16, {"rows": 1, "pages": 4}),  # two cache pages a block; one block, one row a program
-    (16, 16, 16, torch.bfloat16, 24, {"rows": 2, "pages": 2, "dk": 16}),  # one Quest page a block; d not 2^k
-    (32, 4, 32, torch.float32, 16, {"pages": 16}),  # 8 Quest pages a block, two blocks a program
+    (16, 16, 16, torch.bfloat16, 24, {"rows": 4, "pages": 16, "dk": 16}),  # dots; one Quest page a block; d not 2^k
+    (16, 4, 16, torch.bfloat16, 16, {"precision": "fma"}),  # the exact FMAs
+    (32, 8, 16, torch.float32, 16, {"rows": 1, "pages": 4, "precision": "fma"}),  # one block, one row a program
+    (16, 16, 16, torch.bfloat16, 24, {"rows": 2, "pages": 2, "dk": 16, "precision": "fma"}),
+    (32, 4, 32, torch.float32, 16, {"pages": 16, "precision": "fma"}),  # 8 Quest pages a block, two blocks a program
 ])
 def test_scores_match_the_per_sequence_reference(block, qpage, cpage, dtype, d, knobs):
     seed = _seed()
