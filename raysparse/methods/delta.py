@@ -73,6 +73,10 @@ Measured on the default model (SmolLM2-135M, CPU, 2026-11-25; BENCHMARKS.md "Del
   the same real density its dense rows (1.7% of a sparse layer's pairs, ~19% of its budget at density 0.15)
   cost the base more than the correction returns: perplexity 28.54 against streaming's 28.19 and Sketch&Walk's
   27.59 against Delta over it 28.01 at 7680 tokens. Issue 16's ">= 50% of the gap" is not reached.
+- No fallback to the base at its whole budget: the check rows cannot tell when one is needed. Per layer
+  (teacher-forced, 4096 tokens, density 0.15), Delta's output error is 0.67-0.97x that of the base alone at
+  the whole budget in every layer, the early layers gaining most; yet Delta in layer 2 or 5 alone raises
+  perplexity and KL end to end, while in layers 20 or 29 it is neutral (``benchmarks/probe_delta_layers.py``).
 """
 
 from __future__ import annotations
