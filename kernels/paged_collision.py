@@ -3,11 +3,8 @@
 ``probs [B, h, L, R]`` fp32 (the batch's group-reduced bucket distributions), ``ids [pages + 1, h, L, page]``
 (a cache page's bucket ids per KV head and table, any integer dtype), ``norms [pages + 1, h, page]`` fp32 or
 None, ``page_table [B, W]`` int32 and ``seqlens [B]`` -> fp32 ``[B, h, W * page]``: ``sum_l probs[l,
-id_l(j)]`` (times ``||v_j||``) for every token j of each row, -inf past the row's length. Given each row's
-``sink`` and ``local`` [B] (integers, sink + local <= length), the scores come in ``select_list``'s encoding:
-+inf for the forced tokens (j < sink, and the local window n - local <= j < n), -inf past the length, the
-score only in the middle (whose pages alone are read). Fixed shapes, no host read: it runs inside a captured
-decode step. The PyTorch form is the reference and the CPU path.
+id_l(j)]`` (times ``||v_j||``) for every token j of each row, -inf past the row's length. Fixed shapes, no
+host read: it runs inside a captured decode step. The PyTorch form is the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ _GATHER_ELEMS = 1 << 18  # table entries gathered at once by the PyTorch form (b
 
 
 def paged_collision_torch(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None,
-                          page_table: torch.Tensor, seqlens: torch.Tensor, sink: torch.Tensor | None = None,
-                          local: torch.Tensor | None = None) -> torch.Tensor:
+                          page_table: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
     # Pages are read with one index_select per chunk of pages and scored in their pool layout [B, pages, h, L,
     # page] against the probabilities broadcast over the pages, every table at once: no permuted copy of the
     # ids, and chunks small enough to stay in cache (1.6x faster on a CPU than table chunks over a permuted
@@ -41,34 +37,24 @@ def paged_collision_torch(probs: torch.Tensor, ids: torch.Tensor, norms: torch.T
         score *= norms.index_select(0, table.reshape(-1)).view(b, width, h, page)
     score = score.transpose(1, 2).reshape(b, h, width * page)
     j = torch.arange(width * page, device=probs.device)
-    n = seqlens.long()[:, None, None]
-    if sink is None or local is None:
-        return score.masked_fill(j >= n, float("-inf"))
-    s, lo = sink.long()[:, None, None], n - local.long()[:, None, None]  # the middle is [s, lo)
-    score = score.masked_fill((j < s) | (j >= lo), float("-inf"))
-    return score.masked_fill_((j < s) | ((j >= lo) & (j < n)), float("inf"))
+    return score.masked_fill(j >= seqlens.long()[:, None, None], float("-inf"))
 
 
 if triton is not None:
 
     @triton.jit
-    def _paged_collision_kernel(P, IDS, NORM, PT, SEQ, SINK, LOCAL, Out, tables, width,
+    def _paged_collision_kernel(P, IDS, NORM, PT, SEQ, Out, tables, width,
                                 stride_pb, stride_ph, stride_pl, stride_ip, stride_ih, stride_il,
                                 stride_np, stride_nh, stride_tb, stride_ob, stride_oh,
-                                PAGE: tl.constexpr, HAS_NORM: tl.constexpr, FORCED: tl.constexpr):
+                                PAGE: tl.constexpr, HAS_NORM: tl.constexpr):
         j = tl.program_id(0)  # one page of the row
         h = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
         n = tl.load(SEQ + b)
         tok = j * PAGE + tl.arange(0, PAGE)
+        ok = tok < n
         out_row = Out + b * stride_ob + h * stride_oh + tok
-        if FORCED:  # the scored middle is [sink, n - local)
-            lo = tl.load(SINK + b)
-            hi = n - tl.load(LOCAL + b)
-        else:
-            lo = 0
-            hi = n
-        if (j * PAGE < hi) & (j * PAGE + PAGE > lo):
+        if j * PAGE < n:
             pg = tl.load(PT + b * stride_tb + j).to(tl.int64)
             off = tl.arange(0, PAGE)
             id_row = IDS + pg * stride_ip + h * stride_ih + off
@@ -79,33 +65,24 @@ if triton is not None:
                 acc += tl.load(prob_row + t * stride_pl + ids)
             if HAS_NORM:
                 acc *= tl.load(NORM + pg * stride_np + h * stride_nh + off)
-            val = tl.where((tok >= lo) & (tok < hi), acc, float("-inf"))
+            tl.store(out_row, tl.where(ok, acc, float("-inf")))
         else:
-            val = tl.full([PAGE], float("-inf"), tl.float32)
-        if FORCED:
-            val = tl.where((tok < lo) | ((tok >= hi) & (tok < n)), float("inf"), val)
-        tl.store(out_row, val)
+            tl.store(out_row, tl.full([PAGE], float("-inf"), tl.float32))
 
 
 def paged_collision(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None, page_table: torch.Tensor,
-                    seqlens: torch.Tensor, num_warps: int = 2, sink: torch.Tensor | None = None,
-                    local: torch.Tensor | None = None) -> torch.Tensor:
+                    seqlens: torch.Tensor, num_warps: int = 2) -> torch.Tensor:
     """The Triton form: one program per (page of the row, KV head, row), one table's ids of its page per load
     (loading several tables' at once measured slower on an H200: BENCHMARKS.md, "Decode scorers that fill the
-    GPU"); a page wholly forced or past the length reads nothing. ``num_warps`` is a knob for
-    ``benchmarks/bench_decode_scorers.py``."""
+    GPU"). ``num_warps`` is a knob for ``benchmarks/bench_decode_scorers.py``."""
     b, h, tables, _ = probs.shape
     page, width = ids.shape[-1], page_table.shape[1]
     probs = probs if probs.dtype == torch.float32 and probs.is_contiguous() else probs.float().contiguous()
     out = torch.empty(b, h, width * page, dtype=torch.float32, device=probs.device)
     nrm = norms if norms is not None else probs
-    forced = sink is not None and local is not None
-    if forced:  # one element per row, read at offset b
-        sink, local = (t if t.stride(0) == 1 else t.contiguous() for t in (sink, local))
     _paged_collision_kernel[(width, h, b)](
-        probs, ids, nrm, page_table, seqlens, sink if forced else seqlens, local if forced else seqlens, out,
-        tables, width,
+        probs, ids, nrm, page_table, seqlens, out, tables, width,
         probs.stride(0), probs.stride(1), probs.stride(2), ids.stride(0), ids.stride(1), ids.stride(2),
         nrm.stride(0), nrm.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
-        PAGE=page, HAS_NORM=norms is not None, FORCED=forced, num_warps=num_warps)
+        PAGE=page, HAS_NORM=norms is not None, num_warps=num_warps)
     return out
