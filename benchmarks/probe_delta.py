@@ -221,6 +221,18 @@ def diagnose(model, ids: list[int], density: float | None, modes: list[str], eve
     return rows_out
 
 
+def load_window(tokens: int, offset: int, threads: int = 0) -> tuple[object, list[int], str]:
+    """The default model, and the ids of ``tokens`` tokens of the shared texts from character ``offset`` (with
+    where they came from); ``threads`` > 0 sets torch's CPU threads."""
+    if threads:
+        torch.set_num_threads(threads)
+    src = materialize(resolve_source(None))
+    cfg = load_hf_config(src)
+    tok, model = load_tokenizer(src), load_model(src, hf_config=cfg)
+    text, source = load_haystack_text(None)
+    return model, tok(text[offset:offset + 40 * tokens])["input_ids"][:tokens], source
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -236,13 +248,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--dense-cache", default=None, help="keep the dense run's log-probabilities here and reuse them")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    src = materialize(resolve_source(None))
-    cfg = load_hf_config(src)
-    tok, model = load_tokenizer(src), load_model(src, hf_config=cfg)
-    text, source = load_haystack_text(None)
-    ids = tok(text[args.offset:args.offset + 40 * args.tokens])["input_ids"][: args.tokens]
+    model, ids, source = load_window(args.tokens, args.offset, args.threads)
     scored = len(ids) * 3 // 4  # perplexity of the last quarter, as the eval harness scores it
     d = None if args.density == "none" else float(args.density)
     record: dict = {"source": source, "tokens": len(ids), "density": d, "offset": args.offset, "runs": []}

@@ -28,14 +28,12 @@ import os
 import time
 
 import torch
-from probe_delta import Recorder, parse_run, window_attention
+from probe_delta import Recorder, load_window, parse_run, window_attention
 
 from raysparse.kv_cache import KVCache
-from raysparse.loader import load_hf_config, load_model, load_tokenizer, materialize, resolve_source
 from raysparse.methods.base import SeqContext
 from raysparse.methods.delta import Delta
 from raysparse.methods.registry import create_backend
-from raysparse.workload import load_haystack_text
 
 
 class DeltaIn(Delta):
@@ -112,13 +110,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--dense-cache", default=None, help="keep the dense run's log-probabilities here and reuse them")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    src = materialize(resolve_source(None))
-    cfg = load_hf_config(src)
-    tok, model = load_tokenizer(src), load_model(src, hf_config=cfg)
-    text, source = load_haystack_text(None)
-    ids = tok(text[args.offset:args.offset + 40 * args.tokens])["input_ids"][: args.tokens]
+    model, ids, source = load_window(args.tokens, args.offset, args.threads)
     scored = len(ids) * 3 // 4
     record: dict = {"source": source, "tokens": len(ids), "density": args.density, "offset": args.offset}
     print(f"{source}; {len(ids)} tokens; density {args.density}")
