@@ -10,7 +10,7 @@ each KV head, row r and key block j <= row_qb[r], the max over the Quest pages o
 valid queries (query head g of the group) - ``Quest._prefill_rows``' score, its group reduced by max as in
 ``scorer_reference.page_upper_bound``. Entries past the causal limit (j > row_qb[r], every j past the
 sequence's blocks included) are -inf; the selection masks them anyway. The PyTorch form is the CPU path and
-the reference (per sequence, the same ops as ``_prefill_rows``, so bit-equal to it on one device).
+the reference (per sequence, sharing ``block_scores`` with ``_prefill_rows``: bit-equal to it on one device).
 
 The Triton form runs two launches and reads the bounds in place (no fp32 copy of them, no per-page
 scores): one program per (row, query head) averages the row's queries in fp32 (``[R, h, d]``, a few MB),
@@ -35,7 +35,24 @@ import torch.nn.functional as F
 from .common import next_pow2, tl, triton
 from .scorer_reference import page_upper_bound
 
-_CHUNK_ELEMS = 1 << 24  # per-page scores materialised per chunk of rows in the PyTorch form (as the reference)
+_CHUNK_ELEMS = 1 << 24  # per-page scores materialised per chunk of query blocks in the PyTorch form
+
+
+def block_scores(qmean: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block: int, quest_page: int,
+                 nkb: int) -> torch.Tensor:
+    """One sequence's block scores in PyTorch: query-block means qmean [h_kv, g, nqb, d] against its Quest pages'
+    bounds lo, hi [h_kv, pages, d] (fp32) -> [h_kv, nqb, nkb], each key block's max over its pages (-inf past
+    the pages), the group reduced by ``page_upper_bound``; chunked so that at most ``_CHUNK_ELEMS`` per-page
+    scores exist at once. ``Quest._prefill_scores`` (the reference) and the PyTorch form below share it."""
+    h_kv, g, nqb, _ = qmean.shape
+    pages, sub = lo.shape[1], block // quest_page
+    score = torch.empty(h_kv, nqb, nkb, device=qmean.device)
+    step = max(1, _CHUNK_ELEMS // (h_kv * g * pages))
+    for c0 in range(0, nqb, step):
+        ub = page_upper_bound(qmean[:, :, c0: c0 + step], lo, hi)
+        ub = F.pad(ub, (0, nkb * sub - pages), value=-math.inf)
+        score[:, c0: c0 + step] = ub.view(h_kv, ub.shape[1], nkb, sub).amax(-1)
+    return score
 
 
 def query_block_rows(q_lens: list[int], ctx_lens: list[int], block: int,
@@ -76,12 +93,7 @@ def quest_prefill_scores_torch(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tens
         pages, nkb_i = -(-n // p), -(-n // b)
         lo_i = lo[table].transpose(0, 1).flatten(1, 2)[:, :pages].float()  # [h_kv, pages, d]
         hi_i = hi[table].transpose(0, 1).flatten(1, 2)[:, :pages].float()
-        score = torch.empty(h_kv, nqb, nkb_i, device=q.device)
-        step = max(1, _CHUNK_ELEMS // (h * pages))
-        for c0 in range(0, nqb, step):
-            ub = page_upper_bound(qmean[:, :, c0: c0 + step], lo_i, hi_i)
-            ub = F.pad(ub, (0, nkb_i * (b // p) - pages), value=-math.inf)
-            score[:, c0: c0 + step] = ub.view(h_kv, ub.shape[1], nkb_i, b // p).amax(-1)
+        score = block_scores(qmean, lo_i, hi_i, b, p, nkb_i)
         qb = torch.arange(qb0, qb0 + nqb, device=q.device)
         causal = torch.arange(nkb_i, device=q.device)[None, :] <= qb[:, None]
         out[:, r: r + nqb, :nkb_i] = score.masked_fill(~causal, -math.inf)

@@ -23,12 +23,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from raysparse.kernels.dispatch import triton_wanted
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
-from raysparse.kernels.quest_prefill import quest_prefill_scores, quest_prefill_scores_torch
+from raysparse.kernels.quest_prefill import block_scores, quest_prefill_scores, quest_prefill_scores_torch
 from raysparse.kernels.row_select import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
 from raysparse.kv_cache import BatchMeta, KVCache
@@ -46,7 +45,6 @@ from raysparse.methods.baselines import query_blocks, scalar_budget
 from raysparse.methods.registry import register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 
-_CHUNK_ELEMS = 1 << 24  # per-page bounds per chunk of query blocks (as kernels/quest_prefill.py: bit-equal)
 
 @dataclass(frozen=True)
 class QuestConfig(MethodConfig):
@@ -201,19 +199,11 @@ class Quest(SparseMethod):
         blocks: the max bound over each key block's pages (-inf past n), of the mean of each query block's
         valid queries. The reference of ``kernels/quest_prefill.py``."""
         b = self.config.block_size
-        p = self.config.page_size
-        h_kv, pages, d = lo.shape
+        h_kv, _, d = lo.shape
         qf, valid, qb = query_blocks(q, ctx, b)
         qmean = (qf * valid[..., None, None]).sum(1) / valid.sum(1).clamp(min=1)[:, None, None]  # [nqb, h, d]
         qmean = qmean.view(len(qb), h_kv, -1, d).permute(1, 2, 0, 3)  # [h_kv, g, nqb, d]
-        nkb = -(-ctx.n // b)
-        score = torch.empty(h_kv, len(qb), nkb, device=q.device)
-        step = max(1, _CHUNK_ELEMS // (q.shape[1] * pages))
-        for c0 in range(0, len(qb), step):
-            ub = page_upper_bound(qmean[:, :, c0: c0 + step], lo, hi)
-            ub = F.pad(ub, (0, nkb * (b // p) - pages), value=-math.inf)
-            score[:, c0: c0 + step] = ub.view(h_kv, ub.shape[1], nkb, b // p).amax(-1)
-        return score, qb
+        return block_scores(qmean, lo, hi, b, self.config.page_size, -(-ctx.n // b)), qb
 
     def _block_mask(self, score: torch.Tensor, qb: torch.Tensor, last_row: int) -> torch.Tensor:
         """The sink block and the diagonal, plus each row's top causal blocks by ``score`` to its budget."""
