@@ -13,7 +13,9 @@ j * batch + b), every part sum random (as stale sums of reused pages; the fresh 
 The whole selection (scores, heads' combine, part list; ``decode_unit="part"``): ``ms_sel_ref`` the PyTorch
 form (both switches off), ``ms_sel_mixed`` the part-score kernels + PyTorch's combine and choice
 (``RuntimeConfig(part_select=False)``), ``ms_sel_kernel`` ``part_combine`` + ``part_select`` (two launches: the
-default on CUDA), of which ``ms_combine`` and ``ms_select`` alone.
+default on CUDA), of which ``ms_combine`` and ``ms_select`` alone; ``ms_select_one_program`` and
+``ms_select_radix`` time ``part_select``'s two paths on the same rows (``paths_lists_diff``: rows whose lists
+differ between them, must be 0): which one ``part_select`` takes from which width is decided by these.
 
 Agreement, every case, from the same state: ``max_abs_diff`` of the finite scores (the empty parts must be
 -inf on both sides), ``state_equal`` (the updated part sums, bit for bit) and ``lists_diff`` (rows whose
@@ -155,6 +157,12 @@ def _selection(path: PartsDecode, ks: torch.Tensor, start: torch.Tensor, table: 
     rec["ms_sel_kernel"] = timer(sel_kernel)
     rec["ms_combine"] = timer(combine)
     rec["ms_select"] = timer(lambda: part_select(x, *args, num_warps=warps))
+    # the two paths of part_select on the same rows: one program a row, and marks + select_list's radix
+    one = part_select(x, *args, num_warps=warps, wide_min=wid + 1)
+    many = part_select(x, *args, wide_min=1)
+    rec["paths_lists_diff"] = int((one != many).any(-1).sum())
+    rec["ms_select_one_program"] = timer(lambda: part_select(x, *args, num_warps=warps, wide_min=wid + 1))
+    rec["ms_select_radix"] = timer(lambda: part_select(x, *args, wide_min=1))
     rec["sel_speedup"] = rec["ms_sel_ref"] / rec["ms_sel_kernel"]
     return rec
 
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [case(b, c, r, args.smoke, args.tile, args.warps) for r in dims for c in contexts for b in batches]
     path = write_json("bench_part_scores.json", {"env": environment(), "smoke": args.smoke, "rows": rows})
     bad = [row for row in rows if not (row["inf_equal"] and row["state_equal"] and row["max_abs_diff"] < 1e-3
-                                       and row["sel_bits_diff"] == 0)]
+                                       and row["sel_bits_diff"] == 0 and row["paths_lists_diff"] == 0)]
     how = "wall time, tiny sizes" if args.smoke else "CUDA-graph replays"
     print(f"paired part scores and selection per sparse layer, PyTorch form vs kernels ({how}; {path})")
     if bad:
@@ -190,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              ("ms_sel_kernel", "kernels ms"), ("ms_combine", "combine ms"),
                              ("ms_select", "select ms"), ("sel_speedup", "speedup"),
                              ("sel_lists_diff", "lists diff"), ("sel_bits_diff", "bits diff")]))
+    print("the part list alone: one program a row against marks + select_list's radix path:")
+    print(table(rows, key + [("ms_select", "default ms"), ("ms_select_one_program", "one program ms"),
+                             ("ms_select_radix", "radix ms"), ("paths_lists_diff", "lists diff")]))
     return {"rows": rows}
 
 

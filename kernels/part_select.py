@@ -21,6 +21,14 @@ about 15 kernels per sparse layer), becomes ``_select_kernel``, one program per 
   than this one);
 - writes the forced parts and the picks ascending (``tl.cumsum`` positions), then -1 up to the width.
 
+Wide rows (at least ``wide_min`` parts, default past ``row_select.SINGLE_MAX``) spread over many programs
+instead: one program per row holds the whole row, so at one 131072-token request (16384 parts) a single SM
+ran the 32 passes and took 83 us a sparse layer on the H200, more than the attend it serves. There
+``_mark_kernel`` (batch rows x tiles of parts) finalises the scores the same way and writes them with the
+forced parts as +inf and the non-candidates as -inf, and the row's pick count; ``row_select.select_list``'s
+multi-program radix path then lists them. Its contract is this kernel's: the forced entries and the kk best
+candidates by (fp32 score descending, part ascending), ascending, -1 padded, so the two paths agree bit for bit.
+
 The list is ``_choose_parts``'s bit for bit on the same fp32 scores, ties included; the fp32 scores agree
 with ``_combine_heads``'s except where the fp64 exp or log (libdevice here, PyTorch's own there) or the heads'
 summation order moves an fp64 result across an fp32 rounding boundary.
@@ -30,13 +38,61 @@ from __future__ import annotations
 
 import torch
 
-from .common import fp32_value, kth_key, row_budget_units, take_at_threshold, tl, triton
+from .common import fp32_value, kth_key, next_pow2, row_budget_units, take_at_threshold, tl, triton
+from .row_select import SINGLE_MAX, select_list_triton
 
 HEADS = ("pair", "pair-lse")
 TINY64 = torch.finfo(torch.float64).tiny  # _combine_heads' clamp before the log
 
 
 if triton is not None:
+
+    @triton.jit
+    def _finalise(x, LSE: tl.constexpr, DIV: tl.constexpr, TINY: tl.constexpr):
+        """``_combine_heads``' finalisation of the reduced partial, rounded to fp32."""
+        if LSE:
+            x = tl.log(tl.maximum(x, tl.full((), TINY, tl.float64)))
+        else:  # fp64 `/` is IEEE division (only fp32's is approximate)
+            x = x / tl.full((), DIV, tl.float64)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _row_parts(nn, cols, inside, SIZE: tl.constexpr, P: tl.constexpr, LOCAL: tl.constexpr):
+        """A row's parts from its length: (forced: the sink and local blocks' filled parts, candidates: the
+        other filled parts), and its block count."""
+        held = (nn + SIZE - 1) // SIZE  # parts holding a token
+        nb = (nn + SIZE * P - 1) // (SIZE * P)  # blocks
+        blk = cols // P
+        filled = (cols < held) & inside
+        forced = ((blk == 0) | (blk >= nb - LOCAL)) & filled
+        return forced, filled & ~forced, nb
+
+    @triton.jit
+    def _mark_kernel(X, N, SCORE, KK, SC, density,
+                     SIZE: tl.constexpr, P: tl.constexpr, LOCAL: tl.constexpr, LSE: tl.constexpr,
+                     DIV: tl.constexpr, TINY: tl.constexpr, WID: tl.constexpr, K: tl.constexpr,
+                     TP: tl.constexpr, SCORES: tl.constexpr):
+        b = tl.program_id(0)
+        nn = tl.load(N + b)
+        cols = tl.program_id(1) * TP + tl.arange(0, TP)
+        inside = cols < WID
+        x = _finalise(tl.load(X + b * WID + cols, mask=inside, other=0.0), LSE, DIV, TINY)
+        if SCORES:
+            tl.store(SC + b * WID + cols, x, mask=inside)
+        forced, cand, nb = _row_parts(nn, cols, inside, SIZE, P, LOCAL)
+        # select_list reads +-inf as forced / excluded, so a candidate's infinite score (a "pair-lse" exp past
+        # fp64's range, a "pair" partial of infinite sums) is marked +-FLT_MAX: the same rank, as no finalised
+        # score of finite sketches reaches FLT_MAX ("pair-lse" scores are logs of fp64 values, at most 710)
+        fmax = 3.4028234663852886e38
+        marked = tl.where(forced, float("inf"), tl.where(cand, tl.minimum(tl.maximum(x, -fmax), fmax), float("-inf")))
+        tl.store(SCORE + b * WID + cols, marked, mask=inside)
+        if tl.program_id(1) == 0:
+            # the forced parts lie in block 0 and in blocks nb - LOCAL on, all filled but the last block's
+            # tail: min(held, P) + held - max(P, (nb - LOCAL) * P) parts (select_list clamps to candidates)
+            held = (nn + SIZE - 1) // SIZE
+            nforced = tl.minimum(held, P) + tl.maximum(held - tl.maximum((nb - LOCAL) * P, P), 0)
+            budget = row_budget_units(nb, density) * P
+            tl.store(KK + b, tl.minimum(tl.maximum(budget - nforced, 0), K).to(tl.int32))
 
     @triton.jit
     def _select_kernel(X, N, OUT, SC, density,
@@ -47,21 +103,11 @@ if triton is not None:
         nn = tl.load(N + b)
         cols = tl.arange(0, WP)
         inside = cols < WID
-        x = tl.load(X + b * WID + cols, mask=inside, other=0.0)
-        if LSE:
-            x = tl.log(tl.maximum(x, tl.full((), TINY, tl.float64)))
-        else:  # fp64 `/` is IEEE division (only fp32's is approximate)
-            x = x / tl.full((), DIV, tl.float64)
-        x = x.to(tl.float32)
+        x = _finalise(tl.load(X + b * WID + cols, mask=inside, other=0.0), LSE, DIV, TINY)
         if SCORES:  # the fp32 scores ranked, for tests
             tl.store(SC + b * WID + cols, x, mask=inside)
 
-        held = (nn + SIZE - 1) // SIZE  # parts holding a token
-        nb = (nn + SIZE * P - 1) // (SIZE * P)  # blocks
-        blk = cols // P
-        filled = (cols < held) & inside
-        forced = ((blk == 0) | (blk >= nb - LOCAL)) & filled
-        cand = filled & ~forced
+        forced, cand, nb = _row_parts(nn, cols, inside, SIZE, P, LOCAL)
         budget = row_budget_units(nb, density) * P
         nforced = tl.sum(forced.to(tl.int32), 0)
         ncand = tl.sum(cand.to(tl.int32), 0)
@@ -80,13 +126,15 @@ if triton is not None:
 
 def part_select(x: torch.Tensor, n: torch.Tensor, heads: str, num_heads: int, block: int, parts: int,
                 local_blocks: int, density: float, top: int, out_width: int, out: torch.Tensor | None = None,
-                scores: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
+                scores: torch.Tensor | None = None, num_warps: int | None = None,
+                wide_min: int = SINGLE_MAX + 1) -> torch.Tensor:
     """x [bsz, w * P] fp64: the heads' combined partial (``part_combine``'s, reduced over shards); n [bsz]
     int64 lengths (the new token included, at most w * block); ``heads`` "pair" / "pair-lse"; ``num_heads``
     the divisor of "pair" (the model's KV heads under tensor parallelism, else this shard's); ``top`` the
     static top width (``paired_constants``' ``p_k``), ``out_width`` the list width (``p_width``). Returns the
     ascending, -1 padded part lists [bsz, out_width] int32 (in ``out`` if given, contiguous); ``scores``
-    [bsz, w * P] fp32, if given, receives the finalised scores ranked."""
+    [bsz, w * P] fp32, if given, receives the finalised scores ranked. Rows of at least ``wide_min`` parts
+    take the multi-program path (``_mark_kernel`` + ``select_list``; the same lists)."""
     if heads not in HEADS:
         raise ValueError(f"part_select combines heads {HEADS}, got {heads!r}")
     bsz, width = x.shape
@@ -98,13 +146,20 @@ def part_select(x: torch.Tensor, n: torch.Tensor, heads: str, num_heads: int, bl
         out = torch.empty(bsz, out_width, dtype=torch.int32, device=x.device)
     if scores is not None and (scores.shape != x.shape or scores.dtype != torch.float32 or not scores.is_contiguous()):
         raise ValueError("scores must be [bsz, w * P] fp32 contiguous")
+    dens = fp32_value(density)
+    common = dict(SIZE=block // parts, P=parts, LOCAL=local_blocks, LSE=heads == "pair-lse", DIV=num_heads,
+                  TINY=TINY64, WID=width, K=top, SCORES=scores is not None)
+    if width >= wide_min:
+        marked = torch.empty(bsz, width, dtype=torch.float32, device=x.device)
+        kk = torch.empty(bsz, dtype=torch.int32, device=x.device)
+        tile = min(1024, next_pow2(width))
+        _mark_kernel[(bsz, -(-width // tile))](x, n, marked, kk, scores if scores is not None else x, dens,
+                                               TP=tile, num_warps=4, **common)
+        # past wide_min the radix path, whatever select_list's own one-program bound
+        return select_list_triton(marked, kk, top, out_width, single_max=min(SINGLE_MAX, wide_min - 1), out=out)
     wp = 1 << max(width - 1, 0).bit_length()
     if num_warps is None:  # ~16-32 parts a thread
         num_warps = 4 if wp <= 1024 else 8 if wp <= 4096 else 16
-    dens = fp32_value(density)
-    _select_kernel[(bsz,)](x, n, out, scores if scores is not None else x, dens,
-                           SIZE=block // parts, P=parts, LOCAL=local_blocks, LSE=heads == "pair-lse",
-                           DIV=num_heads, TINY=TINY64, WID=width, WP=wp, K=top, OUTW=out_width,
-                           OP=1 << max(out_width - 1, 0).bit_length(), SCORES=scores is not None,
-                           num_warps=num_warps)
+    _select_kernel[(bsz,)](x, n, out, scores if scores is not None else x, dens, WP=wp, OUTW=out_width,
+                           OP=1 << max(out_width - 1, 0).bit_length(), num_warps=num_warps, **common)
     return out

@@ -21,7 +21,8 @@ from triton_env import DEV  # before raysparse.kernels: without a GPU it picks t
 import raysparse.kernels.part_scores as ps
 import raysparse.kernels.part_select as psel
 from raysparse.kernels.common import interpreting
-from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
+from raysparse.methods.sketch_walk import SketchWalk
+from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_parts import PartsDecode
 
 
@@ -107,8 +108,12 @@ def _partials(g: torch.Generator, heads: str, bsz: int, wid: int, ties: bool) ->
 
 @pytest.mark.parametrize("heads", ["pair", "pair-lse"])
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "spread"])
-@pytest.mark.parametrize("parts,width,local", [(4, 40, 1), (8, 24, 2), (1, 70, 1), (2, 300, 3)])
-def test_select_matches_choose_parts(heads, ties, parts, width, local):
+@pytest.mark.parametrize("parts,width,local,wide", [
+    (4, 40, 1, False), (8, 24, 2, False), (1, 70, 1, False), (2, 300, 3, False),
+    (4, 40, 1, True), (8, 24, 2, True), (8, 300, 2, True),  # the multi-program path; the last in 3 chunks
+])
+def test_select_matches_choose_parts(heads, ties, parts, width, local, wide):
+    """Both paths (one program a row, and wide rows' marks + ``select_list``) bit for bit as ``_choose_parts``."""
     g = _seed()
     density = float(torch.empty(()).uniform_(0.05, 0.6, generator=g))
     wid, bsz = width * parts, 6
@@ -127,7 +132,8 @@ def test_select_matches_choose_parts(heads, ties, parts, width, local):
     want_scores = _combine(heads, torch.zeros(1, bsz, wid, device=DEV), lambda _: reduced, kv)
     out = torch.full((bsz, st["p_width"]), -7, dtype=torch.int32, device=DEV)
     sc = torch.full((bsz, wid), float("nan"), device=DEV)
-    got = psel.part_select(x, n, heads, kv, B, parts, local, density, st["p_k"], st["p_width"], out=out, scores=sc)
+    got = psel.part_select(x, n, heads, kv, B, parts, local, density, st["p_k"], st["p_width"], out=out, scores=sc,
+                           wide_min=1 if wide else psel.SINGLE_MAX + 1)
     assert got.data_ptr() == out.data_ptr()
     # the scores ranked: _combine_heads' finalisation (exact but for fp64 log rounding in another library)
     torch.testing.assert_close(sc, want_scores, rtol=1e-6, atol=0.0)
