@@ -142,7 +142,7 @@ def main() -> None:
         contexts, model, random_weights, dtype, args.new_tokens = [512], None, False, "float32", 6
     from bench_common import method_spec
 
-    from raysparse.methods.sketch_walk import GRAPH_DECODE
+    from raysparse.methods.sketch_walk_config import GRAPH_DECODE
 
     def params(entry: str) -> tuple[str, dict[str, Any]]:
         """``name`` or ``name:key=value:...`` (values as JSON where they parse); --density reaches the methods

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common when ru
 
 from bench_common import environment, table, time_ms, wall_ms, write_json  # noqa: E402
 
-from raysparse.methods.sketch_walk import GRAPH_DECODE  # noqa: E402
+from raysparse.methods.sketch_walk_config import GRAPH_DECODE  # noqa: E402
 from raysparse.methods.sketch_walk_rows import RowsDecode  # noqa: E402
 
 BLOCK, DENSITY = 64, 0.1

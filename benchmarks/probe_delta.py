@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.kv_cache import KVCache
 from raysparse.loader import load_hf_config, load_model, load_tokenizer, materialize, resolve_source
-from raysparse.methods.base import SeqContext, SparseMethod
+from raysparse.methods.base import SparseMethod
 from raysparse.methods.registry import create_backend
+from raysparse.methods.views import SeqContext
 from raysparse.workload import load_haystack_text
 
 GAMMA = 64

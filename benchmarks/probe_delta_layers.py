@@ -31,9 +31,9 @@ import torch
 from probe_delta import Recorder, load_window, parse_run, window_attention
 
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import SeqContext
 from raysparse.methods.delta import Delta
 from raysparse.methods.registry import create_backend
+from raysparse.methods.views import SeqContext
 
 
 class DeltaIn(Delta):

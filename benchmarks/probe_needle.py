@@ -37,9 +37,10 @@ import torch
 from probe_sketch_walk import Recorder
 
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import SeqContext, row_budget
+from raysparse.methods.budget import row_budget
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL
+from raysparse.methods.views import SeqContext
 
 SPEC_SCORING = "heads=mean;sub_blocks=1;decode_unit=block"  # the scoring of every setting before the key parts
 DEFAULT_SETTINGS = tuple(f"sketch_walk:{s};{SPEC_SCORING}" for s in (

@@ -28,9 +28,12 @@ import torch
 from raysparse.attention import dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import SeqContext, SparseMethod, row_budget
+from raysparse.methods.base import SparseMethod
+from raysparse.methods.budget import row_budget
 from raysparse.methods.selection import mask_from_indices, topk_mask
-from raysparse.methods.sketch_walk import WALKS, SketchWalk, SketchWalkConfig
+from raysparse.methods.sketch_walk import SketchWalk
+from raysparse.methods.sketch_walk_config import WALKS, SketchWalkConfig
+from raysparse.methods.views import SeqContext
 
 
 class Recorder(SparseMethod):

@@ -33,7 +33,7 @@ def main() -> None:
     from raysparse.kv_cache import KVCache
     from raysparse.loader import build_model, load_hf_config, resolve_source
     from raysparse.methods.registry import create_backend, method_params
-    from raysparse.methods.sketch_walk import GRAPH_DECODE
+    from raysparse.methods.sketch_walk_config import GRAPH_DECODE
     from raysparse.shard_executor import bind_backend
 
     hf = load_hf_config(resolve_source(args.model))

@@ -156,7 +156,7 @@ def prefill_then_decode(model, cache, backend, graphs, lens: list[int], steps: i
 
 
 def whole_model_density(layer_density: float, num_layers: int, dense_layers: int = 2) -> float:
-    """The whole-model ``--density`` whose sparse layers each get ``layer_density`` (``methods.base.layer_density``'s
+    """The whole-model ``--density`` whose sparse layers each get ``layer_density`` (``methods.budget.layer_density``'s
     inverse): tests that exercise a selection at a given per-layer budget ask for it through the registry."""
     return (dense_layers + layer_density * (num_layers - dense_layers)) / num_layers
 

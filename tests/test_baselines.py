@@ -11,7 +11,6 @@ from helpers import prefill_block_budgets
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import SeqContext, host_row_budget, row_budget
 from raysparse.methods.baselines import (
     Oracle,
     OracleConfig,
@@ -20,9 +19,11 @@ from raysparse.methods.baselines import (
     page_bounds,
     page_upper_bound,
 )
+from raysparse.methods.budget import host_row_budget, row_budget
 from raysparse.methods.quest import Quest, QuestConfig
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL
+from raysparse.methods.views import SeqContext
 
 H_KV, G, D = 2, 3, 16
 

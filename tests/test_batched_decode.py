@@ -13,10 +13,10 @@ from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import paged_decode_torch
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import DecodeView, SeqContext
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL, TokenSelection
 from raysparse.methods.sparse_attention import sparse_decode_attention
+from raysparse.methods.views import DecodeView, SeqContext
 
 # (method, parameters): every method with a batched decode, at budgets where selection matters; a density here is
 # each sparse layer's (``per_layer``: the whole-model density that gives it, layer 0 dense).

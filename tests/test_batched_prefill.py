@@ -11,7 +11,7 @@ from helpers import DEVICES, tiny_model, whole_model_density
 from raysparse.kernels.selection import block_pairs, indices_from_mask, packed_block_pairs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
-from raysparse.methods.sketch_walk import GRAPH_DECODE
+from raysparse.methods.sketch_walk_config import GRAPH_DECODE
 
 B = 16  # block size = page size: the varlen kernel reads key blocks through the page table
 

@@ -10,10 +10,12 @@ from helpers import whole_model_density
 from test_baselines import H_KV, G, ctx_for, model_cfg, rand_qkv
 
 from raysparse.attention import causal_pairs, dense_attention
-from raysparse.methods.base import SeqContext
-from raysparse.methods.delta import Delta, DeltaConfig, DeltaSelection, strided_dense_attention
+from raysparse.kernels.reference import strided_dense_attention
+from raysparse.methods.delta import Delta
+from raysparse.methods.delta_config import DeltaConfig, DeltaSelection
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import mask_from_indices
+from raysparse.methods.views import SeqContext
 
 GAMMA = 16
 BASE = {"sink_tokens": 16, "window": 48}

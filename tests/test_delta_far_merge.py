@@ -12,10 +12,11 @@ from test_baselines import ctx_for, model_cfg, rand_qkv
 
 from raysparse.attention import dense_attention
 from raysparse.loader import model_from_state
-from raysparse.methods.base import SeqContext
-from raysparse.methods.delta import Delta, DeltaConfig, DeltaSelection
+from raysparse.methods.delta import Delta
+from raysparse.methods.delta_config import DeltaConfig, DeltaSelection
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import mask_from_indices
+from raysparse.methods.views import SeqContext
 
 GAMMA, B = 16, 16
 BASE = {"sink_tokens": 16, "window": 48}

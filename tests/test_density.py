@@ -9,7 +9,7 @@ import torch
 from helpers import fresh_cache, measure_density, random_state, tiny_hf_config
 
 from raysparse.loader import model_from_state
-from raysparse.methods.base import host_row_budget, layer_density, prefill_block_budget, prefill_floor
+from raysparse.methods.budget import host_row_budget, layer_density, prefill_block_budget, prefill_floor
 from raysparse.methods.registry import create_backend
 
 LAYERS, DENSE = 4, (0,)

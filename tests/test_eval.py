@@ -31,10 +31,12 @@ from raysparse.eval.settings import Setting, param_combinations, parse_method_pa
 from raysparse.eval.tasks import TASK_NAMES, EvalTask, build_task, perplexity_windows
 from raysparse.kv_cache import KVCache
 from raysparse.loader import model_from_state
-from raysparse.methods.base import MethodConfig, SeqContext, SparseMethod, row_budget
+from raysparse.methods.base import MethodConfig, SparseMethod
+from raysparse.methods.budget import row_budget
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 from raysparse.methods.sparse_attention import block_sparse_attention
+from raysparse.methods.views import SeqContext
 from raysparse.specattn.method import SpecAttn, SpecAttnConfig
 from raysparse.workload import load_haystack_text, synthetic_haystack
 

@@ -23,10 +23,10 @@ from raysparse.kernels.block_sparse_prefill import (
     configs_for,
 )
 from raysparse.kernels.formats import PackedKV, PagedKV, pack_block_selections, pack_token_selections
+from raysparse.kernels.reference import strided_dense_attention as strided_ref
 from raysparse.kernels.sparse_decode import num_splits_for, sparse_decode
 from raysparse.kernels.strided_dense import strided_dense, strided_rows
 from raysparse.methods import sparse_attention as ref
-from raysparse.methods.delta import strided_dense_attention as strided_ref
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask
 
 B = 64

@@ -14,7 +14,7 @@ from raysparse.generate import GenerationRequest, Generator
 from raysparse.kernels.dispatch import paged_window_decode
 from raysparse.kernels.formats import PagedKV
 from raysparse.loader import model_from_state
-from raysparse.methods.base import SeqContext, host_row_budget
+from raysparse.methods.budget import host_row_budget
 from raysparse.methods.cis import cis_budget
 from raysparse.methods.prhs import CIS, CPE, ETF, PSAW, CPEConfig, PSAWConfig
 from raysparse.methods.psaw import window_lists, window_lo, window_prefill
@@ -22,6 +22,7 @@ from raysparse.methods.psaw_window import paged_window_prefill_cpu
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL, TokenSelection
 from raysparse.methods.sparse_attention import sparse_decode_attention
+from raysparse.methods.views import SeqContext
 from raysparse.sampling import SamplingParams
 
 H_KV, G, D, N_LAYERS = 2, 3, 16, 8

@@ -17,8 +17,8 @@ from raysparse.kernels.formats import pack_block_selections
 from raysparse.kernels.quest_prefill import quest_prefill_scores, quest_prefill_scores_torch
 from raysparse.kernels.scorer_reference import page_bounds
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import PrefillView
 from raysparse.methods.quest import Quest, QuestConfig
+from raysparse.methods.views import PrefillView
 
 H_KV, G, LAYER = 2, 3, 2  # 3 query heads per KV head: not a power of two
 

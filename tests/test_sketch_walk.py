@@ -17,10 +17,13 @@ from raysparse.config import ModelConfig
 from raysparse.generate import GenerationRequest, Generator
 from raysparse.kv_cache import KVCache
 from raysparse.loader import model_from_state
-from raysparse.methods.base import SeqContext
+from raysparse.methods import sketch_walk_reference
 from raysparse.methods.hadamard import SRHT, derive_seed, fwht
 from raysparse.methods.selection import SENTINEL
-from raysparse.methods.sketch_walk import GRAPH_DECODE, SketchWalk, SketchWalkConfig
+from raysparse.methods.sketch_walk import SketchWalk
+from raysparse.methods.sketch_walk_config import GRAPH_DECODE, SketchWalkConfig
+from raysparse.methods.sketch_walk_walk import walk_rows
+from raysparse.methods.views import SeqContext
 from raysparse.sampling import SamplingParams
 
 BF16 = {"rtol": 2**-7, "atol": 2e-3}  # A_hat is stored in bf16
@@ -320,7 +323,7 @@ def test_decode_incremental_updates_equal_recompute_from_scratch():
 @pytest.mark.parametrize("token_query,heads,walk", [("decode", "mean", "rollout"), ("last", "mean", "one-hop"),
                                                     ("decode", "kv", "one-hop"), ("last", "kv", "rollout"),
                                                     ("never", "kv", "product")])
-def test_token_rows_and_kv_heads_match_brute_force(token_query, heads, walk):
+def test_token_rows_and_kv_heads_match_brute_force(token_query, heads, walk, monkeypatch):
     """Prefill then decode across a block boundary: the state stays the block means (per KV head with
     heads="kv"), the last row the walk reads is the last token's query against the key blocks where
     ``token_query`` says so, and the walk and selection follow, per score head."""
@@ -336,13 +339,11 @@ def test_token_rows_and_kv_heads_match_brute_force(token_query, heads, walk):
     states: dict = {layer: {} for layer in layers}
     seq_state: dict = {}
     seen: dict = {}
-    method_walk = m._walk
-
-    def spy(ctx, qb0, nb, token_row=None):
+    def spy(method, ctx, qb0, nb, token_row=None):
         seen[ctx.layer] = token_row
-        return method_walk(ctx, qb0, nb, token_row)
+        return walk_rows(method, ctx, qb0, nb, token_row)
 
-    m._walk = spy
+    monkeypatch.setattr(sketch_walk_reference, "walk_rows", spy)
     for t in [n0 - 1, *range(n0, total)]:
         prefill = t == n0 - 1
         sels, rows = _select_layers(m, layers, qk, states, seq_state, t, n0, prefill)

@@ -160,8 +160,8 @@ def test_batched_prefill_under_tensor_parallelism_reduces_once_and_matches_one_d
     """Two shards of one KV head each: per layer one ``head_reduce`` of the whole batch's partials, and both
     shards select what one device selects (a ragged batch: a fresh prompt, a chunk continuing one)."""
     from raysparse.config import ModelConfig
-    from raysparse.methods.base import PrefillView
     from raysparse.methods.sketch_walk import SketchWalk
+    from raysparse.methods.views import PrefillView
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     g = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ from helpers import DEVICES, prefill_then_decode, tiny_model, whole_model_densit
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
-from raysparse.methods.sketch_walk import GRAPH_DECODE
+from raysparse.methods.sketch_walk_config import GRAPH_DECODE
 from raysparse.methods.sketch_walk_rows import RowsDecode
 
 

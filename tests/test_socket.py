@@ -17,10 +17,11 @@ from raysparse.attention import DenseAttention
 from raysparse.config import ModelConfig
 from raysparse.generate import GenerationRequest, Generator
 from raysparse.loader import model_from_state
-from raysparse.methods.base import SeqContext, row_budget
+from raysparse.methods.budget import row_budget
 from raysparse.methods.registry import get_method
 from raysparse.methods.selection import SENTINEL
 from raysparse.methods.socket import Socket, SocketConfig, SocketHard, SocketHardConfig
+from raysparse.methods.views import SeqContext
 from raysparse.sampling import SamplingParams
 
 H_KV, G, D = 2, 3, 16

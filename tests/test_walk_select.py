@@ -25,7 +25,7 @@ from raysparse.config import ModelConfig
 from raysparse.kernels.walk_select import ZERO_Y, walk_select
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
-from raysparse.methods.sketch_walk import GRAPH_DECODE
+from raysparse.methods.sketch_walk_config import GRAPH_DECODE
 from raysparse.methods.sketch_walk_rows import RowsDecode
 from raysparse.runtime_config import RuntimeConfig
 

@@ -4,17 +4,17 @@ A method subclasses ``SparseMethod`` and implements ``select_prefill`` and/or ``
 sequence of one layer; this class runs the dense layers, gathers each sequence's K/V from the cache,
 attends over the selection with the reference path (the Triton kernels replace it on GPUs), and meters
 the density really used. Per-sequence, per-layer state lives in ``SeqContext.state``, which is the KV
-cache's metadata slot for that layer and sequence, so it is freed with the sequence.
+cache's metadata slot for that layer and sequence, so it is freed with the sequence. What a method reads
+(``SeqContext``, the batched seams' ``DecodeView`` and ``PrefillView``) lives in ``methods.views``, the
+density budget's arithmetic in ``methods.budget``.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from raysparse.attention import AttentionBackend, causal_pairs, dense_attention
@@ -27,16 +27,11 @@ from raysparse.kernels.dispatch import (
     paged_decode_attention,
     sparse_decode_attention,
 )
-from raysparse.kernels.formats import PackedBlockSelection, PagedKV, pack_block_selections
+from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.registry import MethodCapabilities, MethodSpec
+from raysparse.methods.budget import check_density_floor
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs, packed_block_pairs
-
-
-def no_density_error(name: str) -> str:
-    """The one-line refusal of ``--density`` by a method without a density budget."""
-    return (f"method {name!r} has no parameter 'density': it has no density budget, so --density does not apply "
-            "to it (its real prefill and decode densities are reported)")
+from raysparse.methods.views import DecodeView, PrefillView, SeqContext
 
 
 @dataclass(frozen=True)
@@ -63,19 +58,6 @@ class MethodConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if any(layer < 0 for layer in self.dense_layers):
             raise ValueError(f"dense_layers must be non-negative layer indices, got {self.dense_layers}")
-
-
-@dataclass
-class SeqContext:
-    """What a method sees of one sequence at one layer."""
-
-    layer: int
-    seq_id: int
-    q_start: int  # absolute position of the first new query
-    n: int  # keys in the cache, new ones included
-    state: dict[str, Any]  # this layer's metadata slot for the sequence (kept across steps)
-    seq_state: dict[str, Any] = field(default_factory=dict)  # shared by all layers of the sequence
-    prompt_end: bool = True  # the step's new tokens end the prompt (False: a prefill chunk more follows)
 
 
 class SparseMethod(AttentionBackend):
@@ -141,20 +123,7 @@ class SparseMethod(AttentionBackend):
     def check_request(self, prompt_len: int, total_len: int) -> None:
         """Raises ValueError when ``--density`` cannot be met by a request of ``prompt_len`` prompt tokens decoded
         up to ``total_len`` keys: the forced units alone exceed the budget of its prefill or of a decode step."""
-        d = self.layer_density
-        if d is None:
-            return
-        forced = self.prefill_forced_blocks
-        if forced is not None:
-            floor = prefill_floor(prompt_len, forced, self.config.block_size)
-            if floor > d * (1 + 1e-6):
-                raise ValueError(density_floor_error(self, "prefill", prompt_len, floor))
-        for n in range(prompt_len + 1, total_len + 1):
-            keys = self.decode_forced_keys(n)
-            if keys is None:
-                break
-            if keys > host_row_budget(d, n):
-                raise ValueError(density_floor_error(self, "decode", n, keys / n))
+        check_density_floor(self, prompt_len, total_len)
 
     # ---- to implement ------------------------------------------------------------------------
     def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
@@ -324,231 +293,3 @@ class SparseMethod(AttentionBackend):
 
     def release(self, seq_id: int) -> None:
         self._seq_state.pop(seq_id, None)
-
-
-@dataclass(frozen=True)
-class DecodeView:
-    """What a batched decode selection reads, all fixed-shape device tensors (a captured step's buffers):
-    this layer's paged K/V with the batch's page table [B, W pages] and lengths [B], and the step's new
-    tokens' slots. Padded rows of a captured step have length 1 and live in the cache's scratch page."""
-
-    kv: PagedKV
-    batch: BatchMeta
-    cache: KVCache  # for the method's per-page pools (``KVCache.page_pool``)
-
-    @property
-    def page_size(self) -> int:
-        return self.cache.page_size
-
-    @property
-    def seqlens(self) -> torch.Tensor:
-        return self.kv.seqlens
-
-    @property
-    def width_tokens(self) -> int:
-        """Tokens the page-width bucket can hold: the static bound every selection width derives from."""
-        return self.kv.page_table.shape[1] * self.page_size
-
-
-@dataclass(frozen=True)
-class QueryBlocks:
-    """The packed query blocks of a prefill step, as device tensors [R]: each one's sequence (batch index),
-    absolute block, its sequence's first new position and length; ``start`` [batch + 1] the first row of
-    each sequence (``PackedBlockSelection.qblock_start``)."""
-
-    seq: torch.Tensor
-    qblock: torch.Tensor
-    q_start: torch.Tensor
-    n: torch.Tensor
-    start: torch.Tensor
-
-
-@dataclass(frozen=True)
-class PrefillView:
-    """What a batched prefill selection reads: this layer's paged K/V (with every sequence's page table and
-    full length), the step's batch and cache (per-page pools, per-sequence metadata), and per-step constants
-    built once and shared by the layers (``batch.extras``)."""
-
-    layer: int
-    kv: PagedKV
-    batch: BatchMeta
-    cache: KVCache
-
-    @classmethod
-    def of(cls, layer: int, batch: BatchMeta, cache: KVCache) -> PrefillView:
-        kv, _ = cache.paged(layer, batch)
-        return cls(layer, kv, batch, cache)
-
-    @property
-    def cu_q_dev(self) -> torch.Tensor:
-        cu = self.batch.extras.get("cu_q_dev")
-        if cu is None:
-            cu = self.batch.extras["cu_q_dev"] = torch.tensor(self.batch.cu_q, dtype=torch.int32,
-                                                              device=self.cache.device)
-        return cu
-
-    def new_keys(self) -> torch.Tensor:
-        """This layer's keys of the step's new tokens, packed as q: [T, h_kv, d] (from their slots)."""
-        return self.cache.k[self.layer][self.batch.slot_pages, :, self.batch.slot_offsets, :]
-
-    def context(self, i: int, state: dict[int, dict[str, Any]]) -> SeqContext:
-        """Sequence i's ``SeqContext`` at this layer (``state``: the method's per-sequence dict)."""
-        b = self.batch
-        sid, n = b.seq_ids[i], b.ctx_lens[i]
-        return SeqContext(self.layer, sid, n - b.q_lens[i], n, self.cache.metadata[self.layer].setdefault(sid, {}),
-                          state.setdefault(sid, {}), b.prompt_end(i))
-
-    def qblocks(self, block_size: int) -> QueryBlocks:
-        """The step's packed query blocks of ``block_size`` tokens (host arithmetic once per step and size)."""
-        key = ("qblocks", block_size)
-        rows = self.batch.extras.get(key)
-        if rows is None:
-            seq, qb, q0, nn, start = [], [], [], [], [0]
-            for i, (n_q, n) in enumerate(zip(self.batch.q_lens, self.batch.ctx_lens, strict=True)):
-                first, last = (n - n_q) // block_size, (n - 1) // block_size
-                seq += [i] * (last - first + 1)
-                qb += range(first, last + 1)
-                q0 += [n - n_q] * (last - first + 1)
-                nn += [n] * (last - first + 1)
-                start.append(len(qb))
-            dev = self.cache.device
-            t = torch.tensor([seq, qb, q0, nn], dtype=torch.int64).to(dev)
-            rows = self.batch.extras[key] = QueryBlocks(t[0], t[1], t[2], t[3],
-                                                        torch.tensor(start, dtype=torch.int32).to(dev))
-        return rows
-
-    def packed(self, indices: torch.Tensor, block_size: int) -> PackedBlockSelection:
-        """Rows [h_kv, R, W] in this step's query-block order as the kernels' packed selection."""
-        rows = self.qblocks(block_size)
-        return PackedBlockSelection(indices.to(torch.int32).contiguous(), rows.seq.to(torch.int32), rows.start,
-                                    block_size)
-
-    @staticmethod
-    def pack(sels: list[BlockSelection]) -> PackedBlockSelection:
-        """Per-sequence selections (batch order) packed: for methods whose selection runs per sequence."""
-        return pack_block_selections(sels)
-
-
-def row_budget(density: float, causal_units: torch.Tensor) -> torch.Tensor:
-    """Units (blocks or tokens) each query row may attend for a density budget: round(density * causal
-    units of that row), at least 1. Rows keep the same fraction, so the overall density is the budget."""
-    return (density * causal_units.float()).round().clamp(min=1).long()
-
-
-def host_row_budget(density: float, causal_units: int) -> int:
-    """``row_budget`` of one row on the host, without tensors: the same fp32 product (numpy's fp32 multiply is
-    IEEE-rounded as PyTorch's on the CPU) and the same round-half-to-even."""
-    return max(1, int(np.rint(np.float32(density) * np.float32(causal_units))))
-
-
-def layer_density(density: float, num_layers: int, dense_layers: Iterable[int]) -> float:
-    """The density each sparse layer must attend for the whole model to attend ``density``.
-
-    The meter counts causal pairs per layer, the same number at every layer (each holds every KV head of the
-    same sequence), so the model's density is the mean of its layers': (L_dense + L_sparse * d) / L = density.
-    Raises ValueError where the dense layers alone already attend ``density`` or more (d <= 0)."""
-    dense = len({layer for layer in dense_layers if layer < num_layers})
-    sparse = num_layers - dense
-    floor = dense / num_layers
-    if sparse == 0 or density <= floor:
-        raise ValueError(f"density {density} is at or below what the dense layers alone attend: {dense} of "
-                         f"{num_layers} layers are dense (dense_layers), so the density is at least {floor:.4f}; "
-                         "raise the density or keep fewer layers dense")
-    return min(1.0, (density * num_layers - dense) / sparse)
-
-
-def budgeted_config(cls: type[SparseMethod], model_cfg: ModelConfig, config: MethodConfig) -> MethodConfig:
-    """``config`` with its whole-model ``density`` turned into a sparse layer's (``layer_density``, the layers
-    the method leaves dense counted: its ``dense_layers`` and any it never selects in) and the asked density
-    kept as ``target_density``. Unchanged for a method or config without a density budget."""
-    density = getattr(config, "density", None)
-    if density is None:
-        return config
-    probe = cls(model_cfg, config)
-    if not probe.has_density_budget():
-        return config
-    dense = [i for i in range(model_cfg.num_layers) if probe.is_dense_layer(i)]
-    return replace(config, density=layer_density(density, model_cfg.num_layers, dense), target_density=density)
-
-
-def density_floor_error(method: SparseMethod, phase: str, n: int, floor: float) -> str:
-    """The one-line refusal of a density its forced units exceed, with the least density that fits."""
-    cfg = method.model_cfg
-    dense = cfg.num_layers - len(method.sparse_layers())
-    need = (dense + floor * (cfg.num_layers - dense)) / cfg.num_layers
-    asked = method.config.target_density if method.config.target_density is not None else method.config.density
-    return (f"density {asked} is below what {method.name}'s forced units alone attend in the "
-            f"{phase} of {n} tokens (its sink, local and diagonal units, and {dense} dense layers): at least "
-            f"{need:.4f}; raise the density or use a longer context")
-
-
-def _half_block(block_size: int) -> float:
-    """A diagonal block's causal pairs in full blocks' (B (B + 1) / 2 of B^2 each, per query row summed)."""
-    return (block_size + 1) / (2 * block_size)
-
-
-def _cumulative_target(density: float, row: int, block_size: int) -> float:
-    """Blocks rows 0..row may attend together (the diagonal ones included) for ``density`` of their causal
-    pairs: row i holds i full blocks and a diagonal worth ``_half_block`` of one, so density * sum (i + h)
-    blocks' pairs, and the diagonals' causal halves count as whole blocks of the selection."""
-    h = _half_block(block_size)
-    rows = row + 1
-    return density * (row * rows / 2 + rows * h) + rows * (1 - h)
-
-
-@functools.lru_cache(maxsize=64)
-def _block_budget_table(density: float, forced: int, block_size: int, rows: int) -> torch.Tensor:
-    # Error diffusion over the rows: each row takes what brings the running total to the running target,
-    # within [its forced blocks, its causal blocks]. Rows whose forced blocks exceed their share (the first
-    # ones) are paid back by the next rows, so a prefill of n tokens attends its budget, not the budget plus
-    # the forced excess. A row's count depends on its absolute index alone: chunking changes nothing.
-    out = np.empty(rows, dtype=np.int64)
-    total = 0
-    for i in range(rows):
-        target = int(np.rint(_cumulative_target(density, i, block_size)))
-        cum = min(total + i + 1, max(total + min(i + 1, forced), target))
-        out[i] = cum - total
-        total = cum
-    return torch.from_numpy(out)
-
-
-def prefill_block_budget(density: float, qblock: torch.Tensor, last_row: int, forced: int,
-                         block_size: int) -> torch.Tensor:
-    """Blocks each prefill query block ``qblock`` (absolute indices, any device; none above ``last_row``) may
-    attend, its ``forced`` ones (sink and local or diagonal blocks, at most its causal ones) included, so that a
-    sparse layer's prefill attends ``density`` of its causal pairs. Host arithmetic, cached: no device sync."""
-    rows = 1 << max(last_row, 1).bit_length()  # table sizes by powers of two: few distinct cache entries
-    table = _block_budget_table(float(density), int(forced), int(block_size), rows)
-    return table.to(qblock.device)[qblock.long()]
-
-
-def prefill_floor(n: int, forced: int, block_size: int) -> float:
-    """The least density of a sparse layer's prefill of n tokens whose rows keep ``forced`` blocks each (at most
-    their causal ones): the forced blocks' causal pairs over all causal pairs (full blocks; the last, partial
-    one counted as full)."""
-    rows = -(-n // block_size)
-    h = _half_block(block_size)
-    forced_pairs = sum(min(i + 1, forced) - 1 + h for i in range(rows))
-    causal = rows * (rows - 1) / 2 + rows * h
-    return forced_pairs / causal
-
-
-def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
-    """A registry entry for ``cls``: its parameters are its config's fields, and any other one - a shared flag
-    such as ``--density`` included, for a method whose config has no such field - is an error. A method whose
-    config has a density field but no density budget (``density_budget = False``: PSAW's and ETF's budget is
-    their depth schedule) does not take ``density`` either."""
-    fields = frozenset(cls.config_cls.__dataclass_fields__) - {"target_density"}
-    if getattr(cls, "density_budget", True) is False:
-        fields = fields - {"density"}
-
-    def factory(model_cfg: ModelConfig, **params: Any) -> AttentionBackend:
-        if "density" in params and "density" not in fields:
-            raise ValueError(no_density_error(cls.name))
-        unknown = set(params) - fields
-        if unknown:
-            raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
-        return cls(model_cfg, budgeted_config(cls, model_cfg, cls.config_cls(**params)))
-
-    return MethodSpec(cls.name, description, factory, params=fields,
-                      capabilities=MethodCapabilities(prefix_cache=cls.prefix_state != "none"))

@@ -3,7 +3,7 @@
 Shared conventions. Prefill selects key blocks of ``block_size`` per query block and KV head; decode
 selects tokens (streaming, oracle) or pages (Quest). Query heads of a GQA group share their KV head's
 selection. ``density`` is a sparse layer's (the registry turns ``--density``, the whole model's, into it:
-``methods.base.budgeted_config``). Budgets: in prefill ``prefill_block_budget`` (blocks per query block, the
+``methods.budget.budgeted_config``). Budgets: in prefill ``prefill_block_budget`` (blocks per query block, the
 diagonal's causal half counted, the first rows' forced excess paid back by later rows, so a prefill attends its
 budget), in decode ``row_budget(density, causal units of the row)`` (tokens or pages); forced units (sinks,
 diagonal, current page) count inside the budget; a request whose forced units alone exceed it attends them
@@ -45,19 +45,11 @@ import torch.nn.functional as F
 
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound  # noqa: F401 - re-exported
-from raysparse.methods.base import (
-    DecodeView,
-    MethodConfig,
-    PrefillView,
-    SeqContext,
-    SparseMethod,
-    host_row_budget,
-    method_spec,
-    prefill_block_budget,
-    row_budget,
-)
-from raysparse.methods.registry import register
+from raysparse.methods.base import MethodConfig, SparseMethod
+from raysparse.methods.budget import host_row_budget, prefill_block_budget, row_budget
+from raysparse.methods.registry import method_spec, register
 from raysparse.methods.selection import SENTINEL, BlockSelection, TokenSelection, indices_from_mask, topk_mask
+from raysparse.methods.views import DecodeView, PrefillView, SeqContext
 
 _CHUNK_ELEMS = 1 << 24  # scores materialised per chunk in the quadratic oracle
 

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from raysparse.methods.base import host_row_budget
+from raysparse.methods.budget import host_row_budget
 from raysparse.methods.psaw import PrHSConfig
 from raysparse.methods.selection import SENTINEL, mask_from_indices
 

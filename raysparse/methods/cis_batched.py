@@ -18,7 +18,7 @@ from raysparse.kernels import dispatch
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import in_window, stable_top
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import row_budget
+from raysparse.methods.budget import row_budget
 from raysparse.methods.cis import CISConfig, cis_budget, priority_set
 from raysparse.methods.cis_listed import listed_select
 from raysparse.methods.selection import SENTINEL

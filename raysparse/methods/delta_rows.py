@@ -1,7 +1,8 @@
 """Delta's dense rows and their bookkeeping (the method is in ``delta.py``): where one sequence's anchor, check
 and tail rows come from (``SeqRows`` over its own K/V for ``prefill_seq``; ``PackedRows`` computing every
 sequence's rows of a batched prefill over the paged cache in two kernel launches, sliced per sequence by
-``SliceRows``), the far-merge prediction from an anchor's far part, and the fit's summary."""
+``SliceRows``), the causal pairs those rows add to the base's (``extra_pairs``), the far-merge prediction from an
+anchor's far part, and the fit's summary. The correction that uses them is in ``delta_correction.py``."""
 
 from __future__ import annotations
 
@@ -11,13 +12,28 @@ from typing import Any
 
 import torch
 
+from raysparse.attention import causal_pairs
 from raysparse.kernels import dispatch
 from raysparse.kernels.reference import dense_rows_attention
-from raysparse.methods.base import PrefillView
-from raysparse.methods.selection import BlockSelection, mask_from_indices
+from raysparse.methods.selection import SENTINEL, BlockSelection, mask_from_indices
+from raysparse.methods.views import PrefillView
 
 # (q_start, n_q, n, device) -> (anchor rows, check rows, first tail row), local row indices of one chunk
 RowSets = Callable[[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor, int]]
+
+
+def extra_pairs(sel: BlockSelection | None, rows: torch.Tensor, h_kv: int, n: int, q_start: int,
+                base_pairs: float) -> float:
+    """Causal pairs of the dense rows (absolute positions ``rows``) the base did not attend."""
+    dense_pairs = float((rows + 1).sum()) * h_kv
+    if sel is None:
+        return max(0.0, min(dense_pairs, causal_pairs(n - q_start, n) * h_kv - base_pairs))
+    b = sel.block_size
+    kb = sel.indices[:, rows // b - q_start // b].long()  # [h_kv, |D|, S]
+    lo = kb * b
+    hi = torch.minimum(lo + b, rows[None, :, None] + 1)
+    covered = ((hi - lo).clamp(min=0) * (kb != SENTINEL)).sum()
+    return dense_pairs - float(covered)
 
 
 def far_merge_prediction(q: torch.Tensor, o_s: torch.Tensor, lse_s: torch.Tensor, q_a: torch.Tensor,
@@ -35,9 +51,9 @@ def far_merge_prediction(q: torch.Tensor, o_s: torch.Tensor, lse_s: torch.Tensor
 
 
 class Rows:
-    """Where ``Delta._correct`` takes one sequence's dense rows from (local row indices ``idx``, absolute positions
-    ``pos``; outputs fp32): its anchors with their far part outside the base's blocks, its strided anchors, and
-    plain dense rows (check rows, tail)."""
+    """Where ``DeltaCorrection._correct`` takes one sequence's dense rows from (local row indices ``idx``, absolute
+    positions ``pos``; outputs fp32): its anchors with their far part outside the base's blocks, its strided
+    anchors, and plain dense rows (check rows, tail)."""
 
     h_kv: int
 
@@ -144,11 +160,11 @@ def _cumsum(xs: list[int]) -> list[int]:
 
 def fit_summary(alpha_sum: list[float], heads: list[float], fell: list[float], before: list[float],
                 after: list[float]) -> dict[str, Any]:
-    """Delta's fitted correction from its sums (``Delta.fit_sums``), overall and per layer, over the prefill calls
-    summed: the mean fitted alpha of the query heads (each call's final fit), the fraction of heads that fell back
-    (alpha < 0.05), and the check rows' error ratio ||D - alpha D_pred|| / ||D||, each check row predicted with
-    the alpha fitted on the check rows before it (an out-of-sample test of the correction; below 1: it helps).
-    None where nothing was fitted (dense layers; modes without a fit)."""
+    """Delta's fitted correction from its sums (``DeltaCorrection.fit_sums``), overall and per layer, over the
+    prefill calls summed: the mean fitted alpha of the query heads (each call's final fit), the fraction of heads
+    that fell back (alpha < 0.05), and the check rows' error ratio ||D - alpha D_pred|| / ||D||, each check row
+    predicted with the alpha fitted on the check rows before it (an out-of-sample test of the correction; below 1:
+    it helps). None where nothing was fitted (dense layers; modes without a fit)."""
     def ratio(a: float, b: float) -> float | None:
         return math.sqrt(a / b) if b > 0 else None
 

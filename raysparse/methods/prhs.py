@@ -33,7 +33,6 @@ import torch
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import PrefillView, SeqContext, method_spec
 from raysparse.methods.cis import CISConfig
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
 from raysparse.methods.prhs_decode import PrHSDecode
@@ -47,8 +46,9 @@ from raysparse.methods.psaw import (
     window_lo,
     window_prefill,
 )
-from raysparse.methods.registry import register
+from raysparse.methods.registry import method_spec, register
 from raysparse.methods.selection import BlockSelection, indices_from_mask
+from raysparse.methods.views import PrefillView, SeqContext
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ from raysparse.kernels.dispatch import paged_window_decode
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import in_window, paged_tiles
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import PrefillView, SparseMethod
+from raysparse.methods.base import SparseMethod
 from raysparse.methods.psaw import PrHSConfig, widest_window, window_lo, window_start
+from raysparse.methods.views import PrefillView
 
 _ROWS_PER_CALL = 512  # query rows per fused call of ``window_attention_cpu``
 

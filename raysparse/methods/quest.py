@@ -31,19 +31,12 @@ from raysparse.kernels.quest_prefill import block_scores, quest_prefill_scores, 
 from raysparse.kernels.row_select import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import (
-    DecodeView,
-    MethodConfig,
-    PrefillView,
-    SeqContext,
-    SparseMethod,
-    method_spec,
-    prefill_block_budget,
-    row_budget,
-)
+from raysparse.methods.base import MethodConfig, SparseMethod
 from raysparse.methods.baselines import query_blocks, scalar_budget
-from raysparse.methods.registry import register
+from raysparse.methods.budget import prefill_block_budget, row_budget
+from raysparse.methods.registry import method_spec, register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
+from raysparse.methods.views import DecodeView, PrefillView, SeqContext
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,22 @@
 """The one registry of attention methods: every command's ``--method`` resolves here.
 
 Besides its factory a method declares what the runtime must do differently for it (``MethodCapabilities``):
-the scheduler and the engine read these by the method's name, so no generic code names a method.
+the scheduler and the engine read these by the method's name, so no generic code names a method. A
+``SparseMethod`` gets its entry from ``method_spec``: its parameters are its config's fields.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raysparse.attention import AttentionBackend, DenseAttention
 from raysparse.config import ModelConfig
+from raysparse.methods.budget import budgeted_config
+
+if TYPE_CHECKING:  # annotations only: the methods import this module
+    from raysparse.methods.base import SparseMethod
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,8 @@ class MethodCapabilities:
 @dataclass(frozen=True)
 class MethodSpec:
     """A method's registry entry. ``params`` names every parameter the method takes (its config's fields,
-    ``methods.base.method_spec``); anything else - ``--density`` for a method without a budget included - is
-    refused, by ``check_params`` before anything loads and by the factory."""
+    ``method_spec``); anything else - ``--density`` for a method without a budget included - is refused, by
+    ``check_params`` before anything loads and by the factory."""
 
     name: str
     description: str
@@ -56,6 +61,33 @@ class MethodSpec:
     def takes_density(self) -> bool:
         """Whether ``--density`` sets a budget of this method."""
         return "density" in self.params
+
+
+def no_density_error(name: str) -> str:
+    """The one-line refusal of ``--density`` by a method without a density budget."""
+    return (f"method {name!r} has no parameter 'density': it has no density budget, so --density does not apply "
+            "to it (its real prefill and decode densities are reported)")
+
+
+def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
+    """A registry entry for ``cls``: its parameters are its config's fields, and any other one - a shared flag
+    such as ``--density`` included, for a method whose config has no such field - is an error. A method whose
+    config has a density field but no density budget (``density_budget = False``: PSAW's and ETF's budget is
+    their depth schedule) does not take ``density`` either."""
+    fields = frozenset(cls.config_cls.__dataclass_fields__) - {"target_density"}
+    if getattr(cls, "density_budget", True) is False:
+        fields = fields - {"density"}
+
+    def factory(model_cfg: ModelConfig, **params: Any) -> AttentionBackend:
+        if "density" in params and "density" not in fields:
+            raise ValueError(no_density_error(cls.name))
+        unknown = set(params) - fields
+        if unknown:
+            raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
+        return cls(model_cfg, budgeted_config(cls, model_cfg, cls.config_cls(**params)))
+
+    return MethodSpec(cls.name, description, factory, params=fields,
+                      capabilities=MethodCapabilities(prefix_cache=cls.prefix_state != "none"))
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -116,8 +148,7 @@ def check_params(name: str, params: Iterable[str]) -> None:
     spec = get_method(name)
     for key in params:
         if key == "density" and key not in spec.params:
-            raise ValueError(f"method {name!r} has no parameter 'density': it has no density budget, so --density "
-                             "does not apply to it (its real prefill and decode densities are reported)")
+            raise ValueError(no_density_error(name))
         if key not in spec.params:
             takes = f"it takes {', '.join(sorted(spec.params))}" if spec.params else "it takes none"
             raise ValueError(f"method {name!r} has no parameter {key!r}; {takes}")

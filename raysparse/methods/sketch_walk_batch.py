@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysparse.kernels.formats import PackedBlockSelection
-from raysparse.methods.base import PrefillView, prefill_block_budget
+from raysparse.methods.budget import prefill_block_budget
 from raysparse.methods.selection import SENTINEL
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_prefix import prefix_pools
+from raysparse.methods.views import PrefillView
 
 if TYPE_CHECKING:
     from raysparse.methods.sketch_walk import SketchWalk

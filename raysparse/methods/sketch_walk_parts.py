@@ -52,8 +52,9 @@ import torch
 
 from raysparse.kernels.dispatch import decode_sketches
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import host_row_budget, row_budget
-from raysparse.methods.sketch_walk import SketchWalk, SketchWalkConfig
+from raysparse.methods.budget import host_row_budget, row_budget
+from raysparse.methods.sketch_walk import SketchWalk
+from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_rows import RowsDecode
 from raysparse.runtime_config import RuntimeConfig
 

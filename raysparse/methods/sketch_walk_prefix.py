@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysparse.kv_cache import KVCache
-from raysparse.methods.base import SeqContext
+from raysparse.methods.sketch_walk_walk import block_counts
+from raysparse.methods.views import SeqContext
 
 if TYPE_CHECKING:
     from raysparse.methods.sketch_walk import SketchWalk
@@ -50,8 +51,6 @@ def adopt_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: tor
     the pages, their A_hat rows recomputed where a walk reads them (as ``_update_sketch`` computes them: under
     tensor parallelism the same all-reduce, on every shard). Also how a per-sequence step rebuilds the batched
     prefill's page-indexed state (``sketch_walk_batch``; its last block may be partial)."""
-    from raysparse.methods.sketch_walk import block_counts
-
     cfg, q0 = method.config, ctx.q_start
     B, parts, r = cfg.block_size, cfg.sub_blocks, method.srht.sketch_dim
     paged = ctx.state.get("paged")  # the batched prefill's state: the pages hold q_start tokens' sums

@@ -1,7 +1,7 @@
 """Sketch&Walk's decode for a whole batch in fixed-shape tensors: the method's batched seam (``decode_select``,
 captured by ``decode_graphs``) for SPEC's head-mean scoring; ``SketchWalk.build_batched`` builds it.
 
-The reference decode (``sketch_walk.py``) keeps per-sequence state of growing size in the cache's metadata
+The reference decode (``sketch_walk_reference``) keeps per-sequence state of growing size in the cache's metadata
 and runs one sequence at a time, which a captured graph cannot do. Here every running sequence owns a slot
 of static buffers:
 - the sketched block sums ``qs``/``ks`` [slots, sparse layers, Bmax, r] (fp32), as in the reference;
@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import host_row_budget
-from raysparse.methods.sketch_walk import SketchWalk, rollout_step, walk_weights
+from raysparse.methods.budget import host_row_budget
+from raysparse.methods.sketch_walk import SketchWalk
+from raysparse.methods.sketch_walk_walk import rollout_step, walk_weights
 from raysparse.runtime_config import RuntimeConfig
 
 

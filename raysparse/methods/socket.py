@@ -82,17 +82,12 @@ from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
-from raysparse.methods.base import (
-    DecodeView,
-    MethodConfig,
-    SeqContext,
-    SparseMethod,
-    host_row_budget,
-    method_spec,
-)
-from raysparse.methods.registry import register
+from raysparse.methods.base import MethodConfig, SparseMethod
+from raysparse.methods.budget import host_row_budget
+from raysparse.methods.registry import method_spec, register
 from raysparse.methods.selection import TokenSelection
 from raysparse.methods.socket_batched import batched_select, budget_rows, hash_step_keys
+from raysparse.methods.views import DecodeView, SeqContext
 
 GROUP_REDUCES = ("mean", "max")
 NORM_BYTES = 4  # fp32 ||v||_2 per key and KV head

@@ -29,7 +29,8 @@ from raysparse.kernels.paged_collision import paged_collision, paged_collision_t
 from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
-from raysparse.methods.base import DecodeView, row_budget
+from raysparse.methods.budget import row_budget
+from raysparse.methods.views import DecodeView
 
 if TYPE_CHECKING:
     from raysparse.methods.socket import Socket

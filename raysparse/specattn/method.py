@@ -49,11 +49,13 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.kernels.dispatch import paged_decode_attention
 from raysparse.kernels.formats import PagedKV
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.base import SeqContext, SparseMethod, method_spec, paged_decode_attention
-from raysparse.methods.registry import MethodCapabilities, register
+from raysparse.methods.base import SparseMethod
+from raysparse.methods.registry import MethodCapabilities, method_spec, register
 from raysparse.methods.selection import SENTINEL, TokenSelection, indices_from_mask
+from raysparse.methods.views import SeqContext
 from raysparse.specattn.draft import default_draft_layers, validate_draft_layers
 from raysparse.specattn.layer_map import LayerMap, nearest_below_map
 from raysparse.specattn.topp import SEARCH_ITERS, union_topp
