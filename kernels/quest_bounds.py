@@ -5,6 +5,13 @@ view) -> ``lo, hi [h_kv, ceil(n / page), d]`` in K's dtype (min / max are exact 
 reduces ``PAGES`` consecutive pages of one head from a single ``[PAGES * page, d]`` tile; a partial last
 page reduces only the keys it has.
 
+Paged bounds (``update_page_bounds``): Quest's per-cache-page pools ``lo, hi [num_pages + 1, h_kv, S, d]`` (S
+Quest pages of ``page`` tokens per cache page), recomputed for the Quest page each listed token lies in, from its
+keys up to that token, read in place from the paged cache ``k [num_pages, h_kv, page_size, d]``. One program per
+(token, KV head) in one launch, with no host read, so a captured decode step keeps it: the PyTorch form (the
+gather, two masked reductions and two scatters of ``Quest.update_state``) took ~30 us a sparse layer in small
+launches on the H200, whatever the batch. Min and max are exact, so the pools are the PyTorch form's bit for bit.
+
 Scores: ``q [h_kv, g, m, d]`` (m query rows per head: 1 in decode, the query blocks' means in Quest's
 prefill), bounds ``[h_kv, P, d]`` -> fp32 ``[h_kv, m, P]``: the upper bound sum_d max(q_d lo_d, q_d hi_d)
 = q+ . hi + q- . lo of each query head, reduced over the group by max. One program scores ``BLOCK_P``
@@ -40,6 +47,23 @@ if triton is not None:
         p_ok = (pg < pages)[:, None]
         tl.store(Lo + off, lo.to(Lo.dtype.element_ty), mask=p_ok)
         tl.store(Hi + off, hi.to(Hi.dtype.element_ty), mask=p_ok)
+
+    @triton.jit
+    def _update_kernel(K, Lo, Hi, PAGES, OFFS, s_kp, s_kh, s_kt, s_bp, s_bh, s_bs,
+                       PAGE: tl.constexpr, PP: tl.constexpr, HEAD_DIM: tl.constexpr):
+        m = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        page = tl.load(PAGES + m).to(tl.int64)
+        off = tl.load(OFFS + m).to(tl.int64)
+        sub = off // PAGE
+        t = tl.arange(0, PP)
+        d = tl.arange(0, HEAD_DIM)
+        ok = ((t < PAGE) & (t <= off % PAGE))[:, None]  # the Quest page's keys up to the token
+        x = tl.load(K + page * s_kp + h * s_kh + (sub * PAGE + t)[:, None] * s_kt + d[None, :], mask=ok,
+                    other=0.0).to(tl.float32)  # exact for K's dtypes; min and max of it round back exactly
+        at = page * s_bp + h * s_bh + sub * s_bs + d
+        tl.store(Lo + at, tl.min(tl.where(ok, x, float("inf")), 0).to(Lo.dtype.element_ty))
+        tl.store(Hi + at, tl.max(tl.where(ok, x, float("-inf")), 0).to(Hi.dtype.element_ty))
 
     @triton.jit
     def _scores_kernel(Q, Lo, Hi, Out, pages, g, stride_qh, stride_qg, stride_qm, stride_bh, stride_bp,
@@ -91,6 +115,28 @@ def page_bounds(k: torch.Tensor, page: int, out: tuple[torch.Tensor, torch.Tenso
         _bounds_kernel[(-(-pages // per), h_kv)](k, lo, hi, n, pages, k.stride(0), k.stride(1), lo.stride(0),
                                                  lo.stride(1), PAGE=page, PAGES=per, HEAD_DIM=d, num_warps=4)
     return lo, hi
+
+
+def update_page_bounds(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pages: torch.Tensor,
+                       offsets: torch.Tensor, page: int) -> None:
+    """Recomputes in place ``lo, hi [num_pages + 1, h_kv, S, d]`` (K's dtype, unit last stride) for the Quest page
+    of ``page`` tokens that each listed token lies in, from the paged keys ``k [num_pages, h_kv, page_size, d]``
+    (unit last stride) up to that token: token i is cache page ``pages[i]``, slot ``offsets[i]`` (device int
+    tensors [M]). Two tokens of one Quest page in one call are a race: list each page's last token only."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _, h_kv, size, d = k.shape
+    _head_dim_ok(d)
+    if (page < 1 or page & (page - 1) or size % page or lo.shape[1:] != (h_kv, size // page, d)
+            or lo.stride() != hi.stride() or lo.shape != hi.shape or lo.dtype != k.dtype or hi.dtype != k.dtype
+            or lo.stride(-1) != 1 or k.stride(-1) != 1 or pages.shape != offsets.shape or pages.dim() != 1):
+        raise ValueError("update_page_bounds needs k [pages, h_kv, page_size, d] and bounds [pages + 1, h_kv, "
+                         "page_size / page, d] of K's dtype with unit last strides, a power-of-two page dividing "
+                         "the cache page, and pages / offsets [M]")
+    if pages.numel() and h_kv:
+        _update_kernel[(pages.numel(), h_kv)](k, lo, hi, pages, offsets, k.stride(0), k.stride(1), k.stride(2),
+                                              lo.stride(0), lo.stride(1), lo.stride(2), PAGE=page,
+                                              PP=max(16, page), HEAD_DIM=d, num_warps=4)
 
 
 def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -127,3 +127,43 @@ def test_packed_selection_equals_per_sequence_selections(monkeypatch, kernels, b
         if step:  # the whole prompts: the budget leaves some causal blocks out, so the scores decided something
             counts = (want.indices >= 0).sum(-1).cpu()
             assert (counts < view.qblocks(block).qblock.cpu() + 1).any(), msg
+
+
+@pytest.mark.parametrize("qpage,cpage,dtype", [(4, 16, torch.float32), (16, 16, torch.bfloat16),
+                                               (8, 32, torch.bfloat16)])
+def test_bound_update_kernel_matches_the_pytorch_form(qpage, cpage, dtype, monkeypatch):
+    """``Quest.update_state`` through ``update_page_bounds`` (one launch) against its PyTorch form, on two caches
+    fed the same keys: a prefill in two chunks on shuffled pages, then decode steps across Quest and cache page
+    bounds, the pools equal bit for bit after every step (stale bounds in them first, as a reused page holds)."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    d = 16
+    cfg = ModelConfig(97, H_KV * G * d, 80, 3, H_KV * G, H_KV, d, 1e-5, 4096, False)
+    quest = Quest(cfg, QuestConfig(density=0.3, block_size=max(16, cpage), page_size=qpage))
+    lens = [int(x) for x in torch.randint(2, 70, (3,), generator=g)]
+    steps = 2 * qpage + 3
+    n_pages = sum(-(-(n + steps) // cpage) for n in lens) + 2
+    perm = torch.randperm(n_pages, generator=g).tolist()
+    caches = []
+    for _ in range(2):
+        cache = KVCache(cfg, num_pages=n_pages, page_size=cpage, dtype=dtype, device=DEV, num_kv_heads=H_KV)
+        for pool, stale in zip(quest._pools(LAYER, cache), (-40.0, 40.0), strict=True):
+            pool.fill_(stale)
+        used = 0
+        for sid, n in enumerate(lens):
+            m = -(-(n + steps) // cpage)
+            cache.attach(sid, perm[used: used + m], n + steps)
+            used += m
+        caches.append(cache)
+    first = [int(torch.randint(1, n + 1, (), generator=g)) for n in lens]
+    chunks = [(first, True), ([n - f for n, f in zip(lens, first, strict=True)], True)]
+    chunks += [([1, 1, 1], False)] * steps
+    for i, (chunk, prefill) in enumerate(chunks):
+        k = (torch.randn(sum(chunk), H_KV, d, generator=g) * 1.5 - 0.2).to(dtype).to(DEV)
+        for cache, mode in zip(caches, ("triton", "torch"), strict=True):
+            batch = cache.prepare([0, 1, 2], chunk, prefill)
+            cache.write(LAYER, k, torch.zeros_like(k), batch)
+            monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
+            quest.update_state(LAYER, cache, batch)
+        for got, want in zip(quest._pools(LAYER, caches[0]), quest._pools(LAYER, caches[1]), strict=True):
+            assert torch.equal(got, want), f"seed {seed}, step {i}"

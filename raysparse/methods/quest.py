@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from raysparse.kernels.dispatch import triton_wanted
+from raysparse.kernels.dispatch import triton_wanted, use_triton
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
+from raysparse.kernels.quest_bounds import update_page_bounds
 from raysparse.kernels.quest_prefill import block_scores, quest_prefill_scores, quest_prefill_scores_torch
 from raysparse.kernels.row_select import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
@@ -114,6 +115,10 @@ class Quest(SparseMethod):
             rows = ((offs % p == p - 1) | last).nonzero().squeeze(1)
             pages, offs = pages[rows], offs[rows]
         lo_pool, hi_pool = self._pools(layer, cache)
+        # one launch; the PyTorch form below is its oracle and the CPU path
+        if use_triton(lo_pool, offs, head_dim=lo_pool.shape[-1]):
+            update_page_bounds(cache.k[layer], lo_pool, hi_pool, pages, offs, p)
+            return
         sub = offs // p
         cols = torch.arange(p, device=offs.device)
         k = cache.k[layer][pages[:, None], :, sub[:, None] * p + cols]  # [M, p, h_kv, d]
