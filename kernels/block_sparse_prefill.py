@@ -41,7 +41,6 @@ from .common import (
     kv_args,
     kv_block_offset,
     next_pow2,
-    softmax_update,
     tl,
     triton,
 )
@@ -51,22 +50,6 @@ _CNT_CHUNK = 512  # selection entries counted per step: one step up to 128K toke
 
 
 if triton is not None:
-
-    @triton.jit
-    def _attend_window(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale, qpos, kpos, n, lo,
-                       sink, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
-        """One key block under a per-row window (PSAW): a row sees keys below ``sink`` or from its ``lo`` up."""
-        kn = tl.arange(0, BLOCK)
-        d = tl.arange(0, HEAD_DIM)
-        k_ok = kpos < n
-        k = tl.load(K + (k_base + kn * stride_kt)[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-        v = tl.load(V + (v_base + kn * stride_vt)[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        seen = (kpos[None, :] < sink) | (kpos[None, :] >= lo[:, None])
-        s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & seen, s, float("-inf"))
-        m_i, l_i, p, alpha = softmax_update(s, m_i, l_i, True)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        return m_i, l_i, acc
 
     @triton.jit
     def _prefill_kernel(Q, K, V, Out, LSE, IDX, QB_SEQ, QB_START, CU_Q, SEQ_K, CU_K, PT, WLO,
@@ -130,8 +113,8 @@ if triton is not None:
                 kb = tl.minimum(kb, (n - 1) // BLOCK)
                 k_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_kb, stride_kh, stride_kt, BLOCK, PAGED)
                 v_base = kv_block_offset(PT, pt_row, CU_K, seq, kb, kvh, stride_vb, stride_vh, stride_vt, BLOCK, PAGED)
-                m_i, l_i, acc = _attend_window(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc,
-                                               qk_scale, qpos, kpos, n, lo, sink, BLOCK, HEAD_DIM, PREC)
+                m_i, l_i, acc = attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc,
+                                             qk_scale, qpos, kpos, n, BLOCK, HEAD_DIM, True, PREC, lo, sink, True)
             n_full = tl.maximum(n_full, n_head)  # a head that reaches the diagonal leaves no full block
         # Fully visible blocks, KB_STEP per step: no mask work at all. Two blocks make one [2 * BLOCK] key
         # tile gathered from two pages (bigger MMAs, half the per-step softmax and rescale overhead).

@@ -151,7 +151,7 @@ if HAS_TRITON:
 
     @triton.jit
     def row_budget_units(units, density):
-        """``methods.base.row_budget`` in a kernel: max(1, round-half-even(density * units)) as int32, where
+        """``methods.budget.row_budget`` in a kernel: max(1, round-half-even(density * units)) as int32, where
         ``density`` is the fp32 value PyTorch multiplies by (``fp32_value``). The product is exact in fp64 and
         rounded once, as PyTorch's fp32 multiply: an fp32 product the compiler contracted into
         ``t - floor(t)`` (an FMA) would see the unrounded value at a half-way budget."""
@@ -219,20 +219,30 @@ if HAS_TRITON:
 
     @triton.jit
     def attend_rows(q, K, V, k_rows, v_rows, m_i, l_i, acc, qk_scale, qpos, kpos, n,
-                    N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+                    N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+                    lo=None, sink=None, WINDOW: tl.constexpr = False):
         """Folds N keys, row i at element offsets ``k_rows[i]`` / ``v_rows[i]`` (one contiguous block or
         several gathered ones), into the running (m_i, l_i, acc) of the query tile q. ``MASKED`` applies the
         causal mask (key ``kpos`` <= query ``qpos``) and the end of the sequence (``kpos < n``); unmasked keys
-        lie wholly below every row. ``qk_scale`` (> 0, log2 units) is applied inside the exponent's FMA."""
+        lie wholly below every row. ``qk_scale`` (> 0, log2 units) is applied inside the exponent's FMA.
+
+        ``WINDOW`` (masked steps only) adds a per-row window (PSAW): row i keeps only keys below ``sink`` or
+        from its ``lo[i]`` up. A compile-time flag, so steps without a window emit no code for it."""
         d = tl.arange(0, HEAD_DIM)
         if MASKED:
             k_ok = kpos < n  # a partial last block: rows past n are not this sequence's keys
             k = tl.load(K + k_rows[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
             v = tl.load(V + v_rows[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s, float("-inf"))
+            if WINDOW:
+                seen = (kpos[None, :] < sink) | (kpos[None, :] >= lo[:, None])
+                s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & seen, s, float("-inf"))
+            else:
+                s = tl.where((kpos[None, :] <= qpos[:, None]) & k_ok[None, :], s, float("-inf"))
             m_i, l_i, p, alpha = softmax_update(s, m_i, l_i, True)
         else:
+            # This form masks nothing and its softmax assumes every row has a finite score: a window needs MASKED.
+            tl.static_assert(not WINDOW, "a per-row window needs MASKED")
             k = tl.load(K + k_rows[:, None] + d[None, :])
             v = tl.load(V + v_rows[:, None] + d[None, :])
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)
@@ -247,11 +257,12 @@ if HAS_TRITON:
 
     @triton.jit
     def attend_block(q, K, V, k_base, v_base, stride_kt, stride_vt, m_i, l_i, acc, qk_scale, qpos, kpos, n,
-                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+                     lo=None, sink=None, WINDOW: tl.constexpr = False):
         """``attend_rows`` over one contiguous key block (rows at ``k_base`` / ``v_base``, ``stride_*t`` apart)."""
         kn = tl.arange(0, BLOCK)
         return attend_rows(q, K, V, k_base + kn * stride_kt, v_base + kn * stride_vt, m_i, l_i, acc, qk_scale,
-                           qpos, kpos, n, BLOCK, HEAD_DIM, MASKED, PREC)
+                           qpos, kpos, n, BLOCK, HEAD_DIM, MASKED, PREC, lo, sink, WINDOW)
 
     @triton.jit
     def finish_rows(acc, m_i, l_i):
