@@ -46,6 +46,7 @@ and the fit: delta_correction.py):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -190,6 +191,7 @@ class Delta(DeltaCorrection):
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:
         o_sparse, lse_s, attended, base_sel = self._base_prefill(ctx, q, k, v, need_lse=self.config.mode == "far-merge")
         out, dense, extra = self._correct(ctx, q, SeqRows(q, k, v), o_sparse, lse_s, attended, base_sel)
+        extra = float(extra)
         if self.tracer is not None:
             sel = None if base_sel is None else DeltaSelection(base_sel.indices, base_sel.block_size, dense,
                                                                self.config.gamma, self.config.mode)
@@ -217,18 +219,24 @@ class Delta(DeltaCorrection):
         with self._prefill_budget():
             sel = self.base.prefill_select(layer, q, view)
         o_sparse, lse_s = dispatch.block_sparse_attention_varlen(q, view.kv, sel, view.cu_q_dev)
-        base_pairs = self.base.prefill_pairs(view, sel).tolist()  # one sync
+        base_pairs = self.base.prefill_pairs(view, sel)
         rows = PackedRows(self._row_sets, self.config.mode, self.config.gamma, q, view, sel)
         out = torch.empty_like(q)
         b, h_kv, start = sel.block_size, cache.num_kv_heads, 0
+        extras = []
         for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
             lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
             blocks = (n - 1) // b - (n - n_q) // b + 1  # this sequence's query blocks in the packed selection
             one = BlockSelection(sel.indices[:, start:start + blocks], b)
             start += blocks
+            # with the base's blocks the extra pairs are a device scalar and ``attended`` is not read
             out[lo:hi], _, extra = self._correct(view.context(i, self._seq_state), q[lo:hi], rows.of(i),
-                                                 o_sparse[lo:hi], lse_s[lo:hi], float(base_pairs[i]), one)
-            self.meter.add(layer, base_pairs[i] + extra, float(causal_pairs(n_q, n) * h_kv), decode=False)
+                                                 o_sparse[lo:hi], lse_s[lo:hi], math.nan, one)
+            extras.append(torch.as_tensor(extra, dtype=torch.float64, device=q.device))
+        # one host read for the layer's density, after all its work is queued
+        pairs = (base_pairs.double() + torch.stack(extras)).tolist()
+        for n_q, n, attended in zip(batch.q_lens, batch.ctx_lens, pairs, strict=True):
+            self.meter.add(layer, attended, float(causal_pairs(n_q, n) * h_kv), decode=False)
         return out
 
 

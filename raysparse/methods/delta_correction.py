@@ -86,36 +86,39 @@ class DeltaCorrection(SparseMethod):
         self._chk_before, self._chk_after = [0.0] * n, [0.0] * n
 
     def fit_sums(self) -> tuple[list[float], ...]:
-        """The additive sums behind ``stats_dict`` (per layer; summed over requests, items and TP shards)."""
-        return (list(self._alpha_sum), [float(h) for h in self._heads], [float(f) for f in self._fell],
-                list(self._chk_before), list(self._chk_after))
+        """The additive sums behind ``stats_dict`` (per layer; summed over requests, items and TP shards). The
+        fit adds device scalars, read here: a host read per fitted layer would stall every prefill step."""
+        return tuple([float(x) for x in xs] for xs in (self._alpha_sum, self._heads, self._fell, self._chk_before,
+                                                        self._chk_after))
 
     def stats_dict(self) -> dict[str, Any]:
         return {"mode": self.config.mode, **fit_summary(*self.fit_sums())}
 
-    def _row_sets(self, q_start: int, n_q: int, n: int, device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One call's dense rows, local to its n_q rows: the anchors (absolute positions 0 mod gamma; a short chunk
-        may hold none), the check rows (empty unless the correction is fitted on them) and the first tail row
-        (n_q: no tail)."""
+    def _row_sets(self, q_start: int, n_q: int, n: int) -> tuple[range, list[int], int]:
+        """One call's dense rows, local to its n_q rows, on the host (they follow from the lengths alone, so
+        nothing is read back from the device): the anchors (absolute positions 0 mod gamma; a short chunk may
+        hold none), the check rows ascending (none unless the correction is fitted on them) and the first tail
+        row (n_q: no tail)."""
         cfg, gamma = self.config, self.config.gamma
         first = (-q_start) % gamma
-        anchors = torch.arange(min(first, n_q), n_q, gamma, device=device)
-        checks = torch.zeros(0, dtype=torch.long, device=device)
+        anchors = range(min(first, n_q), n_q, gamma)
+        checks: list[int] = []
         if cfg.mode in FITTED and cfg.alpha is None and cfg.checks:
-            g, off, every = gamma, cfg.check_offset, cfg.check_every
-            pos = q_start + torch.arange(n_q, device=device)
-            blk = torch.div(pos, g, rounding_mode="floor")
-            checks = ((pos % g == off) & ((blk < every) | (blk % every == every - 1))).nonzero()[:, 0]
+            off, every = cfg.check_offset, cfg.check_every
+            # positions off mod gamma of the first `every` gamma-blocks, then of one block in `every`
+            for p in range(q_start + (off - q_start) % gamma, q_start + n_q, gamma):
+                blk = p // gamma
+                if blk < every or blk % every == every - 1:
+                    checks.append(p - q_start)
         tail_lo = max(n - cfg.tail_rows(n), q_start) - q_start
         return anchors, checks, min(tail_lo, n_q)
 
     def _correct(self, ctx: SeqContext, q: torch.Tensor, rows: Rows, o_sparse: torch.Tensor,
                  lse_s: torch.Tensor | None, attended: float, base_sel: BlockSelection | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, float]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]:
         """One sequence's corrected output from the base's (``o_sparse``, its lse and selection; ``attended``:
         the base's pairs), its dense rows taken from ``rows``: the output, which rows were computed densely, and
-        the causal pairs those rows add."""
+        the causal pairs those rows add (a device scalar where the base's blocks decide them)."""
         cfg, gamma = self.config, self.config.gamma
         far = cfg.mode == "far-merge" and lse_s is not None and base_sel is not None  # else: the paper's difference
         n_q, n = q.shape[0], ctx.n
@@ -124,7 +127,10 @@ class DeltaCorrection(SparseMethod):
         if cfg.mode == "sparse-only":
             return o_sparse, dense, 0.0
         first = (-ctx.q_start) % gamma
-        anchors, checks_at, tail_lo = self._row_sets(ctx.q_start, n_q, n, q.device)
+        anchor_rows, check_rows, tail_lo = self._row_sets(ctx.q_start, n_q, n)
+        anchors = torch.arange(anchor_rows.start, anchor_rows.stop, gamma, device=q.device)
+        checks_at = torch.tensor(check_rows, dtype=torch.long, device=q.device)
+        dense_rows = list(anchor_rows)  # host lists: the dense rows' causal pairs need no device read
         out = o_sparse.float()
         if far:
             o_rows, o_far, lse_far, kbar = rows.far(anchors, pos[anchors], base_sel, ctx.q_start, n)
@@ -145,11 +151,15 @@ class DeltaCorrection(SparseMethod):
         if checks is not None:
             out[checks[0]] = checks[1]
             dense[checks[0]] = True
+            dense_rows += check_rows
         if tail_lo < n_q:
             tail = torch.arange(tail_lo, n_q, device=q.device)
             out[tail_lo:] = rows.dense(tail, pos[tail])
             dense[tail_lo:] = True
-        extra = extra_pairs(base_sel, pos[dense], rows.h_kv, n, ctx.q_start, attended)
+            dense_rows += range(tail_lo, n_q)
+        at = sorted({ctx.q_start + r for r in dense_rows})
+        extra = extra_pairs(base_sel, torch.tensor(at, dtype=torch.long, device=q.device), rows.h_kv, n,
+                            ctx.q_start, attended, sum(at) + len(at))
         return out.to(q.dtype), dense, extra
 
     def _per_row(self, ctx: SeqContext, key: str, rows: tuple[torch.Tensor, ...], fills: tuple[float, ...],
@@ -206,11 +216,12 @@ class DeltaCorrection(SparseMethod):
         alpha = fitted[torch.searchsorted(pos[ci], pos, right=True)]  # the fit over the check rows <= row
         # Statistics: each check row predicted by the alpha of the check rows before it, and the final alpha.
         layer = ctx.layer
-        self._chk_before[layer] += float((d_true * d_true).sum())
-        self._chk_after[layer] += float(((d_true - fitted[:-1, :, None] * d_pred) ** 2).sum())
-        self._alpha_sum[layer] += float(fitted[-1].sum())
+        # (device scalars, read by ``fit_sums``)
+        self._chk_before[layer] += (d_true * d_true).sum()
+        self._chk_after[layer] += ((d_true - fitted[:-1, :, None] * d_pred) ** 2).sum()
+        self._alpha_sum[layer] += fitted[-1].sum()
         self._heads[layer] += h
-        self._fell[layer] += int((fitted[-1] < FALLBACK_ALPHA).sum())
+        self._fell[layer] += (fitted[-1] < FALLBACK_ALPHA).sum()
         return alpha, (ci, o_chk)
 
 

@@ -18,14 +18,15 @@ from raysparse.kernels.reference import dense_rows_attention
 from raysparse.methods.selection import SENTINEL, BlockSelection, mask_from_indices
 from raysparse.methods.views import PrefillView
 
-# (q_start, n_q, n, device) -> (anchor rows, check rows, first tail row), local row indices of one chunk
-RowSets = Callable[[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor, int]]
+# (q_start, n_q, n) -> (anchor rows, ascending check rows, first tail row): one chunk's local row indices, host-side
+RowSets = Callable[[int, int, int], tuple[range, list[int], int]]
 
 
 def extra_pairs(sel: BlockSelection | None, rows: torch.Tensor, h_kv: int, n: int, q_start: int,
-                base_pairs: float) -> float:
-    """Causal pairs of the dense rows (absolute positions ``rows``) the base did not attend."""
-    dense_pairs = float((rows + 1).sum()) * h_kv
+                base_pairs: float, row_pairs: int | None = None) -> float | torch.Tensor:
+    """Causal pairs of the dense rows (absolute positions ``rows``) the base did not attend: with the base's blocks
+    a device scalar (no host read), else a float. ``row_pairs``: sum(rows + 1) if the host knows it."""
+    dense_pairs = float((rows + 1).sum() if row_pairs is None else row_pairs) * h_kv
     if sel is None:
         return max(0.0, min(dense_pairs, causal_pairs(n - q_start, n) * h_kv - base_pairs))
     b = sel.block_size
@@ -33,7 +34,7 @@ def extra_pairs(sel: BlockSelection | None, rows: torch.Tensor, h_kv: int, n: in
     lo = kb * b
     hi = torch.minimum(lo + b, rows[None, :, None] + 1)
     covered = ((hi - lo).clamp(min=0) * (kb != SENTINEL)).sum()
-    return dense_pairs - float(covered)
+    return dense_pairs - covered.double()
 
 
 def far_merge_prediction(q: torch.Tensor, o_s: torch.Tensor, lse_s: torch.Tensor, q_a: torch.Tensor,
@@ -101,8 +102,11 @@ class PackedRows:
         qb0 = 0
         for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
             q_start, lo = n - n_q, batch.cu_q[i]
-            anchors, checks, tail_lo = row_sets(q_start, n_q, n, dev)
-            rest = torch.cat([checks, torch.arange(tail_lo, n_q, device=dev)]).unique()  # sorted
+            anchor_rows, checks, tail_lo = row_sets(q_start, n_q, n)
+            anchors = torch.arange(anchor_rows.start, anchor_rows.stop, anchor_rows.step, device=dev)
+            # checks ascend: those below the tail, then the tail (built on the host, no device read)
+            rest = torch.tensor([c for c in checks if c < tail_lo] + list(range(tail_lo, n_q)), dtype=torch.long,
+                                device=dev)
             self.anchors.append(anchors)
             self.dense_idx.append(rest)
             a_tok.append(lo + anchors)
