@@ -81,15 +81,16 @@ class DeltaCorrection(SparseMethod):
 
     # ---- statistics: the fitted correction per layer ----------------------------------------------
     def reset_stats(self) -> None:
-        n = self.model_cfg.num_layers
-        self._alpha_sum, self._heads, self._fell = [0.0] * n, [0] * n, [0] * n
-        self._chk_before, self._chk_after = [0.0] * n, [0.0] * n
+        self._heads = [0] * self.model_cfg.num_layers
+        # per layer: the fitted alphas' sum, the heads fallen back, the check rows' error before and after; on the
+        # device the fit runs on (a host read per fitted layer would stall every prefill step), read by fit_sums
+        self._fit: torch.Tensor | None = None
 
     def fit_sums(self) -> tuple[list[float], ...]:
-        """The additive sums behind ``stats_dict`` (per layer; summed over requests, items and TP shards). The
-        fit adds device scalars, read here: a host read per fitted layer would stall every prefill step."""
-        return tuple([float(x) for x in xs] for xs in (self._alpha_sum, self._heads, self._fell, self._chk_before,
-                                                        self._chk_after))
+        """The additive sums behind ``stats_dict`` (per layer; summed over requests, items and TP shards)."""
+        n = self.model_cfg.num_layers
+        fit = self._fit.T.tolist() if self._fit is not None else [[0.0] * n] * 4
+        return fit[0], [float(h) for h in self._heads], fit[1], fit[2], fit[3]
 
     def stats_dict(self) -> dict[str, Any]:
         return {"mode": self.config.mode, **fit_summary(*self.fit_sums())}
@@ -216,12 +217,11 @@ class DeltaCorrection(SparseMethod):
         alpha = fitted[torch.searchsorted(pos[ci], pos, right=True)]  # the fit over the check rows <= row
         # Statistics: each check row predicted by the alpha of the check rows before it, and the final alpha.
         layer = ctx.layer
-        # (device scalars, read by ``fit_sums``)
-        self._chk_before[layer] += (d_true * d_true).sum()
-        self._chk_after[layer] += ((d_true - fitted[:-1, :, None] * d_pred) ** 2).sum()
-        self._alpha_sum[layer] += fitted[-1].sum()
+        if self._fit is None:
+            self._fit = torch.zeros(self.model_cfg.num_layers, 4, dtype=torch.float64, device=pred.device)
+        self._fit[layer] += torch.stack([fitted[-1].sum(), (fitted[-1] < FALLBACK_ALPHA).sum(), (d_true * d_true).sum(),
+                                         ((d_true - fitted[:-1, :, None] * d_pred) ** 2).sum()]).double()
         self._heads[layer] += h
-        self._fell[layer] += (fitted[-1] < FALLBACK_ALPHA).sum()
         return alpha, (ci, o_chk)
 
 
