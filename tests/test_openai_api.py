@@ -356,7 +356,7 @@ def test_unavailable_while_the_engine_is_not_ready():
 
 
 def test_stop_string_matcher():
-    from raysparse.serving.openai_api import StopStrings
+    from raysparse.serving.openai_responses import StopStrings
 
     s = StopStrings(["END", "xy"])
     out = [s.feed(d) for d in ("ab", "cE", "N", "x", "q", "EN", "D")]
@@ -375,7 +375,7 @@ def test_engine_errors_map_to_openai_statuses():
         InvalidRequestError,
         RequestTooLargeError,
     )
-    from raysparse.serving.openai_api import engine_error
+    from raysparse.serving.openai_schema import engine_error
 
     cases = [(InvalidRequestError("bad"), 400, "invalid_request_error"),
              (RequestTooLargeError("never fits"), 400, "invalid_request_error"),

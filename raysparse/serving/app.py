@@ -152,7 +152,7 @@ class RaySparseDeployment:
 
     def __init__(self, engine_cfg: EngineConfig, served_model_name: str = "") -> None:
         from raysparse.orchestration.engine import Engine
-        from raysparse.serving.openai_api import OpenAIFrontend
+        from raysparse.serving.openai_frontend import OpenAIFrontend
 
         self.engine = Engine(engine_cfg)
         self.engine.start()

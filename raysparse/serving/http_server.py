@@ -13,7 +13,8 @@ import threading
 import time
 from typing import Any
 
-from raysparse.serving.openai_api import OpenAIFrontend, create_app
+from raysparse.serving.openai_api import create_app
+from raysparse.serving.openai_frontend import OpenAIFrontend
 
 
 class OpenAIHTTPServer:

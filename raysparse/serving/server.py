@@ -111,7 +111,7 @@ class InferenceServer:
             self.metrics_port = self._http[0].server_port
         if self.cfg.http_port is not None:
             from raysparse.serving.http_server import OpenAIHTTPServer
-            from raysparse.serving.openai_api import OpenAIFrontend
+            from raysparse.serving.openai_frontend import OpenAIFrontend
 
             self.openai = OpenAIHTTPServer(OpenAIFrontend(self.engine, self.cfg.served_model_name), self.cfg.host,
                                            self.cfg.http_port, self.metrics.registry, self.cfg.grace_s).start()
