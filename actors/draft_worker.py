@@ -85,12 +85,13 @@ class DraftWorker:
 
     def backend(self, key: str) -> Any:
         from raysparse.methods.registry import create_backend
-        from raysparse.specattn.layer_map import resolve_layer_map
+        from raysparse.specattn.map_store import resolve_layer_map
         from raysparse.step_plan import parse_key
 
         b = self.backends.get(key)
         if b is None and self.separate is not None:
-            from raysparse.specattn.layer_map import load_layer_map, proportional_map
+            from raysparse.specattn.layer_map import proportional_map
+            from raysparse.specattn.map_store import load_layer_map
 
             method, params = parse_key(key)
             b = create_backend(method, self.verifier_cfg, **params)

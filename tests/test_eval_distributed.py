@@ -137,7 +137,7 @@ def _first_replica(engine: Any) -> Any:
 # In the default run (the issue's --tp / --replicas for eval); the other Ray tests here are slow-marked.
 def test_tp2_same_outputs_and_numbers_and_replicas_same_rows(engine_2x2, tiny_dir, text_file, reference):
     from raysparse.eval.distributed import ClusterOptions, run_eval_on_engine
-    from raysparse.specattn.layer_map import MAP_FILE
+    from raysparse.specattn.map_store import MAP_FILE
     from raysparse.workload import load_haystack_text
 
     (tiny_dir / MAP_FILE).unlink(missing_ok=True)  # SpecAttn's map is measured again, over both shards' heads
@@ -158,8 +158,8 @@ def test_tp2_same_outputs_and_numbers_and_replicas_same_rows(engine_2x2, tiny_di
 def test_specattn_map_over_shards_and_replicas_matches_the_one_process_map(engine_2x2, tiny_dir, text_file):
     from raysparse.loader import load_model, load_tokenizer, resolve_source
     from raysparse.specattn.draft import default_draft_layers
-    from raysparse.specattn.layer_map import compute_layer_map, map_from_sums, text_windows
     from raysparse.specattn.map_command import measure_on_engine
+    from raysparse.specattn.map_measure import compute_layer_map, map_from_sums, text_windows
 
     src = resolve_source(str(tiny_dir))
     windows = text_windows(load_tokenizer(src), text_file.read_text(), 3, 96)
@@ -195,8 +195,8 @@ def test_draft_model_over_shards_matches_the_one_process_harness(engine_2x2, tin
     from raysparse.eval.distributed import ClusterOptions, run_eval_on_engine
     from raysparse.loader import load_model, load_tokenizer, resolve_source
     from raysparse.specattn.draft_model import draft_key
-    from raysparse.specattn.layer_map import compute_cross_layer_map, cross_map_from_sums, text_windows
     from raysparse.specattn.map_command import measure_on_engine
+    from raysparse.specattn.map_measure import compute_cross_layer_map, cross_map_from_sums, text_windows
     from raysparse.workload import load_haystack_text
 
     cfg = replace(CFG, methods=("specattn",), draft_model=str(draft_dir))

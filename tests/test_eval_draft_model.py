@@ -27,7 +27,7 @@ from raysparse.kv_cache import KVCache
 from raysparse.loader import model_from_state
 from raysparse.specattn import SpecAttn, SpecAttnConfig
 from raysparse.specattn.draft_model import SeparateDraft
-from raysparse.specattn.layer_map import map_file_name
+from raysparse.specattn.map_store import map_file_name
 from raysparse.workload import synthetic_haystack
 
 

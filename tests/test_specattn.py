@@ -38,9 +38,10 @@ from raysparse.specattn import (
     topp_mask,
 )
 from raysparse.specattn.draft import default_draft_layers
-from raysparse.specattn.layer_map import kl_similarity, nearest_below_map
-from raysparse.specattn.method import verify_attention
+from raysparse.specattn.dtw import kl_similarity
+from raysparse.specattn.layer_map import nearest_below_map
 from raysparse.specattn.topp import union_topp
+from raysparse.specattn.verify import verify_attention
 
 
 @pytest.fixture(autouse=True)
@@ -396,7 +397,7 @@ def test_shard_executor_verifies_a_round_through_the_backend():
     from dataclasses import asdict
 
     from raysparse.shard_executor import ShardExecutor
-    from raysparse.specattn.method import VerifyPlan
+    from raysparse.specattn.verify import VerifyPlan
     from raysparse.specattn.wire import pack_round
     from raysparse.step_plan import StepPlan, method_key
 

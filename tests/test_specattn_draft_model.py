@@ -21,16 +21,10 @@ from raysparse.sampling import SamplingParams
 from raysparse.specattn import SpecAttn, SpecAttnConfig, SpecAttnGenerator
 from raysparse.specattn.acceptance import greedy_accept, sampling_accept
 from raysparse.specattn.draft_model import DraftModelError, SeparateDraft, check_draft_compatible
-from raysparse.specattn.layer_map import (
-    compute_cross_layer_map,
-    kl_similarity,
-    load_layer_map,
-    map_file_name,
-    monotone_dtw,
-    proportional_map,
-    resolve_draft_layer_map,
-    save_layer_map,
-)
+from raysparse.specattn.dtw import kl_similarity, monotone_dtw
+from raysparse.specattn.layer_map import proportional_map
+from raysparse.specattn.map_measure import compute_cross_layer_map
+from raysparse.specattn.map_store import load_layer_map, map_file_name, resolve_draft_layer_map, save_layer_map
 
 P_MIN = 1e-4  # chi-square p-value below which a distribution is rejected
 

@@ -11,7 +11,7 @@ logits, and Sketch&Walk's walk gets the group's all-reduce as in the engine (``a
 What needs attention from inside the model runs across shards too: each shard's fidelity tracer, density
 meter, SpecAttn KV reads and CIS retrievals cover its own KV heads, so an item's sums are the sum over its
 shards (``items.combine_shards``); SpecAttn's draft runs on the sharded model and its layer map is
-measured with the similarities summed over the shards (``specattn.layer_map``). With ``--replicas M``
+measured with the similarities summed over the shards (``specattn.map_measure``). With ``--replicas M``
 the items of a setting are spread over the replicas (the next free replica takes the next item) and merged
 in item order, so the JSON is the same whatever M; items after a known failure are not run.
 """

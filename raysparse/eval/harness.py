@@ -185,7 +185,8 @@ class Harness:
             return self._draft_layer_map()
         key = tuple(backend.draft_layers)
         if key not in self._layer_maps:
-            from raysparse.specattn.layer_map import nearest_below_map, resolve_layer_map
+            from raysparse.specattn.layer_map import nearest_below_map
+            from raysparse.specattn.map_store import resolve_layer_map
 
             self._layer_maps[key] = (resolve_layer_map(self.model, self.model_dir, key, self.tokenizer)
                                      if self.model_dir is not None else nearest_below_map(self.model.cfg.num_layers,
@@ -193,7 +194,8 @@ class Harness:
         return self._layer_maps[key]
 
     def _draft_layer_map(self) -> Any:
-        from raysparse.specattn.layer_map import proportional_map, resolve_draft_layer_map
+        from raysparse.specattn.layer_map import proportional_map
+        from raysparse.specattn.map_store import resolve_draft_layer_map
 
         key = ("draft", self.draft.key)
         if key not in self._layer_maps:

@@ -150,7 +150,7 @@ def _sum_tracer(a: dict[Any, tuple], b: dict[Any, tuple]) -> dict[Any, tuple]:
 
 
 def _spec_dict(items: list[ItemResult], num_layers: int) -> dict[str, Any]:
-    from raysparse.specattn.method import SpecAttnStats
+    from raysparse.specattn.stats import SpecAttnStats
 
     first = next(i.spec for i in items if i.spec is not None) if any(i.spec for i in items) else None
     s = SpecAttnStats(num_layers, sparse_layers=tuple(first["sparse_layers"]) if first else ())

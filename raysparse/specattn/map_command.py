@@ -3,12 +3,12 @@
 The engine starts ``--replicas`` groups of ``--tp`` shard actors on Ray (a local instance, or the cluster
 at ``--address``), as every command that runs the model does. The driver cuts the text windows; each
 window is probed on every shard of one replica (the draft and the verifier attention rows of the shard's
-KV heads, ``layer_map.window_similarity``), the shards' similarity sums are added in rank order and the
-windows' in window order (``layer_map.map_from_sums``), so the map is the same whatever the number of
+KV heads, ``map_measure.window_similarity``), the shards' similarity sums are added in rank order and the
+windows' in window order (``map_measure.map_from_sums``), so the map is the same whatever the number of
 replicas, and that of one process up to float rounding under tensor parallelism.
 
 With ``--draft-model PATH`` the map is that of a separate draft model (another depth and head count): every
-shard loads the draft whole and probes both models on the window (``layer_map.cross_window_similarity``,
+shard loads the draft whole and probes both models on the window (``map_measure.cross_window_similarity``,
 the draft's rows averaged per KV group and mapped onto the shard's verifier KV heads); the map is saved next
 to the verifier under the draft's key (``draft_model.draft_key``), where ``raysparse run``, ``serve`` and
 ``eval`` look it up.
@@ -68,7 +68,7 @@ def build_map_parser() -> argparse.ArgumentParser:
 
 def _shard_window(worker: Any, window: list[int], draft: tuple[int, ...], steps: int,
                   threads: int | None) -> tuple[torch.Tensor, int]:
-    from raysparse.specattn.layer_map import window_similarity
+    from raysparse.specattn.map_measure import window_similarity
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -82,7 +82,7 @@ _DRAFTS: dict[tuple[int, str], Any] = {}  # per shard actor process: (worker, dr
 def _shard_cross_window(worker: Any, window: list[int], draft_path: str, steps: int,
                         threads: int | None) -> tuple[torch.Tensor, int]:
     from raysparse.loader import load_model, resolve_source
-    from raysparse.specattn.layer_map import cross_window_similarity
+    from raysparse.specattn.map_measure import cross_window_similarity
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from raysparse.eval.distributed import ClusterOptions, check_tp, running_engine
         from raysparse.specattn.draft import default_draft_layers, validate_draft_layers
         from raysparse.specattn.draft_model import draft_key
-        from raysparse.specattn.layer_map import cross_map_from_sums, map_from_sums, save_layer_map, text_windows
+        from raysparse.specattn.map_measure import cross_map_from_sums, map_from_sums, text_windows
+        from raysparse.specattn.map_store import save_layer_map
         from raysparse.workload import load_haystack_text
 
         parse_dtype(args.dtype)

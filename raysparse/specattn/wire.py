@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from raysparse.methods.selection import SENTINEL
-from raysparse.specattn.method import VerifyPlan
+from raysparse.specattn.verify import VerifyPlan
 
 
 def chunk_bits(tok: torch.Tensor, ctx_len: int, chunk: int) -> tuple[list[int], bytes]:
