@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from raysparse.eval.harness import EvalConfig, Harness, Workload, build_report, eval_settings, max_total_tokens
+from raysparse.eval.harness import EvalConfig, Harness, Workload, eval_settings, max_total_tokens
 from raysparse.eval.items import ItemResult, combine_shards, item_order, merge_items
+from raysparse.eval.report import build_report
 from raysparse.eval.settings import Setting
 
 _SHARDS: dict[int, tuple[Harness, Workload]] = {}  # per shard actor process: its harness and the work

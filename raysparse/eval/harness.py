@@ -20,9 +20,10 @@ KV reads over every verification step, teacher-forced included, acceptance still
 teacher-forced rounds are not speculation) and CIS / CPE's retrieval ratio rho. A setting that raises
 (a method that does not implement a phase, a bad parameter) becomes an error row; the others still run.
 
-Each task sample and window is one work item (``items.py``) on a fresh sequence; ``run_setting`` runs a
-setting's items in order and merges their sums, and the distributed harness (``distributed.py``) runs the
-same ``run_item`` inside shard actors, so both give the same row.
+Each task sample and window is one work item (``items.py``) on a fresh sequence, scored by ``item_scoring.py``
+(1, 2) or ``decode_ppl.py`` (3); ``run_setting`` runs a setting's items in order and merges their sums, and the
+distributed harness (``distributed.py``) runs the same ``run_item`` inside shard actors, so both give the same
+row. ``run_eval`` returns the JSON report (``report.build_report``).
 """
 
 from __future__ import annotations
@@ -30,24 +31,23 @@ from __future__ import annotations
 import itertools
 import platform
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from raysparse.attention import AttentionBackend
 from raysparse.eval.decode_ppl import decode_nll
+from raysparse.eval.item_scoring import task_sample, window_nll
 from raysparse.eval.items import ItemResult, RunResult, item_order, merge_items, reset_accumulators, snapshot
 from raysparse.eval.metrics import DEFAULT_ROWS
+from raysparse.eval.report import build_report
 from raysparse.eval.settings import ParamSweep, Setting, backend_takes_density, plan_settings
-from raysparse.eval.tasks import PPL_SCORED_FRACTION, TASK_NAMES, EvalTask, build_tasks, perplexity_windows
-from raysparse.generate import FinishEvent, GenerationRequest, Generator
+from raysparse.eval.tasks import TASK_NAMES, EvalTask, build_tasks, perplexity_windows
 from raysparse.kv_cache import KVCache
 from raysparse.model import LlamaForCausalLM
-from raysparse.sampling import SamplingParams
 
-SCHEMA = "raysparse.eval/1"
 # Whole-model densities (the dense layers and forced blocks inside them): on the default model (2 of 30 layers
 # dense) at the default 2048 tokens the sink and diagonal blocks alone attend about 0.153, so lower ones are refused.
 DEFAULT_DENSITIES = (0.2, 0.3, 0.4, 0.5)
@@ -239,11 +239,13 @@ class Harness:
             if kind == "task":
                 task = work.tasks[index]
                 backend.check_request(len(task.prompt_ids), len(task.prompt_ids) + self.max_new_tokens(task))
-                item.sample = self.task_sample(backend, task)
+                item.sample = task_sample(self.model, self.cache, backend, self.tokenizer, task,
+                                          self.max_new_tokens(task), self.draft)
             elif kind == "ppl":
                 n = len(work.windows[index])
                 backend.check_request(n, n)
-                item.nll, item.count = self.window_nll(backend, work.windows[index])
+                item.nll, item.count = window_nll(self.model, self.cache, backend, work.windows[index],
+                                                  next(self._seq_ids))
             elif kind == "decode":
                 n = len(work.windows[index])
                 backend.check_request(max(1, n - self.cfg.decode_ppl_tokens), n)
@@ -258,45 +260,9 @@ class Harness:
         item.seconds = time.perf_counter() - t0
         return item
 
-    def task_sample(self, backend: AttentionBackend, task: EvalTask) -> dict[str, Any]:
-        if getattr(backend, "speculative", False):
-            from raysparse.specattn.decode import SpecAttnGenerator
-
-            gen: Generator = SpecAttnGenerator(self.model, self.cache, backend, self.tokenizer,  # type: ignore
-                                               draft=self.draft)
-        else:
-            gen = Generator(self.model, self.cache, backend, self.tokenizer)
-        params = SamplingParams(max_new_tokens=self.max_new_tokens(task))
-        finish = None
-        for ev in gen.generate([GenerationRequest(task.prompt_ids, params, f"{task.name}-{task.seed}")]):
-            if isinstance(ev, FinishEvent):
-                finish = ev
-        if finish is None or finish.finish_reason == "error":
-            raise RuntimeError(f"generation failed on {task.name}: {finish.error if finish else 'no result'}")
-        score = task.score(finish.text)
-        return {"task": task.name, "seed": task.seed, "prompt_tokens": len(task.prompt_ids),
-                "expected": list(task.expected), "output": finish.text, "score": score}
-
     def max_new_tokens(self, task: EvalTask) -> int:
         """Room for the whole answer (four 7-digit numbers need ~30 tokens) plus the configured slack."""
         return min(task.answer_tokens, ANSWER_ROOM) + self.cfg.max_new_tokens
-
-    def window_nll(self, backend: AttentionBackend, ids: list[int]) -> tuple[float, int]:
-        """Summed NLL (nats) of the scored last part of one window under ``backend``, and its token count."""
-        n = len(ids)
-        sid = next(self._seq_ids)
-        self.cache.allocate(sid, n)
-        try:
-            batch = self.cache.prepare([sid], [n], True)
-            dev = self.cache.device
-            logits = self.model(torch.tensor(ids, device=dev), batch, self.cache, backend, all_logits=True)
-        finally:
-            self.cache.free(sid)
-            backend.release(sid)
-        first = n - max(1, int(n * PPL_SCORED_FRACTION))  # the first position whose next token is scored
-        targets = torch.tensor(ids[first + 1:], device=logits.device)
-        nll = torch.nn.functional.cross_entropy(logits[first:n - 1], targets, reduction="sum")
-        return float(nll), len(targets)
 
 
 def run_eval(model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig, text: str, source: str,
@@ -330,26 +296,3 @@ def run_eval(model: LlamaForCausalLM, tokenizer: Any, cfg: EvalConfig, text: str
     host = {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     return build_report(cfg, settings, work, runs, model_info, str(harness.cache.device), host,
                         time.perf_counter() - t0)
-
-
-def build_report(cfg: EvalConfig, settings: Sequence[Setting], work: Workload, runs: list[dict[str, Any]],
-                 model_info: dict[str, Any], device: str, host: dict[str, Any], elapsed_s: float,
-                 cluster: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON report (``report.py`` lists its fields); ``cluster``: tp, replicas and address of a run on Ray."""
-    return {
-        "schema": SCHEMA,
-        "model": model_info,
-        "haystack": work.source,
-        "config": {**asdict(cfg), "settings": [s.to_json() for s in settings]},
-        "perplexity_scored": f"last {PPL_SCORED_FRACTION:.0%} of each {cfg.context_tokens}-token window "
-                             "(next-token NLL of those positions)",
-        "decode_perplexity_scored": f"last {cfg.decode_ppl_tokens} tokens of each window, each predicted by a "
-                                    "teacher-forced decode step (SpecAttn: verification chunks of gamma + 1 true "
-                                    "tokens)" if cfg.decode_ppl_tokens else None,
-        "prompt_tokens": [len(t.prompt_ids) for t in work.tasks],
-        "device": device,
-        **({"cluster": cluster} if cluster is not None else {}),
-        "host": host,
-        "elapsed_s": elapsed_s,
-        "runs": runs,
-    }

@@ -1,4 +1,4 @@
-"""The eval report: the JSON file, a PNG plot and the terminal table.
+"""The eval report: the JSON report (``build_report``) and its file, a PNG plot and the terminal table.
 
 JSON (``eval.json``, schema ``raysparse.eval/1``): ``model`` (name, layers, heads, kv_heads, head_dim, dtype),
 ``haystack``, ``config`` (the ``EvalConfig`` fields plus the ``settings`` run, each [method, density,
@@ -24,13 +24,46 @@ accepted draft tokens / drafted, over the generation tasks), ``tok/step`` (token
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
+from raysparse.eval.tasks import PPL_SCORED_FRACTION
+
+if TYPE_CHECKING:  # harness.py imports this module for build_report
+    from raysparse.eval.harness import EvalConfig, Workload
+    from raysparse.eval.settings import Setting
+
+SCHEMA = "raysparse.eval/1"
+
 TASK_ABBREV = {"single_needle": "1N", "multi_key": "MK", "multi_value": "MV", "variable_tracking": "VT"}
+
+
+def build_report(cfg: EvalConfig, settings: Sequence[Setting], work: Workload, runs: list[dict[str, Any]],
+                 model_info: dict[str, Any], device: str, host: dict[str, Any], elapsed_s: float,
+                 cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON report (fields above); ``cluster``: tp, replicas and address of a run on Ray."""
+    return {
+        "schema": SCHEMA,
+        "model": model_info,
+        "haystack": work.source,
+        "config": {**asdict(cfg), "settings": [s.to_json() for s in settings]},
+        "perplexity_scored": f"last {PPL_SCORED_FRACTION:.0%} of each {cfg.context_tokens}-token window "
+                             "(next-token NLL of those positions)",
+        "decode_perplexity_scored": f"last {cfg.decode_ppl_tokens} tokens of each window, each predicted by a "
+                                    "teacher-forced decode step (SpecAttn: verification chunks of gamma + 1 true "
+                                    "tokens)" if cfg.decode_ppl_tokens else None,
+        "prompt_tokens": [len(t.prompt_ids) for t in work.tasks],
+        "device": device,
+        **({"cluster": cluster} if cluster is not None else {}),
+        "host": host,
+        "elapsed_s": elapsed_s,
+        "runs": runs,
+    }
 
 
 def write_json(report: dict[str, Any], out_dir: Path, name: str = "eval.json") -> Path:
