@@ -52,7 +52,7 @@ from raysparse.serving.commands import add_engine_args, add_method_args, engine_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from raysparse.cli import HelpFormatter  # --help shows the defaults, as every raysparse command's does
+    from raysparse.cli_common import HelpFormatter  # --help shows the defaults, as every raysparse command's does
 
     paragraphs = __doc__.split("\n\n")
     p = argparse.ArgumentParser(prog="python -m raysparse.jobs.longcontext", formatter_class=HelpFormatter,

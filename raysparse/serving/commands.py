@@ -22,7 +22,7 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def positive_int(s: str) -> int:
-    from raysparse.cli import _positive_int  # one parser of positive integers for every command
+    from raysparse.cli_common import _positive_int  # one parser of positive integers for every command
 
     return _positive_int(s)
 
@@ -123,7 +123,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPUs of the local Ray instance (default: all of this host's)")
     p.add_argument("--cpus-per-shard", type=float, default=1.0, help="CPUs Ray reserves per shard actor")
     p.add_argument("--no-draft", action="store_true", help="no SpecAttn draft actor (specattn is then refused)")
-    from raysparse.cli import add_draft_model_arg
+    from raysparse.cli_common import add_draft_model_arg
 
     add_draft_model_arg(p)
     p.add_argument("--decode-steps", type=positive_int, default=1,
@@ -156,7 +156,7 @@ def engine_config(args: argparse.Namespace, methods: list[str] | None = None) ->
     """The engine flags as an ``EngineConfig``; raises ValueError (one line, before anything loads) for a bad
     setting or a ``--draft-model`` that cannot serve the model or that none of ``methods`` uses (None: the
     requests pick their methods)."""
-    from raysparse.cli import check_draft_model
+    from raysparse.cli_common import check_draft_model
     from raysparse.orchestration.engine_config import EngineConfig
 
     check_draft_model(args.model, args.draft_model, methods)

@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 
-from raysparse.cli import DEVICES, _add_cluster_args, _Parser, _positive_int, add_draft_model_arg, check_draft_model
+from raysparse.cli_common import (
+    DEVICES,
+    _add_cluster_args,
+    _Parser,
+    _positive_int,
+    add_draft_model_arg,
+    check_draft_model,
+)
 
 PROG = "raysparse specattn-map"
 
