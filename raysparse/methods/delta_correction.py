@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from raysparse.config import ModelConfig
@@ -106,11 +107,11 @@ class DeltaCorrection(SparseMethod):
         checks: list[int] = []
         if cfg.mode in FITTED and cfg.alpha is None and cfg.checks:
             off, every = cfg.check_offset, cfg.check_every
-            # positions off mod gamma of the first `every` gamma-blocks, then of one block in `every`
-            for p in range(q_start + (off - q_start) % gamma, q_start + n_q, gamma):
-                blk = p // gamma
-                if blk < every or blk % every == every - 1:
-                    checks.append(p - q_start)
+            # positions off mod gamma of the first `every` gamma-blocks, then of one block in `every`: the blocks
+            # whose such position lies in [q_start, q_start + n_q), as one array op (no loop over the blocks)
+            blk = np.arange(max(0, -(-(q_start - off) // gamma)), -(-(q_start + n_q - off) // gamma))
+            blk = blk[(blk < every) | (blk % every == every - 1)]
+            checks = (blk * gamma + off - q_start).tolist()
         tail_lo = max(n - cfg.tail_rows(n), q_start) - q_start
         return anchors, checks, min(tail_lo, n_q)
 
