@@ -123,12 +123,14 @@ def random_state(hf_config, seed: int = 0) -> dict[str, torch.Tensor]:
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def tiny_model(device: str, num_kv_heads: int, group: int, layers: int) -> LlamaForCausalLM:
-    """Our model over a seeded random transformers Llama (a fresh seed per call), on ``device``."""
+def tiny_model(device: str, num_kv_heads: int, group: int, layers: int, seed: int | None = None) -> LlamaForCausalLM:
+    """Our model over a seeded random transformers Llama, on ``device``: weights from ``seed`` (None: a fresh
+    seed per call), so a test that prints its seed can be replayed with the same weights."""
     from raysparse.loader import model_from_state
 
     cfg = tiny_hf_config(num_kv_heads=num_kv_heads, group=group, layers=layers)
-    return model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict()).to(device)
+    seed = int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed
+    return model_from_state(cfg, random_state(cfg, seed=seed).state_dict()).to(device)
 
 
 def prefill_then_decode(model, cache, backend, graphs, lens: list[int], steps: int, g: torch.Generator,
