@@ -40,6 +40,20 @@ from raysparse.methods.selection import BlockSelection, TokenSelection, indices_
 from raysparse.methods.views import DecodeView, PrefillView, SeqContext
 
 
+def _closing_rows(batch: BatchMeta, p: int, device: torch.device) -> torch.Tensor:
+    """The packed rows of a prefill step whose token closes a Quest page of ``p`` tokens or ends its
+    sequence's chunk, from the host's positions (a sequence's new tokens end at ``ctx_lens``): one copy per
+    step, where a mask read back per layer would wait for the device at every layer."""
+    rows: list[int] = []
+    for i, (q_len, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
+        lo, row0 = n - q_len, batch.cu_q[i]
+        first = lo + (p - 1 - lo % p)  # the first closing position at or after lo
+        rows.extend(range(row0 + first - lo, row0 + q_len - 1, p))
+        rows.append(row0 + q_len - 1)
+    host = torch.tensor(rows, dtype=torch.long)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 @dataclass(frozen=True)
 class QuestConfig(MethodConfig):
     page_size: int = 16
@@ -110,9 +124,9 @@ class Quest(SparseMethod):
         p = self.config.page_size
         pages, offs = batch.slot_pages, batch.slot_offsets
         if batch.is_prefill:
-            last = torch.zeros_like(offs, dtype=torch.bool)
-            last[torch.tensor(batch.last_token_rows(), device=offs.device)] = True
-            rows = ((offs % p == p - 1) | last).nonzero().squeeze(1)
+            rows = batch.extras.get(("quest-closing-rows", p))
+            if rows is None:  # built by the step's first layer, read by the rest
+                rows = batch.extras[("quest-closing-rows", p)] = _closing_rows(batch, p, offs.device)
             pages, offs = pages[rows], offs[rows]
         lo_pool, hi_pool = self._pools(layer, cache)
         # one launch; the PyTorch form below is its oracle and the CPU path
