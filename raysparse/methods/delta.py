@@ -62,7 +62,7 @@ from raysparse.methods.base import SparseMethod
 from raysparse.methods.budget import density_floor_error, prefill_floor
 from raysparse.methods.delta_config import DeltaConfig, DeltaSelection
 from raysparse.methods.delta_correction import DeltaCorrection
-from raysparse.methods.delta_rows import PackedRows, SeqRows
+from raysparse.methods.delta_rows import PackedRows, SeqRows, row_indices
 from raysparse.methods.registry import create_backend, method_spec, register
 from raysparse.methods.selection import BlockSelection, block_pairs
 from raysparse.methods.views import DecodeView, PrefillView, SeqContext
@@ -190,7 +190,8 @@ class Delta(DeltaCorrection):
     def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> tuple[torch.Tensor, float]:
         o_sparse, lse_s, attended, base_sel = self._base_prefill(ctx, q, k, v, need_lse=self.config.mode == "far-merge")
-        out, dense, extra = self._correct(ctx, q, SeqRows(q, k, v), o_sparse, lse_s, attended, base_sel)
+        index = row_indices(self._row_sets, [(ctx.q_start, q.shape[0], ctx.n)], q.device)[0]
+        out, dense, extra = self._correct(ctx, q, SeqRows(q, k, v, index), o_sparse, lse_s, attended, base_sel)
         extra = float(extra)
         if self.tracer is not None:
             sel = None if base_sel is None else DeltaSelection(base_sel.indices, base_sel.block_size, dense,

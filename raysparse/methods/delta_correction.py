@@ -129,10 +129,8 @@ class DeltaCorrection(SparseMethod):
         if cfg.mode == "sparse-only":
             return o_sparse, dense, 0.0
         first = (-ctx.q_start) % gamma
-        anchor_rows, check_rows, tail_lo = self._row_sets(ctx.q_start, n_q, n)
-        anchors = torch.arange(anchor_rows.start, anchor_rows.stop, gamma, device=q.device)
-        checks_at = torch.tensor(check_rows, dtype=torch.long, device=q.device)
-        dense_rows = list(anchor_rows)  # host lists: the dense rows' causal pairs need no device read
+        index = rows.index
+        anchors, tail_lo = index.anchors, index.tail_lo
         out = o_sparse.float()
         if far:
             o_rows, o_far, lse_far, kbar = rows.far(anchors, pos[anchors], base_sel, ctx.q_start, n)
@@ -146,22 +144,21 @@ class DeltaCorrection(SparseMethod):
                 pred = self._per_row(ctx, "delta_carry", (o_rows - out[anchors],), (0.0,), pos, first)[0]
         checks = None
         if pred is not None:
-            alpha, checks = self._alpha(ctx, q, pos, out, pred, rows, checks_at)
+            alpha, checks = self._alpha(ctx, q, pos, out, pred, rows, index.checks)
             out = out + (pred if alpha is None else alpha[..., None] * pred)
         out[anchors] = o_rows
         dense[anchors] = True
+        # check rows exist only where the correction is fitted on them, so they are always computed densely:
+        # ``index.dense_at`` (every dense row, from the host) is the rows set here
+        assert checks is not None or not index.check_rows
         if checks is not None:
             out[checks[0]] = checks[1]
             dense[checks[0]] = True
-            dense_rows += check_rows
         if tail_lo < n_q:
             tail = torch.arange(tail_lo, n_q, device=q.device)
             out[tail_lo:] = rows.dense(tail, pos[tail])
             dense[tail_lo:] = True
-            dense_rows += range(tail_lo, n_q)
-        at = sorted({ctx.q_start + r for r in dense_rows})
-        extra = extra_pairs(base_sel, torch.tensor(at, dtype=torch.long, device=q.device), rows.h_kv, n,
-                            ctx.q_start, attended, sum(at) + len(at))
+        extra = extra_pairs(base_sel, index.dense_at, rows.h_kv, n, ctx.q_start, attended, index.dense_pairs)
         return out.to(q.dtype), dense, extra
 
     def _per_row(self, ctx: SeqContext, key: str, rows: tuple[torch.Tensor, ...], fills: tuple[float, ...],

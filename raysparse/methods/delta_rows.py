@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,6 +20,38 @@ from raysparse.methods.views import PrefillView
 
 # (q_start, n_q, n) -> (anchor rows, ascending check rows, first tail row): one chunk's local row indices, host-side
 RowSets = Callable[[int, int, int], tuple[range, list[int], int]]
+
+
+class RowIndex(NamedTuple):
+    """One sequence's dense rows of a prefill call: the host's sets (``RowSets``) and their device copies, all
+    of a call's sequences in one host-to-device copy (``row_indices``; a copy per list and sequence waited for
+    the device each time)."""
+
+    anchor_rows: range  # local rows
+    check_rows: list[int]  # local rows, ascending
+    tail_lo: int  # the first tail row (n_q: no tail)
+    anchors: torch.Tensor  # int64 device copies of the above
+    checks: torch.Tensor
+    plain: torch.Tensor  # rows computed as plain dense rows: the check rows below the tail, then the tail
+    dense_at: torch.Tensor  # absolute positions of every dense row (anchors, checks, tail), ascending
+    dense_pairs: int  # sum(dense_at + 1): the causal pairs of those rows per KV head
+
+
+def row_indices(row_sets: RowSets, spans: list[tuple[int, int, int]], device: torch.device) -> list[RowIndex]:
+    """``RowIndex`` of each (q_start, n_q, n) in ``spans``, with one host-to-device copy for all of them."""
+    sets, parts, sizes = [], [], []
+    for q_start, n_q, n in spans:
+        anchor_rows, checks, tail_lo = row_sets(q_start, n_q, n)
+        plain = [c for c in checks if c < tail_lo] + list(range(tail_lo, n_q))
+        at = sorted({q_start + r for r in (*anchor_rows, *checks, *range(tail_lo, n_q))})
+        sets.append((anchor_rows, checks, tail_lo, sum(at) + len(at)))
+        for lst in (list(anchor_rows), checks, plain, at):
+            parts.extend(lst)
+            sizes.append(len(lst))
+    host = torch.tensor(parts, dtype=torch.long)
+    flat = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    pieces = flat.split(sizes)
+    return [RowIndex(a, c, t, *pieces[4 * i:4 * i + 4], pairs) for i, (a, c, t, pairs) in enumerate(sets)]
 
 
 def extra_pairs(sel: BlockSelection | None, rows: torch.Tensor, h_kv: int, n: int, q_start: int,
@@ -57,6 +89,7 @@ class Rows:
     anchors, and plain dense rows (check rows, tail)."""
 
     h_kv: int
+    index: RowIndex  # the sequence's dense rows of this call
 
     def far(self, idx: torch.Tensor, pos: torch.Tensor, sel: BlockSelection, q_start: int, n: int
             ) -> tuple[torch.Tensor, ...]:
@@ -72,8 +105,8 @@ class Rows:
 class SeqRows(Rows):
     """One sequence's rows over its contiguous K/V (``prefill_seq``)."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.q, self.k, self.v, self.h_kv = q, k, v, k.shape[0]
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: RowIndex) -> None:
+        self.q, self.k, self.v, self.h_kv, self.index = q, k, v, k.shape[0], index
 
     def far(self, idx, pos, sel, q_start, n):
         blocks = row_blocks(sel, pos, q_start, n)
@@ -97,16 +130,14 @@ class PackedRows:
         batch, dev = view.batch, q.device
         b = sel.block_size
         self.h_kv = view.kv.k.shape[1]
+        self.index = row_indices(row_sets, [(n - n_q, n_q, n) for n_q, n in zip(batch.q_lens, batch.ctx_lens,
+                                                                                 strict=True)], dev)
         self.anchors, self.dense_idx = [], []
         a_tok, a_pos, a_qb, d_tok, d_pos = [], [], [], [], []
         qb0 = 0
         for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
             q_start, lo = n - n_q, batch.cu_q[i]
-            anchor_rows, checks, tail_lo = row_sets(q_start, n_q, n)
-            anchors = torch.arange(anchor_rows.start, anchor_rows.stop, anchor_rows.step, device=dev)
-            # checks ascend: those below the tail, then the tail (built on the host, no device read)
-            rest = torch.tensor([c for c in checks if c < tail_lo] + list(range(tail_lo, n_q)), dtype=torch.long,
-                                device=dev)
+            anchors, rest = self.index[i].anchors, self.index[i].plain  # plain rows ascend
             self.anchors.append(anchors)
             self.dense_idx.append(rest)
             a_tok.append(lo + anchors)
@@ -139,7 +170,7 @@ class SliceRows(Rows):
     """Sequence i's slices of a ``PackedRows``; asks for rows it computed (checked)."""
 
     def __init__(self, packed: PackedRows, i: int) -> None:
-        self.p, self.i, self.h_kv = packed, i, packed.h_kv
+        self.p, self.i, self.h_kv, self.index = packed, i, packed.h_kv, packed.index[i]
 
     def far(self, idx, pos, sel, q_start, n):
         lo, hi = self.p.a_cu[self.i], self.p.a_cu[self.i + 1]
