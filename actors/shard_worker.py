@@ -3,7 +3,7 @@
 Life cycle, driven by ``orchestration.replica.ReplicaGroup``: ``node_info`` (the group orders ranks by
 Ray node id), ``rendezvous`` on rank 0 (a free port on its node), ``setup`` on every rank (joins the
 group's torch.distributed process group: NCCL on GPUs, gloo on CPU; reads only its own slices of the
-weights, ``loader.load_model_shard``, reporting the bytes read and the peak host memory as ``load``; sizes
+weights, ``shard_load.load_model_shard``, reporting the bytes read and the peak host memory as ``load``; sizes
 the cache), then ``execute`` once per engine step with the same plan on every rank. Tests, benchmarks
 and the distributed eval reach the executor through Ray's ``__ray_call__`` (``local_executor``) rather than
 through actor methods of their own.
@@ -22,7 +22,7 @@ import torch
 
 from raysparse.config import parse_dtype
 from raysparse.kv_cache import KVCache
-from raysparse.model import merge_projections
+from raysparse.layers import merge_projections
 from raysparse.runtime_config import RuntimeConfig
 from raysparse.shard_executor import ShardExecutor
 from raysparse.step_plan import StepPlan
@@ -109,7 +109,8 @@ class ShardWorker:
         from raysparse.all_reduce import make_all_reduce, make_reduce_norm
         from raysparse.checkpoint import LoadStats
         from raysparse.config import ModelConfig
-        from raysparse.loader import build_model, load_hf_config, load_model_shard, materialize, resolve_source
+        from raysparse.loader import build_model, load_hf_config, materialize, resolve_source
+        from raysparse.shard_load import load_model_shard
         from raysparse.tensor_parallel import connect_group, shard_layers
 
         spec, dtype = self.spec, parse_dtype(self.spec.dtype)

@@ -80,7 +80,7 @@ def worker(rank: int, world: int, port: int, hidden: int, batch: int, vocab: int
         res["symm_mem_error"] = f"{type(e).__name__}: {e}"[:300]
     try:  # all-reduce + residual add + RMSNorm: fused (one launch) against the two-launch path
         from raysparse.all_reduce import make_reduce_norm
-        from raysparse.model import RMSNorm
+        from raysparse.layers import RMSNorm
 
         norm = RMSNorm(hidden, 1e-5).to(device="cuda", dtype=torch.bfloat16)
         fused = make_reduce_norm(symm, "symm_mem", torch.device("cuda", rank), torch.bfloat16, hidden)

@@ -7,13 +7,13 @@ tensor parallelism. Here a layer issues four: ``add_rms_norm`` (the previous MLP
 input norm; ``rms_norm`` before the first layer), ``rope_and_cache_write``, ``add_rms_norm`` (the attention's
 residual add and the post-attention norm) and ``silu_mul``.
 
-Each kernel reproduces the PyTorch path's roundings (``raysparse.model``, ``raysparse.rope``,
+Each kernel reproduces the PyTorch path's roundings (``raysparse.layers``, ``raysparse.rope``,
 ``KVCache.write``), which stay the oracle: 16-bit elementwise ops are computed in fp32 and rounded to the
 model dtype after every op PyTorch rounds after, and the norm runs in fp32 and is cast back before the
 weight. Reductions (the norm's mean) and ``exp`` may differ from PyTorch's in the last fp32 bit.
 
 The wrappers allocate their outputs from shapes only and never read device values on the host, so the
-decode step stays CUDA-graph capturable. This module imports Triton; ``raysparse.model`` imports it only
+decode step stays CUDA-graph capturable. This module imports Triton; ``raysparse.layers`` imports it only
 when the fused path is chosen.
 """
 

@@ -182,7 +182,7 @@ def make_reduce_norm(reduce: Reduce, path: str, device: torch.device | str, dtyp
             return fused(x, residual, norm.weight, norm.eps)
         return norm.add_forward(reduce(x), residual)
 
-    from raysparse.model import RMSNorm
+    from raysparse.layers import RMSNorm
 
     gen = torch.Generator(device=device).manual_seed(4321 + dist.get_rank(group))
     norm = RMSNorm(hidden, 1e-5).to(device=device, dtype=dtype)

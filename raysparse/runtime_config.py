@@ -5,7 +5,7 @@ symmetric-memory all-reduce, a compiled Ray graph or plain actor calls); the def
 fastest. The config is frozen and validated on construction, so a bad value fails where the engine is
 configured, never inside a request; ``EngineConfig.runtime`` carries it to every shard (``ShardSpec``).
 
-- ``fused_ops``: the decoder layer's fused elementwise kernels (``raysparse.model``): ``auto`` (on CUDA
+- ``fused_ops``: the decoder layer's fused elementwise kernels (``raysparse.layers``): ``auto`` (on CUDA
   tensors when Triton is installed), ``triton`` (always: the CPU tests run them in Triton's interpreter)
   or ``torch`` (never).
 - ``allreduce``: the tensor-parallel group's all-reduce (``raysparse.all_reduce``): ``auto`` (symmetric

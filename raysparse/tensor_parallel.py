@@ -11,7 +11,7 @@ tokens) while reading 1/N of the head's weights, which at batch 1 is a decode st
 after the layers (1 GB for Llama-3.1-8B). The embedding stays whole: a lookup reads only its rows.
 
 ``shard_plan`` names the part of every checkpoint tensor a rank holds. ``apply_tensor_parallel`` slices a
-whole in-memory model by it; ``loader.load_model_shard`` reads only those parts of a safetensors
+whole in-memory model by it; ``shard_load.load_model_shard`` reads only those parts of a safetensors
 checkpoint into an empty model sharded the same way (``shard_layers`` on the meta device), so no rank
 ever holds the whole model, and ``connect_group`` then wires either to the group's collectives.
 """
@@ -26,7 +26,8 @@ from torch import nn
 
 from raysparse.all_reduce import ReduceNorm, collective_all_reduce
 from raysparse.config import ModelConfig
-from raysparse.model import LlamaForCausalLM, merge_projections
+from raysparse.layers import merge_projections
+from raysparse.model import LlamaForCausalLM
 
 
 def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -54,7 +55,7 @@ def shard_plan(cfg: ModelConfig, rank: int, world_size: int) -> dict[str, Part]:
     and gate/up (rows), row-parallel o and down (columns), the vocab-parallel head (rows), the rest whole.
     A name left out is not held by this rank: the row-parallel biases live on rank 0 only (the group adds
     them once), and a head tied to the embedding is the embedding itself on one device. ``shard_layers``
-    slices an in-memory model by this plan and ``loader.load_model_shard`` reads a checkpoint by it."""
+    slices an in-memory model by this plan and ``shard_load.load_model_shard`` reads a checkpoint by it."""
     kv_lo, kv_hi = kv_head_range(cfg.num_kv_heads, rank, world_size)
     g, d = cfg.group_size, cfg.head_dim
     q = (kv_lo * g * d, kv_hi * g * d)
@@ -168,7 +169,7 @@ def apply_tensor_parallel(model: LlamaForCausalLM, rank: int, world_size: int,
     ``reduce``: the group's SUM all-reduce (``raysparse.all_reduce.make_all_reduce``); default: the process
     group's own. ``reduce_norm``: the all-reduce fused with the residual add and norm after it, if the group
     has one (``raysparse.all_reduce.make_reduce_norm``). A checkpoint too big to hold whole on every rank is
-    read already sharded instead (``loader.load_model_shard``), then wired with ``connect_group``."""
+    read already sharded instead (``shard_load.load_model_shard``), then wired with ``connect_group``."""
     shard_layers(model, rank, world_size)
     if world_size == 1:
         return model

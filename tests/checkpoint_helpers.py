@@ -1,5 +1,5 @@
 """Random-weight Llama checkpoints in sharded safetensors, as Hugging Face writes them, and gloo ranks that
-load one shard by shard (``loader.load_model_shard``)."""
+load one shard by shard (``shard_load.load_model_shard``)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def tp_load_worker(rank: int, world: int, port: int, model_dir: str, ids: list[i
     import torch.distributed as dist
     from helpers import full_logits
 
-    from raysparse.loader import load_model_shard, resolve_source
+    from raysparse.loader import resolve_source
+    from raysparse.shard_load import load_model_shard
     from raysparse.tensor_parallel import connect_group
 
     torch.set_num_threads(1)

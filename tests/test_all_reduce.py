@@ -96,7 +96,7 @@ def test_two_gpus_reduce_in_graphs_and_gather(mode, tmp_path):
 
 def _fused_worker(rank: int, world: int, port: int, seed: int, out: str) -> None:
     from raysparse.all_reduce import make_all_reduce, make_reduce_norm
-    from raysparse.model import RMSNorm
+    from raysparse.layers import RMSNorm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)

@@ -15,8 +15,8 @@ from triton_env import DEV  # before raysparse.kernels: without a GPU it picks t
 from raysparse.attention import DenseAttention
 from raysparse.kernels import fused_ops
 from raysparse.kv_cache import KVCache
+from raysparse.layers import RMSNorm
 from raysparse.loader import model_from_state
-from raysparse.model import RMSNorm
 from raysparse.rope import RotaryEmbedding, apply_rope
 
 # bf16 only on a GPU: the interpreter's bf16 is not what the GPU computes.
@@ -169,7 +169,7 @@ def test_model_forward_fused_matches_plain(dtype, freeze):
 
 
 def test_switch_values():
-    from raysparse.model import fused_ops as choose
+    from raysparse.layers import fused_ops as choose
 
     x = torch.zeros(1, device=DEV)
     assert choose(x, "torch") is None

@@ -108,7 +108,7 @@ def test_merged_projections_alias_and_fall_back_after_a_move():
     weight, and a model whose parts stopped aliasing it (``.to()``) runs them one by one, same outputs."""
     from helpers import tiny_model
 
-    from raysparse.model import Attention
+    from raysparse.layers import Attention
 
     model = tiny_model("cpu", num_kv_heads=2, group=2, layers=2)
     attn = next(m for m in model.modules() if isinstance(m, Attention))

@@ -1,5 +1,5 @@
 """Big checkpoints: a sharded safetensors checkpoint is read slice by slice, each tensor-parallel rank reading
-only its own part (``loader.load_model_shard``), and gives the logits of one device and of transformers."""
+only its own part (``shard_load.load_model_shard``), and gives the logits of one device and of transformers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from checkpoint_helpers import llama_config, run_tp_load, write_sharded_checkpoi
 from helpers import fresh_cache, full_logits, random_state, tiny_hf_config
 
 from raysparse.checkpoint import LoadStats, PeakHostMemory, weight_map
-from raysparse.loader import load_model_shard, model_from_state, resolve_source
+from raysparse.loader import model_from_state, resolve_source
+from raysparse.shard_load import load_model_shard
 from raysparse.tensor_parallel import shard_layers, shard_plan
 
 # Sizes in the proportions of a real Llama (the whole embedding is a few percent of the weights), so a rank
