@@ -1,10 +1,10 @@
 """The engine: replicas of tensor-parallel shard groups on Ray, request routing, admission and abort.
 
 ``Engine.start`` joins Ray (or starts a local instance), builds ``replicas`` groups of ``tp`` shard actors
-(each group pinned to one node, the groups spread over the nodes) and one loop thread per group
-(``runner.ReplicaRunner``). ``submit`` validates a request completely before it is queued - method and
-parameters, sampling values, positions, KV capacity - so a bad request is refused with a typed error
-(``engine_api``) and never reaches a shard. Requests go to the ready replica with the least queued work.
+(each group pinned to one node, the groups spread over the nodes: ``engine_replicas``) and one loop thread
+per group (``runner.ReplicaRunner``). ``submit`` validates a request completely before it is queued -
+method and parameters, sampling values, positions, KV capacity - so a bad request is refused with a typed
+error (``engine_api``) and never reaches a shard. Requests go to the ready replica with the least queued work.
 
 Text prompts (``encode``) are measured in bytes before they are tokenized: a text longer than the model's
 positions times the vocabulary's longest token can never fit, and is refused at once. Tokenizing runs on
@@ -15,7 +15,6 @@ at most and queue there, while the replicas' loops and the other streams go on.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -34,9 +33,8 @@ from raysparse.orchestration.engine_api import (
     RequestHandle,
 )
 from raysparse.orchestration.engine_config import EngineConfig
-from raysparse.orchestration.replica import ReplicaGroup, choose_node
+from raysparse.orchestration.engine_replicas import replica_runners, shard_threads
 from raysparse.orchestration.runner import ReplicaRunner
-from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
 from raysparse.step_plan import method_key
 
 log = logging.getLogger("raysparse.engine")
@@ -103,23 +101,12 @@ class Engine:
             gpus = ray.cluster_resources().get("GPU", 0)
             self.use_gpu = self.cfg.device == "cuda" or (self.cfg.device == "auto" and gpus >= self.cfg.tp)
             spec = ShardSpec(str(src.directory), self.cfg.dtype, self.cfg.kv_cache_tokens, self.cfg.page_size,
-                             self.cfg.random_weights, self.cfg.seed, num_threads=self._shard_threads(),
+                             self.cfg.random_weights, self.cfg.seed,
+                             num_threads=shard_threads(self.cfg, self.use_gpu, self._owns_ray),
                              cuda_graphs=self.cfg.cuda_graphs, max_batch=self.cfg.max_batch, runtime=self.cfg.runtime)
-            load: dict[str, int] = {}
-            current = self._current_placement_group()
-            for i in range(self.cfg.replicas):
-                node = None if current is not None else choose_node(self.cfg.tp, self.use_gpu,
-                                                                    self.cfg.cpus_per_shard, load)
-                if node is not None:
-                    load[node] = load.get(node, 0) + 1
-                group = ReplicaGroup(i, spec, self.cfg.tp, self.use_gpu, self.cfg.cpus_per_shard, node,
-                                     prefix=self.name, placement_group=current,
-                                     first_bundle=1 if current is not None else 0)
-                pages = -(-self.cfg.kv_cache_tokens // self.cfg.page_size)
-                sched = Scheduler(SchedulerConfig(pages, self.cfg.page_size, self.cfg.max_batch,
-                                                  self.cfg.prefill_chunk(self.use_gpu), self.cfg.max_waiting,
-                                                  self.cfg.decode_steps, self.cfg.prefix_cache))
-                self.runners.append(ReplicaRunner(i, group, sched, self.tokenizer, liveness_s=self.cfg.liveness_s))
+            # appended one by one: a failure part way leaves the runners built so far to ``shutdown``
+            for runner in replica_runners(self.cfg, spec, self.use_gpu, self.tokenizer, self.name):
+                self.runners.append(runner)
             with ThreadPoolExecutor(max_workers=len(self.runners)) as pool:
                 list(pool.map(lambda r: r.group.start(self.cfg.load_timeout_s), self.runners))
             from raysparse.orchestration.spec_step import attach_spec_steps
@@ -134,31 +121,6 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
-
-    def _shard_threads(self) -> int | None:
-        """Torch threads of each CPU shard. On the local instance this engine started, its shards are all there
-        is, so they split its cores (a TP=1 engine takes them all; the draft actor runs between the verifier's
-        steps). On a cluster a shard cannot know its node's other tenants: None keeps the worker's own
-        default, half its node's cores."""
-        if self.use_gpu or not self._owns_ray:
-            return None
-        cores = self.cfg.num_cpus or os.cpu_count() or 1
-        return max(1, cores // (self.cfg.tp * self.cfg.replicas))
-
-    def _current_placement_group(self) -> Any:
-        """The placement group this process runs in when ``placement`` is "current" (else None)."""
-        if self.cfg.placement != "current":
-            return None
-        from ray.util import get_current_placement_group
-
-        pg = get_current_placement_group()
-        if pg is None:
-            raise RuntimeError("placement 'current' needs a process inside a placement group (a Serve replica "
-                               "with placement_group_bundles)")
-        if len(pg.bundle_specs) < 1 + self.cfg.tp:
-            raise RuntimeError(f"the placement group has {len(pg.bundle_specs)} bundles; tp={self.cfg.tp} needs "
-                               f"1 + {self.cfg.tp}")
-        return pg
 
     def drain(self) -> None:
         """Refuses new requests (UNAVAILABLE) while the ones in flight go on; ``shutdown`` ends them."""

@@ -2,7 +2,9 @@
 
 The engine sends every shard of a group the same ``StepPlan``; each shard frees and admits sequences in
 its own cache, runs the forward over its heads (the all-reduces inside the model keep the shards in
-lockstep) and rank 0 samples. No Ray here, so the same code runs in a Ray actor or in-process.
+lockstep) and rank 0 samples; a plan of several decode steps runs them through ``MultiStepDecode``
+(``multistep_decode``), rank 0's draws shared between steps. No Ray here, so the same code runs in a Ray
+actor or in-process.
 
 Backends are created per method key (method name plus its parameters) on first use and shared by every
 sequence with that key; their per-sequence state lives in the cache's metadata and is released with the
@@ -26,6 +28,7 @@ from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.model import LlamaForCausalLM
+from raysparse.multistep_decode import MultiStepDecode
 from raysparse.runtime_config import RuntimeConfig
 from raysparse.sampling import Sampler, SamplingParams
 from raysparse.step_plan import StepPlan, parse_key
@@ -74,7 +77,7 @@ def _meter_counts(backend: AttentionBackend) -> list[float]:
     return [att - m.decode_attended, causal - m.decode_causal, m.decode_attended, m.decode_causal]
 
 
-class ShardExecutor:
+class ShardExecutor(MultiStepDecode):
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, rank: int = 0, world_size: int = 1,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, sync: Callable[[], None] | None = None,
                  graphs: DecodeGraphs | None = None, runtime: RuntimeConfig | None = None):
@@ -205,46 +208,6 @@ class ShardExecutor:
         for i, t in zip(rows, drawn, strict=True):
             tokens[i] = t
         return tokens
-
-    def _decode(self, plan: StepPlan, backend: AttentionBackend) -> list[int | None] | list[list[int]] | None:
-        """One or more decode steps. Between steps every rank needs rank 0's draw as its next input: it is
-        shared with one all-reduce (rank 0 contributes the tokens, the others zeros)."""
-        if plan.steps == 1:
-            return self._sample(plan, self._forward(plan, backend, plan.tokens))
-        graphs = self._graphs_for(backend)
-        if graphs is not None and all(self._params[s].greedy for s in plan.seq_ids):
-            # greedy: the steps chain on the device, no round trip or token exchange between them
-            chained = graphs.decode_greedy(plan.key, backend, plan.seq_ids, [t[-1] for t in plan.tokens],
-                                                plan.steps)
-            if self.world_size > 1:
-                self._check_agreement(chained)
-            return chained if self.rank == 0 else None
-        tokens = [[t[-1]] for t in plan.tokens]
-        out: list[list[int]] = [[] for _ in plan.seq_ids]
-        for step in range(plan.steps):
-            drawn = self._sample(plan, self._forward(plan, backend, tokens))
-            if step + 1 < plan.steps and self.world_size > 1:
-                drawn = self._share(drawn, len(plan.seq_ids))
-            if drawn is not None:
-                tokens = [[int(t)] for t in drawn]  # type: ignore[arg-type]
-                for row, t in zip(out, drawn, strict=True):
-                    row.append(int(t))  # type: ignore[arg-type]
-        return out if self.rank == 0 else None
-
-    def _check_agreement(self, tokens: list[list[int]]) -> None:
-        """Each shard drew its own greedy tokens; one small all-reduce proves they are the same everywhere
-        (sum of h and of h^2 equal to world * h and world * h^2 only if every shard's h is equal)."""
-        h = float(hash(tuple(map(tuple, tokens))) % 1_000_003)
-        t = torch.tensor([h, h * h], dtype=torch.float64, device=self.cache.device)
-        s = self._share_reduce(t).tolist()  # type: ignore[misc]
-        if s != [self.world_size * h, self.world_size * h * h]:
-            raise RuntimeError("tensor-parallel shards drew different greedy tokens")
-
-    def _share(self, drawn: list[int | None] | None, n: int) -> list[int | None]:
-        if self._share_reduce is None:
-            raise RuntimeError("multi-step decode over several shards needs the group's all-reduce")
-        t = torch.tensor(drawn if drawn is not None else [0] * n, dtype=torch.long, device=self.cache.device)
-        return self._share_reduce(t).tolist()
 
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
         """One round of a method whose decode steps are draft-then-verify rounds (``RoundVerifier``): the
