@@ -1,7 +1,7 @@
 """The ``raysparse`` command line: the top-level parser and the dispatch to each subcommand's module
-(``run_command``, ``eval_command``, ``serving.commands``, ``specattn.layer_map``), and the console the commands
-print their reports on. Bad input exits non-zero with one clear line and no traceback; what the commands' parsers
-share lives in ``cli_common``."""
+(``run_command``, ``eval_command``, ``serving.commands``, ``specattn.layer_map``). Bad input exits non-zero with
+one clear line and no traceback; what the commands share (the parser class, the flag value types, the report
+console) lives in ``cli_common``."""
 
 from __future__ import annotations
 
@@ -9,20 +9,14 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from raysparse import eval_command, run_command
-from raysparse.cli_common import EXIT_USAGE, _Parser
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-PIPE_WIDTH = 10_000  # columns of a console writing to a pipe or file: wide enough that nothing wraps
+from raysparse.cli_common import EXIT_USAGE, Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="raysparse", description="Long-context LLM inference with sparse attention on Ray.")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    parser = Parser(prog="raysparse", description="Long-context LLM inference with sparse attention on Ray.")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser)
     run_command.add_parser(sub)
     # Listed for --help only: main hands specattn-map's arguments to its own parser before this one parses.
     sub.add_parser("specattn-map", add_help=False,
@@ -55,22 +49,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     return run_command.run(parser, args)
-
-
-def output_console(stderr: bool = False) -> Console:
-    """A rich console that wraps at the terminal's width on a terminal and never wraps when piped: rich would
-    otherwise cut a pipe's lines at 80 columns, which splits report lines for whoever parses or greps them."""
-    from rich.console import Console
-
-    stream = sys.stderr if stderr else sys.stdout
-    try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError):  # a closed or odd stream: treat it as a pipe
-        tty = False
-    if tty:
-        return Console(stderr=stderr)
-    # soft_wrap keeps printed lines whole; the wide width lets tables take their natural width.
-    return Console(stderr=stderr, soft_wrap=True, width=PIPE_WIDTH)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,22 @@
-"""What the ``raysparse`` commands' parsers share: exit codes, the argument parser class and its help formatter,
-the flag value types, and the cluster and ``--draft-model`` flags with the draft's check."""
+"""What the ``raysparse`` commands share: exit codes, the argument parser class and its help formatter, the
+flag value types (one of each, for every command), the cluster and ``--draft-model`` flags with the draft's
+check, and the console the commands print their reports on."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 EXIT_USAGE, EXIT_FAILURE = 2, 1
 DEVICES = ("cpu", "cuda", "auto")  # where shard actors run (Ray gives each GPU shard its own device)
+PIPE_WIDTH = 10_000  # columns of a console writing to a pipe or file: wide enough that nothing wraps
 T = TypeVar("T")
 
 
@@ -31,7 +37,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{help_text} (default: {shown.replace('%', '%%')})".lstrip()
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """Every command's parser: ``--help`` shows the defaults, bad input is one line and ``EXIT_USAGE``."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)  # subcommands' parsers too (parser_class)
         super().__init__(*args, **kwargs)
@@ -40,13 +48,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _non_negative_int(s: str) -> int:
-    if not s.strip().isdigit():
+def non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if v < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
-    return int(s)
+    return v
 
 
-def _positive_int(s: str) -> int:
+def positive_int(s: str) -> int:
     try:
         v = int(s)
     except ValueError:
@@ -56,7 +68,7 @@ def _positive_int(s: str) -> int:
     return v
 
 
-def _fraction(s: str) -> float:
+def fraction(s: str) -> float:
     try:
         v = float(s)
     except ValueError:
@@ -66,24 +78,38 @@ def _fraction(s: str) -> float:
     return v
 
 
-def _unit_interval(s: str) -> float:
-    v = _fraction(s)
-    if v == 0.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}")
-    return v
-
-
-def _density(s: str) -> float:
+def unit_interval(s: str) -> float:
+    """A number in (0, 1]: a density."""
     try:
         v = float(s)
     except ValueError:
         v = math.nan
     if not 0.0 < v <= 1.0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected densities in (0, 1], got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}")
     return v
 
 
-def _csv(kind: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+def port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if not 0 <= v < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {s!r}")
+    return v
+
+
+def rate(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a rate > 0 (or inf), got {s!r}")
+    return v
+
+
+def csv_of(kind: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     """A comma-separated list of ``kind`` values (at least one)."""
     def parse(s: str) -> tuple[T, ...]:
         items = [x.strip() for x in s.split(",") if x.strip()]
@@ -116,11 +142,26 @@ def check_draft_model(model: str | None, draft: str | None, methods: Sequence[st
     check_draft_paths(model, draft)
 
 
-def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
     """The flags of every command that runs the model on the engine."""
-    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel shards per replica (default: 1)")
-    p.add_argument("--replicas", type=_positive_int, default=1, help="data-parallel replicas (default: 1)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards per replica (default: 1)")
+    p.add_argument("--replicas", type=positive_int, default=1, help="data-parallel replicas (default: 1)")
     p.add_argument("--address", help="address of an existing Ray cluster (default: a local instance)")
     p.add_argument("--cpus-per-shard", type=float, default=1.0, metavar="N",
                    help="CPUs Ray reserves per shard actor (default: 1)")
 
+
+def output_console(stderr: bool = False) -> Console:
+    """A rich console that wraps at the terminal's width on a terminal and never wraps when piped: rich would
+    otherwise cut a pipe's lines at 80 columns, which splits report lines for whoever parses or greps them."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # a closed or odd stream: treat it as a pipe
+        tty = False
+    if tty:
+        return Console(stderr=stderr)
+    # soft_wrap keeps printed lines whole; the wide width lets tables take their natural width.
+    return Console(stderr=stderr, soft_wrap=True, width=PIPE_WIDTH)

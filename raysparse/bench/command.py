@@ -13,27 +13,8 @@ import math
 import sys
 from typing import Any
 
-from raysparse.cli import output_console
-from raysparse.serving.commands import (
-    EXIT_FAILURE,
-    EXIT_USAGE,
-    add_engine_args,
-    add_method_args,
-    engine_config,
-    method_params,
-    positive_int,
-    rate,
-)
-
-
-def _int_list(s: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        out = ()
-    if not out or any(v <= 0 for v in out):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
-    return out
+from raysparse.cli_common import EXIT_FAILURE, EXIT_USAGE, csv_of, output_console, positive_int, rate
+from raysparse.serving.engine_flags import add_engine_args, add_method_args, engine_config, method_params
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +31,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--served-model-name", default="", metavar="NAME",
                    help="the model the OpenAI backends ask for (default: the first one the server lists)")
     b.add_argument("--num-prompts", type=positive_int, default=32, help="requests per prompt length")
-    b.add_argument("--prompt-lens", type=_int_list, default=(256, 1024), metavar="N,N",
+    b.add_argument("--prompt-lens", type=csv_of(positive_int), default=(256, 1024), metavar="N,N",
                    help="prompt lengths to sweep, in tokens")
     b.add_argument("--output-len", type=positive_int, default=32, help="tokens generated per request")
     b.add_argument("--request-rate", type=rate, default=math.inf,
@@ -69,7 +50,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--tokenizer", metavar="PATH", help="tokenizer of the served model (default: --model's)")
     b.add_argument("--out", default="results/bench", metavar="DIR", help="bench.json and plots go here")
     b.add_argument("--no-plot", action="store_true", help="write bench.json only")
-    b.add_argument("--scaling", type=_int_list, default=None, metavar="R,R",
+    b.add_argument("--scaling", type=csv_of(positive_int), default=None, metavar="R,R",
                    help="scaling mode: restart the engine with each replica count (first prompt length only)")
     b.add_argument("--local-nodes", type=positive_int, default=None,
                    help="scaling mode on one host: a Ray cluster of this many nodes (ray.cluster_utils)")

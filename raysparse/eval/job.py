@@ -27,7 +27,7 @@ class EvalOptions:
 def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
-    from raysparse.cli import output_console
+    from raysparse.cli_common import output_console
     from raysparse.eval.distributed import check_tp, running_engine
     from raysparse.eval.report import plot, print_table, write_json
     from raysparse.workload import load_haystack_text

@@ -34,6 +34,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from raysparse.cli_common import HelpFormatter, positive_int
 from raysparse.jobs.records import (
     Item,
     JobDefaults,
@@ -48,13 +49,12 @@ from raysparse.jobs.records import (
     result_line,
     split_lines,
 )
-from raysparse.serving.commands import add_engine_args, add_method_args, engine_config, method_params, positive_int
+from raysparse.serving.engine_flags import add_engine_args, add_method_args, engine_config, method_params
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from raysparse.cli_common import HelpFormatter  # --help shows the defaults, as every raysparse command's does
-
     paragraphs = __doc__.split("\n\n")
+    # HelpFormatter: --help shows the defaults, as every raysparse command's does
     p = argparse.ArgumentParser(prog="python -m raysparse.jobs.longcontext", formatter_class=HelpFormatter,
                                 description=" ".join([paragraphs[0], paragraphs[2]]))
     p.add_argument("--input", required=True, help="JSONL file of requests")

