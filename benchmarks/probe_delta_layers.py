@@ -28,7 +28,8 @@ import os
 import time
 
 import torch
-from probe_delta import Recorder, load_window, parse_run, window_attention
+from delta_diagnosis import Recorder, window_attention
+from probe_delta import load_window, parse_run
 
 from raysparse.kv_cache import KVCache
 from raysparse.methods.delta import Delta
