@@ -27,6 +27,8 @@ def _generate(engine: Engine, ps: list[tuple[int, ...]], method: str, params: di
     return [h.result(120).token_ids for h in hs]
 
 
+# ~50 s on 2 cores; compiled graphs are a GPU path (``compiled_graph="auto"`` is off on CPUs)
+@pytest.mark.slow
 def test_compiled_decode_matches_plain_calls_and_survives_a_killed_shard(tmp_path):
     cfg = tiny_hf_config(num_kv_heads=2, group=2, layers=3)
     cfg.max_position_embeddings = 1024

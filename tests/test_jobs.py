@@ -381,7 +381,9 @@ def _ray_session_of(procs) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "end"])
+# SIGTERM (what `ray job stop` sends) in the default run; the other exits, ~30 s each on 2 cores, with `-m slow`
+@pytest.mark.parametrize("how", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow),
+                                 pytest.param("end", marks=pytest.mark.slow)])
 def test_the_job_stops_the_ray_it_started_on_any_exit(tmp_path, how):
     """The real command with its own Ray: stopped by a signal mid-file, or at its end, no process of that Ray
     instance (daemons, agents, workers) is left, and the output keeps only whole lines."""

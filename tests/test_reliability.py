@@ -142,6 +142,7 @@ def test_draining_answers_not_serving_for_the_grace_period(tiny_model):
     assert "draining" in log
 
 
+@pytest.mark.slow  # ~60 s on 2 cores (a draft actor killed twice, a replica rebuilt): `pytest -m slow`
 def test_a_killed_draft_actor_is_named_not_blamed_on_a_shard(tiny_model):
     """The engine's liveness check finds a draft actor killed while idle; the replica is rebuilt, and the error
     names the draft in plain text. A draft killed during a SpecAttn stream fails it with the same naming."""

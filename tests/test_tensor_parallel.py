@@ -52,7 +52,8 @@ def test_tp2_gloo_smollm_matches_tp1_on_real_text(smollm, real_text, tmp_path):
     assert (tp2["logits"] - tp1).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("fused_ops", ["torch", "triton"])
+# the Triton kernels under the interpreter take ~20 s on 2 cores: with `-m slow` (GPUs run them natively)
+@pytest.mark.parametrize("fused_ops", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_tp2_fused_reduce_norm_seam_matches_tp1(fused_ops, tmp_path, monkeypatch):
     """With the group's all-reduce fused into the following add + norm, the MLP output is carried as a
     partial sum into the next layer's norm (the fused-ops layer loop) or reduced at the layer's end (the
