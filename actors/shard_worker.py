@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import ray
 import torch
 
 from raysparse.config import parse_dtype
@@ -77,6 +78,15 @@ def local_gpu_index() -> int:
     return names.index(ids[0]) if ids[0] in names else 0
 
 
+# Every torch computation of the shard (setup, steps, ``__ray_call__`` work) runs on the actor's default
+# group, one thread; liveness and statistics run on the "control" group's thread, beside a step. On a CPU
+# shard, computations spread over two threads start two OpenMP teams, and the idle team's workers take the
+# cores from the running one: the sparse methods' decode steps cost up to 1.6x more that way, dense's 1.2x
+# (``BENCHMARKS.md``, 2026-11-27).
+CONTROL_GROUP = "control"
+CONCURRENCY_GROUPS = {CONTROL_GROUP: 1}
+
+
 class ShardWorker:
     def __init__(self, spec: ShardSpec) -> None:
         self.spec = spec
@@ -88,6 +98,7 @@ class ShardWorker:
             torch.set_num_threads(spec.num_threads or max(1, (os.cpu_count() or 2) // 2))
         self.executor: ShardExecutor | None = None
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def node_info(self) -> dict[str, Any]:
         import ray
 
@@ -174,8 +185,10 @@ class ShardWorker:
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
         return self.local_executor().verify(plan, message)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self, reset: bool = False) -> dict[str, Any]:
         return self.local_executor().stats(reset)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def ping(self) -> bool:
         return True

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from raysparse.actors.shard_worker import ShardSpec, ShardWorker
+from raysparse.actors.shard_worker import CONCURRENCY_GROUPS, ShardSpec, ShardWorker
 from raysparse.step_plan import StepPlan
 
 NODE_ID_LABEL = "ray.io/node-id"
@@ -120,13 +120,15 @@ class ReplicaGroup:
             self.stop()
             raise TimeoutError(f"replica {self.index}: the cluster has no room for {self.tp} x {bundle} "
                                f"within {timeout_s:.0f} s")
-        cls = ray.remote(ShardWorker)
+        cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardWorker)
         actors = []
         for b in range(self.tp):
             name = f"{self.prefix}-replica{self.index}-shard{b}-g{self.generation}"
             opts: dict[str, Any] = {
                 "name": name, "num_cpus": self.cpus_per_shard, "num_gpus": 1 if self.use_gpu else 0,
-                "max_restarts": 0, "max_concurrency": 2,  # stats/ping may run beside a step
+                # one thread computes (setup, steps, ``__ray_call__`` work); stats and pings run beside it
+                # (``CONCURRENCY_GROUPS``)
+                "max_restarts": 0, "max_concurrency": 1,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=self.first_bundle + b)}
             env = dict(self.runtime_env or {})
