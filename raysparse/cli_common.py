@@ -5,7 +5,6 @@ check, and the console the commands print their reports on."""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,65 +47,27 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def non_negative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}")
-    return v
+def checked(parse: Callable[[str], T], ok: Callable[[T], bool], expected: str) -> Callable[[str], T]:
+    """A flag value type: ``parse`` the text (int, float), then keep it only where ``ok``; anything else is
+    refused with "expected <expected>, got '<text>'" (NaN fails every range)."""
+    def check(s: str) -> T:
+        try:
+            v = parse(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}")
+        return v
+
+    return check
 
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
-
-
-def fraction(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s!r}")
-    return v
-
-
-def unit_interval(s: str) -> float:
-    """A number in (0, 1]: a density."""
-    try:
-        v = float(s)
-    except ValueError:
-        v = math.nan
-    if not 0.0 < v <= 1.0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}")
-    return v
-
-
-def port(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = -1
-    if not 0 <= v < 65536:
-        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {s!r}")
-    return v
-
-
-def rate(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        v = math.nan
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a rate > 0 (or inf), got {s!r}")
-    return v
+non_negative_int = checked(int, lambda v: v >= 0, "a non-negative integer")
+positive_int = checked(int, lambda v: v > 0, "a positive integer")
+fraction = checked(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+unit_interval = checked(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")  # a density
+port = checked(int, lambda v: 0 <= v < 65536, "a port in [0, 65535]")
+rate = checked(float, lambda v: v > 0, "a rate > 0 (or inf)")
 
 
 def csv_of(kind: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
