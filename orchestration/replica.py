@@ -160,17 +160,24 @@ class ReplicaGroup:
             if not ready:
                 raise TimeoutError(f"replica {self.index}: shards did not answer within {timeout_s} s")
             for ref in ready:
-                try:
-                    done[ref] = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
-                    # The error's actor id is the one that died: the called shard, or the actor that was to
-                    # produce one of the call's arguments.
-                    name = self.actor_names.get(getattr(e, "actor_id", None) or "")
-                    if name is None:
-                        shard = self.names[list(refs).index(ref)] if self.names else "?"
-                        name = f"shard actor {shard}"
-                    raise ShardLostError(f"{name} of replica {self.index} died: {death_reason(e)}") from e
+                done[ref] = self.result(refs, ref)
         return [done[r] for r in refs]
+
+    def result(self, refs: Sequence[Any], ref: Any) -> Any:
+        """The value of ``ref``, one of ``refs`` (one call per shard, in rank order); raises ShardLostError
+        naming the actor when its shard, or an actor whose result the call took, died."""
+        import ray
+
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+            # The error's actor id is the one that died: the called shard, or the actor that was to
+            # produce one of the call's arguments.
+            name = self.actor_names.get(getattr(e, "actor_id", None) or "")
+            if name is None:
+                shard = self.names[list(refs).index(ref)] if self.names else "?"
+                name = f"shard actor {shard}"
+            raise ShardLostError(f"{name} of replica {self.index} died: {death_reason(e)}") from e
 
     def check_alive(self, timeout_s: float = 10.0) -> None:
         """Pings every shard; raises ShardLostError naming one that died. A shard too busy to answer within
@@ -245,7 +252,13 @@ class ReplicaGroup:
 
     def call(self, method: str, *args: Any, timeout_s: float | None = 120.0) -> list[Any]:
         """``method(*args)`` on every shard, results in rank order (``timeout_s`` None: as long as it takes)."""
-        return self._gather([getattr(a, method).remote(*args) for a in self.actors], timeout_s)
+        return self._gather(self.submit(method, *args), timeout_s)
+
+    def submit(self, method: str, *args: Any) -> list[Any]:
+        """Starts ``method(*args)`` on every shard without waiting; returns the refs in rank order. A caller
+        with calls on several groups waits for them all on one thread (``ray.wait``) and takes each value with
+        ``result``, instead of blocking a thread per group in ``call``."""
+        return [getattr(a, method).remote(*args) for a in self.actors]
 
     def stop(self) -> None:
         import ray

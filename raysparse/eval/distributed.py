@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import os
 import platform
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -170,15 +168,14 @@ def run_eval_on_engine(engine: Any, cfg: EvalConfig, text: str, source: str, mod
     decode = cfg.decode_ppl_tokens > 0 and bool(work.windows)
     order = item_order(len(work.tasks), len(work.windows), decode)
     runs = []
-    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-        for i, setting in enumerate(settings):
-            if on_setting is not None:
-                label = setting.label if setting.density is None else f"{setting.label} @ {setting.density:g}"
-                on_setting(label, i, len(settings), work.units(cfg))
-            items = _spread(pool, groups, setting, order, step)
-            runs.append(merge_items(setting, items, mc.num_layers, cfg.rows).to_json())
-            if on_result is not None:
-                on_result(runs[-1])
+    for i, setting in enumerate(settings):
+        if on_setting is not None:
+            label = setting.label if setting.density is None else f"{setting.label} @ {setting.density:g}"
+            on_setting(label, i, len(settings), work.units(cfg))
+        items = _spread(groups, setting, order, step)
+        runs.append(merge_items(setting, items, mc.num_layers, cfg.rows).to_json())
+        if on_result is not None:
+            on_result(runs[-1])
     for g in groups:
         g.call("__ray_call__", _shard_forget)
     info = engine.model_info()
@@ -191,37 +188,55 @@ def run_eval_on_engine(engine: Any, cfg: EvalConfig, text: str, source: str, mod
                         time.perf_counter() - t0, cluster)
 
 
-def _spread(pool: ThreadPoolExecutor, groups: list[Any], setting: Setting, order: list[tuple[str, int]],
+@dataclass
+class _ItemCall:
+    """One work item running on every shard of one replica: its shards' refs and the parts back so far."""
+
+    group: Any
+    pos: int  # in the item order
+    refs: list[Any]
+    parts: dict[Any, ItemResult] = field(default_factory=dict)
+
+
+def _spread(groups: list[Any], setting: Setting, order: list[tuple[str, int]],
             step: Callable[[], None]) -> list[ItemResult]:
     """Runs ``setting``'s items over the replicas, the next free one taking the next item; returns them in
-    item order up to the first failure (the items after it are dropped by the merge, so not run)."""
+    item order up to the first failure (the items after it are dropped by the merge, so not run).
+
+    Every wait happens here, on the calling thread, with no helper threads: Ctrl-C (KeyboardInterrupt) lands
+    in this wait and unwinds at once, with nothing left behind that still takes items or that an exit would
+    have to join; the engine's shutdown on the way out kills the shards and so ends the items in flight.
+    A lost shard (ShardLostError) ends the eval the same way."""
+    import ray
+
     results: list[ItemResult | None] = [None] * len(order)
-    lock = threading.Lock()
-    state = {"next": 0, "failed": len(order)}
+    end = len(order)  # one past the first failed item: items from there on are not started
+    nxt = 0
+    calls: dict[Any, _ItemCall] = {}  # the ref of each shard call in flight -> its item
 
-    def worker(group: Any) -> None:
-        while True:
-            with lock:
-                pos = state["next"]
-                if pos >= state["failed"]:
-                    return
-                state["next"] = pos + 1
-            kind, index = order[pos]
-            try:
-                parts = group.call("__ray_call__", _shard_item, setting, kind, index, timeout_s=None)
-            except BaseException:
-                state["failed"] = -1  # a lost shard ends the eval: the other replicas stop taking items
-                raise
-            item = combine_shards(parts)
-            with lock:
-                results[pos] = item
-                if item.error is not None:
-                    state["failed"] = min(state["failed"], pos)
-            step()
+    def start(group: Any) -> None:
+        nonlocal nxt
+        if nxt >= end:
+            return
+        kind, index = order[nxt]
+        call = _ItemCall(group, nxt, group.submit("__ray_call__", _shard_item, setting, kind, index))
+        calls.update(dict.fromkeys(call.refs, call))
+        nxt += 1
 
-    for f in [pool.submit(worker, g) for g in groups]:
-        f.result()
-    last = state["failed"] + 1 if state["failed"] < len(order) else len(order)
-    out = results[:last]
+    for g in groups:
+        start(g)
+    while calls:
+        (ref,), _ = ray.wait(list(calls), num_returns=1)
+        call = calls.pop(ref)
+        call.parts[ref] = call.group.result(call.refs, ref)
+        if len(call.parts) < len(call.refs):
+            continue
+        item = combine_shards([call.parts[r] for r in call.refs])  # rank order
+        results[call.pos] = item
+        if item.error is not None:
+            end = min(end, call.pos + 1)
+        step()
+        start(call.group)
+    out = results[:end]
     assert all(r is not None for r in out), "an item before the first failure did not run"
     return out  # type: ignore[return-value]
