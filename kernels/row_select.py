@@ -92,6 +92,30 @@ def select_list_torch(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_wid
     return out[:, :out_width].contiguous()
 
 
+def select_list_host(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_width: int) -> torch.Tensor:
+    """``select_list`` for tensors that live on the host (the CPU path): the same int64 keys, but one ``topk``
+    of just the entries taken (forced ones rank first), sorted into place, instead of a row-wide scatter and
+    cumulative sum. It reads the batch's largest count back, which is free on a CPU and impossible inside a
+    capture, so it never runs on a GPU. Same contract and output as ``select_list_torch``, its oracle."""
+    _check(score, kk, k_max, out_width)
+    rows, n = score.shape
+    out = torch.full((rows, out_width), -1, dtype=torch.int32)
+    if rows == 0 or n == 0 or out_width == 0:
+        return out
+    forced = score == float("inf")
+    cand = torch.isfinite(score)
+    key = (order_keys(score).long() << 32) + (0xFFFFFFFF - torch.arange(n))
+    key.masked_fill_(~(cand | forced), torch.iinfo(torch.int64).min)
+    need = forced.sum(1) + torch.minimum(kk.long().clamp(0, k_max), cand.sum(1))
+    m = int(need.max())
+    if m == 0:
+        return out
+    idx = torch.topk(key, m, dim=1, sorted=True).indices  # forced first, then the candidates best first
+    idx = torch.where(torch.arange(m)[None, :] < need[:, None], idx, n).sort(dim=1).values[:, :out_width]
+    out[:, : idx.shape[1]] = torch.where(idx == n, -1, idx)
+    return out
+
+
 def default_chunk(rows: int, n: int) -> int:
     """Columns per program of the multi-program path: ~TARGET_PROGRAMS programs, 1024 to 8192 columns."""
     want = next_pow2(max(1, -(-rows * n // TARGET_PROGRAMS)))
@@ -156,7 +180,10 @@ def select_list_triton(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_wi
 
 def select_list(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_width: int) -> torch.Tensor:
     """Ascending forced + top-kk column lists [R, out_width] int32, -1 padded (see the module docstring):
-    Triton on CUDA tensors (or when ``RAYSPARSE_KERNELS=triton``), else the PyTorch form."""
+    Triton on CUDA tensors (or when ``RAYSPARSE_KERNELS=triton``), the host form on CPU tensors, else the
+    capturable PyTorch form."""
     if triton_wanted(score, kk):
         return select_list_triton(score, kk, k_max, out_width)
+    if score.device.type == "cpu":
+        return select_list_host(score, kk, k_max, out_width)
     return select_list_torch(score, kk, k_max, out_width)

@@ -1,9 +1,9 @@
-"""``kernels/row_select.py``: the PyTorch form against a plain per-row stable sort, and both Triton paths (one
-program per row; the multi-program radix path, forced with a small chunk) against the PyTorch form, bit for
-bit. Scores carry many exact ties (a small integer set, +-0.0), forced (+inf) and excluded (-inf) entries,
-rows with fewer candidates than kk, kk = 0, kk above k_max, truncated lists and widths that are no multiple
-of the chunk. Without a GPU the kernels run in Triton's interpreter (shapes stay small: it pays per program).
-Outputs start as a sentinel, so every element must be written."""
+"""``kernels/row_select.py``: the PyTorch form and the host form against a plain per-row stable sort, and
+both Triton paths (one program per row; the multi-program radix path, forced with a small chunk) against the
+PyTorch form, bit for bit. Scores carry many exact ties (a small integer set, +-0.0), forced (+inf) and
+excluded (-inf) entries, rows with fewer candidates than kk, kk = 0, kk above k_max, truncated lists and widths
+that are no multiple of the chunk. Without a GPU the kernels run in Triton's interpreter (shapes stay small: it
+pays per program). Outputs start as a sentinel, so every element must be written."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
-from raysparse.kernels.row_select import select_list, select_list_torch, select_list_triton
+from raysparse.kernels.row_select import select_list, select_list_host, select_list_torch, select_list_triton
 
 INF = float("inf")
 
@@ -82,8 +82,11 @@ def test_torch_matches_python(kind):
         s = _scores(g, rows, n, kind)
         kk = _kk(g, rows, k_max, torch.int64)
         w = width or int((s == INF).sum(1).max()) + k_max
+        want = _python(s, kk, k_max, w)
         got = select_list_torch(s, kk, k_max, w)
-        assert torch.equal(got, _python(s, kk, k_max, w)), f"seed {seed}: {kind} {rows}x{n} k_max={k_max}"
+        assert torch.equal(got, want), f"seed {seed}: {kind} {rows}x{n} k_max={k_max}"
+        got = select_list_host(s, kk, k_max, w)
+        assert torch.equal(got, want), f"seed {seed}: host form, {kind} {rows}x{n} k_max={k_max}"
 
 
 def _check_triton(seed: int, kind: str, rows: int, n: int, k_max: int, width: int | None, **kw) -> None:
@@ -137,6 +140,7 @@ def test_corner_rows(multi):
     for score, kk, k_max, w in cases:
         want = _python(score, kk, k_max, w)
         assert torch.equal(select_list_torch(score, kk, k_max, w), want)
+        assert torch.equal(select_list_host(score, kk, k_max, w), want)
         if multi and score.shape[1] < 16:
             kw = {"single_max": 0, "chunk": 16}
         got = select_list_triton(score.to(DEV), kk.to(DEV), k_max, w, **kw)

@@ -15,6 +15,7 @@ tensors); the ``*_reference`` functions, the plain PyTorch paths and the kernels
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,12 +65,22 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dispatch.lsh_bucket_ids(w, x)
 
 
+@functools.lru_cache(maxsize=64)
+def _scaled_corners(planes: int, dim: int, tau: float, device: torch.device) -> torch.Tensor:
+    """``corners(planes).T / (sqrt(dim) tau)``, fp32 ``[P, R]``: Algorithm 2's two scalings folded into the
+    corner matrix, made once per (P, d, tau, device) rather than in every decode layer."""
+    return (corners(planes, device).T / (math.sqrt(dim) * tau)).contiguous()
+
+
 def soft_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float) -> torch.Tensor:
     """SOCKET's Algorithm 2. w: ``[h, L, P, d]``, q: ``[h, g, d]`` (g query heads per KV head).
 
-    u_l = tanh(W_l q) / sqrt(d), p_l(r) = softmax_r(u_l . c_r / tau): fp32 ``[h, g, L, R]``."""
-    u = torch.tanh(torch.einsum("hlpd,hgd->hglp", w, q.float())) / math.sqrt(q.shape[-1])
-    return torch.softmax(u @ corners(w.shape[2], q.device).T / tau, dim=-1)
+    u_l = tanh(W_l q) / sqrt(d), p_l(r) = softmax_r(u_l . c_r / tau): fp32 ``[h, g, L, R]``. The projections
+    are one batched product per head over its L P hyperplanes (an einsum over the same shapes permuted copies
+    on a CPU), and both scalings ride on the cached corner matrix."""
+    h, tables, planes, d = w.shape
+    u = torch.tanh(torch.bmm(q.float(), w.reshape(h, tables * planes, d).transpose(1, 2)))
+    return torch.softmax(u.view(h, -1, tables, planes) @ _scaled_corners(planes, d, float(tau), q.device), dim=-1)
 
 
 def hard_bucket_probs(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

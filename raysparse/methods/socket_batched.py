@@ -90,17 +90,36 @@ def budget_rows(method: Socket, n: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return sink, local, torch.minimum(k.clamp(min=0), n - sink - local)
 
 
+def step_rows(method: Socket, view: DecodeView) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's per-row budget as the list selection reads it, the same at every sparse layer (one density
+    for all of them), so built by the step's first SOCKET layer and kept in ``batch.extras``: an additive
+    encoding [B, 1, W] fp32 (+inf on the forced sinks and local window, 0 on the scored middle, -inf past the
+    row's length) and each (row, KV head)'s k [B h_kv]."""
+    width, h_kv = view.width_tokens, view.kv.k.shape[1]
+    key = ("socket-step", id(method), width, h_kv)  # the method's frozen config fixes the rule
+    got = view.batch.extras.get(key)
+    if got is None:
+        n = view.seqlens.long()[:, None]  # [B, 1]
+        sink, local, top = budget_rows(method, n)
+        j = torch.arange(width, device=n.device)
+        forced = (j < sink) | ((j >= n - local) & (j < n))
+        enc = torch.zeros(n.shape[0], 1, width, device=n.device).masked_fill_(~(j < n)[:, None, :], -math.inf)
+        got = view.batch.extras[key] = (enc.masked_fill_(forced[:, None, :], math.inf),
+                                         top.expand(-1, h_kv).flatten())
+    return got
+
+
 def batched_select(method: Socket, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
     """The batch's selection ``[B, h_kv, W]`` (``SparseMethod.decode_select``)."""
     c, width = method.config, view.width_tokens
     ids_pool, norm_pool = page_pools(method, layer, view.cache)
     h_kv = ids_pool.shape[1]
     k_max = method.budget(width)[2] if c.top_k is None else min(c.top_k, width)
-    n = view.seqlens.long()[:, None]  # [B, 1]
+    enc, top = step_rows(method, view)
     if k_max == 0:
         # No row of the bucket scores a token (the budget holds no more than the sinks and the local window,
         # k non-decreasing in n): the selection is the forced tokens, so the collision scores are not computed.
-        score = torch.zeros(n.shape[0], h_kv, width, device=q.device)
+        score = enc.expand(-1, h_kv, -1).contiguous()
     else:
         probs = batch_bucket_probs(method, layer, q, h_kv)
         # norm_pool is None unless the scorer uses value norms
@@ -108,12 +127,8 @@ def batched_select(method: Socket, layer: int, q: torch.Tensor, view: DecodeView
             score = paged_collision(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens)
         else:
             score = paged_collision_torch(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens)
-    sink, local, top = budget_rows(method, n)
-    j = torch.arange(width, device=q.device)
-    middle = ((j >= sink) & (j < n - local))[:, None, :]
-    forced = ((j < sink) | ((j >= n - local) & (j < n)))[:, None, :]
-    # The list selection's encoding: +inf forced (sinks, local window), -inf outside the middle.
-    score = torch.where(forced, math.inf, torch.where(middle, score, -math.inf))
+        # The list selection's encoding in one add: the middle's scores are finite and kept (x + 0), the forced
+        # keys' become +inf, and past the length both terms are -inf.
+        score = score.add_(enc)
     out_width = min(width, min(c.sink_tokens, width) + min(c.local_tokens, width) + k_max)
-    return select_list(score.flatten(0, 1), top.expand(-1, h_kv).flatten(), k_max,
-                       max(out_width, 1)).view(*score.shape[:2], -1)
+    return select_list(score.flatten(0, 1), top, k_max, max(out_width, 1)).view(*score.shape[:2], -1)
