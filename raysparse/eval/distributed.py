@@ -22,7 +22,7 @@ import os
 import platform
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from raysparse.eval.harness import EvalConfig, Harness, Workload, eval_settings,
 from raysparse.eval.items import ItemResult, combine_shards, item_order, merge_items
 from raysparse.eval.report import build_report
 from raysparse.eval.settings import Setting
+from raysparse.orchestration.spread import spread_over_replicas
 
 _SHARDS: dict[int, tuple[Harness, Workload]] = {}  # per shard actor process: its harness and the work
 
@@ -188,55 +189,27 @@ def run_eval_on_engine(engine: Any, cfg: EvalConfig, text: str, source: str, mod
                         time.perf_counter() - t0, cluster)
 
 
-@dataclass
-class _ItemCall:
-    """One work item running on every shard of one replica: its shards' refs and the parts back so far."""
-
-    group: Any
-    pos: int  # in the item order
-    refs: list[Any]
-    parts: dict[Any, ItemResult] = field(default_factory=dict)
-
-
 def _spread(groups: list[Any], setting: Setting, order: list[tuple[str, int]],
             step: Callable[[], None]) -> list[ItemResult]:
-    """Runs ``setting``'s items over the replicas, the next free one taking the next item; returns them in
-    item order up to the first failure (the items after it are dropped by the merge, so not run).
-
-    Every wait happens here, on the calling thread, with no helper threads: Ctrl-C (KeyboardInterrupt) lands
-    in this wait and unwinds at once, with nothing left behind that still takes items or that an exit would
-    have to join; the engine's shutdown on the way out kills the shards and so ends the items in flight.
-    A lost shard (ShardLostError) ends the eval the same way."""
-    import ray
-
+    """Runs ``setting``'s items over the replicas (``orchestration.spread``: one driver thread, so Ctrl-C stops
+    it at once), the next free one taking the next item; returns them in item order up to the first failure
+    (the items after it are dropped by the merge, so not run)."""
     results: list[ItemResult | None] = [None] * len(order)
-    end = len(order)  # one past the first failed item: items from there on are not started
-    nxt = 0
-    calls: dict[Any, _ItemCall] = {}  # the ref of each shard call in flight -> its item
+    end = len(order)  # one past the first failed item
 
-    def start(group: Any) -> None:
-        nonlocal nxt
-        if nxt >= end:
-            return
-        kind, index = order[nxt]
-        call = _ItemCall(group, nxt, group.submit("__ray_call__", _shard_item, setting, kind, index))
-        calls.update(dict.fromkeys(call.refs, call))
-        nxt += 1
+    def submit(group: Any, i: int) -> list[Any]:
+        kind, index = order[i]
+        return group.submit("__ray_call__", _shard_item, setting, kind, index)
 
-    for g in groups:
-        start(g)
-    while calls:
-        (ref,), _ = ray.wait(list(calls), num_returns=1)
-        call = calls.pop(ref)
-        call.parts[ref] = call.group.result(call.refs, ref)
-        if len(call.parts) < len(call.refs):
-            continue
-        item = combine_shards([call.parts[r] for r in call.refs])  # rank order
-        results[call.pos] = item
+    def done(i: int, parts: list[ItemResult]) -> bool:
+        nonlocal end
+        item = results[i] = combine_shards(parts)  # rank order
         if item.error is not None:
-            end = min(end, call.pos + 1)
+            end = min(end, i + 1)
         step()
-        start(call.group)
+        return item.error is None
+
+    spread_over_replicas(groups, len(order), submit, done)
     out = results[:end]
     assert all(r is not None for r in out), "an item before the first failure did not run"
     return out  # type: ignore[return-value]

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from raysparse.cli_common import (
     check_draft_model,
     positive_int,
 )
+from raysparse.orchestration.spread import spread_over_replicas
 
 PROG = "raysparse specattn-map"
 
@@ -113,26 +112,20 @@ def measure_on_engine(engine: Any, windows: Sequence[list[int]], draft: tuple[in
     the self-speculative draft's layers, or a separate draft model's path."""
     groups = [r.group for r in engine.runners]
     parts: list[tuple[torch.Tensor, int] | None] = [None] * len(windows)
-    lock = threading.Lock()
-    state = {"next": 0}
+    fn = _shard_cross_window if isinstance(draft, str) else _shard_window
 
-    def work(group: Any) -> None:
-        while True:
-            with lock:
-                i = state["next"]
-                if i >= len(windows):
-                    return
-                state["next"] = i + 1
-            fn = _shard_cross_window if isinstance(draft, str) else _shard_window
-            shards = group.call("__ray_call__", fn, list(windows[i]), draft, steps, threads, timeout_s=None)
-            total, terms = shards[0][0].clone(), shards[0][1]
-            for s, n in shards[1:]:  # rank order: each shard holds its own KV heads
-                total, terms = total + s, terms + n
-            parts[i] = (total, terms)
+    def submit(group: Any, i: int) -> list[Any]:
+        return group.submit("__ray_call__", fn, list(windows[i]), draft, steps, threads)
 
-    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-        for f in [pool.submit(work, g) for g in groups]:
-            f.result()
+    def done(i: int, shards: list[tuple[torch.Tensor, int]]) -> bool:
+        total, terms = shards[0][0].clone(), shards[0][1]
+        for s, n in shards[1:]:  # rank order: each shard holds its own KV heads
+            total, terms = total + s, terms + n
+        parts[i] = (total, terms)
+        return True
+
+    # One driver thread waits on every replica's calls (``orchestration.spread``), so Ctrl-C stops the map at once.
+    spread_over_replicas(groups, len(windows), submit, done)
     if isinstance(draft, str):
         for g in groups:
             g.call("__ray_call__", _shard_forget_draft)
@@ -192,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
         print(f"{PROG}: error: {e}".splitlines()[0], file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the engine and the Ray it started are stopped on the way out (running_engine)
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     which = f"draft model {lm.draft}" if lm.draft else "self-speculative draft"
     print(f"layer map for the {which} ({len(windows)} windows x {args.tokens} tokens, {source}; TP={args.tp} x "
           f"{args.replicas} replica(s)) -> {path}")
