@@ -178,3 +178,20 @@ def prefill_block_budgets(density: float, rows: int, forced: int, block_size: in
         attended += (k - 1) * b * b + b * (b + 1) // 2
         out.append(k)
     return out
+
+
+def ray_session_in(procs) -> str | None:
+    """The Ray session directory named on the command line of one of ``procs`` (psutil processes: a command's
+    Ray daemons), or None."""
+    import re
+
+    import psutil
+
+    for p in procs:
+        try:
+            m = re.search(r"(/\S*?/session_\d{4}-[\d_-]+)", " ".join(p.cmdline()))
+        except psutil.Error:
+            continue
+        if m:
+            return m.group(1)
+    return None

@@ -4,7 +4,6 @@ one clear line, every process of the Ray instance it started gone, as ``run`` an
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ray_session_in
 
 
 def _busy_shard(session: str) -> bool:
@@ -33,17 +33,9 @@ def _ray_session_of(pid: int) -> str | None:
     import psutil
 
     try:
-        children = psutil.Process(pid).children(recursive=True)
+        return ray_session_in(psutil.Process(pid).children(recursive=True))
     except psutil.Error:
         return None
-    for p in children:
-        try:
-            m = re.search(r"(/\S*?/session_\d{4}-[\d_-]+)", " ".join(p.cmdline()))
-        except psutil.Error:
-            continue
-        if m:
-            return m.group(1)
-    return None
 
 
 @pytest.mark.slow  # its own Ray instance and shard actor: ~25 s on two busy cores

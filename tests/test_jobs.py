@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ray_session_in
 
 from raysparse.jobs.records import (
     BadLine,
@@ -365,22 +366,6 @@ def test_ray_job_submit_processes_a_jsonl_file(two_node_cluster, tmp_path):
     assert by_id["line-7"]["finish_reason"] == "error" and "not JSON" in by_id["line-7"]["error"]
 
 
-def _ray_session_of(procs) -> str | None:
-    """The Ray session directory named on the command line of one of ``procs`` (the job's Ray daemons)."""
-    import re
-
-    import psutil
-
-    for p in procs:
-        try:
-            m = re.search(r"(/\S*?/session_\d{4}-[\d_-]+)", " ".join(p.cmdline()))
-        except psutil.Error:
-            continue
-        if m:
-            return m.group(1)
-    return None
-
-
 # SIGTERM (what `ray job stop` sends) in the default run; the other exits, ~30 s each on 2 cores, with `-m slow`
 @pytest.mark.parametrize("how", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow),
                                  pytest.param("end", marks=pytest.mark.slow)])
@@ -413,7 +398,7 @@ def test_the_job_stops_the_ray_it_started_on_any_exit(tmp_path, how):
                 seen.update({c.pid: c for c in me.children(recursive=True)})
             except psutil.Error:
                 pass
-            session = session or _ray_session_of(seen.values())
+            session = session or ray_session_in(seen.values())
             if session and out.exists() and out.read_bytes().count(b"\n") >= (n if how == "end" else 3):
                 break
             time.sleep(0.1)
