@@ -49,6 +49,7 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
     from raysparse.methods.registry import method_capabilities
     from raysparse.orchestration.engine import Engine, EngineConfig
     from raysparse.orchestration.engine_api import EngineError, EngineRequest
+    from raysparse.orchestration.signals import StopOnSignals
     from raysparse.sampling import SamplingParams
     from raysparse.workload import build_retrieval_task, load_haystack_text
 
@@ -58,11 +59,13 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
                        kv_cache_tokens=kv_tokens, num_cpus=opts.num_cpus, cpus_per_shard=opts.cpus_per_shard,
                        draft=method_capabilities(opts.method).needs_draft, runtime=opts.runtime,
                        draft_model=opts.draft_model, prefix_cache=opts.prefix_cache)
+    stop = StopOnSignals()  # SIGTERM, SIGINT, SIGHUP: Signalled, and the engine and its Ray stop below
     engine = Engine(cfg)
     try:
         with console.status(f"starting {opts.replicas} replica(s) of {opts.tp} shard actor(s)"):
             t0 = time.perf_counter()
             engine.start()
+        stop.install()  # again: ray.init put a SIGTERM handler of its own in place of ours
         info = engine.model_info()
         console.print(f"[bold]model[/]: {info['model']} ({info['layers']} layers, {info['heads']} heads, "
                       f"{info['kv_heads']} KV heads, {info['dtype']}, TP={opts.tp} x {opts.replicas} replica(s) "
@@ -102,7 +105,11 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
         _report(result, console)
         return result
     finally:
-        engine.shutdown()
+        stop.cleaning = True  # a signal from here on is noted, not raised: the clean-up runs whole
+        try:
+            engine.shutdown()
+        finally:
+            stop.restore()
 
 
 def _generate(engine: Any, req: Any, console: Console) -> Any:

@@ -133,6 +133,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from raysparse.eval.distributed import ClusterOptions
     from raysparse.eval.job import EvalOptions, run_job
+    from raysparse.orchestration.signals import Signalled
 
     cluster = ClusterOptions(tp=args.tp, replicas=args.replicas, address=args.address,
                              cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
@@ -142,7 +143,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
         print(f"raysparse: error: {e}".splitlines()[0], file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        print("raysparse: interrupted", file=sys.stderr)
+    except Signalled as e:  # SIGTERM, SIGINT or SIGHUP: the engine and its Ray are stopped by now
+        print(e.message("raysparse"), file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C before the engine's start took the signals over
+        print(Signalled(2).message("raysparse"), file=sys.stderr)
         return 130
     return 0

@@ -114,6 +114,7 @@ def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
     import json
 
     from raysparse.orchestration.local_job import JobError, RunOptions, run_retrieval
+    from raysparse.orchestration.signals import Signalled
     from raysparse.serving.engine_flags import prefix_cache_config
 
     console = output_console()
@@ -128,7 +129,10 @@ def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
     except (JobError, ValueError, FileNotFoundError, ConnectionError, TimeoutError) as e:
         print(f"raysparse: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
+    except Signalled as e:  # SIGTERM, SIGINT or SIGHUP: the engine and its Ray are stopped by now
+        print(e.message("raysparse"), file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C before the engine's start took the signals over
         print("raysparse: interrupted", file=sys.stderr)
         return 130
     if args.json:

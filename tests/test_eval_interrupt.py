@@ -1,5 +1,6 @@
-"""``raysparse eval`` stopped by Ctrl-C (SIGINT) part way through a setting: it exits within seconds with 130 and
-one clear line, every process of the Ray instance it started gone, as ``run`` and the JSONL job do."""
+"""``raysparse eval`` stopped by Ctrl-C (SIGINT) or SIGTERM part way through a setting: it exits within seconds
+with 128 + the signal and one clear line, every process of the Ray instance it started gone, as the JSONL job
+does (``orchestration/signals.py``)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def _ray_session_of(pid: int) -> str | None:
 
 
 @pytest.mark.slow  # its own Ray instance and shard actor: ~25 s on two busy cores
-def test_sigint_stops_eval_promptly_with_its_ray(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_eval_promptly_with_its_ray(tmp_path: Path, sig: signal.Signals) -> None:
     import psutil
 
     from raysparse.orchestration.ray_env import session_processes
@@ -75,7 +77,7 @@ def test_sigint_stops_eval_promptly_with_its_ray(tmp_path: Path) -> None:
         time.sleep(1.5)
         seen = {p.pid: p for p in session_processes(session)}  # daemons, agents, workers, the shard actor
         assert proc.poll() is None, "".join(lines)[-3000:]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         t0 = time.monotonic()
         proc.wait(timeout=60)
         took = time.monotonic() - t0
@@ -85,9 +87,10 @@ def test_sigint_stops_eval_promptly_with_its_ray(tmp_path: Path) -> None:
             proc.wait(30)
     reader.join(10)
     output = "".join(lines)
-    assert proc.returncode == 130, output[-3000:]
-    assert "raysparse: interrupted" in output and "Traceback" not in output, output[-3000:]
-    assert took < 15, f"{took:.1f} s from SIGINT to exit"
+    assert proc.returncode == 128 + sig, output[-3000:]
+    said = "raysparse: interrupted" if sig == signal.SIGINT else f"raysparse: signal {int(sig)}: stopped"
+    assert said in output and "Traceback" not in output, output[-3000:]
+    assert took < 15, f"{took:.1f} s from {sig.name} to exit"
     assert not (out / "eval.json").exists()  # stopped part way, not run to the end
     left = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     left += [p for p in session_processes(session) if p.pid not in seen]

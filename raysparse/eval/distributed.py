@@ -81,23 +81,34 @@ def running_engine(model_dir: str, dtype: str, opts: ClusterOptions) -> Iterator
 
     from raysparse.orchestration.engine import Engine, EngineConfig
     from raysparse.orchestration.ray_env import start_ray, stop_ray
+    from raysparse.orchestration.signals import Signalled, StopOnSignals
 
     shards = opts.tp * opts.replicas
     num_cpus = None if opts.address is not None else max(os.cpu_count() or 1,
                                                          math.ceil(shards * opts.cpus_per_shard))
-    # Ray leaves CUDA_VISIBLE_DEVICES alone for an actor without GPUs, and a shard takes a GPU it can see:
-    # --device cpu hides them, so CPU shards on a GPU node really run on the CPU.
-    owns = start_ray(opts.address, num_cpus, {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None)
-    cfg = EngineConfig(model=model_dir, dtype=dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
-                       device=opts.device, kv_cache_tokens=64, max_batch=1, cpus_per_shard=opts.cpus_per_shard,
-                       num_cpus=num_cpus, draft=False, cuda_graphs=False)
-    engine = Engine(cfg)
+    stop = StopOnSignals()  # SIGTERM, SIGINT, SIGHUP: Signalled, and the clean-up below runs whole
     try:
-        yield engine.start()
+        # Ray leaves CUDA_VISIBLE_DEVICES alone for an actor without GPUs, and a shard takes a GPU it can see:
+        # --device cpu hides them, so CPU shards on a GPU node really run on the CPU.
+        owns = start_ray(opts.address, num_cpus, {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None)
+        stop.install()  # again: ray.init put a SIGTERM handler of its own in place of ours
+        cfg = EngineConfig(model=model_dir, dtype=dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
+                           device=opts.device, kv_cache_tokens=64, max_batch=1, cpus_per_shard=opts.cpus_per_shard,
+                           num_cpus=num_cpus, draft=False, cuda_graphs=False)
+        engine = Engine(cfg)
+        try:
+            yield engine.start()
+        finally:
+            stop.cleaning = True  # a signal from here on is noted, not raised
+            try:
+                engine.shutdown()
+            finally:
+                if owns:
+                    stop_ray()
+        if stop.signum:  # a signal during the clean-up
+            raise Signalled(stop.signum)
     finally:
-        engine.shutdown()
-        if owns:
-            stop_ray()
+        stop.restore()
 
 
 # ---- shard side (run inside each ShardWorker through __ray_call__) ---------------------------------------

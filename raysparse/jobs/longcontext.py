@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -49,6 +48,7 @@ from raysparse.jobs.records import (
     result_line,
     split_lines,
 )
+from raysparse.orchestration.signals import Signalled, StopOnSignals
 from raysparse.serving.engine_flags import add_engine_args, add_method_args, engine_config, method_params
 
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     from raysparse.orchestration.ray_env import start_ray, stop_ray
 
-    stop = _StopOnSignals()
+    stop = StopOnSignals()
     engine, owns = Engine(cfg), False
     try:
         try:
@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                 if owns:
                     stop_ray()
         if stop.signum:
-            raise _Signalled(stop.signum)
-    except _Signalled as e:
+            raise Signalled(stop.signum)
+    except Signalled as e:
         print(f"{parser.prog}: signal {e.signum}: stopped; rerun to finish the rest", file=sys.stderr, flush=True)
         return 128 + e.signum
     finally:
@@ -223,39 +223,6 @@ def main(argv: list[str] | None = None) -> int:
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     return 0
 
-
-class _Signalled(BaseException):  # noqa: N818 - not an error: the job was asked to stop
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-class _StopOnSignals:
-    """SIGTERM, SIGINT and SIGHUP unwind the main thread (``_Signalled``), so the engine and the Ray it runs on
-    stop; once ``cleaning`` is set a signal is only noted in ``signum``."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.cleaning = False
-        self.signum = 0
-        self.previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
-        self.install()
-
-    def install(self) -> None:
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.signum or self.cleaning:
-            self.signum = self.signum or signum
-            return
-        self.signum = signum
-        raise _Signalled(signum)
 
 if __name__ == "__main__":
     sys.exit(main())

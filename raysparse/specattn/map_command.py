@@ -33,6 +33,7 @@ from raysparse.cli_common import (
     check_draft_model,
     positive_int,
 )
+from raysparse.orchestration.signals import Signalled
 from raysparse.orchestration.spread import spread_over_replicas
 
 PROG = "raysparse specattn-map"
@@ -185,8 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
         print(f"{PROG}: error: {e}".splitlines()[0], file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the engine and the Ray it started are stopped on the way out (running_engine)
-        print(f"{PROG}: interrupted", file=sys.stderr)
+    except Signalled as e:  # SIGTERM, SIGINT or SIGHUP: the engine and its Ray are stopped by now (running_engine)
+        print(e.message(PROG), file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C before the engine's start took the signals over
+        print(Signalled(2).message(PROG), file=sys.stderr)
         return 130
     which = f"draft model {lm.draft}" if lm.draft else "self-speculative draft"
     print(f"layer map for the {which} ({len(windows)} windows x {args.tokens} tokens, {source}; TP={args.tp} x "
