@@ -97,6 +97,7 @@ def tp_load_worker(rank: int, world: int, port: int, model_dir: str, ids: list[i
         logits = full_logits(model, ids)
         torch.save({"load": stats.as_dict(), "logits": logits if rank == 0 else None,
                     "kv_heads": model.num_kv_heads}, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # leave together (``helpers.tp_worker`` says why)
     finally:
         dist.destroy_process_group()
 

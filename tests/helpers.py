@@ -81,6 +81,10 @@ def tp_worker(rank: int, world: int, port: int, hf_config, state, ids: list[list
         logits = model(flat, batch, cache, DenseAttention(model.cfg.num_layers), all_logits=True)
         if rank == 0:
             torch.save({"logits": logits, "kv_heads": model.num_kv_heads, "reduce_norm_calls": len(calls)}, out_path)
+        # The ranks tear the group down together: rank 0 hosts the group's store, and one CI run had a rank
+        # abort in gloo at the end ("terminate called without an active exception", SIGABRT) after the other
+        # had finished its own part; a rank that leaves early can meet the other's teardown half done.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
