@@ -65,7 +65,6 @@ def run_retrieval(opts: RunOptions, console: Console | None = None) -> dict[str,
         with console.status(f"starting {opts.replicas} replica(s) of {opts.tp} shard actor(s)"):
             t0 = time.perf_counter()
             engine.start()
-        stop.install()  # again: ray.init put a SIGTERM handler of its own in place of ours
         info = engine.model_info()
         console.print(f"[bold]model[/]: {info['model']} ({info['layers']} layers, {info['heads']} heads, "
                       f"{info['kv_heads']} KV heads, {info['dtype']}, TP={opts.tp} x {opts.replicas} replica(s) "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+from typing import Any
 
 LOCAL_RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -31,16 +34,28 @@ def start_ray(address: str | None, num_cpus: int | None = None, env: dict[str, s
     # they reach the workers on any cluster, not only a local one
     own = {k: os.environ[k] for k in FORWARDED if k in os.environ}
     runtime_env = {"env_vars": {**WORKER_ENV, **own, **(env or {})}}
-    if address is None:
-        for k, v in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(k, v)
-        # address="local": always an instance of our own, never whatever cluster already runs on the host (a
-        # `ray start` or RAY_ADDRESS, which plain ray.init() would join, or hang on if it is stale).
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env=runtime_env, log_to_driver=True)
-        return True
-    ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
-    return False
+    kept = signal.getsignal(signal.SIGTERM)
+    try:
+        if address is None:
+            for k, v in LOCAL_RAY_ENV.items():
+                os.environ.setdefault(k, v)
+            # address="local": always an instance of our own, never whatever cluster already runs on the host (a
+            # `ray start` or RAY_ADDRESS, which plain ray.init() would join, or hang on if it is stale).
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                     runtime_env=runtime_env, log_to_driver=True)
+            return True
+        ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
+        return False
+    finally:
+        _restore_sigterm(kept)
+
+
+def _restore_sigterm(handler: Any) -> None:
+    """``ray.init`` puts in a SIGTERM handler of its own (``sys.exit`` from whatever runs; an eval stopped that
+    way exited -6 and left the instance's dashboard and runtime-env agents running): the handler in force before
+    it (``orchestration.signals.StopOnSignals``, or the default) is put back. Only the main thread can."""
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def stop_ray(grace_s: float = 5.0) -> list[int]:

@@ -2,10 +2,10 @@
 ``specattn-map``, the JSONL job): each unwinds the main thread as ``Signalled``, so the engine and the Ray
 instance the command started are stopped on the way out, and the command exits with 128 + the signal.
 
-``ray.init`` installs a SIGTERM handler of its own that ends the driver at once, with no clean-up: the Ray
-instance's dashboard and runtime-env agents were left running after a SIGTERM (``ray job stop`` sends one). So
-``install`` runs again once Ray is up. While ``cleaning`` is set, a signal is only noted (``signum``), so a second
-one does not cut the clean-up short.
+``ray.init`` installs a SIGTERM handler of its own, under which an eval stopped by SIGTERM (``ray job stop``
+sends one) exited -6 and left the Ray instance's dashboard and runtime-env agents running.
+``ray_env.start_ray`` puts the handler in force before it back, so these stay in place. While ``cleaning`` is set,
+a signal is only noted (``signum``), so a second one does not cut the clean-up short.
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ class StopOnSignals:
         self.cleaning = False
         self.signum = 0
         self.previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
-        self.install()
-
-    def install(self) -> None:
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 

@@ -91,7 +91,6 @@ def running_engine(model_dir: str, dtype: str, opts: ClusterOptions) -> Iterator
         # Ray leaves CUDA_VISIBLE_DEVICES alone for an actor without GPUs, and a shard takes a GPU it can see:
         # --device cpu hides them, so CPU shards on a GPU node really run on the CPU.
         owns = start_ray(opts.address, num_cpus, {"CUDA_VISIBLE_DEVICES": ""} if opts.device == "cpu" else None)
-        stop.install()  # again: ray.init put a SIGTERM handler of its own in place of ours
         cfg = EngineConfig(model=model_dir, dtype=dtype, tp=opts.tp, replicas=opts.replicas, address=opts.address,
                            device=opts.device, kv_cache_tokens=64, max_batch=1, cpus_per_shard=opts.cpus_per_shard,
                            num_cpus=num_cpus, draft=False, cuda_graphs=False)

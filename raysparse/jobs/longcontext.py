@@ -203,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             owns = start_ray(cfg.address, cfg.num_cpus)
-            stop.install()  # again: ray.init put a SIGTERM handler of its own in place of ours
             counts = run_job(args, engine.start())
         finally:
             stop.cleaning = True  # a signal from here on is noted, not raised: the clean-up runs whole
