@@ -83,7 +83,7 @@ def main() -> None:
     for m in (b, ctx):
         x = torch.randn(h_kv, m, d, generator=gen).to(torch.bfloat16).to(dev)
         exact = bucket_ids(w, x, torch.uint8, precision="ieee")
-        for prec in ("tf32x3", "ieee") if cuda else ("ieee",):
+        for prec in ("bf16x3", "tf32x3", "ieee") if cuda else ("ieee",):
             same = (bucket_ids(w, x, torch.uint8, precision=prec) == exact).float().mean().item()
             add("hash", f"{m} keys {prec}", lambda x=x, prec=prec: bucket_ids(w, x, torch.uint8, precision=prec),
                 rel_err=1 - same)
@@ -101,12 +101,13 @@ def main() -> None:
         for per in (1, 2, 4, 8):
             for warps in (4, 8):
                 for prec in precisions:
-                    got = paged_group_probs(q, kv, ctx, need, None, per, warps, prec)
+                    knobs = {"pages_per_chunk": per, "num_warps": warps, "precision": prec}
+                    got = paged_group_probs(q, kv, ctx, need, None, **knobs)
                     mask = torch.ones(b, h_kv, dtype=torch.bool, device=dev) if need is None else need
                     err = (got - want)[mask].abs().max().item() / want[mask].abs().max().item()
                     add("probs", f"pairs={label} pages={per} warps={warps} {prec}",
-                        lambda need=need, per=per, warps=warps, prec=prec: paged_group_probs(
-                            q, kv, ctx, need, None, per, warps, prec), rel_err=err)
+                        lambda need=need, knobs=knobs: paged_group_probs(q, kv, ctx, need, None, **knobs),
+                        rel_err=err)
     dense_ms = rows[0]["ms"]
     for r in rows:
         r["vs_dense"] = r["ms"] / dense_ms

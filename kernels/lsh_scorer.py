@@ -3,7 +3,8 @@
 Bucketing: ``w [h, L, P, d]`` hyperplanes, ``x [h, m, d]`` keys -> ids ``[h, L, m]``, bit p of a table's id
 set iff (W_l x)_p > 0 (little-endian, an exact 0 counts as negative). One program takes ``BLOCK_M`` keys of
 one head and a group of tables whose planes fill 64 columns: one ``[BLOCK_M, d] x [d, 64]`` product in
-fp32 on tensor cores as 3xTF32 (about 1e-6 relative, as exact fp32 sums differ among themselves; plain TF32
+fp32 on tensor cores, as three bf16 products for bf16 keys (the planes split in three bf16 pieces) and as
+3xTF32 otherwise (both about 1e-6 relative or better, as exact fp32 sums differ among themselves; plain TF32
 would flip the sign of many near-zero projections against the reference, and exact fp32 on CUDA cores
 took 10 ms a layer to hash a 32K-token prompt on an H200), then the
 sign bits are packed and stored in the output's dtype (int32 like the reference, or the uint8 / int16 of
@@ -31,21 +32,33 @@ if triton is not None:
     @triton.jit
     def _bucket_kernel(X, W, Out, m, planes, tables, stride_xh, stride_xm, stride_wh, stride_wl, stride_wp,
                        stride_oh, stride_ol, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, P_PAD: tl.constexpr,
-                       GROUP: tl.constexpr, PRECISION: tl.constexpr):
+                       GROUP: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1).to(tl.int64)
         t0 = tl.program_id(2) * GROUP  # this program's GROUP tables, side by side in one product
         ok = rows < m
         d = tl.arange(0, HEAD_DIM)
         x = tl.load(X + h * stride_xh + rows.to(tl.int64)[:, None] * stride_xm + d[None, :], mask=ok[:, None],
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         col = tl.arange(0, GROUP * P_PAD)
         t = t0 + col // P_PAD
         p = col % P_PAD
         live = (p < planes) & (t < tables)
         w = tl.load(W + h * stride_wh + t[:, None] * stride_wl + p[:, None] * stride_wp + d[None, :],
                     mask=live[:, None], other=0.0)
-        proj = tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, GROUP * P_PAD]
+        if SPLIT:
+            # bf16 keys are exact operands; the fp32 planes split into three bf16 pieces (8 + 8 + 8 bits of
+            # mantissa) whose exact products sum in the fp32 accumulator, smallest first: the fp32 projection
+            # to about 1e-7 relative, on bf16 tensor cores (twice TF32's rate, so half of 3xTF32's time).
+            w1 = w.to(tl.bfloat16)
+            rest = w - w1.to(tl.float32)
+            w2 = rest.to(tl.bfloat16)
+            w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+            proj = tl.dot(x, tl.trans(w3), out_dtype=tl.float32)
+            proj = tl.dot(x, tl.trans(w2), proj, out_dtype=tl.float32)
+            proj = tl.dot(x, tl.trans(w1), proj, out_dtype=tl.float32)  # [BLOCK_M, GROUP * P_PAD]
+        else:
+            proj = tl.dot(x.to(tl.float32), tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, GROUP * P_PAD]
         bits = tl.where((proj > 0) & live[None, :], (1 << p)[None, :], 0)
         ids = tl.sum(tl.reshape(bits, (BLOCK_M, GROUP, P_PAD)), 2)  # [BLOCK_M, GROUP]
         g = tl.arange(0, GROUP)
@@ -78,7 +91,8 @@ if triton is not None:
 def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.int32,
                out: torch.Tensor | None = None, precision: str | None = None) -> torch.Tensor:
     """w: [h, L, P, d], x: [h, m, d] -> bucket ids [h, L, m] in ``out_dtype`` (or written into ``out``).
-    ``precision``: the projections' dot (None: 3xTF32 on GPUs, exact fp32 in the interpreter)."""
+    ``precision``: the projections' dot: "bf16x3" (bf16 keys only), "tf32x3", "tf32" or "ieee"; None: bf16x3
+    for bf16 keys and 3xTF32 for others on GPUs, exact fp32 in the interpreter (whose bf16 dot is not exact)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     h, tables, planes, d = w.shape
@@ -95,13 +109,17 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.
         # [BLOCK_M, d] x [d, 64] product (a loop over the tables, one [d, 16]-padded product each, hashed a
         # 32K-token prompt at 1.7 ms a layer on an H200), and a decode step's few keys still spread over
         # h x L / GROUP programs.
+        if precision is None:
+            precision = "ieee" if interpreting() else ("bf16x3" if x.dtype == torch.bfloat16 else "tf32x3")
+        if precision == "bf16x3" and x.dtype != torch.bfloat16:
+            raise ValueError(f"precision bf16x3 needs bf16 keys, got {x.dtype}")
         block = min(_HASH_ROWS, max(16, next_pow2(m)))
         p_pad = next_pow2(planes)
         group = max(1, _HASH_COLS // p_pad)
         _bucket_kernel[(-(-m // block), h, -(-tables // group))](
             x, w, out, m, planes, tables, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
             out.stride(0), out.stride(1), BLOCK_M=block, HEAD_DIM=d, P_PAD=p_pad, GROUP=group,
-            PRECISION=precision or ("ieee" if interpreting() else "tf32x3"), num_warps=4)
+            PRECISION="ieee" if precision == "bf16x3" else precision, SPLIT=precision == "bf16x3", num_warps=4)
     return out
 
 

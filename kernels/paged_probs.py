@@ -15,6 +15,11 @@ the CPU path.
 With ``bounds`` (lo [B], hi [B]) the result is the retrieval's candidate row itself: the probabilities at
 keys in [lo, hi) of the needed pairs and -inf everywhere else (the normaliser still spans all n keys). CIS
 selects from that row directly, where masking it after the fact took two more passes over [B, h_kv, W].
+With ``keep`` (a sink count, with bounds) it is also the step's selection row: the kept keys, below ``keep``
+or at or past max(hi, lo) and below n, are +inf (``select_list`` takes them whatever the budget), and the pairs
+not needed hold 0 in [lo, hi) (finite: their count is 0, so nothing there is taken unless a +inf is added onto
+it, which is how CIS marks a shared anchor's set in place with one ``scatter_add_``). CIS had copied the row
+and scattered the +inf in with a max-reduce: a copy and 28 us a layer at 4 x 32K on an H200.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from .formats import PagedKV
 
 
 def paged_group_probs_torch(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: torch.Tensor | None = None,
-                            bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            keep: int | None = None) -> torch.Tensor:
     """The reference: only the needed pairs' pages are gathered (one copy of their keys, laid out [pair,
     W * page, d]) and scored in fp32."""
     b, h, d = q.shape
@@ -51,7 +57,13 @@ def paged_group_probs_torch(q: torch.Tensor, kv: PagedKV, width_tokens: int, nee
     pos = torch.arange(width_tokens, device=q.device)
     inside = (pos >= bounds[0][:, None]) & (pos < bounds[1][:, None])  # [B, W]
     rows = torch.ones(b, h_kv, dtype=torch.bool, device=q.device) if need is None else need
-    return out.masked_fill(~(inside[:, None, :] & rows[..., None]), -math.inf)
+    out = out.masked_fill(~(inside[:, None, :] & rows[..., None]), -math.inf)
+    if keep is None:
+        return out
+    out = out.masked_fill(inside[:, None, :] & ~rows[..., None], 0.0)
+    n = kv.seqlens.long()[:, None]
+    kept = (pos < n) & ((pos < keep) | (pos >= torch.maximum(bounds[1], bounds[0])[:, None]))
+    return out.masked_fill(kept[:, None, :], math.inf)
 
 
 if triton is not None:
@@ -96,16 +108,21 @@ if triton is not None:
             tl.store(S + pair.to(tl.int64) * stride_mp + gi * stride_mg + c, s, mask=g_ok)
 
     @triton.jit
-    def _probs_kernel(SEQ, NEED, L, M, S, Out, LO, HI, h_kv, wt, chunks, stride_lp, stride_lg, stride_mp,
+    def _probs_kernel(SEQ, NEED, L, M, S, Out, LO, HI, h_kv, wt, chunks, keep, stride_lp, stride_lg, stride_mp,
                       stride_mg, stride_op, G: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                      C_PAD: tl.constexpr, BOUNDED: tl.constexpr):
+                      C_PAD: tl.constexpr, BOUNDED: tl.constexpr, KEEP: tl.constexpr):
         c = tl.program_id(0)
         pair = tl.program_id(1).to(tl.int64)
         tok = c * CHUNK + tl.arange(0, CHUNK)
         out_ptr = Out + pair * stride_op + tok
         fill = float("-inf") if BOUNDED else 0.0  # a candidate row, or the plain probabilities
+        n = tl.load(SEQ + pair // h_kv)
+        if BOUNDED:
+            lo = tl.load(LO + pair // h_kv)
+            hi = tl.load(HI + pair // h_kv)
+            inside = (tok >= lo) & (tok < hi)
+            kept = (tok < n) & ((tok < keep) | (tok >= tl.maximum(hi, lo)))
         if tl.load(NEED + pair) != 0:
-            n = tl.load(SEQ + pair // h_kv)
             gi = tl.arange(0, G_PAD)
             ci = tl.arange(0, C_PAD)
             # Chunks past the row's keys wrote nothing: they count as empty (max -inf, sum 0).
@@ -121,11 +138,15 @@ if triton is not None:
             lg = tl.load(L + pair * stride_lp + gi[:, None] * stride_lg + tok[None, :], mask=ok, other=float("-inf"))
             p = tl.sum(tl.exp(lg - gm_safe[:, None]) / gs[:, None], 0)
             if BOUNDED:
-                row = pair // h_kv
-                p = tl.where((tok >= tl.load(LO + row)) & (tok < tl.load(HI + row)), p, fill)
+                p = tl.where(inside, p, fill)
+                if KEEP:
+                    p = tl.where(kept, float("inf"), p)
             tl.store(out_ptr, p, mask=tok < wt)
         else:
-            tl.store(out_ptr, tl.full([CHUNK], fill, dtype=tl.float32), mask=tok < wt)
+            p = tl.full([CHUNK], fill, dtype=tl.float32)
+            if KEEP:  # (BOUNDED too) 0 inside the bounds, for a set's +inf to be added onto
+                p = tl.where(kept, float("inf"), tl.where(inside, 0.0, p))
+            tl.store(out_ptr, p, mask=tok < wt)
 
 
 _PAGES_PER_CHUNK = 4  # pages per program: one 64-token page of one KV head is 16 KB of bf16 keys
@@ -133,7 +154,7 @@ _TILE_BYTES = 1 << 17  # the largest key tile a program dots (shared memory)
 
 
 def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: torch.Tensor | None = None,
-                      bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      bounds: tuple[torch.Tensor, torch.Tensor] | None = None, keep: int | None = None,
                       pages_per_chunk: int = _PAGES_PER_CHUNK, num_warps: int = 4,
                       precision: str | None = None) -> torch.Tensor:
     """The Triton form (``paged_group_probs_torch``'s contract): two launches over (chunk of pages, pair).
@@ -142,6 +163,8 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     b, h, d = q.shape
     h_kv, page = kv.k.shape[1], kv.k.shape[2]
     g, width = h // h_kv, kv.page_table.shape[1]
+    if keep is not None and (bounds is None or keep < 0):
+        raise ValueError(f"keep needs bounds and a sink count >= 0, got {keep}")
     if d < 16 or d & (d - 1) or page < 16 or page & (page - 1) or kv.k.stride(-1) != 1:
         raise ValueError(f"paged_group_probs needs a head dim and page size that are powers of two >= 16 and "
                          f"contiguous keys, got d={d}, page={page}")
@@ -172,7 +195,7 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     s = torch.empty_like(m)
     out = torch.empty(b, h_kv, width_tokens, dtype=torch.float32, device=q.device)
     if pairs == 0 or width == 0:
-        return out.zero_() if bounds is None else out.fill_(-math.inf)
+        return paged_group_probs_torch(q, kv, width_tokens, need, bounds, keep)  # nothing to score
     # Unread without bounds; read at offset row, so contiguous (a broadcast view would read past its element).
     lo, hi = (kv.seqlens, kv.seqlens) if bounds is None else (bounds[0].contiguous(), bounds[1].contiguous())
     _logits_kernel[(chunks, pairs)](
@@ -184,7 +207,7 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     chunk = per * page
     out_chunks = -(-width_tokens // chunk)
     _probs_kernel[(out_chunks, pairs)](
-        kv.seqlens, need_i, logits, m, s, out, lo, hi, h_kv, width_tokens, chunks, logits.stride(0),
+        kv.seqlens, need_i, logits, m, s, out, lo, hi, h_kv, width_tokens, chunks, keep or 0, logits.stride(0),
         logits.stride(1), m.stride(0), m.stride(1), width_tokens, G=g, G_PAD=max(2, next_pow2(g)), CHUNK=chunk,
-        C_PAD=max(2, next_pow2(chunks)), BOUNDED=bounds is not None, num_warps=4)
+        C_PAD=max(2, next_pow2(chunks)), BOUNDED=bounds is not None, KEEP=keep is not None, num_warps=4)
     return out

@@ -149,14 +149,15 @@ def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> to
 # ---- CIS ---------------------------------------------------------------------------------------------
 
 def paged_group_probs(q: torch.Tensor, kv, width_tokens: int, need: torch.Tensor | None = None,
-                      bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      bounds: tuple[torch.Tensor, torch.Tensor] | None = None, keep: int | None = None) -> torch.Tensor:
     """CIS's retrieval scores (``paged_probs``): q [B, h, d] over the rows' paged keys -> fp32 [B, h_kv,
     width_tokens], the group-summed exact probabilities of the ``need`` pairs (zeros elsewhere); with
-    ``bounds`` (lo [B], hi [B]) the candidate row: those probabilities at keys in [lo, hi), -inf elsewhere."""
+    ``bounds`` (lo [B], hi [B]) the candidate row: those probabilities at keys in [lo, hi), -inf elsewhere;
+    with ``keep`` too the selection row (``paged_probs``' docstring)."""
     from .paged_probs import paged_group_probs as fast
     from .paged_probs import paged_group_probs_torch
 
     page = kv.k.shape[2]
     if _dim_ok(q.shape[-1]) and _dim_ok(page) and kv.k.stride(-1) == 1 and _triton(q, kv.k):
-        return fast(q, kv, width_tokens, need, bounds)
-    return paged_group_probs_torch(q, kv, width_tokens, need, bounds)
+        return fast(q, kv, width_tokens, need, bounds, keep)
+    return paged_group_probs_torch(q, kv, width_tokens, need, bounds, keep)

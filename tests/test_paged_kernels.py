@@ -148,3 +148,18 @@ def test_paged_group_probs_match_torch(width: int, g_heads: int):
             assert torch.equal(torch.isinf(x), ~inside) and (x[~inside] < 0).all(), f"seed {seed}"
         assert torch.equal(want_cand[inside], want[inside]), f"seed {seed}"
         torch.testing.assert_close(cand[inside], want[inside], rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+        # The selection row (``keep`` sinks): +inf on the kept keys (sinks, and from max(hi, lo) up to n), the
+        # candidates' probabilities for needed pairs, 0 inside the bounds for the others, -inf elsewhere.
+        keep = int(torch.randint(0, 5, (), generator=g))
+        sel = paged_group_probs(q.to(DEV), dev_kv, wt, None if mask is None else mask.to(DEV),
+                                (lo.to(DEV), hi.to(DEV)), keep=keep).cpu()
+        want_sel = paged_group_probs_torch(q, kv, wt, mask, (lo, hi), keep=keep)
+        n = torch.tensor(lens)[:, None]
+        kept = ((pos < n) & ((pos < keep) | (pos >= torch.maximum(hi, lo)[:, None])))[:, None, :].expand_as(sel)
+        zero = ((pos >= lo[:, None]) & (pos < hi[:, None]))[:, None, :] & ~rows[..., None] & ~kept
+        for x in (sel, want_sel):
+            assert torch.equal(x == float("inf"), kept), f"seed {seed}"
+            assert (x[zero] == 0).all() and (x[~kept & ~zero & ~inside] == float("-inf")).all(), f"seed {seed}"
+        got_in = inside & ~kept
+        assert torch.equal(want_sel[got_in], want[got_in]), f"seed {seed}"
+        torch.testing.assert_close(sel[got_in], want[got_in], rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")

@@ -128,12 +128,16 @@ def test_decode_sketches(monkeypatch: pytest.MonkeyPatch, g: int, d: int, sketch
 
 # ---- SOCKET ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("d,planes,out_dtype", [(64, 8, torch.uint8), (128, 12, torch.int16), (64, 3, torch.int32)])
-def test_bucket_ids(d: int, planes: int, out_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("d,planes,out_dtype,x_dtype", [(64, 8, torch.uint8, torch.float16),
+                                                         (128, 8, torch.uint8, torch.bfloat16),
+                                                         (128, 12, torch.int16, torch.bfloat16),
+                                                         (64, 3, torch.int32, torch.float16)])
+def test_bucket_ids(d: int, planes: int, out_dtype: torch.dtype, x_dtype: torch.dtype) -> None:
+    """Against the reference; bf16 keys take the split-plane bf16 products on GPUs (the serving dtype)."""
     gen = torch.Generator().manual_seed(d + planes)
     w = lsh.hyperplanes(5, 0, range(H_KV), 6, planes, d).to(DEV)
     for m in (1, 70, 200, 1030):  # a decode append, a chunk, a prompt (its tables split over programs), one not
-        x = _rand(H_KV, m, d, gen=gen, dtype=torch.float16)
+        x = _rand(H_KV, m, d, gen=gen, dtype=x_dtype)
         fill = 255 if out_dtype == torch.uint8 else -1
         out = torch.full((H_KV, 6, m), fill, dtype=out_dtype, device=DEV)
         bucket_ids(w, x, out=out)

@@ -8,17 +8,17 @@ others, one selection, and the sorted top-k, the int64 sort keys and the cumulat
 and ``compact`` (the most of a GPU step) are not needed. The ranking is ``stable_top``'s: score descending,
 column ascending on ties.
 
-Every pass over the [B h_kv, W] rows costs on a GPU step, so the rows are built with few and only the step's
-list selects over them: the scorer writes the candidate row itself (probabilities inside [max(sink, lo), n -
-local), -inf elsewhere), the step's list comes first (forced keys and the shared set scattered in as +inf,
-then the top-k T), and the anchors' sets come from that list's entries, ~k wide, not W. Exact: T's entries are
-the list's candidates, the top-m lies in T, and the j-th best candidate outside N has at most |N| of N above
-it (its rank is at most j + |N|), so the k - |N| best outside N all lie in T. The list is ascending, so list
-order is column order and ties still break by column. The sets' selection row is the list's candidates not in
-N (a lead within r, by a binary search in the ascending leads), then N as +inf (each lead's 1 + 2 r columns, a
-repeat dropped when the previous lead's interval holds it: the leads ascend, so no earlier one reaches
-further). Stored sets hold the listed others ascending, then N, SENTINEL after: not ascending, as the ranked
-path's priority order is not.
+Every pass over the [B h_kv, W] rows costs on a GPU step, so the rows are built with few and only the step's list
+selects over them: the scorer writes the step's selection row itself (probabilities inside [max(sink, lo), n -
+local), the forced keys +inf, -inf elsewhere; a sharing pair's set is added in as +inf in place), the step's list
+comes first (the forced keys and the shared set, then the top-k T), and the anchors' sets come from that list's
+entries, ~k wide, not W. Exact: T's entries are the list's candidates, the top-m lies in T, and the j-th best
+candidate outside N has at most |N| of N above it (its rank is at most j + |N|), so the k - |N| best outside N all
+lie in T. The list is ascending, so list order is column order and ties still break by column. The sets' selection
+row is the list's candidates not in N (a lead within r, by a binary search in the ascending leads), then N as +inf
+(each lead's 1 + 2 r columns, a repeat dropped when the previous lead's interval holds it: the leads ascend, so no
+earlier one reaches further). Stored sets hold the listed others ascending, then N, SENTINEL after: not ascending,
+as the ranked path's priority order is not.
 
 ``cis_batched.cis_batched_step`` runs it where ``select_list`` runs on Triton (GPUs); on a CPU its top-k
 passes cost more than the ranked path's sort and cumulative sums, so the CPU keeps those
@@ -54,25 +54,29 @@ def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV
     b, h_kv = here.shape
     n = c.n
     lo = n.new_full(n.shape, cfg.sink) if visible_lo is None else visible_lo.long().clamp(min=cfg.sink)
-    cand = dispatch.paged_group_probs(q, kv, wt, here, (lo, n - cfg.local)).view(b * h_kv, wt)
-    # The step: the forced keys (sinks, and the local window where visible) and, for sharing pairs, their
-    # set's visible keys as +inf; retrieving pairs add their top-k of the candidates (sharing ones' are -inf).
-    near = torch.arange(cfg.local, device=n.device)  # not c.pos[:local]: a bucket may be narrower
-    cols = torch.cat([c.pos[: cfg.sink].expand(b, -1), n[:, None] - cfg.local + near], 1)
-    # Visible: a sink, or at or past lo (which is the sink count when every key is visible).
-    vis = (cols >= 0) & (cols < n[:, None]) & in_window(cols, lo[:, None], cfg.sink)
+    hi = n - cfg.local
+    # The step's selection row, written by the scorer: the forced keys (sinks, and the local window where
+    # visible) +inf, the retrieving pairs' candidates their probabilities (their top-k is taken), the sharing
+    # pairs' candidates 0 (none taken: their count is 0) with their set's visible keys raised to +inf below.
+    final = dispatch.paged_group_probs(q, kv, wt, here, (lo, hi), keep=cfg.sink).view(b * h_kv, wt)
     idx = shared.long()
+    # Visible: a sink, or at or past lo (which is the sink count when every key is visible).
     seen = (idx >= 0) & (idx < n[:, None, None]) & ~here[..., None] & in_window(idx, lo[:, None, None], cfg.sink)
-    idx = torch.cat([cols[:, None, :].expand(-1, h_kv, -1), idx], -1).flatten(0, 1)
-    ok = torch.cat([vis[:, None, :].expand(-1, h_kv, -1), seen], -1).flatten(0, 1)
-    # A copy: the candidate row stays for the list's scores below (a column given twice is fine: a max).
-    final = cand.clone().scatter_reduce_(1, idx.clamp(0, wt - 1), torch.where(ok, _INF, -_INF).to(cand.dtype),
-                                         "amax")
+    # Adding +inf marks a set's key wherever it lands (0, a forced +inf; a column given twice stays +inf),
+    # adding 0 changes nothing: so the entries that are not seen (most are padding) may land anywhere, and
+    # they are spread over the columns by their slot, where one column for all of them serialised the atomic
+    # adds (37 us a layer at 4 x 32K on an H200).
+    spread = torch.arange(idx.shape[-1], device=idx.device) % wt
+    final.scatter_add_(1, torch.where(seen, idx, spread).flatten(0, 1), torch.where(seen, _INF, 0.0).flatten(0, 1))
     out = select_list(final, torch.where(here.flatten(), c.pair_k, 0), c.k_w, out_width)
     # The anchors' sets: the top-m from the step's list (its candidates are the top-k), their +-r
     # neighbours in [0, n) as N, then the k - |N| best others, all from the list's own entries.
     listed = out.long()
-    pick = torch.where(listed >= 0, cand.gather(1, listed.clamp(min=0)), -_INF)
+    # A retrieving pair's listed candidates (in [lo, hi)) keep their probabilities; its forced keys, and every
+    # entry of a sharing pair (whose new set is not kept), score -inf.
+    lv = listed.view(b, h_kv, -1)
+    cand_at = ((lv >= lo[:, None, None]) & (lv < hi[:, None, None]) & here[..., None]).flatten(0, 1)
+    pick = torch.where(cand_at, final.gather(1, listed.clamp(min=0)), -_INF)
     # One spare column, so every row ends in padding, which is moved past every column: the leads stay
     # sorted for the search below, and its neighbours fall past n like those of no lead.
     lead = select_list(pick, c.pair_m, c.m_w, c.m_w + 1).long()
