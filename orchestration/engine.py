@@ -34,6 +34,7 @@ from raysparse.orchestration.engine_api import (
 )
 from raysparse.orchestration.engine_config import EngineConfig
 from raysparse.orchestration.engine_replicas import replica_runners, shard_threads
+from raysparse.orchestration.parallel import run_in_parallel
 from raysparse.orchestration.runner import ReplicaRunner
 from raysparse.step_plan import method_key
 
@@ -107,8 +108,9 @@ class Engine:
             # appended one by one: a failure part way leaves the runners built so far to ``shutdown``
             for runner in replica_runners(self.cfg, spec, self.use_gpu, self.tokenizer, self.name):
                 self.runners.append(runner)
-            with ThreadPoolExecutor(max_workers=len(self.runners)) as pool:
-                list(pool.map(lambda r: r.group.start(self.cfg.load_timeout_s), self.runners))
+            # Side by side, and a signal during the load stops it at once (``parallel``'s docstring).
+            run_in_parallel([lambda r=r: r.group.start(self.cfg.load_timeout_s) for r in self.runners],
+                            "raysparse-start")
             from raysparse.orchestration.spec_step import attach_spec_steps
 
             if self.cfg.draft:
