@@ -2,9 +2,11 @@
 ``torch.topk``-based PyTorch form, per call, on decode-shaped rows (R = batch x KV heads rows of N scores).
 
 Each row: fp32 scores (``normal``: standard normal logits; ``bf16``: the same rounded to bf16, so long runs of
-exact ties), the first 64 and last 256 columns of its length forced (+inf: sink and local window), ragged
-lengths (row i's last 37 * i columns excluded, -inf), kk = k for every row, out_width = 320 + k. Timed with
-CUDA events, median of many calls, L2 flushed before each (``bench_common.time_ms``):
+exact ties; ``sums``: SOCKET-like sums of 60 tables' bucket probabilities, within a binade or two; ``probs``:
+CIS-like softmax probabilities, over many binades), the first 64 and last 256 columns of its length forced (+inf:
+sink and local window), ragged lengths (row i's last 37 * i columns excluded, -inf), kk = k for every row,
+out_width = 320 + k. Timed with CUDA events, median of many calls, L2 flushed before each
+(``bench_common.time_ms``):
 
 - ``us_eager``: ``select_list`` called from Python; ``us_graph``: the same captured in a CUDA graph (proves
   it is capturable and removes launch overhead), for each path that applies (``single``: one program per
@@ -16,6 +18,7 @@ CUDA events, median of many calls, L2 flushed before each (``bench_common.time_m
 ``equal``: the kernel's lists equal ``select_list_torch``'s bit for bit (must be true).
 
     python benchmarks/bench_row_select.py [--shapes 8x131072x13107 64x65536x6554] [--chunk C] [--dist normal]
+        [--bits 10,11,11 11,11,10]   # more radix splits, timed beside the default's
     python benchmarks/bench_row_select.py --smoke   # tiny shapes, a few calls: CUDA if present, else the
                                                      # CPU in Triton's interpreter
 
@@ -51,6 +54,12 @@ def make_inputs(rows: int, n: int, k: int, dist: str, dev: str,
     s = torch.randn(rows, n, generator=g)
     if dist == "bf16":
         s = s.bfloat16().float()
+    elif dist == "sums":  # SOCKET's collision scores: 60 tables' bucket probabilities summed, one binade or two
+        probs = torch.softmax(2 * torch.randn(rows, 60, 256, generator=g), -1)
+        ids = torch.randint(0, 256, (rows, 60, n), generator=g)
+        s = probs.gather(2, ids).sum(1)
+    elif dist == "probs":  # CIS's retrieval scores: softmax probabilities of logits, over many binades
+        s = torch.softmax(3 * s, -1)
     sink, local = min(SINK, n // 8), min(LOCAL, n // 8)
     for i in range(rows):
         length = max(n - 37 * i, sink + local)
@@ -61,7 +70,8 @@ def make_inputs(rows: int, n: int, k: int, dist: str, dev: str,
     return s.to(dev), kk.to(dev), sink + local + k
 
 
-def case(shape: str, dist: str, smoke: bool, chunk: int | None) -> dict[str, Any]:
+def case(shape: str, dist: str, smoke: bool, chunk: int | None,
+         bits: tuple[tuple[int, int, int], ...] = ()) -> dict[str, Any]:
     rows, n, k = (int(v) for v in shape.split("x"))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     s, kk, width = make_inputs(rows, n, k, dist, dev)
@@ -78,6 +88,8 @@ def case(shape: str, dist: str, smoke: bool, chunk: int | None) -> dict[str, Any
         paths["multi"] = multi
         # the first design: 11 + 11 + 10 bits, one global atomic per candidate at every level
         paths["multi-atomic"] = dict(multi, bits=(11, 11, 10), local_hist=False)
+        for b in bits:  # other radix splits, level 1 by tl.histogram as the default's
+            paths["multi-b" + "-".join(map(str, b))] = dict(multi, bits=b)
     if smoke:
         timer = {"eager": lambda fn: wall_ms(fn, reps=1)}
     else:
@@ -104,7 +116,8 @@ def case(shape: str, dist: str, smoke: bool, chunk: int | None) -> dict[str, Any
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=None, help="RxNxk, e.g. 8x131072x13107")
-    ap.add_argument("--dist", nargs="+", default=["normal", "bf16"], choices=["normal", "bf16"])
+    ap.add_argument("--dist", nargs="+", default=["normal", "bf16"], choices=["normal", "bf16", "sums", "probs"])
+    ap.add_argument("--bits", nargs="*", default=[], help="more radix splits to time, e.g. 10,11,11 11,11,10")
     ap.add_argument("--chunk", type=int, default=None, help="columns per program of the multi-program path")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few calls (CPU: Triton's interpreter)")
     args = ap.parse_args()
@@ -114,7 +127,8 @@ def main() -> None:
     records: list[dict[str, Any]] = []
     for shape in shapes:
         for dist in args.dist:
-            rec = guarded({"shape": shape, "dist": dist}, case, shape, dist, args.smoke, args.chunk)
+            bits = tuple(tuple(int(v) for v in b.split(",")) for b in args.bits)
+            rec = guarded({"shape": shape, "dist": dist}, case, shape, dist, args.smoke, args.chunk, bits)
             if "records" in rec:
                 records += rec.pop("records")
             if rec.get("errors"):
