@@ -138,14 +138,14 @@ if triton is not None:
         tl.store(LSE + seq.to(tl.int64) * stride_lb + head * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
 
     @triton.jit
-    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT, Out, LSE, CNT, LO, sink,
+    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT, Out, LSE, CNT, LO, ROWS, sink,
                              stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                              stride_ib, stride_ih, stride_pt, stride_ob, stride_oh, stride_lb, stride_lh,
                              max_sel, per_split, num_splits, qk_scale,
                              G: tl.constexpr, G_PAD: tl.constexpr, G_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                              UNIT: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
                              PREC: tl.constexpr, CNT_CHUNK: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-                             WINDOW: tl.constexpr):
+                             WINDOW: tl.constexpr, COUNTED: tl.constexpr):
         split = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.program_id(2)
@@ -153,23 +153,32 @@ if triton is not None:
         n = tl.load(SEQ_K + seq)
         if WINDOW:
             lo = tl.load(LO + seq)
-        e0 = split * per_split
-        e_end = tl.minimum(e0 + per_split, max_sel)
+        if COUNTED:  # the row's own valid count, shared evenly by the splits (a list padded past it)
+            rc = tl.minimum(tl.load(ROWS + seq), max_sel)
+            per_row = tl.cdiv(rc, num_splits)
+            e0 = split * per_row
+            e_end = tl.minimum(e0 + per_row, rc)
+        else:
+            e0 = split * per_split
+            e_end = tl.minimum(e0 + per_split, max_sel)
         gi = tl.arange(0, G_PAD)
         head = kvh * G + gi
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + seq.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :],
                     mask=(gi < G)[:, None], other=0.0)  # issued before the count: overlaps its latency
         idx_row = IDX + seq.to(tl.int64) * stride_ib + kvh.to(tl.int64) * stride_ih
-        # Valid entries are a prefix: if the range's last one is valid (the usual case) all are, and one
-        # scalar load replaces the count; otherwise count them.
-        last = tl.load(idx_row + tl.maximum(e_end - 1, 0), mask=e_end > e0, other=-1)
-        cnt = tl.where(last >= 0, e_end - e0, 0)
-        if last < 0:
-            for c in range(e0, e_end, CNT_CHUNK):
-                e_off = c + tl.arange(0, CNT_CHUNK)
-                e = tl.load(idx_row + e_off, mask=e_off < e_end, other=-1)
-                cnt += tl.sum((e >= 0).to(tl.int32))
+        if COUNTED:
+            cnt = tl.maximum(e_end - e0, 0)
+        else:
+            # Valid entries are a prefix: if the range's last one is valid (the usual case) all are, and one
+            # scalar load replaces the count; otherwise count them.
+            last = tl.load(idx_row + tl.maximum(e_end - 1, 0), mask=e_end > e0, other=-1)
+            cnt = tl.where(last >= 0, e_end - e0, 0)
+            if last < 0:
+                for c in range(e0, e_end, CNT_CHUNK):
+                    e_off = c + tl.arange(0, CNT_CHUNK)
+                    e = tl.load(idx_row + e_off, mask=e_off < e_end, other=-1)
+                    cnt += tl.sum((e >= 0).to(tl.int32))
         units = cnt * UNIT
         pt_row = seq.to(tl.int64) * stride_pt
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -215,12 +224,17 @@ if triton is not None:
 
 def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1, scale: float | None = None,
                   num_splits: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  window_lo: torch.Tensor | None = None, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_lo: torch.Tensor | None = None, sink: int = 0,
+                  counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [batch, h, d]; indices: int32 [batch, h_kv, max_sel]. Returns out [batch, h, d] (q's dtype) and
     lse [batch, h] fp32 (natural log); a query with no valid key gets zeros and lse = -inf. ``out``/``lse``
     may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves.
     ``window_lo`` [batch] (with ``sink``) keeps, inside the selected entries, only the keys below ``sink`` and those
-    at or past the row's bound: a sliding window with sinks attended by whole blocks (PSAW's decode)."""
+    at or past the row's bound: a sliding window with sinks attended by whole blocks (PSAW's decode).
+    ``counts`` [batch] (int32, on the device): each row's valid entries, the first of its list for every KV head;
+    the splits then share each row's own count instead of cutting the list's whole width. A dense list padded to
+    a captured graph's width bucket (a 32K-token row's 513 pages in a 1024-wide list) otherwise leaves half the
+    splits with no entry and the other half with twice the work."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     batch, h, d = q.shape
@@ -253,12 +267,14 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
     page = a.page_size if a.paged else 1
     lo = a.seqlens if window_lo is None else window_lo.to(torch.int32).contiguous()  # unread without a window
+    rows = a.seqlens if counts is None else counts.to(torch.int32).contiguous()  # unread without counts
     _decode_split_kernel[(splits, a.h_kv, batch)](
-        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters, lo, sink,
+        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters, lo, rows, sink,
         q.stride(0), q.stride(1), *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), max_sel, per, splits, scale * LOG2E,
         G=g, G_PAD=max(16, g_p2), G_P2=g_p2, HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=_BLOCK_N,
         PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK,
-        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), WINDOW=window_lo is not None, num_warps=4,
+        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), WINDOW=window_lo is not None,
+        COUNTED=counts is not None, num_warps=4,
         num_stages=1 if interpreting() else _STAGES)
     return out, lse

@@ -73,6 +73,37 @@ def test_sparse_decode_paged_matches_torch():
         torch.testing.assert_close(lse.cpu(), want_lse, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 7])
+def test_sparse_decode_counts_share_the_rows_prefix(num_splits: int | None):
+    """``counts``: the splits share each row's own valid prefix (a dense list padded to a wider bucket, as a
+    captured graph's is); the output is the reference's whatever the split count."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    page, pages, h_kv, g_heads, d = 16, 40, 2, 2, 16
+    lens = [int(x) for x in torch.randint(1, 150, (4,), generator=g)]
+    table = _table(g, lens, page, 10, pages)
+    k = torch.randn(pages + 1, h_kv, page, d, generator=g)
+    v = torch.randn(pages + 1, h_kv, page, d, generator=g)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(4, h_kv * g_heads, d, generator=g)
+    width = 16  # wider than any row's pages: the padded tail holds no entry
+    n_pages = (seqlens + page - 1) // page
+    cols = torch.arange(width, dtype=torch.int32)
+    sel = torch.where(cols < n_pages[:, None], cols, SENTINEL)[:, None, :].expand(-1, h_kv, -1).contiguous()
+    want, want_lse = paged_decode_torch(q, PagedKV(k, v, table, seqlens), sel, page)
+    kv = PagedKV(k.to(DEV), v.to(DEV), table.to(DEV), seqlens.to(DEV))
+    got, lse = sparse_decode(q.to(DEV), kv, sel.to(DEV), page, num_splits=num_splits, counts=n_pages.to(DEV))
+    tol = 1e-4 if DEV.type == "cpu" else 1e-2  # fp32 dots run as TF32 on GPUs (``dot_precision``)
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+    # Counts that stop short drop the rest of the row: the kernel reads the counts, not the list's padding.
+    short = (n_pages - 1).clamp(min=1)
+    cut = torch.where(cols < short[:, None], cols, SENTINEL)[:, None, :].expand(-1, h_kv, -1).contiguous()
+    want_cut, _ = paged_decode_torch(q, PagedKV(k, v, table, seqlens), cut, page)
+    got_cut, _ = sparse_decode(q.to(DEV), kv, sel.to(DEV), page, num_splits=num_splits, counts=short.to(DEV))
+    torch.testing.assert_close(got_cut.cpu(), want_cut, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+
+
 @pytest.mark.parametrize("page,width,rows,dtype", [
     (32, 6, 16, torch.float32),  # 4 Quest pages per cache page; 24 of them: two programs, the last partial
     (32, 11, None, torch.float32),  # 44 at the default tile: two programs, the last partial
