@@ -6,12 +6,13 @@ token (``unit=1``) or a block of ``unit`` tokens (block e covers tokens ``e*unit
 paged cache whose page size equals ``unit`` a block entry is simply a logical page, read through the page
 table. ``q``: ``[batch, h, d]``, one new query per sequence, the newest of its ``n`` keys (from the KV source).
 
-Grid: (split, KV head, sequence). Each program owns a contiguous range of ``per_split`` entries of one KV
-head's list and processes the g query heads of that head together as the M side of ``tl.dot`` (padded to
-16 rows), so every selected K/V row is read once for the whole group. Its valid entries are a prefix of
-the range (the list is ascending and padded at the end): one load of the range's last entry shows whether
-all are valid, else it counts them; it loops over exactly those and writes a normalised partial output
-and its log2-sum-exp.
+Grid: (split, KV head, sequence). The valid entries of a list are a prefix (it is ascending and padded at the
+end); the splits share that prefix evenly: each program learns the row's valid count (given as ``counts``, or
+one load of the list's last entry when the list is full, else counted) and owns a contiguous range of it. The
+split count comes from the list's width, so a list padded past its entries (a captured step's, sized for its
+width bucket) would leave the splits past them idle if they cut the width. A program processes the g query
+heads of its KV head together as the M side of ``tl.dot`` (padded to 16 rows), so every selected K/V row is
+read once for the whole group, and writes a normalised partial output and its log2-sum-exp.
 
 One launch (``sparse_decode``): after writing its partial, each program bumps an int32 counter of its
 (sequence, KV head) in a small persistent workspace; the program that brings it to ``num_splits`` is the
@@ -46,7 +47,7 @@ from .common import (
 from .formats import pack_token_selections  # noqa: F401 - re-exported
 
 _BLOCK_N = 64  # keys per inner step
-_CNT_CHUNK = 256  # entries counted per step (only splits that reach the padding count)
+_CNT_CHUNK = 1024  # entries counted per step (only rows whose list is padded count)
 _STAGES = 3  # software-pipeline depth of the key loop
 _MAX_SPLITS = 128
 # The split heuristic's cost model, in selected tokens' worth of time: a program's fixed latency chain
@@ -153,32 +154,28 @@ if triton is not None:
         n = tl.load(SEQ_K + seq)
         if WINDOW:
             lo = tl.load(LO + seq)
-        if COUNTED:  # the row's own valid count, shared evenly by the splits (a list padded past it)
+        idx_row = IDX + seq.to(tl.int64) * stride_ib + kvh.to(tl.int64) * stride_ih
+        # The row's valid entries (a prefix of its list), shared evenly by the splits: a list padded past them (a
+        # captured step's, sized for its width bucket) would otherwise leave the splits past them idle.
+        if COUNTED:  # given (the dense lists': the row's pages)
             rc = tl.minimum(tl.load(ROWS + seq), max_sel)
-            per_row = tl.cdiv(rc, num_splits)
-            e0 = split * per_row
-            e_end = tl.minimum(e0 + per_row, rc)
-        else:
-            e0 = split * per_split
-            e_end = tl.minimum(e0 + per_split, max_sel)
+        else:  # a full list (its last entry valid: the usual top-k list) in one load, else counted
+            rc = max_sel
+            if tl.load(idx_row + tl.maximum(max_sel - 1, 0), mask=max_sel > 0, other=0) < 0:
+                rc = 0
+                for c in range(0, max_sel, CNT_CHUNK):
+                    e_off = c + tl.arange(0, CNT_CHUNK)
+                    e = tl.load(idx_row + e_off, mask=e_off < max_sel, other=-1)
+                    rc += tl.sum((e >= 0).to(tl.int32))
+        step: tl.constexpr = max(1, BLOCK_N // UNIT)  # whole inner tiles per split, as the host's split choice
+        per_row = tl.cdiv(tl.cdiv(rc, num_splits), step) * step
+        e0 = split * per_row
+        cnt = tl.maximum(tl.minimum(e0 + per_row, rc) - e0, 0)
         gi = tl.arange(0, G_PAD)
         head = kvh * G + gi
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + seq.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :],
-                    mask=(gi < G)[:, None], other=0.0)  # issued before the count: overlaps its latency
-        idx_row = IDX + seq.to(tl.int64) * stride_ib + kvh.to(tl.int64) * stride_ih
-        if COUNTED:
-            cnt = tl.maximum(e_end - e0, 0)
-        else:
-            # Valid entries are a prefix: if the range's last one is valid (the usual case) all are, and one
-            # scalar load replaces the count; otherwise count them.
-            last = tl.load(idx_row + tl.maximum(e_end - 1, 0), mask=e_end > e0, other=-1)
-            cnt = tl.where(last >= 0, e_end - e0, 0)
-            if last < 0:
-                for c in range(e0, e_end, CNT_CHUNK):
-                    e_off = c + tl.arange(0, CNT_CHUNK)
-                    e = tl.load(idx_row + e_off, mask=e_off < e_end, other=-1)
-                    cnt += tl.sum((e >= 0).to(tl.int32))
+                    mask=(gi < G)[:, None], other=0.0)
         units = cnt * UNIT
         pt_row = seq.to(tl.int64) * stride_pt
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
