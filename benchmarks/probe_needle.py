@@ -4,9 +4,8 @@ For each sample of a retrieval task (``raysparse eval``'s own prompts), the prom
 once densely, recording every layer's post-RoPE q and k (teacher forcing: the selections below all see the dense
 run's q and k, so the numbers isolate selection). Each method then runs its own code on them, in the engine's
 order: ``select_prefill`` of the prompt at every layer, then ``select_decode`` for each answer token, layer by
-layer. Answer steps: the prompt's last position (its selection is the prefill's last query block's, or with
-``last_parts`` > 0 the parts it attends; it predicts the first answer token) and every decode step that predicts
-a later answer token.
+layer. Answer steps: the prompt's last position (its selection is the prefill's last query block's; it predicts
+the first answer token) and every decode step that predicts a later answer token.
 
 Per layer and answer step it reports, averaged over samples, steps and the answer's needles (the value tokens
 of every expected answer in the haystack):
@@ -125,12 +124,8 @@ def run_setting(name: str, params: dict, mcfg, qk: dict, prompt_len: int, steps:
         states[layer] = {}
         sel = backend.select_prefill(SeqContext(layer, 0, 0, prompt_len, states[layer], seq_state),
                                      q[:prompt_len], k[:, :prompt_len], k[:, :prompt_len])
-        last = seq_state.pop("last_parts", None)  # last_parts > 0: what the last position attends instead
         if steps[0] == prompt_len - 1:
-            if last is not None:
-                record(layer, prompt_len - 1, last.indices, last.block_size)
-            else:
-                record(layer, prompt_len - 1, sel.indices[:, -1], sel.block_size)
+            record(layer, prompt_len - 1, sel.indices[:, -1], sel.block_size)
     for t in range(prompt_len, steps[-1] + 1):  # teacher-forced decode steps
         for layer in layers:
             q, k = qk[layer]
@@ -153,9 +148,6 @@ def main() -> None:
     ap.add_argument("--json", default="", help="also write the numbers to this file")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--tiny", action="store_true", help="a random 4-layer model (a CPU smoke test of the script)")
-    ap.add_argument("--answers", default="", help="a dense run's eval.json (raysparse eval --out): teacher-force the "
-                    "dense model's own output for each sample instead of the bare values, and record the prompt's "
-                    "last position and the steps that predict a value token of that output")
     args = ap.parse_args()
     settings = args.setting or list(DEFAULT_SETTINGS)
     if args.threads:
@@ -180,17 +172,12 @@ def main() -> None:
         model = load_model(src, hf_config=load_hf_config(src))
     mcfg = model.cfg
 
-    outputs: dict[int, str] = {}
-    if args.answers:  # the dense run's own outputs: a chatty model writes a preamble before the values
-        with open(args.answers) as f:
-            dense = next(r for r in json.load(f)["runs"] if r["method"] == "dense")
-        outputs = {x["seed"]: x["output"] for x in dense["samples"] if x["task"] == args.task}
     per_setting: dict[str, dict[int, dict[str, list[float]]]] = {}
     truth: dict[int, dict[str, list[float]]] = {}
     for s in range(args.seed, args.seed + args.samples):
         task = build_task(args.task, tok, text, source, args.context_tokens, s)
         prompt = list(task.prompt_ids)
-        answer = tok(outputs[s] if args.answers else ", ".join(task.expected), add_special_tokens=False)["input_ids"]
+        answer = tok(", ".join(task.expected), add_special_tokens=False)["input_ids"]
         ids = prompt + answer
         needles = []
         for value in task.expected:
@@ -201,13 +188,6 @@ def main() -> None:
             needles.append((at, len(sub)))
         # The prompt's last position predicts the first answer token; decode steps predict the rest.
         steps = list(range(len(prompt) - 1, len(ids) - 1))
-        if args.answers:  # the last position, and the steps predicting a token of a value the output holds
-            value_steps = set()
-            for value in task.expected:
-                sub = tok(value, add_special_tokens=False)["input_ids"]
-                at = find_span(answer, sub)
-                value_steps |= set(range(len(prompt) + at - 1, len(prompt) + at - 1 + len(sub))) if at >= 0 else set()
-            steps = sorted({len(prompt) - 1} | value_steps)
         rec = Recorder(mcfg)
         cache = KVCache(mcfg, -(-len(ids) // 64), 64)
         cache.allocate(0, len(ids))

@@ -28,16 +28,10 @@ CASES = [
     ("sketch_walk", {"density": 0.3}),  # the default: paired heads, key parts, one-hop
     ("sketch_walk", {**GRAPH_DECODE, "density": 0.25, "walk": "product", "local_blocks": 2}),
     ("sketch_walk", {"density": 0.3, "heads": "kv", "sub_blocks": 2, "decode_unit": "block"}),
-    # the prompt's last position over its parts: the paged attend and its count against the gathered one
-    ("sketch_walk", {"density": 0.3, "last_parts": 1}),
-    ("sketch_walk", {"density": 0.2, "heads": "kv", "sub_blocks": 4, "last_parts": 2.5}),
     # Delta: the base's packed selection, then anchors every gamma rows (carried across the chunks), check rows
     # and the fitted far-merge correction; the other modes; a tail; bases other than streaming
     ("delta", {"gamma": B, "check_every": 2, "tail": 0, "base_params": {"sink_tokens": 16, "window": 32}}),
     ("delta", {"gamma": 8, "check_every": 1, "density": 0.4, "base": "sketch_walk"}),
-    # a base whose last position attends more than its lists: Delta keeps the per-sequence path
-    ("delta", {"gamma": 8, "check_every": 1, "density": 0.4, "base": "sketch_walk",
-               "base_params": {"last_parts": 1}}),
     ("delta", {"gamma": B, "mode": "delta-shrunk", "tail": 20, "base": "quest",
                "base_params": {"density": 0.3, "page_size": 4}}),
     ("delta", {"gamma": 32, "mode": "delta", "tail": 0, "base_params": {"sink_tokens": 8, "window": 40}}),
@@ -75,10 +69,8 @@ def _prefill(model, name: str, params: dict, chunks: list[list[int]], seed: int,
         tok = torch.cat([ids[i][done[i]: done[i] + step[i]] for i in rows]).to(dev)
         logits.append(model(tok, batch, cache, backend, all_logits=True))
         # the seam ran wherever a sparse layer selects in this step (ETF's prefill is dense in a step that
-        # freezes no row, e.g. a short last chunk), for a method on the seam (a Delta whose base attends more
-        # than its lists is not)
-        selects = backend.batched_prefill and any(backend.prefill_selects(layer, batch)
-                                                  for layer in backend.sparse_layers())
+        # freezes no row, e.g. a short last chunk)
+        selects = any(backend.prefill_selects(layer, batch) for layer in backend.sparse_layers())
         ran = any(k[0] == "qblocks" for k in batch.extras if isinstance(k, tuple))
         assert reference or ran == selects, f"seed {seed}: seam ran {ran}, a layer selects {selects}"
         for i in rows:

@@ -573,66 +573,6 @@ def test_part_decode_selects_top_parts_by_brute_force(heads, parts, local):
                 assert (sel.indices == sel.indices[:1]).all()
 
 
-@pytest.mark.parametrize("heads,parts,scale", [("pair-lse", 4, 1.0), ("pair", 2, 2.0), ("mean", 4, 1.0),
-                                               ("kv", 2, 1.5), ("pair-lse", 1, 3.0)])
-def test_prefill_last_position_attends_parts_by_brute_force(heads, parts, scale):
-    """last_parts = scale: a prompt's last row attends the parts the brute-force part row picks (the sink's and
-    local blocks' parts plus the top ones, round(scale * tau * parts) in all) with an explicit softmax over their
-    tokens; every other row is the block-list output bit for bit, and the attended count swaps the last row's
-    block-list keys for the parts' tokens (per KV head)."""
-    b, density = 8, 0.375
-    seed = rand_int(0, 2**31)
-    torch.manual_seed(seed)  # the inputs and the draw, replayable from the seed printed on failure
-    n = rand_int(5 * b + 1, 9 * b)
-    cfg = model_cfg(layers=3)
-    msg = f"seed {seed}, n {n}"
-    q, k = random_qk(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
-    v = torch.randn_like(k)
-    kw = dict(density=density, heads=heads, sub_blocks=parts, decode_unit="part", walk="one-hop",
-              token_query="last", seed=seed)
-    outs, states = {}, {}
-    for unit in ("part", "block"):
-        m = method(cfg, **kw, last_parts=scale if unit == "part" else 0)
-        states[unit] = {}
-        outs[unit] = m.prefill_seq(SeqContext(1, 0, 0, n, {}, states[unit]), q, k, v)
-        if unit == "part":
-            m_part = m
-    assert not set(states["part"]) & {"part_row", "last_parts"}, msg
-    (got, att_part), (blocks_out, att_block) = outs["part"], outs["block"]
-    torch.testing.assert_close(got[:-1], blocks_out[:-1], rtol=0, atol=0, msg=lambda m: f"{msg}: {m}")
-    sub, nb = b // parts, -(-n // b)
-    rows = brute_part_row(q[-1], k, explicit_srht(m_part.srht), b, parts, heads)
-    held = list(range(-(-n // sub)))
-    forced = sorted(j for j in held if j // parts == 0 or j // parts > nb - 2)
-    budget = max(1, round(scale * max(1, round(density * nb)) * parts))
-    g = cfg.num_heads // cfg.num_kv_heads
-    want = torch.empty_like(got[-1])
-    tokens_per_kv = []
-    # what the part run attended at its last row, read back from a fresh selection with the same draw
-    sel_state: dict = {}
-    m_part.select_prefill(SeqContext(1, 0, 0, n, {}, sel_state), q, k, v)
-    chosen = sel_state["last_parts"]
-    assert chosen.block_size == sub and chosen.indices.shape[0] == cfg.num_kv_heads, msg
-    for kv in range(cfg.num_kv_heads):
-        row = rows[kv if heads == "kv" else 0]
-        rest = sorted(set(held) - set(forced), key=lambda j: (-float(row[j]), j))
-        parts_want = sorted(set(forced) | set(rest[: max(0, budget - len(forced))]))
-        parts_got = rows_of(chosen.indices[kv][None])[0]
-        assert parts_got == sorted(set(parts_got)) and all(j in held for j in parts_got), msg
-        assert_same_choice(parts_got, parts_want, row)
-        tokens = [t for j in parts_got for t in range(j * sub, min(n, (j + 1) * sub))]
-        tokens_per_kv.append(len(tokens))
-        for h in range(kv * g, (kv + 1) * g):  # float64 softmax over exactly those keys
-            p = torch.softmax(q[-1, h].double() @ k[kv, tokens].double().T / math.sqrt(cfg.head_dim), -1)
-            want[h] = (p @ v[kv, tokens].double()).float()
-    torch.testing.assert_close(got[-1], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{msg}: {m}")
-    # the count: the block run's last-row keys out, the parts' tokens in (per KV head)
-    m_block = method(cfg, **kw)
-    sel = m_block.select_prefill(SeqContext(1, 0, 0, n, {}, {}), q, k, v)
-    was = [sum(min(b, n - j * b) for j in blocks) for blocks in rows_of(sel.indices[:, -1])]
-    assert att_part == pytest.approx(att_block + sum(tokens_per_kv) - sum(was)), msg
-
-
 def test_head_mean_key_parts_keep_the_eager_decode():
     """The head-mean batched decode scores whole key blocks: with key parts it is not built, while whole blocks
     and the paired scorings (whose state keeps the parts) get theirs."""
@@ -740,17 +680,13 @@ def test_config_validation_and_registry():
         SketchWalkConfig(block_size=48)
     for bad in ({"walk": "random"}, {"residual": 1.0}, {"residual": -0.1}, {"local_blocks": 0},
                 {"token_query": "all"}, {"heads": "q"}, {"sub_blocks": 0}, {"sub_blocks": 3}, {"sub_blocks": True},
-                {"decode_unit": "token"}, {"decode_unit": "part", "walk": "rollout"}, {"last_parts": -1},
-                {"last_parts": 1, "token_query": "decode"}, {"last_parts": 1, "token_query": "never"},
-                {"last_parts": 1, "walk": "rollout", "decode_unit": "block"}, {"last_parts": math.inf},
-                {"last_parts": math.nan}, {"last_parts": True}, {"last_parts": "part"}):
+                {"decode_unit": "token"}, {"decode_unit": "part", "walk": "rollout"}):
         with pytest.raises(ValueError):
             SketchWalkConfig(**bad)
-    assert SketchWalkConfig(last_parts=2).last_parts == 2
     c = SketchWalkConfig()
     assert (c.block_size, c.sketch_dim, c.exponent, c.density, c.dense_layers) == (64, 64, 8.0, 0.2, (0, 1))
     assert (c.walk, c.residual, c.local_blocks, c.token_query, c.heads) == ("one-hop", 0.5, 1, "last", "pair-lse")
-    assert (c.sub_blocks, c.decode_unit, c.last_parts) == (8, "part", 0)
+    assert (c.sub_blocks, c.decode_unit) == (8, "part")
     from raysparse.methods.registry import get_method
 
     # --density is the whole model's: 0.75 over 4 layers, 2 of them dense, is 0.5 at each sparse layer

@@ -189,13 +189,6 @@ class SparseMethod(AttentionBackend):
         new keys (``view.new_keys``) and the method's state, never a sequence's gathered K/V."""
         raise NotImplementedError(f"{self.name} has no batched prefill selection")
 
-    @property
-    def prefill_attends_lists(self) -> bool:
-        """Whether a prefill attends exactly the block lists its selection returns (``select_prefill``,
-        ``prefill_select``), so that a wrapper (Delta) may select with this method and attend the lists itself.
-        Not where ``prefill_seq`` adds to them (PrHS's windows, a Sketch&Walk option)."""
-        return type(self).prefill_seq is SparseMethod.prefill_seq
-
     def prefill_selects(self, layer: int, batch: BatchMeta) -> bool:
         """Whether this (non-dense) layer's prefill of this step goes through ``prefill_select``; a method whose
         prefill is dense at some layers or steps (PSAW below its start layer, ETF where it freezes no row of the

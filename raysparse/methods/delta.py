@@ -176,7 +176,7 @@ class Delta(DeltaCorrection):
         reports no BlockSelection), attended pairs and its selection."""
         base = self.base
         with self._prefill_budget():
-            if base.prefill_attends_lists:  # select, then attend: the lse comes along
+            if type(base).prefill_seq is SparseMethod.prefill_seq:  # select, then attend: the lse comes along
                 sel = base.select_prefill(ctx, q, k, v)
                 out, lse = dispatch.block_sparse_attention(q, k, v, sel)
                 return out, lse, float(block_pairs(sel.indices, sel.block_size, ctx.q_start, ctx.n).sum()), sel
@@ -206,7 +206,7 @@ class Delta(DeltaCorrection):
         complement of those blocks): PrHS's bases add per-row windows in their own ``prefill_seq`` and keep
         the per-sequence path."""
         base = self.base
-        return base.batched_prefill and base.prefill_attends_lists
+        return base.batched_prefill and type(base).prefill_seq is SparseMethod.prefill_seq
 
     def prefill_selects(self, layer: int, batch: BatchMeta) -> bool:
         return self.base.prefill_selects(layer, batch)

@@ -37,18 +37,15 @@ import torch
 
 from raysparse.attention import ShardContext
 from raysparse.config import ModelConfig
-from raysparse.kernels.dispatch import block_sparse_attention, sparse_decode_attention
 from raysparse.kernels.formats import PackedBlockSelection
-from raysparse.kv_cache import BatchMeta, KVCache
+from raysparse.kv_cache import KVCache
 from raysparse.methods.base import SparseMethod
 from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import method_spec, register
-from raysparse.methods.selection import TokenSelection, block_pairs
 from raysparse.methods.sketch_walk_batch import batched_mode, prefill_select_batched
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
-from raysparse.methods.sketch_walk_last import attend_last, extras_key, gather_per_sequence, pairs_delta
 from raysparse.methods.sketch_walk_reference import ReferenceSelection
-from raysparse.methods.views import DecodeView, PrefillView, SeqContext
+from raysparse.methods.views import DecodeView, PrefillView
 from raysparse.runtime_config import RuntimeConfig
 
 log = logging.getLogger(__name__)
@@ -178,53 +175,10 @@ class SketchWalk(ReferenceSelection, SparseMethod):
 
     def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
         """The batch's selection: ``sketch_walk_batch`` (launches that do not grow with the batch) for the modes
-        it serves (one-hop, per-KV-head sketches: the default), else per sequence. With last_parts > 0 the
-        parts of each ending prompt's last position go to ``batch.extras`` for ``_prefill_batched``."""
-        view.batch.extras.pop(extras_key(layer), None)  # never an earlier call's parts
+        it serves (one-hop, per-KV-head sketches: the default), else per sequence."""
         if batched_mode(self.config) and not self.prefill_reference:
             return prefill_select_batched(self, layer, q, view)
-        sel = self.prefill_select_per_sequence(layer, q, view)
-        last = gather_per_sequence(view, self._seq_state, self.config.block_size)
-        if last is not None:
-            view.batch.extras[extras_key(layer)] = last
-        return sel
-
-    # ---- last_parts > 0: the prompt's last position attends parts (sketch_walk_last) -----------------
-    @property
-    def prefill_attends_lists(self) -> bool:  # type: ignore[override]
-        return not self.config.last_parts
-
-    def prefill_pairs(self, view: PrefillView, sel: PackedBlockSelection) -> torch.Tensor:
-        """The block lists' pairs, with each ending prompt's last position counted by the parts it attends."""
-        pairs = super().prefill_pairs(view, sel)
-        last = view.batch.extras.get(extras_key(view.layer))
-        if last is not None:
-            pairs = pairs.index_add(0, last.seq, pairs_delta(sel.indices, sel.block_size, last))
-        return pairs
-
-    def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        out = super()._prefill_batched(layer, q, cache, batch)  # selects, attends the lists, meters
-        last = batch.extras.pop(extras_key(layer), None)
-        if last is not None:  # the ending prompts' last positions over their parts instead
-            attend_last(q, cache.paged(layer, batch)[0], last, out)
-        return out
-
-    def prefill_seq(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """``SparseMethod.prefill_seq``; with last_parts > 0 the prompt's last position attends the parts its
-        selection chose, and the attended count swaps that row's block-list keys for the parts'. A tracer sees
-        the block selection and the output as attended (its retained mass counts the last row by its blocks)."""
-        sel = self.select_prefill(ctx, q, k, v)
-        out, _ = block_sparse_attention(q, k, v, sel)
-        attended = float(block_pairs(sel.indices, sel.block_size, ctx.q_start, ctx.n).sum())
-        last = ctx.seq_state.pop("last_parts", None)
-        if last is not None:
-            out[-1] = sparse_decode_attention(q[-1], k, v, last)[0]
-            held = TokenSelection(sel.indices[:, -1], sel.block_size).to_tokens(ctx.n).counts.sum()
-            attended += float(last.to_tokens(ctx.n).counts.sum() - held)
-        if self.tracer is not None:
-            self.tracer(ctx, q, k, v, sel, out)
-        return out, attended
+        return self.prefill_select_per_sequence(layer, q, view)
 
     # Prefix caching: rebuilt, from per-page sums every prefill keeps (``sketch_walk_prefix``).
     prefix_state = "rebuilt"

@@ -15,10 +15,6 @@ starting at a cached prefix therefore adopts nothing: its pages hold its sums. A
 eager decode, a prefill step on the per-sequence path) rebuilds the dict layout from the pages first
 (``sketch_walk_prefix.adopt_prefix``); the paired graph decode reads the pages as they are.
 
-With ``last_parts`` > 0 the token rows' part scores ride in the same heads' combine, and each ending prompt's
-last position's part list (``_choose_parts``' on padded rows) goes to ``batch.extras`` for the attention
-(``sketch_walk_last``).
-
 One layer: the step's new queries (each KV head's group mean) and keys are summed per packed query block
 and block part with two ``index_add_``, sketched in one SRHT call with each sequence's last-token query
 row, stored into their pages (a block that already held tokens adds to its sums; one that starts in this
@@ -47,7 +43,6 @@ from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.methods.budget import prefill_block_budget
 from raysparse.methods.selection import SENTINEL
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
-from raysparse.methods.sketch_walk_last import LastParts, extras_key, last_part_budget
 from raysparse.methods.sketch_walk_prefix import prefix_pools
 from raysparse.methods.views import PrefillView
 
@@ -84,30 +79,13 @@ class StepRows:
     width: int  # host: the widest row's list
     out_seq: torch.Tensor  # [R] sequence of each packed row
     out_row: torch.Tensor  # [R] its padded row
-    # last_parts > 0 (else None): the parts of the S' token rows' last positions (``sketch_walk_last``)
-    last: LastRows | None = None
-
-
-@dataclass(frozen=True)
-class LastRows:
-    """The step's constants of ``last_parts`` > 0: for each of the S' sequences whose last row its own token
-    scores (``StepRows.tok_at`` order), what ``ReferenceSelection._choose_parts`` reads of its length."""
-
-    seq: torch.Tensor  # [S'] its batch index
-    row: torch.Tensor  # [S'] its last packed query block
-    n: torch.Tensor  # [S'] its keys
-    allowed: torch.Tensor  # [S', 1, nbmax * P] bool: parts holding a token
-    forced: torch.Tensor  # [S', 1, nbmax * P] bool: the sink's and local blocks' parts (within ``allowed``)
-    extra: torch.Tensor  # [S', 1, 1] top parts it takes beyond the forced ones
-    kmax: int  # host: the largest extra
-    width: int  # host: the widest list
 
 
 def step_rows(method: SketchWalk, view: PrefillView) -> StepRows:
     """The step's ``StepRows`` for ``method``'s block size and parts, built once and kept in ``batch.extras``."""
     cfg = method.config
     key = ("sketch_walk_batch", cfg.block_size, cfg.sub_blocks, cfg.token_query, cfg.local_blocks,
-           method.layer_density, cfg.last_parts)
+           method.layer_density)
     got = view.batch.extras.get(key)
     if got is None:
         got = view.batch.extras[key] = _build_rows(method, view)
@@ -138,7 +116,6 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
     live = torch.zeros(S, rmax, dtype=torch.bool)
     d, local = method.layer_density, cfg.local_blocks
     width = 1
-    last_row = []
     for i, (q0, n, qb0, nb, want) in enumerate(spans):
         first = len(row_page)
         pages = cache.page_list(b.seq_ids[i])
@@ -158,7 +135,6 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
             last_tok.append(b.cu_q[i + 1] - 1)
             tok_s.append(i)
             tok_r.append(m - 1)
-            last_row.append(first + m - 1)
         table[i, :nb] = torch.tensor(pages[:nb])
         k_cnt[i] = (n - torch.arange(nbmax * P) * size).clamp(min=0, max=size)
         rows_cpu = torch.arange(qb0, nb)
@@ -185,37 +161,7 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
         table=table.to(dev), k_cnt=k_cnt[:, :, None, None].to(dev), filled=(k_cnt > 0)[:, None, None].to(dev),
         allowed=allowed[:, None].to(dev), forced=forced[:, None].to(dev), extra=extra[:, None, :, None].to(dev),
         kmax=max(0, min(int(extra.max()), nbmax)), width=width,
-        out_seq=torch.tensor(out_seq, **i64).to(dev), out_row=torch.tensor(out_row, **i64).to(dev),
-        last=_last_rows(method, [spans[i][1] for i in tok_s], tok_s, last_row, nbmax, dev)
-        if cfg.last_parts > 0 and tok_s else None)
-
-
-def _last_rows(method: SketchWalk, ns: list[int], seqs: list[int], rows: list[int], nbmax: int,
-               dev: torch.device) -> LastRows:
-    """``LastRows`` of sequences of ``ns`` keys: ``_choose_parts``' forced parts and budget, per row."""
-    cfg = method.config
-    B, P, local = cfg.block_size, cfg.sub_blocks, cfg.local_blocks
-    size = B // P
-    cols = torch.arange(nbmax * P)
-    blk = cols // P
-    allowed, forced, extra = [], [], []
-    width = 1
-    for n in ns:
-        nb, held = -(-n // B), -(-n // size)
-        ok = cols < held
-        f = ((blk == 0) | (blk >= nb - local)) & ok
-        budget = last_part_budget(method.layer_density, nb, P, cfg.last_parts)
-        forced_n = int(f.sum())
-        allowed.append(ok)
-        forced.append(f)
-        extra.append(max(0, budget - forced_n))
-        width = max(width, min(max(budget, forced_n), nb * P))  # as wide as the reference's list of this row
-    i64 = dict(dtype=torch.int64)
-    return LastRows(seq=torch.tensor(seqs, **i64).to(dev), row=torch.tensor(rows, **i64).to(dev),
-                    n=torch.tensor(ns, **i64).to(dev), allowed=torch.stack(allowed)[:, None].to(dev),
-                    forced=torch.stack(forced)[:, None].to(dev),
-                    extra=torch.tensor(extra, **i64)[:, None, None].to(dev),
-                    kmax=max(0, min(max(extra), nbmax * P)), width=width)
+        out_seq=torch.tensor(out_seq, **i64).to(dev), out_row=torch.tensor(out_row, **i64).to(dev))
 
 
 def enter_step(method: SketchWalk, view: PrefillView) -> None:
@@ -275,19 +221,12 @@ def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view
     if P > 1:  # an empty part is no candidate
         s = s.masked_fill(~rows.filled, -math.inf)
     blocks = s.unflatten(-1, (-1, P)).amax(-1) if P > 1 else s
-    if rows.last is None:
-        scores = _combine_heads(method, blocks)  # [S, H', rmax, nbmax]
-    else:  # last_parts > 0: the token rows' part scores, combined in the same call (one head_reduce)
-        scores, part_rows = _combine_with_parts(method, blocks, s[rows.tok_at[0], :, rows.tok_at[1]])
-        lr = rows.last
-        idx = _top_lists(part_rows, lr.allowed, lr.forced, lr.extra, lr.kmax, lr.width)  # [S', H', width]
-        view.batch.extras[extras_key(layer)] = LastParts(lr.seq, rows.last_tok, lr.row, lr.n,
-                                                         idx.expand(-1, hs, -1), cfg.block_size // P)
+    scores = _combine_heads(method, blocks)  # [S, H', rmax, nbmax]
     # one-hop: the row's weights, from its scores rounded as A_hat caches them
     logits = scores.masked_fill(~rows.allowed, 0.0).to(torch.bfloat16).float()
     w = torch.exp(cfg.exponent * torch.log_softmax(logits.masked_fill(~rows.allowed, -math.inf), dim=-1))
     w = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    idx = _top_lists(w, rows.allowed, rows.forced, rows.extra, rows.kmax, rows.width)  # [S, H', rmax, width]
+    idx = _choose(w, rows)  # [S, H', rmax, width]
     packed = idx[rows.out_seq, :, rows.out_row].transpose(0, 1)  # [H', R, width]
     return view.packed(packed.expand(hs, -1, -1), cfg.block_size)
 
@@ -299,38 +238,21 @@ def _combine_heads(method: SketchWalk, s: torch.Tensor) -> torch.Tensor:
     return method._combine_heads(s.transpose(0, 1)).transpose(0, 1)
 
 
-def _combine_with_parts(method: SketchWalk, blocks: torch.Tensor, parts: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_combine_heads`` of the block scores [S, H, rows, blocks] and of the token rows' part scores
-    [S', H, parts] in one call (under tensor parallelism one ``head_reduce``, as the reference folds its part
-    row into its block rows' combine); the combine is per element, so each comes out as on its own."""
-    if method.config.heads == "kv":
-        return blocks, parts
-    S, H, R, NB = blocks.shape
-    both = method._combine_heads(torch.cat((blocks.transpose(0, 1).reshape(H, -1),
-                                            parts.transpose(0, 1).reshape(H, -1)), 1))
-    cut = S * R * NB
-    return (both[:, :cut].view(-1, S, R, NB).transpose(0, 1),
-            both[:, cut:].view(-1, parts.shape[0], parts.shape[-1]).transpose(0, 1))
-
-
-def _top_lists(w: torch.Tensor, allowed: torch.Tensor, forced: torch.Tensor, extra: torch.Tensor, kmax: int,
-               width: int) -> torch.Tensor:
-    """``SketchWalk._choose`` (or ``_choose_parts``) + ``indices_from_mask`` on padded rows: the forced entries
-    plus the top ``extra`` candidates by ``w`` (ties to the lower entry: a stable sort), as ascending lists
-    ``width`` wide."""
-    candidates = allowed & ~forced
+def _choose(w: torch.Tensor, rows: StepRows) -> torch.Tensor:
+    """``SketchWalk._choose`` + ``indices_from_mask`` on padded rows: the forced blocks plus the top
+    ``extra`` candidates by ``w`` (ties to the lower block: a stable sort), as ascending lists."""
+    candidates = rows.allowed & ~rows.forced
     chosen = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
-    if kmax:
+    if rows.kmax:
         s = torch.where(candidates, w, torch.finfo(torch.float32).min)
-        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :kmax]
-        take = (torch.arange(kmax, device=w.device) < extra) & candidates.expand_as(w).gather(-1, order)
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., : rows.kmax]
+        take = (torch.arange(rows.kmax, device=w.device) < rows.extra) & candidates.expand_as(w).gather(-1, order)
         chosen.scatter_(-1, order, take)
-    chosen |= forced
+    chosen |= rows.forced
     nb = w.shape[-1]
     big = torch.iinfo(torch.int64).max
     keyed = torch.where(chosen, torch.arange(nb, device=w.device), big)
-    ordered = keyed.sort(dim=-1).values[..., :width]
-    if ordered.shape[-1] < width:  # a list as wide as the widest row, as the reference packs it
-        ordered = torch.nn.functional.pad(ordered, (0, width - ordered.shape[-1]), value=big)
+    ordered = keyed.sort(dim=-1).values[..., : rows.width]
+    if ordered.shape[-1] < rows.width:  # a list as wide as the widest row, as the reference packs it
+        ordered = torch.nn.functional.pad(ordered, (0, rows.width - ordered.shape[-1]), value=big)
     return torch.where(ordered == big, SENTINEL, ordered).to(torch.int32)

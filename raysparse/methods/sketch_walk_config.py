@@ -34,12 +34,6 @@ class SketchWalkConfig(MethodConfig):
     heads: str = "pair-lse"
     sub_blocks: int = 8  # key sketches per 1/sub_blocks of a block; a key block scores as its best part (SPEC: 1)
     decode_unit: str = "part"  # part (default; one-hop only): decode attends the top parts of B / sub_blocks tokens
-    # What the prompt's last position (it predicts the first generated token) attends: 0 (default): its query
-    # block's list, as every prefill row; x > 0: the key parts of B / sub_blocks tokens a part decode step there
-    # would choose by its own token's part scores, x times a decode row's budget of parts (needs walk one-hop
-    # and token_query "last"). The other rows of its block keep the block list. One number, so a sweep of it
-    # (``--method-params sketch_walk:last_parts=0,1,4``) holds the default too.
-    last_parts: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,12 +59,6 @@ class SketchWalkConfig(MethodConfig):
         if self.decode_unit == "part" and self.walk != "one-hop":
             raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop' "
                              "(with another walk, pass decode_unit='block')")
-        if (isinstance(self.last_parts, bool) or not isinstance(self.last_parts, int | float)
-                or not math.isfinite(self.last_parts) or self.last_parts < 0):
-            raise ValueError(f"last_parts must be a finite number >= 0, got {self.last_parts!r}")
-        if self.last_parts > 0 and (self.walk != "one-hop" or self.token_query != "last"):
-            raise ValueError("last_parts > 0 ranks parts by the prompt's last token's own scores at this layer: it "
-                             "needs walk='one-hop' and token_query='last'")
         if (isinstance(self.sub_blocks, bool) or not isinstance(self.sub_blocks, int) or self.sub_blocks < 1
                 or self.block_size % self.sub_blocks):
             raise ValueError(f"sub_blocks must be a positive divisor of block_size, got {self.sub_blocks!r}")

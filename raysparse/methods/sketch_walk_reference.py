@@ -26,7 +26,6 @@ from raysparse.methods.budget import host_row_budget, prefill_block_budget, row_
 from raysparse.methods.hadamard import SRHT
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
-from raysparse.methods.sketch_walk_last import last_part_budget
 from raysparse.methods.sketch_walk_prefix import adopt_prefix, store_prefix
 from raysparse.methods.sketch_walk_walk import block_counts, walk_rows
 from raysparse.methods.views import PrefillView, SeqContext
@@ -52,13 +51,12 @@ class ReferenceSelection:
     # [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]); the pair modes sketch per KV head (qs,
     # ks [b, h_kv, r]) and combine the scores to H = 1 (a_hat [b, b], walk rows [rows, b]). ks has
     # b * sub_blocks rows.
-    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k_new: torch.Tensor, decode: bool = False
+    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k_new: torch.Tensor
                        ) -> tuple[int, int, torch.Tensor | None]:
         """Folds the new tokens (q: [n_q, h, d], k: [h_kv, n, d]) into this layer's block sketches and
         recomputes the A_hat rows of the query blocks they touch. Returns (first query block, b, and with
         ``token_query`` the last query block's row of A_hat scored by the last token's query alone, bf16
-        [H, 1, b], else None). The token's part scores go to ``ctx.seq_state["part_row"]`` where a part list
-        is chosen from them: a ``decode`` step's with decode_unit="part", a prompt's end with last_parts > 0."""
+        [H, 1, b], else None)."""
         B, st, cfg = self.config.block_size, ctx.state, self.config
         parts = cfg.sub_blocks
         q0, n = ctx.q_start, ctx.n
@@ -117,10 +115,9 @@ class ReferenceSelection:
         if want_token:  # the last row nb - 1 sees every key block, so the token's row needs no mask
             q_rows = torch.cat((q_rows, new[lq - 1: lq]))
         k_cnt = block_counts(n, nb * parts, B // parts, dev)
-        want_parts = cfg.decode_unit == "part" if decode else want_token and cfg.last_parts > 0
         rows, part_row = self._scores(q_rows, ks[: nb * parts] / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0,
-                                      want_parts)
-        if part_row is not None:  # read (and dropped) by select_decode / _prefill_rows
+                                      n_q == 1 and cfg.decode_unit == "part")
+        if part_row is not None:  # read (and dropped) by select_decode
             ctx.seq_state["part_row"] = part_row
         causal = torch.arange(nb, device=dev) <= torch.arange(qb0, nb, device=dev)[:, None]
         st["a_hat"].view(-1, nb, nb)[:, qb0:nb] = rows[:, : nb - qb0].masked_fill(~causal, 0.0).to(torch.bfloat16)
@@ -191,15 +188,13 @@ class ReferenceSelection:
         k: int | torch.Tensor = int(extra[0]) if nb - qb0 == 1 else extra.to(dev)
         return topk_mask(scores, k, allowed.expand_as(scores), forced.expand_as(scores)), width
 
-    def _choose_parts(self, scores: torch.Tensor, n: int, h_kv: int, scale: float | None = None) -> TokenSelection:
+    def _choose_parts(self, scores: torch.Tensor, n: int, h_kv: int) -> TokenSelection:
         """Decode at part granularity: the parts (B / sub_blocks tokens) of the sink and local blocks plus the
-        top parts by ``scores`` [H', 1, b * sub_blocks], up to the row's budget of tau * sub_blocks parts
-        (``scale`` times it for the prompt's last position: ``last_part_budget``)."""
+        top parts by ``scores`` [H', 1, b * sub_blocks], up to the row's budget of tau * sub_blocks parts."""
         cfg = self.config
         parts, size = cfg.sub_blocks, cfg.block_size // cfg.sub_blocks
         nb, held = -(-n // cfg.block_size), -(-n // size)
-        budget = (host_row_budget(self.layer_density, nb) * parts if scale is None
-                  else last_part_budget(self.layer_density, nb, parts, scale))
+        budget = host_row_budget(self.layer_density, nb) * parts
         forced_blocks = {0, *range(max(0, nb - cfg.local_blocks), nb)}
         forced_n = sum(min(parts, held - j * parts) for j in forced_blocks)  # host ints: no device sync
         dev = scores.device
@@ -231,10 +226,6 @@ class ReferenceSelection:
             store_prefix(self, ctx, cache, pages, qb0, nb)
         mask, width = self._choose(walk_rows(self, ctx, qb0, nb, token_row), qb0, nb)
         idx = indices_from_mask(mask, width)  # [H, nqb, width]
-        part_row = ctx.seq_state.pop("part_row", None)
-        if part_row is not None:  # last_parts > 0: the attention reads it (sketch_walk_last)
-            ctx.seq_state["last_parts"] = self._choose_parts(part_row, ctx.n, k_new.shape[0],
-                                                             self.config.last_parts)
         return BlockSelection(idx.expand(k_new.shape[0], -1, -1), self.config.block_size)
 
     def prefill_select_per_sequence(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
@@ -248,8 +239,7 @@ class ReferenceSelection:
                           for i in range(len(view.batch.seq_ids))])
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
-        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n],  # the new token's block
-                                                 decode=True)
+        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n])  # the new token's block
         if self.config.decode_unit == "part":
             return self._choose_parts(ctx.seq_state.pop("part_row"), ctx.n, k.shape[0])
         mask, width = self._choose(walk_rows(self, ctx, qb0, nb, token_row), qb0, nb, decode=True)
