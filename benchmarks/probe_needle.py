@@ -5,7 +5,9 @@ once densely, recording every layer's post-RoPE q and k (teacher forcing: the se
 run's q and k, so the numbers isolate selection). Each method then runs its own code on them, in the engine's
 order: ``select_prefill`` of the prompt at every layer, then ``select_decode`` for each answer token, layer by
 layer. Answer steps: the prompt's last position (its selection is the prefill's last query block's; it predicts
-the first answer token) and every decode step that predicts a later answer token.
+the first answer token) and every decode step that predicts a later answer token. With ``--answers`` (a dense
+eval run's JSON) the forced answer is the dense model's own output, preamble included, and the decode steps kept
+are those that predict a value token in it: a chatty model's first answer token is a word, not a value.
 
 Per layer and answer step it reports, averaged over samples, steps and the answer's needles (the value tokens
 of every expected answer in the haystack):
@@ -23,6 +25,7 @@ of every expected answer in the haystack):
 
 Usage: python benchmarks/probe_needle.py [--task single_needle|multi_key|multi_value] [--samples 4]
        [--density 0.2] [--setting 'sketch_walk:walk=one-hop;token_query=last'] ... [--threads 1] [--json PATH]
+       [--answers EVAL_JSON]
        [--tiny]   (no --setting: the walks, token queries, heads and key-part options of BENCHMARKS.md, Quest,
                    oracle; ``sketch_walk`` alone is the default: heads=pair-lse, sub_blocks=8, decode_unit=part)
 """
@@ -148,6 +151,9 @@ def main() -> None:
     ap.add_argument("--json", default="", help="also write the numbers to this file")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--tiny", action="store_true", help="a random 4-layer model (a CPU smoke test of the script)")
+    ap.add_argument("--answers", default="", help="a dense run's eval.json (raysparse eval --out): teacher-force the "
+                    "dense model's own output for each sample instead of the bare values, and record the prompt's "
+                    "last position and the steps that predict a value token of that output")
     args = ap.parse_args()
     settings = args.setting or list(DEFAULT_SETTINGS)
     if args.threads:
@@ -172,12 +178,17 @@ def main() -> None:
         model = load_model(src, hf_config=load_hf_config(src))
     mcfg = model.cfg
 
+    outputs: dict[int, str] = {}
+    if args.answers:  # the dense run's own outputs: a chatty model writes a preamble before the values
+        with open(args.answers) as f:
+            dense = next(r for r in json.load(f)["runs"] if r["method"] == "dense")
+        outputs = {x["seed"]: x["output"] for x in dense["samples"] if x["task"] == args.task}
     per_setting: dict[str, dict[int, dict[str, list[float]]]] = {}
     truth: dict[int, dict[str, list[float]]] = {}
     for s in range(args.seed, args.seed + args.samples):
         task = build_task(args.task, tok, text, source, args.context_tokens, s)
         prompt = list(task.prompt_ids)
-        answer = tok(", ".join(task.expected), add_special_tokens=False)["input_ids"]
+        answer = tok(outputs[s] if args.answers else ", ".join(task.expected), add_special_tokens=False)["input_ids"]
         ids = prompt + answer
         needles = []
         for value in task.expected:
@@ -188,6 +199,13 @@ def main() -> None:
             needles.append((at, len(sub)))
         # The prompt's last position predicts the first answer token; decode steps predict the rest.
         steps = list(range(len(prompt) - 1, len(ids) - 1))
+        if args.answers:  # the last position, and the steps predicting a token of a value the output holds
+            value_steps = set()
+            for value in task.expected:
+                sub = tok(value, add_special_tokens=False)["input_ids"]
+                at = find_span(answer, sub)
+                value_steps |= set(range(len(prompt) + at - 1, len(prompt) + at - 1 + len(sub))) if at >= 0 else set()
+            steps = sorted({len(prompt) - 1} | value_steps)
         rec = Recorder(mcfg)
         cache = KVCache(mcfg, -(-len(ids) // 64), 64)
         cache.allocate(0, len(ids))
