@@ -47,16 +47,22 @@ def test_paged_collision_matches_torch():
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
 
 
+def _decode_case(g: torch.Generator, rows: int, max_len: int, width: int, pages: int, page: int = 16,
+                 h_kv: int = 2, g_heads: int = 2, d: int = 16):
+    """A ragged decode batch over scattered pages: lengths, page table, K, V pools, lengths tensor and q."""
+    lens = [int(x) for x in torch.randint(1, max_len, (rows,), generator=g)]
+    table = _table(g, lens, page, width, pages)
+    k = torch.randn(pages + 1, h_kv, page, d, generator=g)
+    v = torch.randn(pages + 1, h_kv, page, d, generator=g)
+    q = torch.randn(rows, h_kv * g_heads, d, generator=g)
+    return lens, table, k, v, torch.tensor(lens, dtype=torch.int32), q
+
+
 def test_sparse_decode_paged_matches_torch():
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    page, pages, h_kv, g_heads, d = 16, 30, 2, 2, 16
-    lens = [int(x) for x in torch.randint(1, 120, (3,), generator=g)]
-    table = _table(g, lens, page, 8, pages)
-    k = torch.randn(pages + 1, h_kv, page, d, generator=g)
-    v = torch.randn(pages + 1, h_kv, page, d, generator=g)
-    seqlens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(3, h_kv * g_heads, d, generator=g)
+    h_kv = 2
+    lens, table, k, v, seqlens, q = _decode_case(g, 3, 120, 8, 30)
     for unit in (1, 4, 16):
         width = 10
         sel = torch.full((3, h_kv, width), SENTINEL, dtype=torch.int32)
@@ -79,13 +85,8 @@ def test_sparse_decode_counts_share_the_rows_prefix(num_splits: int | None):
     captured graph's is); the output is the reference's whatever the split count."""
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    page, pages, h_kv, g_heads, d = 16, 40, 2, 2, 16
-    lens = [int(x) for x in torch.randint(1, 150, (4,), generator=g)]
-    table = _table(g, lens, page, 10, pages)
-    k = torch.randn(pages + 1, h_kv, page, d, generator=g)
-    v = torch.randn(pages + 1, h_kv, page, d, generator=g)
-    seqlens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(4, h_kv * g_heads, d, generator=g)
+    page, h_kv = 16, 2
+    _, table, k, v, seqlens, q = _decode_case(g, 4, 150, 10, 40)
     width = 16  # wider than any row's pages: the padded tail holds no entry
     n_pages = (seqlens + page - 1) // page
     cols = torch.arange(width, dtype=torch.int32)
