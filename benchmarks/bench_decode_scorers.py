@@ -4,7 +4,7 @@ One sparse layer of a decode batch on Llama-3.1-8B's KV layout (32 query heads, 
 keys in 64-token pages scattered over the cache), each call captured in a CUDA graph (median replay, L2
 flushed):
 - ``dense``: the dense backend's split-K decode over every page (the baseline each scorer must undercut), and
-  the same list padded to twice its width as a graph's width bucket pads it, without and with the rows' counts;
+  the same list padded to twice its width as a graph's width bucket pads it;
 - ``collision``: SOCKET's paged soft-collision scores (``kernels/paged_collision.py``), 60 tables of 8
   planes, by ``num_warps`` (several tables' ids per load measured slower and was dropped);
 - ``hash``: SOCKET's bucketing (``kernels/lsh_scorer.py``) of a decode step's new keys (one per row) and of a
@@ -76,11 +76,9 @@ def main() -> None:
 
     add("dense", "split-K decode", lambda: paged_decode_attention(q, kv, blocks, unit=page))
     # The same list padded to twice its width, as a captured graph's width bucket pads it (32768 + a few tokens
-    # take 513 pages, bucket 1024): the splits cut the padded width, or share each row's count.
+    # take 513 pages, bucket 1024): the splits share the row's entries, which the kernel counts.
     wide = torch.nn.functional.pad(blocks, (0, width), value=-1)
-    counts = torch.full((b,), width, dtype=torch.int32, device=dev)
     add("dense", "list padded x2", lambda: paged_decode_attention(q, kv, wide, unit=page))
-    add("dense", "list padded x2, counts", lambda: paged_decode_attention(q, kv, wide, unit=page, counts=counts))
     ids = torch.randint(0, 1 << planes, (pages + 1, h_kv, tables, page), generator=gen).to(torch.uint8).to(dev)
     probs = torch.softmax(torch.randn(b, h_kv, tables, 1 << planes, generator=gen), -1).to(dev)
     for warps in (1, 2, 4):

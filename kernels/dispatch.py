@@ -149,14 +149,12 @@ def block_sparse_attention_varlen(q: torch.Tensor, kv: KVSource, sel: PackedBloc
 
 
 def sparse_decode_attention_varlen(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1,
-                                   scale: float | None = None,
-                                   counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [batch, h, d], indices [batch, h_kv, max_sel] -> out [batch, h, d], lse [batch, h] (``sparse_decode``;
-    ``counts``: each row's valid entries, a prefix of its list, for the splits to share)."""
+                                   scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [batch, h, d], indices [batch, h_kv, max_sel] -> out [batch, h, d], lse [batch, h] (``sparse_decode``)."""
     if not unit & (unit - 1) and use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
         from .sparse_decode import sparse_decode
 
-        out, lse = sparse_decode(_like_kv(q, kv.k), kv, indices, unit, scale, counts=counts)
+        out, lse = sparse_decode(_like_kv(q, kv.k), kv, indices, unit, scale)
         return out.to(q.dtype), lse
     outs, lses = [], []
     for i in range(q.shape[0]):
@@ -167,14 +165,13 @@ def sparse_decode_attention_varlen(q: torch.Tensor, kv: KVSource, indices: torch
     return torch.stack(outs), torch.stack(lses)
 
 
-def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit: int,
-                           counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
+                           unit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared attend of the batched seam (dense decode included): Triton's split-K decode on GPUs, the
     in-place PyTorch gather elsewhere; both read the selected rows straight from their pages, with no
-    per-sequence K/V copy and no host read. ``counts`` [B] (optional): each row's valid entries, which its list
-    holds first; the GPU's splits share them (``sparse_decode``), the result is the same."""
+    per-sequence K/V copy and no host read."""
     if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
-        return sparse_decode_attention_varlen(q, kv, indices, unit, counts=counts)
+        return sparse_decode_attention_varlen(q, kv, indices, unit)
     return paged_decode_torch(q, kv, indices, unit)
 
 
@@ -190,14 +187,8 @@ def paged_window_decode(q: torch.Tensor, kv: PagedKV, window_lo: torch.Tensor, s
 
         width = -(-sink // page) + -(-max_window // page) + 1  # a window of s keys touches <= ceil(s / page) + 1
         pages = window_pages(window_lo, kv.seqlens, sink, page, width)
-        # The list's valid prefix (the sinks' pages, then the window's): the splits share it, not the bucket's
-        # width (``sparse_decode``'s counts).
-        used = (kv.seqlens.long() + page - 1) // page
-        sink_pages = -(-sink // page)
-        first = (window_lo.long() // page).clamp(min=sink_pages)
-        counts = used.clamp(max=sink_pages) + (used - first).clamp(min=0)
         out, lse = sparse_decode(_like_kv(q, kv.k), kv, pages[:, None, :].expand(-1, kv.k.shape[1], -1), page,
-                                 window_lo=window_lo, sink=sink, counts=counts)
+                                 window_lo=window_lo, sink=sink)
         return out.to(q.dtype), lse
     return paged_window_decode_cpu(q, kv, window_lo, sink)
 

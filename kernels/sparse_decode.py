@@ -7,8 +7,8 @@ paged cache whose page size equals ``unit`` a block entry is simply a logical pa
 table. ``q``: ``[batch, h, d]``, one new query per sequence, the newest of its ``n`` keys (from the KV source).
 
 Grid: (split, KV head, sequence). The valid entries of a list are a prefix (it is ascending and padded at the
-end); the splits share that prefix evenly: each program learns the row's valid count (given as ``counts``, or
-one load of the list's last entry when the list is full, else counted) and owns a contiguous range of it. The
+end); the splits share that prefix evenly: each program learns the row's valid count (one load of the list's
+last entry when the list is full, else counted) and owns a contiguous range of it. The
 split count comes from the list's width, so a list padded past its entries (a captured step's, sized for its
 width bucket) would leave the splits past them idle if they cut the width. A program processes the g query
 heads of its KV head together as the M side of ``tl.dot`` (padded to 16 rows), so every selected K/V row is
@@ -139,14 +139,14 @@ if triton is not None:
         tl.store(LSE + seq.to(tl.int64) * stride_lb + head * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
 
     @triton.jit
-    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT, Out, LSE, CNT, LO, ROWS, sink,
+    def _decode_split_kernel(Q, K, V, PO, PL, IDX, SEQ_K, CU_K, PT, Out, LSE, CNT, LO, sink,
                              stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                              stride_ib, stride_ih, stride_pt, stride_ob, stride_oh, stride_lb, stride_lh,
-                             max_sel, per_split, num_splits, qk_scale,
+                             max_sel, num_splits, qk_scale,
                              G: tl.constexpr, G_PAD: tl.constexpr, G_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
                              UNIT: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
                              PREC: tl.constexpr, CNT_CHUNK: tl.constexpr, COMBINE_CHUNK: tl.constexpr,
-                             WINDOW: tl.constexpr, COUNTED: tl.constexpr):
+                             WINDOW: tl.constexpr):
         split = tl.program_id(0)
         kvh = tl.program_id(1)
         seq = tl.program_id(2)
@@ -156,17 +156,15 @@ if triton is not None:
             lo = tl.load(LO + seq)
         idx_row = IDX + seq.to(tl.int64) * stride_ib + kvh.to(tl.int64) * stride_ih
         # The row's valid entries (a prefix of its list), shared evenly by the splits: a list padded past them (a
-        # captured step's, sized for its width bucket) would otherwise leave the splits past them idle.
-        if COUNTED:  # given (the dense lists': the row's pages)
-            rc = tl.minimum(tl.load(ROWS + seq), max_sel)
-        else:  # a full list (its last entry valid: the usual top-k list) in one load, else counted
-            rc = max_sel
-            if tl.load(idx_row + tl.maximum(max_sel - 1, 0), mask=max_sel > 0, other=0) < 0:
-                rc = 0
-                for c in range(0, max_sel, CNT_CHUNK):
-                    e_off = c + tl.arange(0, CNT_CHUNK)
-                    e = tl.load(idx_row + e_off, mask=e_off < max_sel, other=-1)
-                    rc += tl.sum((e >= 0).to(tl.int32))
+        # captured step's, sized for its width bucket) would otherwise leave the splits past them idle. A full list
+        # (its last entry valid: the usual top-k list) takes one load; a padded one is counted.
+        rc = max_sel
+        if tl.load(idx_row + tl.maximum(max_sel - 1, 0), mask=max_sel > 0, other=0) < 0:
+            rc = 0
+            for c in range(0, max_sel, CNT_CHUNK):
+                e_off = c + tl.arange(0, CNT_CHUNK)
+                e = tl.load(idx_row + e_off, mask=e_off < max_sel, other=-1)
+                rc += tl.sum((e >= 0).to(tl.int32))
         step: tl.constexpr = max(1, BLOCK_N // UNIT)  # whole inner tiles per split, as the host's split choice
         per_row = tl.cdiv(tl.cdiv(rc, num_splits), step) * step
         e0 = split * per_row
@@ -221,17 +219,15 @@ if triton is not None:
 
 def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1, scale: float | None = None,
                   num_splits: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  window_lo: torch.Tensor | None = None, sink: int = 0,
-                  counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_lo: torch.Tensor | None = None, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [batch, h, d]; indices: int32 [batch, h_kv, max_sel]. Returns out [batch, h, d] (q's dtype) and
     lse [batch, h] fp32 (natural log); a query with no valid key gets zeros and lse = -inf. ``out``/``lse``
     may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves.
     ``window_lo`` [batch] (with ``sink``) keeps, inside the selected entries, only the keys below ``sink`` and those
     at or past the row's bound: a sliding window with sinks attended by whole blocks (PSAW's decode).
-    ``counts`` [batch] (int32, on the device): each row's valid entries, the first of its list for every KV head;
-    the splits then share each row's own count instead of cutting the list's whole width. A dense list padded to
-    a captured graph's width bucket (a 32K-token row's 513 pages in a 1024-wide list) otherwise leaves half the
-    splits with no entry and the other half with twice the work."""
+    The splits share each (row, KV head)'s valid entries, not the list's width: a dense list padded to a captured
+    graph's width bucket (a 32K-token row's 513 pages in a 1024-wide list) had left half the splits with no entry
+    and the other half with twice the work."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     batch, h, d = q.shape
@@ -251,7 +247,7 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     if batch == 0:
         return out, lse
     if num_splits is None:
-        splits, per = num_splits_for(batch, a.h_kv, max(max_sel, 1), unit, q.device, d, q.element_size())
+        splits, _ = num_splits_for(batch, a.h_kv, max(max_sel, 1), unit, q.device, d, q.element_size())
     else:
         per = -(-max(max_sel, 1) // num_splits)
         splits = -(-max(max_sel, 1) // per)
@@ -264,14 +260,12 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
     page = a.page_size if a.paged else 1
     lo = a.seqlens if window_lo is None else window_lo.to(torch.int32).contiguous()  # unread without a window
-    rows = a.seqlens if counts is None else counts.to(torch.int32).contiguous()  # unread without counts
     _decode_split_kernel[(splits, a.h_kv, batch)](
-        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters, lo, rows, sink,
+        q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters, lo, sink,
         q.stride(0), q.stride(1), *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride,
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), max_sel, per, splits, scale * LOG2E,
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), max_sel, splits, scale * LOG2E,
         G=g, G_PAD=max(16, g_p2), G_P2=g_p2, HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=_BLOCK_N,
         PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK,
-        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), WINDOW=window_lo is not None,
-        COUNTED=counts is not None, num_warps=4,
+        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), WINDOW=window_lo is not None, num_warps=4,
         num_stages=1 if interpreting() else _STAGES)
     return out, lse

@@ -190,7 +190,7 @@ class DenseAttention(AttentionBackend):
         from raysparse.kernels.dispatch import paged_decode_attention
 
         kv, blocks = cache.paged(layer, batch)
-        out, _ = paged_decode_attention(q, kv, blocks, unit=cache.page_size, counts=cache.page_counts(batch))
+        out, _ = paged_decode_attention(q, kv, blocks, unit=cache.page_size)
         for n in batch.ctx_lens:
             self.meter.add(layer, n * cache.num_kv_heads, n * cache.num_kv_heads, decode=True)
         return out

@@ -281,18 +281,6 @@ class KVCache:
         table, seqlens, blocks = batch.extras["paged"]
         return PagedKV(self.k[layer], self.v[layer], table, seqlens), blocks
 
-    def page_counts(self, batch: BatchMeta) -> torch.Tensor:
-        """Each row's pages ([batch] int32 on the device): how many entries of ``paged``'s block lists are
-        valid, from the device lengths (a captured step's static buffer), once a step. The split-K decode
-        shares them among its splits; a captured step's lists are padded to its width bucket, and cutting the
-        padded width left half the splits idle (dense attend 294 against 175 us a layer at 4 x 32K, H200)."""
-        counts = batch.extras.get("page-counts")
-        if counts is None:
-            seqlens = batch.extras["paged"][1] if "paged" in batch.extras else torch.tensor(
-                batch.ctx_lens, dtype=torch.int32, device=self.device)
-            counts = batch.extras["page-counts"] = (seqlens + (self.page_size - 1)) // self.page_size
-        return counts
-
     def gather(self, layer: int, batch: BatchMeta, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K, V of sequence ``i`` of the batch: [num_kv_heads, ctx_len, head_dim]."""
         n = batch.ctx_lens[i]

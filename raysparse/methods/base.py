@@ -168,10 +168,10 @@ class SparseMethod(AttentionBackend):
         if not self.is_dense_layer(layer):
             self.update_state(layer, cache, batch)
         if self.dense_decode_layer(layer):
-            idx, unit, counts = blocks, cache.page_size, cache.page_counts(batch)
+            idx, unit = blocks, cache.page_size
         else:
-            idx, unit, counts = self.decode_select(layer, q, DecodeView(kv, batch, cache)), self.decode_unit, None
-        out, _ = paged_decode_attention(q, kv, idx, unit, counts)
+            idx, unit = self.decode_select(layer, q, DecodeView(kv, batch, cache)), self.decode_unit
+        out, _ = paged_decode_attention(q, kv, idx, unit)
         self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)  # thrown away under a capture
         return out
 
