@@ -52,7 +52,11 @@ def test_eval_runs_specattn_with_the_draft_and_reports_its_rows(pair, tmp_path):
                      max_new_tokens=3, rows=8, decode_ppl_tokens=14,
                      method_params=parse_method_params(["specattn:top_p=0.3,1.0", "specattn:gamma=3",
                                                                       "specattn:chunk_size=1"]))
-    report = run_eval(verifier, CharTokenizer(), cfg, synthetic_haystack(300, seed=int(torch.randint(0, 99, ()))),
+    # No end-of-sequence id: a random verifier that drew it first would end a sample before any draft round
+    # (a seed did, for both samples: no round, no acceptance to check).
+    tok = CharTokenizer()
+    tok.eos_token_id = None
+    report = run_eval(verifier, tok, cfg, synthetic_haystack(300, seed=int(torch.randint(0, 99, ()))),
                       "synthetic", model_name="tiny", model_dir=str(tmp_path), draft=draft)
     runs = report["runs"]
     assert [r["label"] for r in runs] == ["dense", "specattn (top_p=0.3, gamma=3, chunk_size=1)",
