@@ -6,10 +6,15 @@ flushed):
 - ``dense``: the dense backend's split-K decode over every page (the baseline each scorer must undercut), and
   the same list padded to twice its width as a graph's width bucket pads it;
 - ``collision``: SOCKET's paged soft-collision scores (``kernels/paged_collision.py``), 60 tables of 8
-  planes, by ``num_warps`` (several tables' ids per load measured slower and was dropped);
-- ``hash``: SOCKET's bucketing (``kernels/lsh_scorer.py``) of a decode step's new keys (one per row) and of a
-  whole prompt's keys (what a prefill adds to dense attention), by the projections' dot precision (``rel err``:
-  the fraction of ids that differ from exact fp32's);
+  planes, by ``num_warps`` and the probabilities' dtype (fp16 halves the cache lines a warp's gather of
+  random buckets touches), and with the forced sinks and window written by the kernel (``forced``; several
+  tables' ids per load measured slower and was dropped);
+- ``bucket probs``: SOCKET's group-reduced bucket distributions of the step's queries, the PyTorch form
+  (six launches) against ``kernels/lsh_probs.py`` (one), by tables per program and warps;
+- ``hash``: SOCKET's bucketing (``kernels/lsh_scorer.py``) of a decode step's new keys (one per row; gathered
+  from their cache slots and scattered back, or in place) and of a whole prompt's keys (what a prefill adds to
+  dense attention), by the projections' dot precision (``rel err``: the fraction of ids that differ from exact
+  fp32's);
 - ``quest``: Quest's paged page bounds (``kernels/paged_quest.py``), 16-token Quest pages, bf16 bounds,
   by Quest pages per program and warps;
 - ``probs``: CIS's exact group probabilities (``kernels/paged_probs.py``), by pages per chunk, warps and the
@@ -40,10 +45,12 @@ from bench_common import environment, table, time_ms, wall_ms, write_json  # noq
 
 from raysparse.kernels.dispatch import paged_decode_attention  # noqa: E402
 from raysparse.kernels.formats import PagedKV  # noqa: E402
-from raysparse.kernels.lsh_scorer import bucket_ids  # noqa: E402
+from raysparse.kernels.lsh_probs import bucket_probs  # noqa: E402
+from raysparse.kernels.lsh_scorer import bucket_ids, bucket_ids_into_slots  # noqa: E402
 from raysparse.kernels.paged_collision import paged_collision  # noqa: E402
 from raysparse.kernels.paged_probs import paged_group_probs, paged_group_probs_torch  # noqa: E402
 from raysparse.kernels.paged_quest import paged_quest_scores  # noqa: E402
+from raysparse.methods.lsh import soft_bucket_probs  # noqa: E402
 
 
 def main() -> None:
@@ -81,10 +88,39 @@ def main() -> None:
     add("dense", "list padded x2", lambda: paged_decode_attention(q, kv, wide, unit=page))
     ids = torch.randint(0, 1 << planes, (pages + 1, h_kv, tables, page), generator=gen).to(torch.uint8).to(dev)
     probs = torch.softmax(torch.randn(b, h_kv, tables, 1 << planes, generator=gen), -1).to(dev)
+    half = probs.half()
+    sink = torch.full((b,), 128, dtype=torch.int32, device=dev)
     for warps in (1, 2, 4):
-        add("collision", f"warps={warps}",
-            lambda warps=warps: paged_collision(probs, ids, None, table_, seqlens, num_warps=warps))
+        for p_, dt in ((probs, "fp32"), (half, "fp16")):
+            add("collision", f"warps={warps} {dt}",
+                lambda warps=warps, p_=p_: paged_collision(p_, ids, None, table_, seqlens, num_warps=warps))
+    add("collision", "warps=2 fp16 forced",
+        lambda: paged_collision(half, ids, None, table_, seqlens, (sink, sink), num_warps=2))
     w = torch.randn(h_kv, tables, planes, d, generator=gen).to(dev)
+
+    def probs_torch() -> torch.Tensor:
+        qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)
+        return soft_bucket_probs(w, qg, 0.3).view(h_kv, b, h // h_kv, tables, -1).mean(2).transpose(0, 1)
+
+    want_p = probs_torch()
+    add("bucket probs", "pytorch", probs_torch)
+    for per in (1, 2, 3):  # dividing the smoke size's 6 tables too
+        for warps in (1, 2, 4):
+            knobs = {"tables_per_program": per, "num_warps": warps}
+            err = (bucket_probs(w, q, 0.3, **knobs) - want_p).abs().max().item()
+            add("bucket probs", f"tables={per} warps={warps}", lambda knobs=knobs: bucket_probs(w, q, 0.3, **knobs),
+                rel_err=err)
+    # A step's new keys (one per row) hashed from their cache slots into the id pool: gathered, hashed and
+    # scattered back, against one launch that reads and writes the pages in place.
+    slot_pages = table_[:, -1].contiguous()
+    slot_offs = torch.full((b,), page - 1, dtype=torch.int32, device=dev)
+
+    def hash_gathered() -> None:
+        got = bucket_ids(w, k[slot_pages.long(), :, slot_offs.long()].transpose(0, 1), torch.uint8)
+        ids[slot_pages.long(), :, :, slot_offs.long()] = got.permute(2, 0, 1)
+
+    add("hash", f"{b} slots gathered", hash_gathered)
+    add("hash", f"{b} slots in place", lambda: bucket_ids_into_slots(w, k, slot_pages, slot_offs, ids))
     for m in (b, ctx):
         x = torch.randn(h_kv, m, d, generator=gen).to(torch.bfloat16).to(dev)
         exact = bucket_ids(w, x, torch.uint8, precision="ieee")

@@ -30,16 +30,23 @@ _SCORE_KEYS = 512  # keys per scoring program
 if triton is not None:
 
     @triton.jit
-    def _bucket_kernel(X, W, Out, m, planes, tables, stride_xh, stride_xm, stride_wh, stride_wl, stride_wp,
-                       stride_oh, stride_ol, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, P_PAD: tl.constexpr,
-                       GROUP: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    def _bucket_kernel(X, W, Out, PG, OFF, m, planes, tables, stride_xp, stride_xh, stride_xm, stride_wh,
+                       stride_wl, stride_wp, stride_op, stride_oh, stride_ol, BLOCK_M: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, P_PAD: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
+                       SPLIT: tl.constexpr, SLOTS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         h = tl.program_id(1).to(tl.int64)
         t0 = tl.program_id(2) * GROUP  # this program's GROUP tables, side by side in one product
         ok = rows < m
+        if SLOTS:  # row i is cache slot (PG[i], OFF[i]) of a paged pool, read and written in place
+            pg = tl.load(PG + rows, mask=ok, other=0).to(tl.int64)
+            pos = tl.load(OFF + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            pg = tl.zeros([BLOCK_M], dtype=tl.int64)
+            pos = rows.to(tl.int64)
         d = tl.arange(0, HEAD_DIM)
-        x = tl.load(X + h * stride_xh + rows.to(tl.int64)[:, None] * stride_xm + d[None, :], mask=ok[:, None],
-                    other=0.0)
+        x = tl.load(X + (pg * stride_xp + pos * stride_xm)[:, None] + h * stride_xh + d[None, :],
+                    mask=ok[:, None], other=0.0)
         col = tl.arange(0, GROUP * P_PAD)
         t = t0 + col // P_PAD
         p = col % P_PAD
@@ -62,7 +69,7 @@ if triton is not None:
         bits = tl.where((proj > 0) & live[None, :], (1 << p)[None, :], 0)
         ids = tl.sum(tl.reshape(bits, (BLOCK_M, GROUP, P_PAD)), 2)  # [BLOCK_M, GROUP]
         g = tl.arange(0, GROUP)
-        out = Out + h * stride_oh + (t0 + g)[None, :] * stride_ol + rows[:, None]
+        out = Out + (pg * stride_op + pos)[:, None] + h * stride_oh + (t0 + g)[None, :] * stride_ol
         tl.store(out, ids.to(Out.dtype.element_ty), mask=ok[:, None] & ((t0 + g) < tables)[None, :])
 
     @triton.jit
@@ -93,17 +100,35 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.
     """w: [h, L, P, d], x: [h, m, d] -> bucket ids [h, L, m] in ``out_dtype`` (or written into ``out``).
     ``precision``: the projections' dot: "bf16x3" (bf16 keys only), "tf32x3", "tf32" or "ieee"; None: bf16x3
     for bf16 keys and 3xTF32 for others on GPUs, exact fp32 in the interpreter (whose bf16 dot is not exact)."""
+    h, m = x.shape[0], x.shape[1]
+    out = torch.empty(h, w.shape[1], m, dtype=out_dtype, device=x.device) if out is None else out
+    if out.stride(-1) != 1:
+        raise ValueError("out needs a contiguous token dimension")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    _launch_buckets(w, x[None], out[None], None, None, m, precision)
+    return out
+
+
+def bucket_ids_into_slots(w: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
+                          ids: torch.Tensor, precision: str | None = None) -> None:
+    """Hashes cache slots in place: keys ``[pages, h, page, d]`` (a layer's paged K), slots (``pages[i]``,
+    ``offsets[i]``) ``[T]`` -> their ids written to ``ids [pages, h, L, page]``. The same ids as
+    ``bucket_ids`` of the gathered keys, without the gather's copy and the ids' scatter."""
+    if keys.stride(-1) != 1 or ids.stride(-1) != 1:
+        raise ValueError("keys and ids need a contiguous last dimension")
+    _launch_buckets(w, keys, ids, pages, offsets, pages.shape[0], precision)
+
+
+def _launch_buckets(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, pg: torch.Tensor | None,
+                    off: torch.Tensor | None, m: int, precision: str | None) -> None:
+    """x ``[X, h, rows, d]`` / out ``[X, h, L, rows]``: m rows addressed (pg[i], off[i]) when given, else
+    rows 0..m-1 of x[0] / out[0]."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     h, tables, planes, d = w.shape
-    m = x.shape[1]
-    if x.shape[0] != h or x.shape[2] != d or d < 16 or d & (d - 1) or not 1 <= planes <= 16:
+    if x.shape[1] != h or x.shape[3] != d or d < 16 or d & (d - 1) or not 1 <= planes <= 16:
         raise ValueError(f"shapes do not fit: w {tuple(w.shape)}, x {tuple(x.shape)} (d a power of two >= 16)")
     w = w if w.dtype == torch.float32 and w.stride(-1) == 1 else w.float().contiguous()
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(h, tables, m, dtype=out_dtype, device=x.device) if out is None else out
-    if out.stride(-1) != 1:
-        raise ValueError("out needs a contiguous token dimension")
     if m and h:
         # One program per (BLOCK_M keys, head, group of tables): the group's planes side by side make one
         # [BLOCK_M, d] x [d, 64] product (a loop over the tables, one [d, 16]-padded product each, hashed a
@@ -116,11 +141,13 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype = torch.
         block = min(_HASH_ROWS, max(16, next_pow2(m)))
         p_pad = next_pow2(planes)
         group = max(1, _HASH_COLS // p_pad)
+        slots = pg is not None
         _bucket_kernel[(-(-m // block), h, -(-tables // group))](
-            x, w, out, m, planes, tables, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-            out.stride(0), out.stride(1), BLOCK_M=block, HEAD_DIM=d, P_PAD=p_pad, GROUP=group,
-            PRECISION="ieee" if precision == "bf16x3" else precision, SPLIT=precision == "bf16x3", num_warps=4)
-    return out
+            x, w, out, pg if slots else x, off if slots else x, m, planes, tables, x.stride(0), x.stride(1),
+            x.stride(2), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            BLOCK_M=block, HEAD_DIM=d, P_PAD=p_pad, GROUP=group,
+            PRECISION="ieee" if precision == "bf16x3" else precision, SPLIT=precision == "bf16x3", SLOTS=slots,
+            num_warps=4)
 
 
 def collision_scores_varlen(probs: torch.Tensor, buckets: torch.Tensor, cu_seqlens: torch.Tensor,

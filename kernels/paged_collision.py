@@ -1,10 +1,12 @@
 """SOCKET's soft-collision scores of a decode batch, read from per-page bucket ids through the page table.
 
-``probs [B, h, L, R]`` fp32 (the batch's group-reduced bucket distributions), ``ids [pages + 1, h, L, page]``
-(a cache page's bucket ids per KV head and table, any integer dtype), ``norms [pages + 1, h, page]`` fp32 or
-None, ``page_table [B, W]`` int32 and ``seqlens [B]`` -> fp32 ``[B, h, W * page]``: ``sum_l probs[l,
-id_l(j)]`` (times ``||v_j||``) for every token j of each row, -inf past the row's length. Fixed shapes, no
-host read: it runs inside a captured decode step. The PyTorch form is the reference and the CPU path.
+``probs [B, h, L, R]`` fp32 or fp16 (the batch's group-reduced bucket distributions), ``ids [pages + 1, h,
+L, page]`` (a cache page's bucket ids per KV head and table, any integer dtype), ``norms [pages + 1, h, page]``
+fp32 or None, ``page_table [B, W]`` int32 and ``seqlens [B]`` -> fp32 ``[B, h, W * page]``: ``sum_l probs[l,
+id_l(j)]`` (summed in fp32, times ``||v_j||``) for every token j of each row, -inf past the row's length.
+``forced = (sink, local)`` (int ``[B]`` each), if given, sets a row's first ``sink`` and last ``local``
+tokens to +inf, the encoding the list selection takes as forced. Fixed shapes, no host read: it runs inside
+a captured decode step. The PyTorch form is the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ _GATHER_ELEMS = 1 << 22
 
 
 def paged_collision_torch(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None,
-                          page_table: torch.Tensor, seqlens: torch.Tensor) -> torch.Tensor:
+                          page_table: torch.Tensor, seqlens: torch.Tensor,
+                          forced: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     # Pages are read with one index_select per chunk of pages and scored in their pool layout [B, pages, h, L,
     # page] against the probabilities broadcast over the pages, every table at once: no permuted copy of the
     # ids (1.6x faster on a CPU than table chunks over a permuted copy, measured at 4K tokens, 3 KV heads, 60
     # tables).
     b, h, tables, r = probs.shape
+    probs = probs.float()
     page = ids.shape[-1]
     width = page_table.shape[1]
     table = page_table.long()
@@ -40,16 +44,20 @@ def paged_collision_torch(probs: torch.Tensor, ids: torch.Tensor, norms: torch.T
         score *= norms.index_select(0, table.reshape(-1)).view(b, width, h, page)
     score = score.transpose(1, 2).reshape(b, h, width * page)
     j = torch.arange(width * page, device=probs.device)
-    return score.masked_fill_(j >= seqlens.long()[:, None, None], float("-inf"))
+    n = seqlens.long()[:, None, None]
+    if forced is not None:
+        sink, local = (x.long()[:, None, None] for x in forced)
+        score.masked_fill_((j < sink) | ((j >= n - local) & (j < n)), float("inf"))
+    return score.masked_fill_(j >= n, float("-inf"))
 
 
 if triton is not None:
 
     @triton.jit
-    def _paged_collision_kernel(P, IDS, NORM, PT, SEQ, Out, tables, width,
+    def _paged_collision_kernel(P, IDS, NORM, PT, SEQ, SINK, LOCAL, Out, tables, width,
                                 stride_pb, stride_ph, stride_pl, stride_ip, stride_ih, stride_il,
                                 stride_np, stride_nh, stride_tb, stride_ob, stride_oh,
-                                PAGE: tl.constexpr, HAS_NORM: tl.constexpr):
+                                PAGE: tl.constexpr, HAS_NORM: tl.constexpr, FORCED: tl.constexpr):
         j = tl.program_id(0)  # one page of the row
         h = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
@@ -65,27 +73,35 @@ if triton is not None:
             acc = tl.zeros([PAGE], dtype=tl.float32)
             for t in range(tables):
                 ids = tl.load(id_row + t * stride_il).to(tl.int32)
-                acc += tl.load(prob_row + t * stride_pl + ids)
+                acc += tl.load(prob_row + t * stride_pl + ids).to(tl.float32)
             if HAS_NORM:
                 acc *= tl.load(NORM + pg * stride_np + h * stride_nh + off)
+            if FORCED:
+                sink = tl.load(SINK + b)
+                local = tl.load(LOCAL + b)
+                acc = tl.where((tok < sink) | (tok >= n - local), float("inf"), acc)
             tl.store(out_row, tl.where(ok, acc, float("-inf")))
         else:
             tl.store(out_row, tl.full([PAGE], float("-inf"), tl.float32))
 
 
 def paged_collision(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None, page_table: torch.Tensor,
-                    seqlens: torch.Tensor, num_warps: int = 2) -> torch.Tensor:
+                    seqlens: torch.Tensor, forced: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    num_warps: int = 2) -> torch.Tensor:
     """The Triton form: one program per (page of the row, KV head, row), one table's ids of its page per load
     (loading several tables' at once measured slower on an H200: BENCHMARKS.md, "Decode scorers that fill the
     GPU"). ``num_warps`` is a knob for ``benchmarks/bench_decode_scorers.py``."""
     b, h, tables, _ = probs.shape
     page, width = ids.shape[-1], page_table.shape[1]
-    probs = probs if probs.dtype == torch.float32 and probs.is_contiguous() else probs.float().contiguous()
+    if probs.dtype not in (torch.float32, torch.float16):
+        probs = probs.float()
+    probs = probs.contiguous()
     out = torch.empty(b, h, width * page, dtype=torch.float32, device=probs.device)
-    nrm = norms if norms is not None else probs
+    nrm = norms if norms is not None else out
+    sink, local = forced if forced is not None else (seqlens, seqlens)
     _paged_collision_kernel[(width, h, b)](
-        probs, ids, nrm, page_table, seqlens, out, tables, width,
+        probs, ids, nrm, page_table, seqlens, sink, local, out, tables, width,
         probs.stride(0), probs.stride(1), probs.stride(2), ids.stride(0), ids.stride(1), ids.stride(2),
         nrm.stride(0), nrm.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
-        PAGE=page, HAS_NORM=norms is not None, num_warps=num_warps)
+        PAGE=page, HAS_NORM=norms is not None, FORCED=forced is not None, num_warps=num_warps)
     return out

@@ -36,15 +36,31 @@ def test_paged_collision_matches_torch():
     g = torch.Generator().manual_seed(seed)
     page, pages, h, tables, planes = 16, 24, 2, 5, 4
     lens = [int(x) for x in torch.randint(1, 90, (3,), generator=g)]
+    lens[0] = min(lens[0], 6)  # shorter than some sinks and windows
     table = _table(g, lens, page, 8, pages)
     ids = torch.randint(0, 1 << planes, (pages + 1, h, tables, page), generator=g, dtype=torch.int64).to(torch.uint8)
     norms = torch.rand(pages + 1, h, page, generator=g)
     probs = torch.softmax(torch.randn(3, h, tables, 1 << planes, generator=g), -1)
     seqlens = torch.tensor(lens, dtype=torch.int32)
+    sink = torch.randint(0, 20, (3,), generator=g)
+    local = torch.randint(0, 20, (3,), generator=g)
+    j = torch.arange(8 * page)
+    n = seqlens.long()[:, None, None]
+    forced_at = ((j < sink[:, None, None]) | (j >= n - local[:, None, None])) & (j < n)
     for nrm in (norms, None):
-        want = paged_collision_torch(probs, ids, nrm, table, seqlens)
-        got = paged_collision(*(t.to(DEV) if t is not None else None for t in (probs, ids, nrm, table, seqlens)))
-        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+        for p_ in (probs, probs.half()):
+            want = paged_collision_torch(p_, ids, nrm, table, seqlens)
+            got = paged_collision(*(t.to(DEV) if t is not None else None for t in (p_, ids, nrm, table, seqlens)))
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+            # The forced sinks and windows come back as +inf, the rest as without them.
+            forced = (sink.to(DEV), local.to(DEV))
+            got_f = paged_collision(*(t.to(DEV) if t is not None else None for t in (p_, ids, nrm, table, seqlens)),
+                                    forced=forced).cpu()
+            want_f = paged_collision_torch(p_, ids, nrm, table, seqlens, (sink, local))
+            assert torch.equal(torch.isposinf(want_f), forced_at.expand_as(want_f)), f"seed {seed}"
+            assert torch.equal(torch.isposinf(got_f), forced_at.expand_as(got_f)), f"seed {seed}"
+            torch.testing.assert_close(got_f[~forced_at.expand_as(got_f)], want[~forced_at.expand_as(want)],
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
 
 
 def _decode_case(g: torch.Generator, rows: int, max_len: int, width: int, pages: int, page: int = 16,

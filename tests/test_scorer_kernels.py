@@ -17,7 +17,8 @@ import torch
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 from raysparse.kernels import dispatch
-from raysparse.kernels.lsh_scorer import bucket_ids, collision_scores_varlen
+from raysparse.kernels.lsh_probs import bucket_probs
+from raysparse.kernels.lsh_scorer import bucket_ids, bucket_ids_into_slots, collision_scores_varlen
 from raysparse.kernels.quest_bounds import page_bounds, page_scores
 from raysparse.kernels.sketch_scorer import block_plan, block_sketch, srht_apply
 from raysparse.kernels.topp import topp_mask
@@ -148,6 +149,42 @@ def test_bucket_ids(d: int, planes: int, out_dtype: torch.dtype, x_dtype: torch.
                      ).any(2)
         assert ((out.int() == ref) | near_zero).all()
         assert (out.int() == ref).float().mean() > 0.99
+
+
+def test_bucket_ids_into_slots() -> None:
+    """Cache slots hashed in place equal ``bucket_ids`` of the gathered keys; no other slot is written."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    pages, page, d, planes, tables = 9, 16, 64, 8, 6
+    w = lsh.hyperplanes(3, 1, range(H_KV), tables, planes, d).to(DEV)
+    keys = _rand(pages, H_KV, page, d, gen=gen, dtype=torch.bfloat16)
+    slot = torch.randperm(pages * page, generator=gen)[:21]  # distinct slots, scattered over the pages
+    pg, off = (slot // page).to(DEV, torch.int32), (slot % page).to(DEV, torch.int32)
+    ids = torch.full((pages, H_KV, tables, page), 255, dtype=torch.uint8, device=DEV)
+    bucket_ids_into_slots(w, keys, pg, off, ids)
+    want = torch.full_like(ids, 255)
+    want[pg.long(), :, :, off.long()] = bucket_ids(w, keys[pg.long(), :, off.long()].transpose(0, 1),
+                                                   torch.uint8).permute(2, 0, 1)
+    assert torch.equal(ids, want), f"seed {seed}"
+
+
+@pytest.mark.parametrize("planes,g,hard,reduce", [(8, 4, False, "mean"), (5, 3, False, "max"),
+                                                  (8, 4, True, "mean"), (4, 2, True, "max")])
+def test_bucket_probs(planes: int, g: int, hard: bool, reduce: str) -> None:
+    """The one-launch bucket distributions of a decode batch against the PyTorch form (``lsh``'s
+    per-head distributions, reduced over each KV head's g query heads), every element."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gen = torch.Generator().manual_seed(seed)
+    b, d, tables = 3, 64, 6
+    w = lsh.hyperplanes(7, 2, range(H_KV), tables, planes, d).to(DEV)
+    q = _rand(b, H_KV * g, d, gen=gen, dtype=torch.bfloat16)
+    qg = q.float().view(b, H_KV, g, d).permute(1, 0, 2, 3).reshape(H_KV, b * g, d)
+    p = lsh.hard_bucket_probs(w, qg) if hard else lsh.soft_bucket_probs(w, qg, 0.3)
+    p = p.view(H_KV, b, g, tables, -1)
+    want = (p.mean(2) if reduce == "mean" else p.amax(2)).transpose(0, 1)
+    for per in (1, 3):
+        got = bucket_probs(w, q, 0.3, hard=hard, reduce=reduce, tables_per_program=per)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m: f"seed {seed}: {m}")
 
 
 @pytest.mark.parametrize("planes,with_norms", [(8, True), (10, False)])

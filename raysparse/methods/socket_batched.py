@@ -9,12 +9,12 @@ reads, so it runs inside a captured CUDA graph:
   shard's heads). So with prefix caching (``prefix_state = "pages"``) a prompt starting from cached pages finds
   its prefix hashed already.
 - ``hash_step_keys`` (``Socket.update_state``): each step hashes its new keys into their slots (a rollback's
-  rewritten slots are rehashed too).
-- ``batched_select`` (``Socket.decode_select``): the group-reduced bucket distributions of every row at once,
-  the collision scores of every key through the page table (``kernels/paged_collision.py``: Triton on GPUs,
-  its PyTorch form else; skipped where no row scores a token), then sinks and local window as forced (+inf)
-  and the top-k of the middle in one ``select_list``, each row's (sink, local, k) from ``budget_rows``, the
-  budget rule on device.
+  rewritten slots are rehashed too), on GPUs straight from the cache pages into the id pool.
+- ``batched_select`` (``Socket.decode_select``): the group-reduced bucket distributions of every row at once
+  (``kernels/lsh_probs.py`` on GPUs), the collision scores of every key through the page table
+  (``kernels/paged_collision.py``: Triton on GPUs, its PyTorch form else; skipped where no row scores a
+  token) with the sinks and local window written as forced (+inf), then the top-k of the middle in one
+  ``select_list``, each row's (sink, local, k) from ``budget_rows``, the budget rule on device.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysparse.kernels.dispatch import triton_wanted
+from raysparse.kernels.lsh_probs import bucket_probs
+from raysparse.kernels.lsh_scorer import bucket_ids_into_slots
 from raysparse.kernels.paged_collision import paged_collision, paged_collision_torch
 from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
@@ -49,22 +51,29 @@ def page_pools(method: Socket, layer: int, cache: KVCache) -> tuple[torch.Tensor
 
 
 def hash_step_keys(method: Socket, layer: int, cache: KVCache, batch: BatchMeta) -> None:
-    """Hashes the step's new keys into their slots (a rollback's rewritten slots are rehashed too)."""
+    """Hashes the step's new keys into their slots (a rollback's rewritten slots are rehashed too): on GPUs
+    one launch that reads the keys from their pages and writes the ids in place."""
     ids_pool, norm_pool = page_pools(method, layer, cache)
     pages, offs = batch.slot_pages, batch.slot_offsets
-    k = cache.k[layer][pages, :, offs]  # [T, h_kv, d]
-    w = method.planes_for(layer, k.shape[1], k.device)
-    ids = lsh.bucket_ids(w, k.transpose(0, 1))  # [h_kv, L, T]
-    ids_pool[pages, :, :, offs] = ids.permute(2, 0, 1).to(ids_pool.dtype)
+    keys = cache.k[layer]
+    w = method.planes_for(layer, keys.shape[1], keys.device)
+    if triton_wanted(keys, ids_pool):
+        bucket_ids_into_slots(w, keys, pages, offs, ids_pool)
+    else:
+        ids = lsh.bucket_ids(w, keys[pages, :, offs].transpose(0, 1))  # [h_kv, L, T]
+        ids_pool[pages, :, :, offs] = ids.permute(2, 0, 1).to(ids_pool.dtype)
     if norm_pool is not None:
         norm_pool[pages, :, offs] = torch.linalg.vector_norm(cache.v[layer][pages, :, offs].float(), dim=-1)
 
 
 def batch_bucket_probs(method: Socket, layer: int, q: torch.Tensor, h_kv: int) -> torch.Tensor:
-    """``Socket.bucket_probs`` of every row at once: q [B, h, d] -> [B, h_kv, L, R]."""
+    """``Socket.bucket_probs`` of every row at once: q [B, h, d] -> [B, h_kv, L, R] (on GPUs one launch,
+    ``kernels/lsh_probs.py``)."""
     c = method.config
     b, h, d = q.shape
     w = method.planes_for(layer, h_kv, q.device)
+    if triton_wanted(q, w):
+        return bucket_probs(w, q, c.tau, hard=c.hard, reduce=c.group_reduce)
     qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)  # [h_kv, B * g, d]
     p = lsh.hard_bucket_probs(w, qg) if c.hard else lsh.soft_bucket_probs(w, qg, c.tau)
     p = p.view(h_kv, b, h // h_kv, *p.shape[2:])
@@ -90,22 +99,17 @@ def budget_rows(method: Socket, n: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return sink, local, torch.minimum(k.clamp(min=0), n - sink - local)
 
 
-def step_rows(method: Socket, view: DecodeView) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's per-row budget as the list selection reads it, the same at every sparse layer (one density
-    for all of them), so built by the step's first SOCKET layer and kept in ``batch.extras``: an additive
-    encoding [B, 1, W] fp32 (+inf on the forced sinks and local window, 0 on the scored middle, -inf past the
-    row's length) and each (row, KV head)'s k [B h_kv]."""
-    width, h_kv = view.width_tokens, view.kv.k.shape[1]
-    key = ("socket-step", id(method), width, h_kv)  # the method's frozen config fixes the rule
+def step_rows(method: Socket, view: DecodeView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's per-row budget, the same at every sparse layer (one density for all of them), so computed
+    by the step's first SOCKET layer and kept in ``batch.extras``: each row's forced sink and local window
+    [B] (the scorer writes them as +inf, the list selection's forced encoding) and each (row, KV head)'s k
+    [B h_kv]."""
+    h_kv = view.kv.k.shape[1]
+    key = ("socket-step", id(method), h_kv)  # the method's frozen config fixes the rule
     got = view.batch.extras.get(key)
     if got is None:
-        n = view.seqlens.long()[:, None]  # [B, 1]
-        sink, local, top = budget_rows(method, n)
-        j = torch.arange(width, device=n.device)
-        forced = (j < sink) | ((j >= n - local) & (j < n))
-        enc = torch.zeros(n.shape[0], 1, width, device=n.device).masked_fill_(~(j < n)[:, None, :], -math.inf)
-        got = view.batch.extras[key] = (enc.masked_fill_(forced[:, None, :], math.inf),
-                                         top.expand(-1, h_kv).flatten())
+        sink, local, top = budget_rows(method, view.seqlens.long()[:, None])
+        got = view.batch.extras[key] = (sink.flatten(), local.flatten(), top.expand(-1, h_kv).flatten())
     return got
 
 
@@ -115,20 +119,18 @@ def batched_select(method: Socket, layer: int, q: torch.Tensor, view: DecodeView
     ids_pool, norm_pool = page_pools(method, layer, view.cache)
     h_kv = ids_pool.shape[1]
     k_max = method.budget(width)[2] if c.top_k is None else min(c.top_k, width)
-    enc, top = step_rows(method, view)
+    sink, local, top = step_rows(method, view)
     if k_max == 0:
         # No row of the bucket scores a token (the budget holds no more than the sinks and the local window,
         # k non-decreasing in n): the selection is the forced tokens, so the collision scores are not computed.
-        score = enc.expand(-1, h_kv, -1).contiguous()
+        n = view.seqlens.long()[:, None]
+        j = torch.arange(width, device=n.device)
+        forced = (j < sink[:, None]) | ((j >= n - local[:, None]) & (j < n))
+        score = torch.where(forced, math.inf, -math.inf)[:, None].expand(-1, h_kv, -1).contiguous()
     else:
         probs = batch_bucket_probs(method, layer, q, h_kv)
-        # norm_pool is None unless the scorer uses value norms
-        if triton_wanted(q, ids_pool):
-            score = paged_collision(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens)
-        else:
-            score = paged_collision_torch(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens)
-        # The list selection's encoding in one add: the middle's scores are finite and kept (x + 0), the forced
-        # keys' become +inf, and past the length both terms are -inf.
-        score = score.add_(enc)
+        # norm_pool is None unless the scorer uses value norms; the forced sinks and windows come back as +inf
+        collide = paged_collision if triton_wanted(q, ids_pool) else paged_collision_torch
+        score = collide(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens, (sink, local))
     out_width = min(width, min(c.sink_tokens, width) + min(c.local_tokens, width) + k_max)
     return select_list(score.flatten(0, 1), top, k_max, max(out_width, 1)).view(*score.shape[:2], -1)

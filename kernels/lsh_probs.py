@@ -1,0 +1,89 @@
+"""SOCKET's bucket distributions of a decode batch in one launch (reference: ``socket_batched``'s PyTorch
+form over ``lsh.soft_bucket_probs`` / ``lsh.hard_bucket_probs``).
+
+``q [B, h, d]`` (h = h_kv g query heads, any float dtype), ``w [h_kv, L, P, d]`` fp32 hyperplanes ->
+``[B, h_kv, L, 2**P]`` in ``out_dtype``: per query head, soft: u = tanh(W_l q) / sqrt(d), p_l(r) =
+softmax_r(u . c_r / tau) over the hypercube's corners c_r (bit p of r set iff c_r[p] = +1); hard: the one-hot
+of q's own bucket (bit p set iff (W_l q)_p > 0). The g heads of a KV head are then reduced by their mean or
+max. One program per (table, KV head, row) computes the g projections, the 2**P logits, the softmax and
+the reduction in registers: the PyTorch form takes six launches (a batched product, tanh, the corner
+product, softmax, the reduction and a transposed copy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .common import next_pow2, tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no overflow to nan
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _bucket_probs_kernel(Q, W, Out, g, planes, scale, stride_qb, stride_qh, stride_wh, stride_wl,
+                             stride_wp, stride_ob, stride_oh, stride_ol,
+                             G_PAD: tl.constexpr, P_PAD: tl.constexpr, R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             TABLES: tl.constexpr, HARD: tl.constexpr, MEAN: tl.constexpr):
+        kh = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2).to(tl.int64)
+        gi = tl.arange(0, G_PAD)
+        p = tl.arange(0, P_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        live_g = gi < g
+        q = tl.load(Q + b * stride_qb + (kh * g + gi)[:, None] * stride_qh + d[None, :],
+                    mask=live_g[:, None], other=0.0).to(tl.float32)  # [G, D]
+        r = tl.arange(0, R)
+        corner = tl.where(((r[None, :] >> p[:, None]) & 1) == 1, 1.0, -1.0)  # [P, R]: corner r's signs
+        for i in tl.static_range(TABLES):  # this program's tables share the query rows it loaded
+            t = tl.program_id(0).to(tl.int64) * TABLES + i
+            w = tl.load(W + kh * stride_wh + t * stride_wl + p[:, None] * stride_wp + d[None, :],
+                        mask=(p < planes)[:, None], other=0.0)  # [P, D]
+            proj = tl.sum(q[:, None, :] * w[None, :, :], 2)  # [G, P], exact fp32 like the reference's product
+            if HARD:
+                ids = tl.sum(tl.where((proj > 0) & (p < planes)[None, :], 1 << p[None, :], 0), 1)  # [G]
+                prob = (r[None, :] == ids[:, None]).to(tl.float32)  # [G, R]
+            else:
+                u = tl.where((p < planes)[None, :], _tanh(proj), 0.0)  # padded planes add nothing
+                logit = tl.sum(u[:, :, None] * corner[None, :, :], 1) * scale  # [G, R]
+                e = tl.exp(logit - tl.max(logit, 1)[:, None])
+                prob = e / tl.sum(e, 1)[:, None]
+            if MEAN:
+                red = tl.sum(tl.where(live_g[:, None], prob, 0.0), 0) / g
+            else:
+                red = tl.max(tl.where(live_g[:, None], prob, 0.0), 0)
+            tl.store(Out + b * stride_ob + kh * stride_oh + t * stride_ol + r, red.to(Out.dtype.element_ty))
+
+
+def bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool = False, reduce: str = "mean",
+                 out_dtype: torch.dtype = torch.float32, tables_per_program: int = 1,
+                 num_warps: int = 1) -> torch.Tensor:
+    """w ``[h_kv, L, P, d]``, q ``[B, h, d]`` -> group-reduced bucket distributions ``[B, h_kv, L, 2**P]``
+    (see the module docstring). Fixed shapes, no host read: it runs inside a captured decode step.
+    ``tables_per_program`` (dividing L) and ``num_warps`` are knobs for ``benchmarks/bench_decode_scorers.py``."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    h_kv, tables, planes, d = w.shape
+    b, h, dq = q.shape
+    if dq != d or h % h_kv or d & (d - 1) or not 1 <= planes <= 10:
+        raise ValueError(f"shapes do not fit: w {tuple(w.shape)}, q {tuple(q.shape)}")
+    if reduce not in ("mean", "max"):
+        raise ValueError(f"reduce must be mean or max, got {reduce!r}")
+    w = w if w.dtype == torch.float32 and w.stride(-1) == 1 else w.float().contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if tables_per_program < 1 or tables % tables_per_program:
+        raise ValueError(f"tables_per_program must divide the {tables} tables, got {tables_per_program}")
+    g = h // h_kv
+    out = torch.empty(b, h_kv, tables, 1 << planes, dtype=out_dtype, device=q.device)
+    if b and tables and h_kv:
+        _bucket_probs_kernel[(tables // tables_per_program, h_kv, b)](
+            q, w, out, g, planes, 1.0 / (math.sqrt(d) * float(tau)), q.stride(0), q.stride(1), w.stride(0),
+            w.stride(1), w.stride(2), out.stride(0), out.stride(1), out.stride(2), G_PAD=next_pow2(g),
+            P_PAD=next_pow2(planes), R=1 << planes, HEAD_DIM=d, TABLES=tables_per_program, HARD=hard,
+            MEAN=reduce == "mean", num_warps=num_warps)
+    return out
