@@ -10,7 +10,8 @@ record with every method's metrics and their ratios to dense measured the same w
 Options pass through: ``--methods sketch_walk:0.1,psaw`` (method:density, or a method without a budget alone),
 ``--prompt-len``,
 ``--num-prompts``, ``--output-len``, ``--max-concurrency``, ``--tokenizer`` (a local tokenizer directory, where
-the embedded model is not installed), ``--out``.
+the embedded model is not installed), ``--decode-steps`` (the engine's multi-step decode while no prompt waits),
+``--out``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def bench_args(a: argparse.Namespace, model: str) -> list[str]:
     common = ["--model", model, "--no-draft", "--num-prompts", str(a.num_prompts), "--prompt-lens", str(a.prompt_len),
               "--output-len", str(a.output_len), "--max-concurrency", str(a.max_concurrency),
               "--slo", f"ttft:{a.slo_ttft_ms}", "--slo", f"tpot:{a.slo_tpot_ms}", "--no-plot",
-              "--num-warmups", str(a.max_concurrency)]  # untimed: every in-flight batch size's first use
+              "--num-warmups", str(a.max_concurrency),  # untimed: every in-flight batch size's first use
+              "--decode-steps", str(a.decode_steps)]
     if a.quick:
         return common + ["--num-cpus", "2", "--cpus-per-shard", "0.5", "--kv-cache-tokens", "4096"]
     kv = a.max_concurrency * (a.prompt_len + a.output_len + 64)
@@ -54,6 +56,8 @@ def main() -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory that cuts the text into ids (default: the embedded model's)")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="the engine's decode steps per shard call while no prompt waits (multi-step decode)")
     p.add_argument("--out", default=None, help="record directory (default: benchmarks/records/serving_<date>)")
     p.add_argument("--repeat-dense", action="store_true",
                    help="run dense again after the methods (row dense_repeat): the spread of one run's ratios")

@@ -151,6 +151,15 @@ class Streaming(SparseMethod):
         return int(self._local(torch.tensor([width]), sinks, 1)[0])
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        # The list is a function of the lengths alone, the same at every sparse layer (one density for all):
+        # the step's first layer builds it and the others reuse it, instead of a dozen small launches each.
+        key = ("streaming-step", id(self), view.width_tokens, view.kv.k.shape[1])
+        got = view.batch.extras.get(key)
+        if got is None:
+            got = view.batch.extras[key] = self._step_list(view)
+        return got
+
+    def _step_list(self, view: DecodeView) -> torch.Tensor:
         width = view.width_tokens
         n = view.seqlens.long()[:, None]  # [B, 1]
         sinks = n.clamp(max=self.config.sink_tokens)

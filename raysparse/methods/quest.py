@@ -150,13 +150,18 @@ class Quest(SparseMethod):
         args = (q, lo_pool, hi_pool, view.kv.page_table, view.seqlens, p)
         # +inf: forced (the first and current page); -inf: past the row's pages.
         score = paged_quest_scores(*args) if triton_wanted(q, lo_pool) else paged_quest_scores_torch(*args)
-        n_pages = (view.seqlens.long() + p - 1) // p
-        forced = torch.where(n_pages == 1, 1, 2)
-        kk = (row_budget(self.layer_density, n_pages) - forced).clamp(min=0)  # [B]
+        # Each (row, KV head)'s k is a function of the lengths alone, the same at every sparse layer (one
+        # density): built by the step's first layer, reused by the others.
+        key = ("quest-step", id(self), score.shape[1])
+        kk = view.batch.extras.get(key)
+        if kk is None:
+            n_pages = (view.seqlens.long() + p - 1) // p
+            forced = torch.where(n_pages == 1, 1, 2)
+            kk = (row_budget(self.layer_density, n_pages) - forced).clamp(min=0)  # [B]
+            kk = view.batch.extras[key] = kk.repeat_interleave(score.shape[1])
         pages = score.shape[-1]
         k_max = max(self._static_width(pages) - 2, 0)
-        return select_list(score.flatten(0, 1), kk.repeat_interleave(score.shape[1]), k_max,
-                           self._static_width(pages)).view(*score.shape[:2], -1)
+        return select_list(score.flatten(0, 1), kk, k_max, self._static_width(pages)).view(*score.shape[:2], -1)
 
     def decode_keys(self, layer: int, n: int) -> int:
         p = self.config.page_size
