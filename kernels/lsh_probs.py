@@ -18,6 +18,8 @@ import torch
 
 from .common import next_pow2, tl, triton
 
+MAX_PLANES = 10  # 2**P logits per query head in registers; more planes take the PyTorch form
+
 if triton is not None:
 
     @triton.jit
@@ -70,7 +72,7 @@ def bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool = F
         raise RuntimeError("triton is not installed")
     h_kv, tables, planes, d = w.shape
     b, h, dq = q.shape
-    if dq != d or h % h_kv or d & (d - 1) or not 1 <= planes <= 10:
+    if dq != d or h % h_kv or d & (d - 1) or not 1 <= planes <= MAX_PLANES:
         raise ValueError(f"shapes do not fit: w {tuple(w.shape)}, q {tuple(q.shape)}")
     if reduce not in ("mean", "max"):
         raise ValueError(f"reduce must be mean or max, got {reduce!r}")

@@ -116,6 +116,10 @@ def bucket_ids_into_slots(w: torch.Tensor, keys: torch.Tensor, pages: torch.Tens
     ``bucket_ids`` of the gathered keys, without the gather's copy and the ids' scatter."""
     if keys.stride(-1) != 1 or ids.stride(-1) != 1:
         raise ValueError("keys and ids need a contiguous last dimension")
+    if (ids.shape[0], ids.shape[1], ids.shape[3]) != (keys.shape[0], keys.shape[1], keys.shape[2]) \
+            or ids.shape[2] != w.shape[1] or pages.shape != offsets.shape or pages.dim() != 1:
+        raise ValueError(f"shapes do not fit: keys {tuple(keys.shape)}, ids {tuple(ids.shape)}, w {tuple(w.shape)}, "
+                         f"pages {tuple(pages.shape)}, offsets {tuple(offsets.shape)}")
     _launch_buckets(w, keys, ids, pages, offsets, pages.shape[0], precision)
 
 

@@ -358,3 +358,18 @@ def test_config_registry_and_metadata_bytes():
     # the default scorer (no value-norm factor) and the hard counts keep only bucket ids
     assert Socket(model_cfg(layers=5), SocketConfig()).metadata_bytes_per_token() == 3 * H_KV * 60
     assert SocketHard(model_cfg(layers=5), SocketHardConfig()).metadata_bytes_per_token() == 3 * H_KV * 60
+
+
+@pytest.mark.parametrize("planes,hard", [(4, False), (4, True), (11, False)])
+def test_batch_bucket_probs_equal_the_per_row_distributions(monkeypatch: pytest.MonkeyPatch, planes: int,
+                                                            hard: bool) -> None:
+    """The batch's distributions (the one-launch kernel where it applies, the PyTorch form past its planes)
+    equal ``bucket_probs`` of each row's query, every element."""
+    from raysparse.methods.socket_batched import batch_bucket_probs
+
+    m = method(planes=planes, hard=hard, tables=3)
+    q = torch.randn(3, H_KV * G, D)
+    want = torch.stack([m.bucket_probs(1, q[i], H_KV) for i in range(3)])
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
+        torch.testing.assert_close(batch_bucket_probs(m, 1, q, H_KV), want, atol=1e-6, rtol=1e-5)

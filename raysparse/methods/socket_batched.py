@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysparse.kernels.dispatch import triton_wanted
-from raysparse.kernels.lsh_probs import bucket_probs
+from raysparse.kernels.lsh_probs import MAX_PLANES, bucket_probs
 from raysparse.kernels.lsh_scorer import bucket_ids_into_slots
 from raysparse.kernels.paged_collision import paged_collision, paged_collision_torch
 from raysparse.kernels.row_select import select_list
@@ -72,7 +72,7 @@ def batch_bucket_probs(method: Socket, layer: int, q: torch.Tensor, h_kv: int) -
     c = method.config
     b, h, d = q.shape
     w = method.planes_for(layer, h_kv, q.device)
-    if triton_wanted(q, w):
+    if triton_wanted(q, w) and c.planes <= MAX_PLANES:
         return bucket_probs(w, q, c.tau, hard=c.hard, reduce=c.group_reduce)
     qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)  # [h_kv, B * g, d]
     p = lsh.hard_bucket_probs(w, qg) if c.hard else lsh.soft_bucket_probs(w, qg, c.tau)
