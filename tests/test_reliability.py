@@ -29,21 +29,44 @@ def _free_port() -> int:
 
 
 class Served:
-    """`raysparse serve` in its own process (its own local Ray), stopped with SIGTERM at the end."""
+    """`raysparse serve` in its own process (its own local Ray), stopped with SIGTERM at the end.
 
-    def __init__(self, *args: str, timeout: float = 180.0) -> None:
-        self.port = _free_port()
+    The server starts its Ray before it binds gRPC (Ray forks its daemons first), so one of Ray's own random
+    ports can take the free port picked here in between: such a start (the server exits, the port in use) is
+    retried on another port. A server that exits fails the wait at once instead of at its timeout."""
+
+    def __init__(self, *args: str, timeout: float = 180.0, attempts: int = 3) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        self.proc = subprocess.Popen([*CLI, "serve", "--port", str(self.port), "--no-metrics", "--num-cpus", "2",
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.target = f"127.0.0.1:{self.port}"
-        self.client = RaySparseClient(self.target)
-        try:
-            self.client.wait_serving(timeout, poll_s=0.2)
-        except BaseException:
-            out = self.close()
-            print(f"server output (last 4000 characters):\n{out[-4000:]}")  # shown with the failure
-            raise
+        for attempt in range(attempts):
+            self.port = _free_port()
+            self.proc = subprocess.Popen([*CLI, "serve", "--port", str(self.port), "--no-metrics", "--num-cpus",
+                                          "2", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         env=env)
+            self.target = f"127.0.0.1:{self.port}"
+            self.client = RaySparseClient(self.target)
+            try:
+                self._wait(timeout)
+                return
+            except BaseException:
+                out = self.close()
+                if "Failed to bind" in out and attempt + 1 < attempts:
+                    continue  # the port was taken meanwhile: another one
+                print(f"server output (last 4000 characters):\n{out[-4000:]}")  # shown with the failure
+                raise
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"raysparse serve exited with {self.proc.returncode} before it was SERVING")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.target} was not SERVING within {timeout:.0f} s")
+            try:
+                self.client.wait_serving(min(2.0, left), poll_s=0.2)
+                return
+            except TimeoutError:
+                continue
 
     def close(self) -> str:
         self.client.close()
