@@ -43,12 +43,17 @@ def paged_collision_torch(probs: torch.Tensor, ids: torch.Tensor, norms: torch.T
     if norms is not None:
         score *= norms.index_select(0, table.reshape(-1)).view(b, width, h, page)
     score = score.transpose(1, 2).reshape(b, h, width * page)
-    j = torch.arange(width * page, device=probs.device)
-    n = seqlens.long()[:, None, None]
     if forced is not None:
-        sink, local = (x.long()[:, None, None] for x in forced)
-        score.masked_fill_((j < sink) | ((j >= n - local) & (j < n)), float("inf"))
-    return score.masked_fill_(j >= n, float("-inf"))
+        score.masked_fill_(forced_tokens(*forced, seqlens, width * page)[:, None], float("inf"))
+    j = torch.arange(width * page, device=probs.device)
+    return score.masked_fill_(j >= seqlens.long()[:, None, None], float("-inf"))
+
+
+def forced_tokens(sink: torch.Tensor, local: torch.Tensor, seqlens: torch.Tensor, width: int) -> torch.Tensor:
+    """bool ``[B, width]``: each row's first ``sink`` and last ``local`` of its ``seqlens`` tokens."""
+    j = torch.arange(width, device=seqlens.device)
+    n = seqlens.long()[:, None]
+    return (j < sink.long()[:, None]) | ((j >= n - local.long()[:, None]) & (j < n))
 
 
 if triton is not None:

@@ -27,7 +27,7 @@ import torch
 from raysparse.kernels.dispatch import triton_wanted
 from raysparse.kernels.lsh_probs import MAX_PLANES, bucket_probs
 from raysparse.kernels.lsh_scorer import bucket_ids_into_slots
-from raysparse.kernels.paged_collision import paged_collision, paged_collision_torch
+from raysparse.kernels.paged_collision import forced_tokens, paged_collision, paged_collision_torch
 from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
@@ -123,9 +123,7 @@ def batched_select(method: Socket, layer: int, q: torch.Tensor, view: DecodeView
     if k_max == 0:
         # No row of the bucket scores a token (the budget holds no more than the sinks and the local window,
         # k non-decreasing in n): the selection is the forced tokens, so the collision scores are not computed.
-        n = view.seqlens.long()[:, None]
-        j = torch.arange(width, device=n.device)
-        forced = (j < sink[:, None]) | ((j >= n - local[:, None]) & (j < n))
+        forced = forced_tokens(sink, local, view.seqlens, width)
         score = torch.where(forced, math.inf, -math.inf)[:, None].expand(-1, h_kv, -1).contiguous()
     else:
         probs = batch_bucket_probs(method, layer, q, h_kv)
