@@ -2,7 +2,7 @@
 form over ``lsh.soft_bucket_probs`` / ``lsh.hard_bucket_probs``).
 
 ``q [B, h, d]`` (h = h_kv g query heads, any float dtype), ``w [h_kv, L, P, d]`` fp32 hyperplanes ->
-``[B, h_kv, L, 2**P]`` in ``out_dtype``: per query head, soft: u = tanh(W_l q) / sqrt(d), p_l(r) =
+``[B, h_kv, L, 2**P]`` fp32: per query head, soft: u = tanh(W_l q) / sqrt(d), p_l(r) =
 softmax_r(u . c_r / tau) over the hypercube's corners c_r (bit p of r set iff c_r[p] = +1); hard: the one-hot
 of q's own bucket (bit p set iff (W_l q)_p > 0). The g heads of a KV head are then reduced by their mean or
 max. One program per (table, KV head, row) computes the g projections, the 2**P logits, the softmax and
@@ -59,12 +59,11 @@ if triton is not None:
                 red = tl.sum(tl.where(live_g[:, None], prob, 0.0), 0) / g
             else:
                 red = tl.max(tl.where(live_g[:, None], prob, 0.0), 0)
-            tl.store(Out + b * stride_ob + kh * stride_oh + t * stride_ol + r, red.to(Out.dtype.element_ty))
+            tl.store(Out + b * stride_ob + kh * stride_oh + t * stride_ol + r, red)
 
 
 def bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool = False, reduce: str = "mean",
-                 out_dtype: torch.dtype = torch.float32, tables_per_program: int = 1,
-                 num_warps: int = 1) -> torch.Tensor:
+                 tables_per_program: int = 1, num_warps: int = 1) -> torch.Tensor:
     """w ``[h_kv, L, P, d]``, q ``[B, h, d]`` -> group-reduced bucket distributions ``[B, h_kv, L, 2**P]``
     (see the module docstring). Fixed shapes, no host read: it runs inside a captured decode step.
     ``tables_per_program`` (dividing L) and ``num_warps`` are knobs for ``benchmarks/bench_decode_scorers.py``."""
@@ -81,7 +80,7 @@ def bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool = F
     if tables_per_program < 1 or tables % tables_per_program:
         raise ValueError(f"tables_per_program must divide the {tables} tables, got {tables_per_program}")
     g = h // h_kv
-    out = torch.empty(b, h_kv, tables, 1 << planes, dtype=out_dtype, device=q.device)
+    out = torch.empty(b, h_kv, tables, 1 << planes, dtype=torch.float32, device=q.device)
     if b and tables and h_kv:
         _bucket_probs_kernel[(tables // tables_per_program, h_kv, b)](
             q, w, out, g, planes, 1.0 / (math.sqrt(d) * float(tau)), q.stride(0), q.stride(1), w.stride(0),

@@ -14,18 +14,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import free_port
 
 from raysparse.serving.client import RaySparseClient, build_request
 
 CLI = [sys.executable, "-m", "raysparse.cli"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -38,7 +31,7 @@ class Served:
     def __init__(self, *args: str, timeout: float = 180.0, attempts: int = 3) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         for attempt in range(attempts):
-            self.port = _free_port()
+            self.port = free_port()
             self.proc = subprocess.Popen([*CLI, "serve", "--port", str(self.port), "--no-metrics", "--num-cpus",
                                           "2", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                          env=env)

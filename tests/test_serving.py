@@ -9,6 +9,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from helpers import free_port
 
 from raysparse.serving.client import RaySparseClient
 from raysparse.serving.proto import raysparse_pb2 as pb
@@ -425,16 +426,10 @@ def test_serve_and_generate_commands(tmp_path):
     import json
     import os
     import signal
-    import socket
     import subprocess
     import sys
 
     from raysparse.serving.tiny import write_tiny_model
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     model = write_tiny_model(tmp_path / "tiny", max_positions=MAX_POS)
     port, mport = free_port(), free_port()
