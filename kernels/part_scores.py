@@ -26,10 +26,13 @@ dot product instead of each element (the same for a full part: its count is a po
 reference may divide by sqrt(r) as a multiplication by its reciprocal on CUDA, so a score may differ from
 it by fp32 rounding; the empty parts and the stored sums are the reference's exactly.
 
-``_combine_kernel`` (batch rows x tiles of parts; the KV heads in a loop, so a part's scores never reach
-memory) writes this shard's partial of ``SketchWalk._combine_heads`` [bsz, w * P] fp64: per part the sum
-over its KV heads, in head order, of exp(score) ("pair-lse"; 0 for an empty part) or of the score ("pair";
--inf for an empty part), each score in fp32 as above and summed in fp64. Only the program whose tile
+The query may be each KV head's group mean (one sketch per KV head) or every query head's own sketch
+(``decode_query="heads"``: G per KV head, scored against the same part sums, loaded once per KV head).
+
+``_combine_kernel`` (batch rows x tiles of parts; the KV heads and their query sketches in a loop, so a part's
+scores never reach memory) writes this shard's partial of ``SketchWalk._combine_heads`` [bsz, w * P] fp64: per
+part the sum over its query sketches, in head order, of exp(score) ("pair-lse"; 0 for an empty part) or of
+the score ("pair"; -inf for an empty part), each score in fp32 as above and summed in fp64. Only the program whose tile
 holds a row's current part reads that part, so it stores the updated sums itself, after the heads' loop (a
 store inside it would keep the next head's loads from being issued before it): one launch.
 """
@@ -57,17 +60,19 @@ if triton is not None:
         return page * P + cols % P, ok, cols == cur, (nn - 1) % SIZE == 0, cnt
 
     @triton.jit
-    def _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r,
-                     H_KV: tl.constexpr, R: tl.constexpr):
-        """KV head h's scores of a tile of parts, the new key folded into its part in registers (a store here
-        could land before another program's load); empty parts -inf."""
+    def _head_keys(KS, K, b, h, row, ok, here, fresh, s_k0, s_k1, H_KV: tl.constexpr, R: tl.constexpr):
+        """KV head h's part sums of a tile, the new key folded into its part in registers (a store here could
+        land before another program's load)."""
         rr = tl.arange(0, R)
-        at = (b * H_KV + h) * R + rr
         ptr = KS + row[:, None] * s_k0 + h * s_k1 + rr[None, :]
         kt = tl.load(ptr, mask=ok[:, None], other=0.0)
-        kt = tl.where(here[:, None], tl.where(fresh, 0.0, kt) + tl.load(K + at)[None, :], kt)
+        return tl.where(here[:, None], tl.where(fresh, 0.0, kt) + tl.load(K + (b * H_KV + h) * R + rr)[None, :], kt)
+
+    @triton.jit
+    def _query_scores(kt, Q, qh, ok, cnt, sqrt_r, R: tl.constexpr):
+        """Query sketch row ``qh``'s scores of a tile's part sums ``kt``; empty parts -inf."""
         # the mean's division after the dot: one per part, not per element (exact alike for power-of-two counts)
-        s = tl.div_rn(tl.div_rn(tl.sum(kt * tl.load(Q + at)[None, :], 1), cnt), sqrt_r)
+        s = tl.div_rn(tl.div_rn(tl.sum(kt * tl.load(Q + qh * R + tl.arange(0, R))[None, :], 1), cnt), sqrt_r)
         return tl.where(ok, s, float("-inf"))
 
     @triton.jit
@@ -83,14 +88,15 @@ if triton is not None:
 
     @triton.jit
     def _score_kernel(KS, TABLE, N, Q, K, S, s_t, s_k0, s_k1, bsz, sqrt_r,
-                      SIZE: tl.constexpr, P: tl.constexpr, H_KV: tl.constexpr, R: tl.constexpr, WID: tl.constexpr,
-                      TP: tl.constexpr):
+                      SIZE: tl.constexpr, P: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr, R: tl.constexpr,
+                      WID: tl.constexpr, TP: tl.constexpr):
         b = tl.program_id(0)
         cols = tl.program_id(1) * TP + tl.arange(0, TP)
-        h = tl.program_id(2)
+        hq = tl.program_id(2)  # a query sketch row: KV head hq // G
         row, ok, here, fresh, cnt = _tile_parts(TABLE, N, b, cols, s_t, SIZE, P, WID)
-        s = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R)
-        tl.store(S + (h * bsz + b) * WID + cols, s, mask=cols < WID)
+        kt = _head_keys(KS, K, b, hq // G, row, ok, here, fresh, s_k0, s_k1, H_KV, R)
+        s = _query_scores(kt, Q, b * H_KV * G + hq, ok, cnt, sqrt_r, R)
+        tl.store(S + (hq * bsz + b) * WID + cols, s, mask=cols < WID)
 
     @triton.jit
     def _store_kernel(KS, TABLE, N, K, s_t, s_k0, s_k1,
@@ -103,17 +109,19 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(KS, TABLE, N, Q, K, X, s_t, s_k0, s_k1, sqrt_r,
-                        SIZE: tl.constexpr, P: tl.constexpr, H_KV: tl.constexpr, HP: tl.constexpr, R: tl.constexpr,
-                        WID: tl.constexpr, TP: tl.constexpr, LSE: tl.constexpr):
+                        SIZE: tl.constexpr, P: tl.constexpr, H_KV: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+                        R: tl.constexpr, WID: tl.constexpr, TP: tl.constexpr, LSE: tl.constexpr):
         b = tl.program_id(0)
         cols = tl.program_id(1) * TP + tl.arange(0, TP)
         row, ok, here, fresh, cnt = _tile_parts(TABLE, N, b, cols, s_t, SIZE, P, WID)
         acc = tl.zeros([TP], dtype=tl.float64)
         for h in tl.static_range(H_KV):  # no store in the loop: every head's loads may be in flight at once
-            s = _head_scores(KS, Q, K, b, h, row, ok, here, fresh, cnt, s_k0, s_k1, sqrt_r, H_KV, R).to(tl.float64)
-            if LSE:
-                s = tl.exp(s)
-            acc += s
+            kt = _head_keys(KS, K, b, h, row, ok, here, fresh, s_k0, s_k1, H_KV, R)
+            for j in tl.static_range(G):  # the query sketches of KV head h (one: its group's mean)
+                s = _query_scores(kt, Q, (b * H_KV + h) * G + j, ok, cnt, sqrt_r, R).to(tl.float64)
+                if LSE:
+                    s = tl.exp(s)
+                acc += s
         tl.store(X + b * WID + cols, acc, mask=cols < WID)
         mine = here & ok
         if tl.sum(mine.to(tl.int32), 0) > 0:  # this tile holds the new token's part: store its updated sums
@@ -123,12 +131,13 @@ if triton is not None:
 def _check(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
            parts: int) -> None:
     r = q.shape[-1]
-    if (r & (r - 1) or ks.dim() != 3 or ks.shape[1:] != q.shape[1:] or ks.stride(-1) != 1 or ks.shape[0] % parts
-            or k.shape != q.shape or table.dim() != 2 or table.shape[0] != q.shape[0] or table.stride(1) != 1
+    if (r & (r - 1) or ks.dim() != 3 or ks.shape[1:] != k.shape[1:] or ks.stride(-1) != 1 or ks.shape[0] % parts
+            or q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1] or q.shape[2] != r
+            or table.dim() != 2 or table.shape[0] != q.shape[0] or table.stride(1) != 1
             or table.dtype != torch.int32 or n.dtype != torch.long):
         raise ValueError("part_scores needs a power-of-two sketch dim, ks [pages * P, h_kv, r] with unit last "
-                         "stride, q and k [bsz, h_kv, r], an int32 page table [bsz, w] with unit column stride "
-                         "and int64 lengths")
+                         "stride, k [bsz, h_kv, r] and q [bsz, h_kv * G, r], an int32 page table [bsz, w] with "
+                         "unit column stride and int64 lengths")
 
 
 def part_rows(table: torch.Tensor, parts: int) -> torch.Tensor:
@@ -160,7 +169,8 @@ def part_scores_reference(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor
     # real rows' current parts are distinct rows; padded rows share the scratch page's (any one wins)
     ks[cur] = torch.where(fresh, 0.0, ks[cur]) + k
     k_mean = ks[rows] / cnt[:, :, None, None]  # [bsz, width, h_kv, r]
-    s = torch.einsum("bhr,bjhr->hbj", q, k_mean) / math.sqrt(q.shape[-1])
+    qg = q.unflatten(1, (k.shape[1], -1))  # [bsz, h_kv, G, r]: G query sketches per KV head
+    s = torch.einsum("bhgr,bjhr->hgbj", qg, k_mean).flatten(0, 1) / math.sqrt(q.shape[-1])
     return s.masked_fill(~filled[None], -math.inf)
 
 
@@ -177,20 +187,22 @@ def part_scores(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torch
                 size: int, parts: int, out: torch.Tensor | None = None, tile: int | None = None) -> torch.Tensor:
     """ks [(num_pages + 1) * P, h_kv, r] fp32: one sparse layer's page-indexed part sums (a view; unit last
     stride); table [bsz, w] int32: each row's KV pages (unit column stride; padded rows: the scratch page);
-    n [bsz] int64: each row's length (the new token included); q / k [bsz, h_kv, r] fp32: the new token's
-    query and key sketches per KV head; ``size`` tokens per part, ``parts`` (P) per page. Writes ``k`` into
-    each row's current part of ``ks`` and returns the scores [h_kv, bsz, w * P] fp32 (in ``out`` if given,
+    n [bsz] int64: each row's length (the new token included); k [bsz, h_kv, r] fp32: the new token's key
+    sketches per KV head; q [bsz, h_kv * G, r] fp32: its query sketches, G per KV head (KV-head major; G = 1:
+    each group's mean); ``size`` tokens per part, ``parts`` (P) per page. Writes ``k`` into each row's
+    current part of ``ks`` and returns the scores [h_kv * G, bsz, w * P] fp32 (in ``out`` if given,
     contiguous). ``tile``: parts per program (a power of two; default by width)."""
-    bsz, h_kv, r = q.shape
+    bsz, hq, r = q.shape
     _check(ks, table, n, q, k, parts)
+    h_kv = k.shape[1]
     q, k = q.float().contiguous(), k.float().contiguous()
     width = table.shape[1] * parts
     if out is None:
-        out = torch.empty(h_kv, bsz, width, dtype=torch.float32, device=q.device)
+        out = torch.empty(hq, bsz, width, dtype=torch.float32, device=q.device)
     tile = _tile(width, tile, 64, 32)
-    _score_kernel[(bsz, -(-width // tile), h_kv)](ks, table, n, q, k, out, table.stride(0), ks.stride(0),
-                                                  ks.stride(1), bsz, math.sqrt(r), SIZE=size, P=parts, H_KV=h_kv,
-                                                  R=r, WID=width, TP=tile, num_warps=4)
+    _score_kernel[(bsz, -(-width // tile), hq)](ks, table, n, q, k, out, table.stride(0), ks.stride(0),
+                                                ks.stride(1), bsz, math.sqrt(r), SIZE=size, P=parts, H_KV=h_kv,
+                                                G=hq // h_kv, R=r, WID=width, TP=tile, num_warps=4)
     _store_kernel[(bsz,)](ks, table, n, k, table.stride(0), ks.stride(0), ks.stride(1), SIZE=size, P=parts,
                           H_KV=h_kv, HP=1 << max(h_kv - 1, 0).bit_length(), R=r, num_warps=4)
     return out
@@ -200,12 +212,14 @@ def part_combine(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torc
                  size: int, parts: int, heads: str, out: torch.Tensor | None = None,
                  tile: int | None = None) -> torch.Tensor:
     """As ``part_scores`` (the same arguments and state update), but returns this shard's partial head
-    combine [bsz, w * P] fp64 (in ``out`` if given, contiguous): per part the sum over the KV heads of
-    exp(score) for ``heads="pair-lse"``, of the score for ``"pair"``; what ``_combine_heads`` reduces."""
+    combine [bsz, w * P] fp64 (in ``out`` if given, contiguous): per part the sum over the query sketches
+    (KV heads, G each) of exp(score) for ``heads="pair-lse"``, of the score for ``"pair"``; what
+    ``_combine_heads`` reduces. Each KV head's part sums are loaded once for its G queries."""
     if heads not in ("pair", "pair-lse"):
         raise ValueError(f"part_combine combines heads 'pair' or 'pair-lse', got {heads!r}")
-    bsz, h_kv, r = q.shape
+    bsz, hq, r = q.shape
     _check(ks, table, n, q, k, parts)
+    h_kv = k.shape[1]
     q, k = q.float().contiguous(), k.float().contiguous()
     width = table.shape[1] * parts
     if out is None:
@@ -215,6 +229,7 @@ def part_combine(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torc
     tile = _tile(width, tile, 8, 1, floor=8)
     _combine_kernel[(bsz, -(-width // tile))](ks, table, n, q, k, out, table.stride(0), ks.stride(0), ks.stride(1),
                                               math.sqrt(r), SIZE=size, P=parts, H_KV=h_kv,
-                                              HP=1 << max(h_kv - 1, 0).bit_length(), R=r, WID=width, TP=tile,
+                                              HP=1 << max(h_kv - 1, 0).bit_length(), G=hq // h_kv, R=r,
+                                              WID=width, TP=tile,
                                               LSE=heads == "pair-lse", num_warps=4)
     return out

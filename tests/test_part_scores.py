@@ -65,19 +65,37 @@ def check_state(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor, tabl
     assert changed <= {(layer, int(x)) for x in rows} and (layer, scratch) in changed
 
 
-@pytest.mark.parametrize("h_kv,r,parts,width,tile", [
-    (1, 16, 1, 7, None),
-    (2, 32, 4, 40, 16),  # a row over three programs, the last tile partial
-    (3, 64, 8, 24, None),
-    (2, 16, 8, 72, 32),
+def query_heads(g: torch.Generator, q: torch.Tensor, group: int) -> torch.Tensor:
+    """``group`` query sketches per KV head [bsz, h_kv * group, r] (KV-head major), each KV head's first one
+    ``q``'s, as a group's query heads (``decode_query="heads"``)."""
+    if group == 1:
+        return q
+    more = torch.randn(q.shape[0], q.shape[1], group - 1, q.shape[2], generator=g).to(q.device)
+    return torch.cat((q[:, :, None], more), 2).flatten(1, 2)
+
+
+@pytest.mark.parametrize("h_kv,r,parts,width,tile,group", [
+    (1, 16, 1, 7, None, 1),
+    (2, 32, 4, 40, 16, 1),  # a row over three programs, the last tile partial
+    (3, 64, 8, 24, None, 1),
+    (2, 16, 8, 72, 32, 1),
+    (2, 32, 4, 40, 16, 3),  # every query head of a group scored on its own
+    (3, 16, 2, 18, None, 2),
 ])
-def test_part_scores_match_reference(h_kv, r, parts, width, tile):
+def test_part_scores_match_reference(h_kv, r, parts, width, tile, group):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     state, table, n, q, k = _draw(g, h_kv, r, parts, width)
+    q = query_heads(g, q, group)
     start, want_state = state.clone(), state.clone()
     want = ps.part_scores_reference(want_state[1], table, n, q, k, B // parts, parts)
     assert not want[:, :REAL].isnan().any()  # no real row read the scratch page
-    out = torch.full((h_kv, len(n), width), float("nan"), device=DEV)
+    if group > 1:  # the grouped form is each query head's own one-query form, KV-head major
+        for j in range(group):
+            one = ps.part_scores_reference(start[1].clone(), table, n, q.unflatten(1, (h_kv, group))[:, :, j], k,
+                                           B // parts, parts)
+            # (another matmul shape: the last bit may round differently)
+            torch.testing.assert_close(want.unflatten(0, (h_kv, group))[:, j], one, rtol=1e-6, atol=1e-6)
+    out = torch.full((h_kv * group, len(n), width), float("nan"), device=DEV)
     got = ps.part_scores(state[1], table, n, q, k, B // parts, parts, out=out, tile=tile)
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any()

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import DEVICES, tiny_model, whole_model_density
-from test_part_scores import B, _draw, check_state
+from test_part_scores import B, _draw, check_state, query_heads
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 import raysparse.kernels.part_scores as ps
@@ -30,12 +30,14 @@ def _seed() -> torch.Generator:
     return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
 
 
-def _combine(heads: str, s: torch.Tensor, reduce=None, kv_heads: int = 0) -> torch.Tensor:
+def _combine(heads: str, s: torch.Tensor, reduce=None, kv_heads: int = 0, per_kv: int = 1) -> torch.Tensor:
     """``SketchWalk._combine_heads`` itself, on a stand-in method (its config, reduce and head count)."""
     m = SimpleNamespace(config=SimpleNamespace(heads=heads), head_reduce=reduce,
                         model_cfg=SimpleNamespace(num_kv_heads=kv_heads))
     m.head_partial = lambda x: SketchWalk.head_partial(m, x)
-    return SketchWalk._combine_heads(m, s)[0]
+    m._head_part = lambda x, g=1: SketchWalk._head_part(m, x, g)
+    m._finish_heads = lambda x: SketchWalk._finish_heads(m, x)
+    return SketchWalk._combine_heads(m, s, per_kv)[0]
 
 
 def _path(parts: int, density: float, local: int, heads: str) -> PartsDecode:
@@ -47,26 +49,31 @@ def _path(parts: int, density: float, local: int, heads: str) -> PartsDecode:
 
 
 @pytest.mark.parametrize("heads", ["pair", "pair-lse"])
-@pytest.mark.parametrize("h_kv,r,parts,width,tile", [(2, 16, 4, 40, 16), (4, 32, 8, 24, None), (6, 16, 2, 18, 8)])
-def test_combine_matches_combine_heads(heads, h_kv, r, parts, width, tile):
+@pytest.mark.parametrize("h_kv,r,parts,width,tile,group", [(2, 16, 4, 40, 16, 1), (4, 32, 8, 24, None, 1),
+                                                          (6, 16, 2, 18, 8, 1), (4, 16, 4, 24, 8, 3)])
+def test_combine_matches_combine_heads(heads, h_kv, r, parts, width, tile, group):
     """Two shards' partials (half the KV heads each) summed by the reduce, finalised by the select kernel,
-    against ``_combine_heads`` over the reference scores with the same reduce; the state as the reference's."""
-    state, table, n, q, k = _draw(_seed(), h_kv, r, parts, width)
+    against ``_combine_heads`` over the reference scores with the same reduce; the state as the reference's.
+    With ``group`` > 1 every query head of a KV head's group is scored on its own and combined."""
+    g = _seed()
+    state, table, n, q, k = _draw(g, h_kv, r, parts, width)
+    q = query_heads(g, q, group)
     size, wid, half = B // parts, width, h_kv // 2  # width in parts
     start, want_state = state.clone(), state.clone()
-    s = ps.part_scores_reference(want_state[1], table, n, q, k, size, parts)  # [h_kv, bsz, wid]
+    s = ps.part_scores_reference(want_state[1], table, n, q, k, size, parts)  # [h_kv * group, bsz, wid]
     # the other shard's partial as _combine_heads makes it ("pair": divided before the reduce, the kernel after)
-    other = s[half:].double().exp().sum(0) if heads == "pair-lse" else s[half:].double().sum(0) / h_kv
-    want = _combine(heads, s[:half], lambda x: x + other, h_kv)
+    mine, theirs, heads_n = s[: half * group], s[half * group:], h_kv * group
+    other = theirs.double().exp().sum(0) if heads == "pair-lse" else theirs.double().sum(0) / heads_n
+    want = _combine(heads, mine, lambda x: x + other, h_kv, group)
     got = []
-    for sl in (slice(0, half), slice(half, h_kv)):
+    for sl, ql in ((slice(0, half), slice(0, half * group)), (slice(half, h_kv), slice(half * group, None))):
         out = torch.full((len(n), wid), float("nan"), dtype=torch.float64, device=DEV)
-        x = ps.part_combine(state[1, :, sl], table, n, q[:, sl], k[:, sl], size, parts, heads, out=out, tile=tile)
+        x = ps.part_combine(state[1, :, sl], table, n, q[:, ql], k[:, sl], size, parts, heads, out=out, tile=tile)
         assert x.data_ptr() == out.data_ptr() and not x.isnan().any()
         got.append(x)
     sc = torch.full((len(n), wid), float("nan"), device=DEV)
     st = _path(parts, 0.3, 1, heads).paired_constants(n, width // parts)
-    psel.part_select(got[0] + got[1], n, heads, h_kv, B, parts, 1, 0.3, st["p_k"], st["p_width"], scores=sc)
+    psel.part_select(got[0] + got[1], n, heads, heads_n, B, parts, 1, 0.3, st["p_k"], st["p_width"], scores=sc)
     # padded rows too: each stores its key over the scratch page's first part before reading it
     torch.testing.assert_close(sc, want, rtol=1e-5, atol=1e-5)
     assert not sc.isnan().any() and torch.equal(sc.isinf(), want.isinf())
@@ -160,7 +167,8 @@ def model(request):
     ({"heads": "pair-lse", "sub_blocks": 8}, True, False),
     ({"heads": "pair", "sub_blocks": 4}, True, True),
     ({"heads": "pair-lse", "sub_blocks": 2}, False, True),
-], ids=["pair-lse-P8", "pair-P4-reduce", "pair-lse-P2-torch-scores-reduce"])
+    ({"heads": "pair", "sub_blocks": 4, "decode_query": "heads"}, True, True),
+], ids=["pair-lse-P8", "pair-P4-reduce", "pair-lse-P2-torch-scores-reduce", "pair-P4-query-heads-reduce"])
 def test_paired_graph_decode_with_the_select_kernel(model, scoring, scores_kernel, reduce, monkeypatch):
     """The same decode (lists, units, logits) through the kernels as through the PyTorch form; with a
     reduce (a group of one) the "pair" divisor is the model's KV heads."""

@@ -619,6 +619,35 @@ def test_selections_are_causal_deduplicated_with_sink_and_diagonal(density, scor
             check_row(rows_of(sel.indices)[0], t // b, prefill=False)
 
 
+@pytest.mark.parametrize("heads", ["pair-lse", "pair"])
+def test_decode_query_heads_scores_parts_by_every_query_head(heads):
+    """``decode_query="heads"``: a decode step's part row is each query head's sketched score of each part's
+    mean key sketch, combined over every query head (log-sum-exp or mean), against explicit loops."""
+    b, parts = 8, 4
+    cfg = model_cfg(layers=2)  # 4 query heads, 2 KV heads: groups of 2
+    m = method(cfg, density=0.5, heads=heads, sub_blocks=parts, decode_unit="part", decode_query="heads")
+    n = rand_int(3 * b, 8 * b)
+    q, k = random_qk(n + 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
+    st, ss = {}, {}
+    m.select_prefill(SeqContext(1, 0, 0, n, st, ss), q[:n], k[:, :n], k[:, :n])
+    m._update_sketch(SeqContext(1, 0, n, n + 1, st, ss), q[n: n + 1], k[:, n: n + 1])
+    got = ss["part_row"][0, 0].double()
+    H = m.srht.matrix().double()  # d x r
+    size, r = b // parts, H.shape[1]
+    held = -(-(n + 1) // size)
+    g = cfg.num_heads // cfg.num_kv_heads
+    want = []
+    for j in range(held):
+        keys = k[:, j * size: min(n + 1, (j + 1) * size)].double()
+        total = 0.0
+        for h in range(cfg.num_heads):
+            s = float((q[n, h].double() @ H) @ (keys[h // g].mean(0) @ H)) / math.sqrt(r)
+            total += math.exp(s) if heads == "pair-lse" else s / cfg.num_heads
+        want.append(math.log(total) if heads == "pair-lse" else total)
+    assert torch.isinf(got[held:]).all() and (got[held:] < 0).all()  # parts of the block with no token yet
+    torch.testing.assert_close(got[:held], torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-4)
+
+
 def test_chunked_prefill_continues_the_sketches():
     b = 8
     cfg = model_cfg(layers=3)
@@ -680,13 +709,14 @@ def test_config_validation_and_registry():
         SketchWalkConfig(block_size=48)
     for bad in ({"walk": "random"}, {"residual": 1.0}, {"residual": -0.1}, {"local_blocks": 0},
                 {"token_query": "all"}, {"heads": "q"}, {"sub_blocks": 0}, {"sub_blocks": 3}, {"sub_blocks": True},
-                {"decode_unit": "token"}, {"decode_unit": "part", "walk": "rollout"}):
+                {"decode_unit": "token"}, {"decode_unit": "part", "walk": "rollout"}, {"decode_query": "all"},
+                {"decode_query": "heads", "decode_unit": "block"}, {"decode_query": "heads", "heads": "kv"}):
         with pytest.raises(ValueError):
             SketchWalkConfig(**bad)
     c = SketchWalkConfig()
     assert (c.block_size, c.sketch_dim, c.exponent, c.density, c.dense_layers) == (64, 64, 8.0, 0.2, (0, 1))
     assert (c.walk, c.residual, c.local_blocks, c.token_query, c.heads) == ("one-hop", 0.5, 1, "last", "pair-lse")
-    assert (c.sub_blocks, c.decode_unit) == (8, "part")
+    assert (c.sub_blocks, c.decode_unit, c.decode_query) == (8, "part", "group")
     from raysparse.methods.registry import get_method
 
     # --density is the whole model's: 0.75 over 4 layers, 2 of them dense, is 0.5 at each sparse layer

@@ -111,7 +111,12 @@ _FAST = {("pair", 1, "part"), ("pair-lse", 1, "block"), ("pair", 4, "block"), ("
          ("pair", 8, "part"), ("pair-lse", 8, "block")}
 SCORINGS = [pytest.param({"heads": h, "sub_blocks": p, "decode_unit": u}, id=f"{h}-P{p}-{u}",
                          marks=() if (h, p, u) in _FAST else pytest.mark.slow)
-            for h in ("pair", "pair-lse") for p in (1, 4, 8) for u in ("part", "block")]
+            for h in ("pair", "pair-lse") for p in (1, 4, 8) for u in ("part", "block")] + [
+    # every query head scoring the parts on its own
+    pytest.param({"heads": "pair-lse", "sub_blocks": 4, "decode_unit": "part", "decode_query": "heads"},
+                 id="pair-lse-P4-part-heads"),
+    pytest.param({"heads": "pair", "sub_blocks": 8, "decode_unit": "part", "decode_query": "heads"},
+                 id="pair-P8-part-heads", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)

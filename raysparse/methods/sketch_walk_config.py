@@ -13,6 +13,7 @@ WALKS = ("rollout", "product", "one-hop")
 TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv", "pair", "pair-lse")
 DECODE_UNITS = ("block", "part")
+DECODE_QUERIES = ("group", "heads")
 # SPEC's scoring, the one the head-mean batched graph decode (sketch_walk_rows) implements.
 GRAPH_DECODE = {"heads": "mean", "sub_blocks": 1, "decode_unit": "block"}
 
@@ -34,6 +35,10 @@ class SketchWalkConfig(MethodConfig):
     heads: str = "pair-lse"
     sub_blocks: int = 8  # key sketches per 1/sub_blocks of a block; a key block scores as its best part (SPEC: 1)
     decode_unit: str = "part"  # part (default; one-hop only): decode attends the top parts of B / sub_blocks tokens
+    # Whose query scores a decode step's key parts (decode_unit="part", heads pair / pair-lse): "group": each KV
+    # head's query group averaged, one query per KV head; "heads": every query head on its own, the scores
+    # combined by ``heads`` over every query head (a needle one head of a group attends is not averaged away).
+    decode_query: str = "group"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +64,11 @@ class SketchWalkConfig(MethodConfig):
         if self.decode_unit == "part" and self.walk != "one-hop":
             raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop' "
                              "(with another walk, pass decode_unit='block')")
+        if self.decode_query not in DECODE_QUERIES:
+            raise ValueError(f"decode_query must be one of {DECODE_QUERIES}, got {self.decode_query!r}")
+        if self.decode_query == "heads" and (self.decode_unit != "part" or self.heads not in ("pair", "pair-lse")):
+            raise ValueError("decode_query='heads' combines every query head's part scores: it needs "
+                             "decode_unit='part' and heads 'pair' or 'pair-lse'")
         if (isinstance(self.sub_blocks, bool) or not isinstance(self.sub_blocks, int) or self.sub_blocks < 1
                 or self.block_size % self.sub_blocks):
             raise ValueError(f"sub_blocks must be a positive divisor of block_size, got {self.sub_blocks!r}")

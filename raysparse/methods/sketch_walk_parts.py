@@ -13,7 +13,9 @@ Each step sketches the new token's query-group means and keys per KV head (``dec
 launch on CUDA), writes the new key into its part (stored when it is the part's first token: a page reused
 from a freed sequence holds stale sums; added otherwise), scores the sketched query against every part
 mean, combines the heads with the reference's ``_combine_heads`` (mean or log-sum-exp in fp64, through
-``head_reduce`` under tensor parallelism: the same reduce seam, so shards agree), and selects:
+``head_reduce`` under tensor parallelism: the same reduce seam, so shards agree), and selects. With
+``decode_query="heads"`` each query head's own sketch scores the parts (one more SRHT launch), and the combine
+runs over every query head:
 - ``decode_unit="part"``: every filled part of the sink and local blocks plus the top parts by the combined
   part scores, up to tau * P parts; the list is of parts (``unit`` = B / P tokens, which the decode kernel
   reads through the page table at token granularity);
@@ -182,11 +184,13 @@ class PartsDecode(RowsDecode):
         ks = self.ks[li]  # a view: writes reach the state
         r = new.shape[-1]
         kernel = (r & (r - 1)) == 0 and self._wanted(q, self.runtime.part_scores, self.part_kernel)
+        if cfg.decode_query == "heads":  # every query head's own sketch [bsz, h, r] instead of its group's mean
+            new = (m.srht.apply(q.float()), new[1])
         if cfg.decode_unit == "part" and self._wanted(q, self.runtime.part_select, self.select_kernel):
             return self._select_parts(ks, table, n, new, st, kernel), cfg.block_size // P
-        s = self._part_scores(ks, table, n, new, st, kernel)  # [h_kv, bsz, w * P]
+        s = self._part_scores(ks, table, n, new, st, kernel)  # [h_kv * G, bsz, w * P]
         if cfg.decode_unit == "part":
-            return self._choose_parts(m._combine_heads(s)[0], st), cfg.block_size // P
+            return self._choose_parts(m._combine_heads(s, self._per_kv(new))[0], st), cfg.block_size // P
         blocks = s.unflatten(-1, (w, P)).amax(-1) if P > 1 else s  # a block scores as its best part
         off = ~st["causal"]
         logits = m._combine_heads(blocks)[0].masked_fill(off, 0.0).to(torch.bfloat16).float()  # as A_hat is cached
@@ -194,10 +198,16 @@ class PartsDecode(RowsDecode):
         rows = rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         return self._choose(rows, st), cfg.block_size
 
-    def _part_scores(self, ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, new: torch.Tensor,
+    @staticmethod
+    def _per_kv(new: Any) -> int:
+        """Query sketches per KV head: 1 (the group's mean) or the group's size (``decode_query="heads"``)."""
+        return new[0].shape[1] // new[1].shape[1]
+
+    def _part_scores(self, ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, new: Any,
                      st: dict[str, Any], kernel: bool) -> torch.Tensor:
-        """Writes the new key sketches into their parts of ``ks`` and returns the per-head part scores
-        [h_kv, bsz, w * P] (empty parts -inf): two Triton launches with ``kernel``, else PyTorch."""
+        """Writes the new key sketches into their parts of ``ks`` and returns the per-query part scores
+        [h_kv * G, bsz, w * P] (empty parts -inf): two Triton launches with ``kernel``, else PyTorch. ``new``:
+        (query sketches [bsz, h_kv * G, r], key sketches [bsz, h_kv, r])."""
         size = self.cfg.block_size // self.parts
         if kernel:
             from raysparse.kernels.part_scores import part_scores
@@ -208,7 +218,7 @@ class PartsDecode(RowsDecode):
         return part_scores_reference(ks, table, n, new[0], new[1], size, self.parts,
                                      (st["part"], st["cnt"], st["filled"][0]), st["p_rows"])
 
-    def _select_parts(self, ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, new: torch.Tensor,
+    def _select_parts(self, ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, new: Any,
                       st: dict[str, Any], kernel: bool) -> torch.Tensor:
         """``decode_unit="part"``'s list through ``kernels/part_select.py``: the heads' partial combine
         (fused into the scores with ``kernel``: one launch), ``head_reduce``, then one launch that finalises
@@ -224,7 +234,7 @@ class PartsDecode(RowsDecode):
             x = m.head_partial(self._part_scores(ks, table, n, new, st, False))[0]
         if m.head_reduce is not None:
             x = m.head_reduce(x)
-        heads = m.model_cfg.num_kv_heads if m.head_reduce is not None else new.shape[2]
+        heads = (m.model_cfg.num_kv_heads if m.head_reduce is not None else new[1].shape[1]) * self._per_kv(new)
         return part_select(x.contiguous(), n, cfg.heads, heads, cfg.block_size, self.parts, cfg.local_blocks,
                            cfg.density, st["p_k"], st["p_width"])
 

@@ -115,21 +115,27 @@ class ReferenceSelection:
         if want_token:  # the last row nb - 1 sees every key block, so the token's row needs no mask
             q_rows = torch.cat((q_rows, new[lq - 1: lq]))
         k_cnt = block_counts(n, nb * parts, B // parts, dev)
+        want_parts = n_q == 1 and cfg.decode_unit == "part"
+        # decode_query="heads": the step's part row scored by each query head's own sketch [H, g, r]
+        token_q = (self.srht.apply(q[-1].float()).view(hs, -1, r)
+                   if want_parts and cfg.decode_query == "heads" else None)
         rows, part_row = self._scores(q_rows, ks[: nb * parts] / k_cnt.clamp(min=1)[:, None, None], k_cnt > 0,
-                                      n_q == 1 and cfg.decode_unit == "part")
+                                      want_parts, token_q)
         if part_row is not None:  # read (and dropped) by select_decode
             ctx.seq_state["part_row"] = part_row
         causal = torch.arange(nb, device=dev) <= torch.arange(qb0, nb, device=dev)[:, None]
         st["a_hat"].view(-1, nb, nb)[:, qb0:nb] = rows[:, : nb - qb0].masked_fill(~causal, 0.0).to(torch.bfloat16)
         return qb0, nb, rows[:, nb - qb0:].to(torch.bfloat16) if want_token else None
 
-    def _scores(self, q_rows: torch.Tensor, k_parts: torch.Tensor, filled: torch.Tensor, part_row: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _scores(self, q_rows: torch.Tensor, k_parts: torch.Tensor, filled: torch.Tensor, part_row: bool = False,
+                token_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sketched scores of query rows [R, H, r] against key block parts [b * sub_blocks, H, r] (``filled``:
         parts holding a token): fp32 [H', R, b], a block scoring as its best part; H' = 1 where the heads
         combine (pair, pair-lse: under tensor parallelism one SUM all-reduce of these [R, b] rows). With
         ``part_row`` also the last row's scores per part, the heads combined per part: [H', 1, b * sub_blocks]
-        (empty parts -inf; it rides in the same all-reduce), else None."""
+        (empty parts -inf; it rides in the same all-reduce), else None. With ``token_q`` [H, g, r] (the last
+        row's query heads, ``decode_query="heads"``) that part row is scored by each query head and combined
+        over all of them (in the same all-reduce)."""
         s = torch.einsum("ihr,jhr->hij", q_rows, k_parts) / math.sqrt(self.srht.sketch_dim)
         parts = self.config.sub_blocks
         if parts > 1:  # an empty part of the last block is no candidate
@@ -137,6 +143,14 @@ class ReferenceSelection:
         blocks = s.unflatten(-1, (-1, parts)).amax(-1) if parts > 1 else s
         if not part_row:
             return self._combine_heads(blocks), None
+        if token_q is not None:
+            tok = torch.einsum("hgr,jhr->hgj", token_q, k_parts) / math.sqrt(self.srht.sketch_dim)
+            if parts > 1:
+                tok = tok.masked_fill(~filled, -math.inf)
+            x = torch.cat((self._head_part(blocks).flatten(1), self._head_part(tok.flatten(0, 1), tok.shape[1])), 1)
+            both = self._finish_heads(x)
+            nb = blocks.shape[-1]
+            return both[:, : -nb * parts].view(-1, *blocks.shape[1:]), both[:, None, -nb * parts:]
         both = self._combine_heads(torch.cat((blocks.flatten(1), s[:, -1]), 1))
         nb = blocks.shape[-1]
         return both[:, : -nb * parts].view(-1, *blocks.shape[1:]), both[:, None, -nb * parts:]
@@ -147,20 +161,28 @@ class ReferenceSelection:
         x = s.double()
         return (x.exp() if self.config.heads == "pair-lse" else x).sum(0, keepdim=True)
 
-    def _combine_heads(self, s: torch.Tensor) -> torch.Tensor:
+    def _combine_heads(self, s: torch.Tensor, per_kv: int = 1) -> torch.Tensor:
         """Per-head scores [H, ...] -> [H', ...]: ``pair`` their mean, ``pair-lse`` their log-sum-exp over
-        every KV head (across shards by ``head_reduce``); ``mean`` and ``kv`` as they are. In fp64, one
+        every KV head (across shards by ``head_reduce``); ``mean`` and ``kv`` as they are. ``per_kv``: score
+        heads per KV head (a group's query heads, KV-head major, with ``decode_query="heads"``). In fp64, one
         device too, so that shards' partial sums, in whatever grouping, round to one device's fp32 values
         (the same selection under tensor parallelism); exp overflows only above scores of ~700."""
-        heads, reduce = self.config.heads, self.head_reduce
-        if heads not in ("pair", "pair-lse"):
+        if self.config.heads not in ("pair", "pair-lse"):
             return s
+        return self._finish_heads(self._head_part(s, per_kv))
+
+    def _head_part(self, s: torch.Tensor, per_kv: int = 1) -> torch.Tensor:
+        """``head_partial``, divided by the head count for ``pair``: what the shards' reduce sums."""
         x = self.head_partial(s)
-        if heads == "pair":
-            x = x / (self.model_cfg.num_kv_heads if reduce is not None else s.shape[0])
-        if reduce is not None:
-            x = reduce(x)
-        if heads == "pair-lse":  # a part empty on every head stays at the floor, below any real score
+        if self.config.heads == "pair":
+            x = x / (self.model_cfg.num_kv_heads * per_kv if self.head_reduce is not None else s.shape[0])
+        return x
+
+    def _finish_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The reduced partial as scores: summed across shards, ``pair-lse``'s log taken; fp32."""
+        if self.head_reduce is not None:
+            x = self.head_reduce(x)
+        if self.config.heads == "pair-lse":  # a part empty on every head stays at the floor, below any real score
             x = x.clamp(min=torch.finfo(torch.float64).tiny).log()
         return x.float()
 
