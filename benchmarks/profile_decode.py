@@ -1,7 +1,8 @@
 """Where a decode step's time goes on one GPU: the model and a backend in-process (no Ray), profiled.
 
 Usage (the GPU machine): python benchmarks/profile_decode.py [--layers 8] [--context 32768] [--methods dense]
-    [--batch 1] [--shard-of 1] [--graphs]
+    [--batch 1] [--shard-of 1] [--graphs]   (a method entry: NAME or NAME:KEY=VALUE:..., e.g.
+    sketch_walk:decode_query=heads)
 Prints the step time and the top operators (by GPU time with --graphs, else by host time). ``--shard-of 2``
 builds one tensor-parallel shard's shapes (half the heads, the MLP and the vocabulary) on one GPU, without the
 all-reduces: what of a step's GPU work halves under TP=2 and what does not.
@@ -29,6 +30,8 @@ def main() -> None:
                     help="Sketch&Walk's scoring: 'graph' = SPEC's head-mean blocks (GRAPH_DECODE, as the recorded "
                          "profiles), 'default' = the method's defaults")
     args = ap.parse_args()
+    from bench_common import method_spec
+
     from raysparse.attention import ShardContext
     from raysparse.kv_cache import KVCache
     from raysparse.loader import build_model, load_hf_config, resolve_source
@@ -49,15 +52,18 @@ def main() -> None:
         hf.vocab_size //= n
     torch.manual_seed(0)
     model = build_model(hf, dtype=torch.bfloat16, device="cuda")
-    for method in args.methods.split(","):
+    for entry in args.methods.split(","):
         # Every layer sparse at density 0.1 (no dense layers, PSAW/ETF from layer 0): the profile shows a sparse
         # layer's step, and a short --layers would put the default dense layers' share above 0.1.
+        method, given = method_spec(entry, None)
         params = {} if method == "dense" else {
             k: v for k, v in (("density", 0.1), ("dense_layers", ()), ("start_layer", 0))
             if k in method_params(method)}
         if method == "sketch_walk" and args.sw_scoring == "graph":
             params.update(GRAPH_DECODE)
+        params.update(given)
         backend = create_backend(method, model.cfg, **params)
+        method = entry  # the graphs' key and the report's name
         seqs = list(range(args.batch))
         cache = KVCache(model.cfg, args.batch * -(-(args.context + 256) // 64), 64, torch.bfloat16, "cuda")
         # As a shard binds it: methods that keep per-page state (Sketch&Walk's part sums) allocate it over the
