@@ -649,45 +649,6 @@ def test_decode_query_heads_scores_parts_by_every_query_head(heads):
     torch.testing.assert_close(got[:held], torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("heads", ["pair-lse", "pair"])
-def test_tail_query_scores_the_prompts_last_row_by_its_last_blocks_queries(heads):
-    """``token_query="tail"``: the prompt's last selection row is, per key block, the best over the block's
-    parts and over the last block's new queries of the query heads' combined sketched scores of the part
-    means, against explicit loops; the chosen blocks are the forced ones plus the top of that row."""
-    b, parts = 8, 2
-    cfg = model_cfg(layers=2)  # 4 query heads, 2 KV heads
-    m = method(cfg, density=0.7, heads=heads, sub_blocks=parts, decode_unit="part", token_query="tail")
-    n = rand_int(4 * b + 1, 9 * b)
-    q, k = random_qk(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
-    st, ss = {}, {}
-    sel = m.select_prefill(SeqContext(1, 0, 0, n, st, ss), q, k, k)
-    H = m.srht.matrix().double()
-    size, r, g, nb = b // parts, H.shape[1], 2, -(-n // b)
-    want = []
-    for blk in range(nb):
-        best = -math.inf
-        for p in range(blk * parts, min((blk + 1) * parts, -(-n // size))):
-            kh = [(k[h, p * size: min(n, (p + 1) * size)].double().mean(0) @ H) for h in range(cfg.num_kv_heads)]
-            for t in range((nb - 1) * b, n):
-                sc = [float((q[t, h].double() @ H) @ kh[h // g]) / math.sqrt(r) for h in range(cfg.num_heads)]
-                v = math.log(sum(math.exp(x) for x in sc)) if heads == "pair-lse" else sum(sc) / len(sc)
-                best = max(best, v)
-        want.append(best)
-    ks = st["ks"].view(-1, cfg.num_kv_heads, r)  # the part sums [nb * parts, h_kv, r]
-    cnt = (n - torch.arange(nb * parts) * size).clamp(min=0, max=size)
-    got = m._tail_row(q[(nb - 1) * b:], ks, cnt)[0]
-    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-4)
-    # the selection keeps the forced blocks and takes its other blocks from the top of that row (bf16 ties)
-    row = [j for j in sel.indices[0, -1].tolist() if j != SENTINEL]
-    forced = {0, nb - 1}
-    picked = [j for j in row if j not in forced]
-    left = [j for j in range(nb) if j not in forced and j not in picked]
-    assert forced <= set(row)
-    if picked and left:  # (error diffusion may leave the last row its forced blocks alone)
-        tol = 2**-7 * max(abs(x) for x in want) + 1e-3
-        assert min(want[j] for j in picked) >= max(want[j] for j in left) - tol, (row, want)
-
-
 def test_chunked_prefill_continues_the_sketches():
     b = 8
     cfg = model_cfg(layers=3)

@@ -22,8 +22,6 @@ MODES = {
     "kv-block": {"heads": "kv", "decode_unit": "block"},
     "never-parts1": {"token_query": "never", "sub_blocks": 1, "decode_unit": "block"},
     "decode-parts4": {"token_query": "decode", "sub_blocks": 4, "local_blocks": 2},
-    "tail-heads": {"token_query": "tail", "decode_query": "heads"},
-    "tail-pair": {"token_query": "tail", "heads": "pair", "sub_blocks": 2},
 }
 PAGE = 64
 

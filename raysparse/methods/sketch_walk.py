@@ -9,7 +9,9 @@ R^k = R^{k-1} W^k (R^0 = W at the first sparse layer), and each query block atte
 of its row of R^k plus the sink and diagonal blocks, on the original per-head Q, K, V.
 
 Defaults (measured, BENCHMARKS.md "Sketch&Walk: head pairing and finer decode selection"): walk one-hop,
-token_query last, heads pair-lse, sub_blocks 8, decode_unit part; SPEC's form is walk="product",
+token_query last, heads pair-lse, sub_blocks 8, decode_unit part, decode_query group (every query head's own
+scoring, ``decode_query="heads"``, is more accurate and costs the decode's saving at 4 x 32K: an option);
+SPEC's form is walk="product",
 token_query="never" with ``GRAPH_DECODE`` (heads="mean", sub_blocks=1, decode_unit="block"). At density 0.2
 on the default model they retrieve 0.47 against 0.17 for SPEC's head mean over whole blocks (dense 0.64).
 The batched decode seam (``decode_select``, captured in CUDA graphs): its state and selection are in

@@ -79,10 +79,6 @@ class StepRows:
     width: int  # host: the widest row's list
     out_seq: torch.Tensor  # [R] sequence of each packed row
     out_row: torch.Tensor  # [R] its padded row
-    # token_query="tail": each token row's new queries in its last block, [S', B] packed token indices, and
-    # which of them are real (a block's first new token may come after its start)
-    tail: torch.Tensor | None = None
-    tail_ok: torch.Tensor | None = None
 
 
 def step_rows(method: SketchWalk, view: PrefillView) -> StepRows:
@@ -105,13 +101,13 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
     spans = []  # (q0, n, qb0, nb, token row wanted)
     for i, (n_q, n) in enumerate(zip(b.q_lens, b.ctx_lens, strict=True)):
         q0 = n - n_q
-        want = b.prompt_end(i) and (n_q == 1 and cfg.token_query != "never" or cfg.token_query in ("last", "tail"))
+        want = b.prompt_end(i) and (n_q == 1 and cfg.token_query != "never" or cfg.token_query == "last")
         spans.append((q0, n, q0 // B, -(-n // B), want))
     rmax = max(nb - qb0 for _, _, qb0, nb, _ in spans)
     nbmax = max(nb for *_, nb, _ in spans)
     tok_row, tok_part, last_tok, row_page, row_old, row_cnt = [], [], [], [], [], []
     pad_row = torch.zeros(S, rmax, dtype=torch.int64)
-    tok_s, tok_r, out_seq, out_row, tails = [], [], [], [], []
+    tok_s, tok_r, out_seq, out_row = [], [], [], []
     table = torch.full((S, nbmax), cache.scratch_page, dtype=torch.int64)
     k_cnt = torch.zeros(S, nbmax * P)
     qblk = torch.zeros(S, rmax, dtype=torch.int64)  # padded rows: block 0 (masked out of the output)
@@ -139,7 +135,6 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
             last_tok.append(b.cu_q[i + 1] - 1)
             tok_s.append(i)
             tok_r.append(m - 1)
-            tails.append(range(b.cu_q[i] + max(0, (nb - 1) * B - q0), b.cu_q[i + 1]))
         table[i, :nb] = torch.tensor(pages[:nb])
         k_cnt[i] = (n - torch.arange(nbmax * P) * size).clamp(min=0, max=size)
         rows_cpu = torch.arange(qb0, nb)
@@ -156,14 +151,6 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
     dev = cache.device
     cat = torch.cat
     i64 = dict(dtype=torch.int64)
-    tail = tail_ok = None
-    if cfg.token_query == "tail" and tails:
-        tail = torch.zeros(len(tails), B, **i64)
-        tail_ok = torch.zeros(len(tails), B, dtype=torch.bool)
-        for j, span in enumerate(tails):
-            tail[j, : len(span)] = torch.tensor(span)
-            tail_ok[j, : len(span)] = True
-        tail, tail_ok = tail.to(dev), tail_ok.to(dev)
     return StepRows(
         tok_row=cat(tok_row).to(dev), tok_part=(cat(tok_part) + len(row_page) + len(last_tok)).to(dev),
         last_tok=torch.tensor(last_tok, **i64).to(dev), row_page=torch.tensor(row_page, **i64).to(dev),
@@ -174,8 +161,7 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
         table=table.to(dev), k_cnt=k_cnt[:, :, None, None].to(dev), filled=(k_cnt > 0)[:, None, None].to(dev),
         allowed=allowed[:, None].to(dev), forced=forced[:, None].to(dev), extra=extra[:, None, :, None].to(dev),
         kmax=max(0, min(int(extra.max()), nbmax)), width=width,
-        out_seq=torch.tensor(out_seq, **i64).to(dev), out_row=torch.tensor(out_row, **i64).to(dev),
-        tail=tail, tail_ok=tail_ok)
+        out_seq=torch.tensor(out_seq, **i64).to(dev), out_row=torch.tensor(out_row, **i64).to(dev))
 
 
 def enter_step(method: SketchWalk, view: PrefillView) -> None:
@@ -236,9 +222,6 @@ def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view
         s = s.masked_fill(~rows.filled, -math.inf)
     blocks = s.unflatten(-1, (-1, P)).amax(-1) if P > 1 else s
     scores = _combine_heads(method, blocks)  # [S, H', rmax, nbmax]
-    if rows.tail is not None:  # token_query="tail": the token rows scored by their last blocks' query heads
-        scores[rows.tok_at[0], :, rows.tok_at[1]] = _tail_rows(method, q, k_parts[rows.tok_at[0]],
-                                                               rows.filled[rows.tok_at[0], 0, 0], rows)[:, None]
     # one-hop: the row's weights, from its scores rounded as A_hat caches them
     logits = scores.masked_fill(~rows.allowed, 0.0).to(torch.bfloat16).float()
     w = torch.exp(cfg.exponent * torch.log_softmax(logits.masked_fill(~rows.allowed, -math.inf), dim=-1))
@@ -246,30 +229,6 @@ def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view
     idx = _choose(w, rows)  # [S, H', rmax, width]
     packed = idx[rows.out_seq, :, rows.out_row].transpose(0, 1)  # [H', R, width]
     return view.packed(packed.expand(hs, -1, -1), cfg.block_size)
-
-
-def _tail_rows(method: SketchWalk, q: torch.Tensor, k_parts: torch.Tensor, filled: torch.Tensor,
-               rows: StepRows) -> torch.Tensor:
-    """``ReferenceSelection._tail_row`` for every token row at once: [S', nbmax] block scores from the rows'
-    tail queries (``rows.tail`` into q [T, h, d]), their key part means ``k_parts`` [S', J, hs, r] and
-    ``filled`` [S', J]. One KV head at a time, so the per-head scores of a long row ([g, S', B, J]) are
-    the largest transient; the heads' partial as ``_head_part``'s, one reduce."""
-    assert rows.tail is not None and rows.tail_ok is not None
-    cfg, srht = method.config, method.srht
-    r, hs = srht.sketch_dim, k_parts.shape[2]
-    tq = srht.apply(q[rows.tail].float())  # [S', B, h, r]
-    tq = tq.view(*tq.shape[:2], hs, -1, r)
-    g = tq.shape[3]
-    x = None
-    for h in range(hs):
-        s = torch.einsum("sbgr,sjr->gsbj", tq[:, :, h], k_parts[:, :, h]) / math.sqrt(r)
-        part = method.head_partial(s.masked_fill(~filled[:, None], -math.inf))
-        x = part if x is None else x + part
-    assert x is not None
-    if cfg.heads == "pair":
-        x = x / ((method.model_cfg.num_kv_heads if method.head_reduce is not None else hs) * g)
-    best = method._finish_heads(x)[0].masked_fill(~rows.tail_ok[..., None], -math.inf).amax(1)  # [S', J]
-    return best.unflatten(-1, (-1, cfg.sub_blocks)).amax(-1)
 
 
 def _combine_heads(method: SketchWalk, s: torch.Tensor) -> torch.Tensor:

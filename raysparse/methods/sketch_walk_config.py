@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from raysparse.methods.base import MethodConfig
 
 WALKS = ("rollout", "product", "one-hop")
-TOKEN_QUERIES = ("decode", "last", "tail", "never")
+TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv", "pair", "pair-lse")
 DECODE_UNITS = ("block", "part")
 DECODE_QUERIES = ("group", "heads")
@@ -27,9 +27,7 @@ class SketchWalkConfig(MethodConfig):
     residual: float = 0.5  # rollout: weight alpha of the identity (the residual stream) in each step
     local_blocks: int = 1  # trailing blocks always kept, the diagonal included (besides the sink block)
     # Whose query scores the last query block's selection row: "decode": in decode the new token's alone
-    # (Algorithm 2); "last" (default): also at the end of a prefill, its last token's; "tail" (heads pair /
-    # pair-lse): at the end of a prefill every new query of its last block, each query head on its own, a part
-    # scoring as its best over those tokens (the heads combined per token); "never": the block mean.
+    # (Algorithm 2); "last" (default): also at the end of a prefill, its last token's; "never": the block mean.
     token_query: str = "last"
     # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head; pair / pair-lse
     # (default): per-KV-head scores (group query . that head's keys) combined by their mean / log-sum-exp,
@@ -66,9 +64,6 @@ class SketchWalkConfig(MethodConfig):
         if self.decode_unit == "part" and self.walk != "one-hop":
             raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop' "
                              "(with another walk, pass decode_unit='block')")
-        if self.token_query == "tail" and self.heads not in ("pair", "pair-lse"):
-            raise ValueError("token_query='tail' combines every query head's scores: it needs heads 'pair' or "
-                             "'pair-lse'")
         if self.decode_query not in DECODE_QUERIES:
             raise ValueError(f"decode_query must be one of {DECODE_QUERIES}, got {self.decode_query!r}")
         if self.decode_query == "heads" and (self.decode_unit != "part" or self.heads not in ("pair", "pair-lse")):

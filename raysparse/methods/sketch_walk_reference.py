@@ -51,7 +51,7 @@ class ReferenceSelection:
     # [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]); the pair modes sketch per KV head (qs,
     # ks [b, h_kv, r]) and combine the scores to H = 1 (a_hat [b, b], walk rows [rows, b]). ks has
     # b * sub_blocks rows.
-    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k_new: torch.Tensor, decode: bool = False
+    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k_new: torch.Tensor
                        ) -> tuple[int, int, torch.Tensor | None]:
         """Folds the new tokens (q: [n_q, h, d], k: [h_kv, n, d]) into this layer's block sketches and
         recomputes the A_hat rows of the query blocks they touch. Returns (first query block, b, and with
@@ -92,7 +92,7 @@ class ReferenceSelection:
             q_avg = q.float().sum(1, keepdim=True) / hq
             k_avg = k_new.float().sum(0)[:, None] / hk
         # the token's own query scores the row it ends: at decode, and at the prompt's end, not a chunk's
-        want_token = ctx.prompt_end and (n_q == 1 and cfg.token_query != "never" or cfg.token_query in ("last", "tail"))
+        want_token = ctx.prompt_end and (n_q == 1 and cfg.token_query != "never" or cfg.token_query == "last")
         # Sum per block (keys: per block part) first, then sketch the few sums (linear): O(b d log d), not
         # O(n d log d). The last token's own query rides along as one more query row, through the same reduce.
         lq = nb - qb0 + int(want_token and n_q > 1)
@@ -123,9 +123,6 @@ class ReferenceSelection:
                                       want_parts, token_q)
         if part_row is not None:  # read (and dropped) by select_decode
             ctx.seq_state["part_row"] = part_row
-        if want_token and cfg.token_query == "tail" and not decode:  # the last block's new queries, each head
-            rows = rows.clone()
-            rows[:, -1] = self._tail_row(q[max(0, (nb - 1) * B - q0):], ks[: nb * parts], k_cnt)
         causal = torch.arange(nb, device=dev) <= torch.arange(qb0, nb, device=dev)[:, None]
         st["a_hat"].view(-1, nb, nb)[:, qb0:nb] = rows[:, : nb - qb0].masked_fill(~causal, 0.0).to(torch.bfloat16)
         return qb0, nb, rows[:, nb - qb0:].to(torch.bfloat16) if want_token else None
@@ -157,20 +154,6 @@ class ReferenceSelection:
         both = self._combine_heads(torch.cat((blocks.flatten(1), s[:, -1]), 1))
         nb = blocks.shape[-1]
         return both[:, : -nb * parts].view(-1, *blocks.shape[1:]), both[:, None, -nb * parts:]
-
-    def _tail_row(self, tail: torch.Tensor, k_sums: torch.Tensor, k_cnt: torch.Tensor) -> torch.Tensor:
-        """``token_query="tail"``: the prompt's last row scored by its last block's new queries ``tail`` [m, h, d]:
-        each query head's sketch against every key part mean (``k_sums`` [b * P, H, r] part sums, ``k_cnt``
-        tokens per part), the heads combined per token (one reduce), a part's score its best over the tokens,
-        a block's its best part: [1, b]."""
-        r, parts = self.srht.sketch_dim, self.config.sub_blocks
-        hs = k_sums.shape[1]
-        tq = self.srht.apply(tail.float()).view(tail.shape[0], hs, -1, r)  # [m, H, g, r]
-        kp = k_sums / k_cnt.clamp(min=1)[:, None, None]
-        s = torch.einsum("mhgr,jhr->hgmj", tq, kp).flatten(0, 1) / math.sqrt(r)  # [H * g, m, b * P]
-        s = s.masked_fill(~(k_cnt > 0), -math.inf)
-        best = self._finish_heads(self._head_part(s, tq.shape[2])).amax(1)  # [1, b * P]
-        return best.unflatten(-1, (-1, parts)).amax(-1)
 
     def head_partial(self, s: torch.Tensor) -> torch.Tensor:
         """This shard's part of the paired combine of per-head scores [H, ...] -> [1, ...] fp64: their sum
@@ -234,11 +217,11 @@ class ReferenceSelection:
         parts, size = cfg.sub_blocks, cfg.block_size // cfg.sub_blocks
         nb, held = -(-n // cfg.block_size), -(-n // size)
         budget = host_row_budget(self.layer_density, nb) * parts
+        forced_blocks = {0, *range(max(0, nb - cfg.local_blocks), nb)}
+        forced_n = sum(min(parts, held - j * parts) for j in forced_blocks)  # host ints: no device sync
         dev = scores.device
         cols = torch.arange(nb * parts, device=dev)
         allowed = cols < held
-        forced_blocks = {0, *range(max(0, nb - cfg.local_blocks), nb)}
-        forced_n = sum(min(parts, held - j * parts) for j in forced_blocks)  # host ints: no device sync
         blk = cols // parts
         forced = ((blk == 0) | (blk >= nb - cfg.local_blocks)) & allowed
         mask = topk_mask(scores, max(0, budget - forced_n), allowed.expand_as(scores), forced.expand_as(scores))
@@ -278,7 +261,7 @@ class ReferenceSelection:
                           for i in range(len(view.batch.seq_ids))])
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
-        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n], decode=True)
+        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n])  # the new token's block
         if self.config.decode_unit == "part":
             return self._choose_parts(ctx.seq_state.pop("part_row"), ctx.n, k.shape[0])
         mask, width = self._choose(walk_rows(self, ctx, qb0, nb, token_row), qb0, nb, decode=True)
