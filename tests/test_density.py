@@ -9,21 +9,14 @@ import torch
 from helpers import fresh_cache, measure_density, random_state, tiny_hf_config
 
 from raysparse.loader import model_from_state
-from raysparse.methods.budget import (
-    host_row_budget,
-    last_block_budget,
-    layer_density,
-    prefill_block_budget,
-    prefill_floor,
-)
+from raysparse.methods.budget import host_row_budget, layer_density, prefill_block_budget, prefill_floor
 from raysparse.methods.registry import create_backend
 
 LAYERS, DENSE = 4, (0,)
 B = 16  # block = page: the batched prefill and decode seams run, as in serving
 
 # streaming's sinks are one block here, as by default (64 tokens = one 64-token block)
-METHODS = [("sketch_walk", {}), ("quest", {}), ("oracle", {}), ("streaming", {"sink_tokens": B}),
-           ("sketch_walk", {"last_block_share": 0.5})]
+METHODS = [("sketch_walk", {}), ("quest", {}), ("oracle", {}), ("streaming", {"sink_tokens": B})]
 
 
 @pytest.fixture(scope="module")
@@ -130,34 +123,6 @@ def test_prefill_block_budget_pays_back_the_forced_excess():
     attended = sum(c - 1 + h for c in k)
     causal = rows * (rows - 1) / 2 + rows * h
     assert attended / causal == pytest.approx(d, abs=0.5 / causal)  # within half a block of the whole prefill
-
-
-@pytest.mark.parametrize("share", [0.25, 0.5, 1.0])
-def test_last_block_budget_is_paid_by_the_other_rows(share):
-    """The prompt's last block rises to its share (or to all the other rows can give), the step's total stays,
-    and every other row keeps its forced blocks and at most its budget; fresh random steps, chunks included."""
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(50):
-        nb = int(torch.randint(2, 200, (), generator=g))
-        qb0 = int(torch.randint(0, nb - 1, (), generator=g))  # this step's first query block
-        d = float(torch.empty(()).uniform_(0.02, 0.6, generator=g))
-        rows = torch.arange(qb0, nb)
-        bud = prefill_block_budget(d, rows, nb - 1, 2, 64)
-        forced = torch.minimum(rows + 1, torch.tensor(2))
-        fill = int(torch.randint(1, 65, (), generator=g)) / 64  # the last block's query rows of 64
-        out = last_block_budget(bud, forced, nb, share, fill)
-        where = f"seed {seed} nb={nb} qb0={qb0} d={d:.3f} fill={fill}"
-        free = int((bud[:-1] - forced[:-1]).clamp(min=0).sum())
-        want = min(nb, round(share * nb))
-        # (query, key) pairs in full-block units: a last-row block is worth ``fill`` of another row's
-        given = int((bud[:-1] - out[:-1]).sum())
-        gained = int(out[-1]) - int(bud[-1])
-        assert gained * fill <= given + 1e-9, where  # the step attends no more than it would have
-        assert given < fill * (gained + 1) + 1 or int(out[-1]) == nb, where  # and loses less than a block
-        assert int(out[-1]) >= min(want, nb if free * 1 >= (want - int(bud[-1])) * fill else int(bud[-1])), where
-        assert (out[:-1] <= bud[:-1]).all() and (out[:-1] >= torch.minimum(bud[:-1], forced[:-1])).all(), where
-    assert torch.equal(last_block_budget(bud, forced, nb, 0.0), bud)
 
 
 def test_grpc_final_message_carries_both_densities_and_cached_tokens():

@@ -711,8 +711,7 @@ def test_config_validation_and_registry():
     for bad in ({"walk": "random"}, {"residual": 1.0}, {"residual": -0.1}, {"local_blocks": 0},
                 {"token_query": "all"}, {"heads": "q"}, {"sub_blocks": 0}, {"sub_blocks": 3}, {"sub_blocks": True},
                 {"decode_unit": "token"}, {"decode_unit": "part", "walk": "rollout"}, {"decode_query": "all"},
-                {"decode_query": "heads", "decode_unit": "block"}, {"decode_query": "heads", "heads": "kv"},
-                {"last_block_share": -0.1}, {"last_block_share": 1.5}, {"last_block_share": True}):
+                {"decode_query": "heads", "decode_unit": "block"}, {"decode_query": "heads", "heads": "kv"}):
         with pytest.raises(ValueError):
             SketchWalkConfig(**bad)
     c = SketchWalkConfig()

@@ -22,7 +22,6 @@ MODES = {
     "kv-block": {"heads": "kv", "decode_unit": "block"},
     "never-parts1": {"token_query": "never", "sub_blocks": 1, "decode_unit": "block"},
     "decode-parts4": {"token_query": "decode", "sub_blocks": 4, "local_blocks": 2},
-    "last-block-share": {"last_block_share": 0.5},
 }
 PAGE = 64
 

@@ -10,7 +10,6 @@ forced units alone exceed the budget is refused with the least density that fits
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -114,37 +113,6 @@ def prefill_block_budget(density: float, qblock: torch.Tensor, last_row: int, fo
     rows = 1 << max(last_row, 1).bit_length()  # table sizes by powers of two: few distinct cache entries
     table = _block_budget_table(float(density), int(forced), int(block_size), rows)
     return table.to(qblock.device)[qblock.long()]
-
-
-def last_block_budget(budget: torch.Tensor, forced: torch.Tensor, causal_last: int, share: float,
-                      fill: float = 1.0) -> torch.Tensor:
-    """The block budgets of a prefill step that ends a prompt (host int64 ``budget`` [rows], the
-    ``prefill_block_budget`` of the step's query blocks, the prompt's last one last; ``forced`` [rows] their
-    forced blocks), with the last block raised to ``share`` of its ``causal_last`` blocks (never below its own
-    budget) and paid for by the step's other rows: their blocks beyond the forced ones scaled down by one
-    factor (rounded by largest remainders). ``fill``: the last block's query rows over a full block's (a
-    prompt's last block is often partial), so a block the other rows give buys 1 / fill blocks of the last
-    row: the step attends at most the (query, key) pairs it would have, less than one last-row block fewer.
-    Where the other rows cannot pay it all (a short last chunk), the last row takes what they can give."""
-    if budget.numel() < 2 or share <= 0:
-        return budget
-    want = min(causal_last, int(np.rint(share * causal_last)))
-    free = (budget[:-1] - forced[:-1]).clamp(min=0)
-    spare = int(free.sum())
-    pay = min(math.ceil((want - int(budget[-1])) * fill), spare)
-    if pay <= 0:
-        return budget
-    # the rows keep (spare - pay) blocks between them in proportion to their free ones: floors, then the largest
-    # remainders one block each (a floor per row alone would take up to a block from every row)
-    exact = free.double() * ((spare - pay) / spare)
-    kept = torch.floor(exact).long()
-    short = spare - pay - int(kept.sum())
-    if short > 0:
-        kept[torch.argsort(exact - kept, descending=True, stable=True)[:short]] += 1
-    out = budget.clone()
-    out[:-1] -= free - kept
-    out[-1] = min(causal_last, int(budget[-1]) + int((spare - int(kept.sum())) / fill))
-    return out
 
 
 def prefill_floor(n: int, forced: int, block_size: int) -> float:

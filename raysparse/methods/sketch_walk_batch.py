@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysparse.kernels.formats import PackedBlockSelection
-from raysparse.methods.budget import last_block_budget, prefill_block_budget
+from raysparse.methods.budget import prefill_block_budget
 from raysparse.methods.selection import SENTINEL
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_prefix import prefix_pools
@@ -85,7 +85,7 @@ def step_rows(method: SketchWalk, view: PrefillView) -> StepRows:
     """The step's ``StepRows`` for ``method``'s block size and parts, built once and kept in ``batch.extras``."""
     cfg = method.config
     key = ("sketch_walk_batch", cfg.block_size, cfg.sub_blocks, cfg.token_query, cfg.local_blocks,
-           method.layer_density, cfg.last_block_share)
+           method.layer_density)
     got = view.batch.extras.get(key)
     if got is None:
         got = view.batch.extras[key] = _build_rows(method, view)
@@ -142,8 +142,6 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
         live[i, :m] = True
         bud = prefill_block_budget(d, rows_cpu, nb - 1, local + 1, B)
         fn = torch.minimum(rows_cpu + 1, torch.tensor(local + 1))
-        if b.prompt_end(i):  # the prompt's last block, paid for by this step's other rows
-            bud = last_block_budget(bud, fn, nb, cfg.last_block_share, (n - (nb - 1) * B) / B)
         budget[i, :m], forced_n[i, :m] = bud, fn
         width = max(width, int(torch.maximum(bud, fn).max()))
     extra = torch.where(live, (budget - forced_n).clamp(min=0), 0)

@@ -39,10 +39,6 @@ class SketchWalkConfig(MethodConfig):
     # head's query group averaged, one query per KV head; "heads": every query head on its own, the scores
     # combined by ``heads`` over every query head (a needle one head of a group attends is not averaged away).
     decode_query: str = "group"
-    # The prompt's last query block (the question) attends at least this share of its causal blocks, paid for by
-    # the other rows of the prefill step that ends the prompt, so the prefill's density stays the budget
-    # (``budget.last_block_budget``); 0: its own share of the budget.
-    last_block_share: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,9 +64,6 @@ class SketchWalkConfig(MethodConfig):
         if self.decode_unit == "part" and self.walk != "one-hop":
             raise ValueError("decode_unit='part' ranks parts by this layer's scores: it needs walk='one-hop' "
                              "(with another walk, pass decode_unit='block')")
-        if not (isinstance(self.last_block_share, int | float) and not isinstance(self.last_block_share, bool)
-                and 0.0 <= self.last_block_share <= 1.0):
-            raise ValueError(f"last_block_share must be a number in [0, 1], got {self.last_block_share!r}")
         if self.decode_query not in DECODE_QUERIES:
             raise ValueError(f"decode_query must be one of {DECODE_QUERIES}, got {self.decode_query!r}")
         if self.decode_query == "heads" and (self.decode_unit != "part" or self.heads not in ("pair", "pair-lse")):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import KVCache
-from raysparse.methods.budget import host_row_budget, last_block_budget, prefill_block_budget, row_budget
+from raysparse.methods.budget import host_row_budget, prefill_block_budget, row_budget
 from raysparse.methods.hadamard import SRHT
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
@@ -187,23 +187,17 @@ class ReferenceSelection:
         return x.float()
 
     # ---- the choice of blocks and parts ---------------------------------------------------------
-    def _choose(self, scores: torch.Tensor, qb0: int, nb: int, decode: bool = False, prompt_end: int | None = None
-                ) -> tuple[torch.Tensor, int]:
+    def _choose(self, scores: torch.Tensor, qb0: int, nb: int, decode: bool = False) -> tuple[torch.Tensor, int]:
         """Per score head and query block qb0..nb-1: forced sink + local blocks plus the top blocks by
-        ``scores`` [H, rows, nb] up to the row budget (``prefill_block_budget``'s, the prompt's last block
-        raised by ``last_block_share`` in the step that ends a prompt of ``prompt_end`` tokens, or in
-        ``decode`` the one row's ``row_budget`` of its blocks). Returns the boolean mask [H, rows, nb] and the
-        widest row (host int, no device sync)."""
+        ``scores`` [H, rows, nb] up to the row budget (``prefill_block_budget``'s, or in ``decode`` the one row's
+        ``row_budget`` of its blocks). Returns the boolean mask [H, rows, nb] and the widest row (host int, no
+        device sync)."""
         rows_cpu = torch.arange(qb0, nb)
         local = self.config.local_blocks
         d = self.layer_density
         budget = (row_budget(d, rows_cpu + 1) if decode
                   else prefill_block_budget(d, rows_cpu, nb - 1, local + 1, self.config.block_size))
         forced_n = torch.minimum(rows_cpu + 1, torch.tensor(local + 1))  # block 0 may also be a local one
-        if prompt_end is not None and not decode:
-            B = self.config.block_size
-            budget = last_block_budget(budget, forced_n, nb, self.config.last_block_share,
-                                       (prompt_end - (nb - 1) * B) / B)
         extra = (budget - forced_n).clamp(min=0)
         width = int(torch.maximum(budget, forced_n).max())  # a CPU tensor: no device sync
         dev = scores.device
@@ -252,8 +246,7 @@ class ReferenceSelection:
         qb0, nb, token_row = self._update_sketch(ctx, q, k_new)
         if pages is not None:
             store_prefix(self, ctx, cache, pages, qb0, nb)
-        mask, width = self._choose(walk_rows(self, ctx, qb0, nb, token_row), qb0, nb,
-                                   prompt_end=ctx.n if ctx.prompt_end else None)
+        mask, width = self._choose(walk_rows(self, ctx, qb0, nb, token_row), qb0, nb)
         idx = indices_from_mask(mask, width)  # [H, nqb, width]
         return BlockSelection(idx.expand(k_new.shape[0], -1, -1), self.config.block_size)
 
