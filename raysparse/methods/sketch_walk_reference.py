@@ -143,15 +143,16 @@ class ReferenceSelection:
         blocks = s.unflatten(-1, (-1, parts)).amax(-1) if parts > 1 else s
         if not part_row:
             return self._combine_heads(blocks), None
-        if token_q is not None:
+        tok, per_kv = s[:, -1], 1  # the last row's per-part scores, by score head
+        if token_q is not None:  # by query head instead: [H * g, b * sub_blocks]
             tok = torch.einsum("hgr,jhr->hgj", token_q, k_parts) / math.sqrt(self.srht.sketch_dim)
             if parts > 1:
                 tok = tok.masked_fill(~filled, -math.inf)
-            x = torch.cat((self._head_part(blocks).flatten(1), self._head_part(tok.flatten(0, 1), tok.shape[1])), 1)
-            both = self._finish_heads(x)
-            nb = blocks.shape[-1]
-            return both[:, : -nb * parts].view(-1, *blocks.shape[1:]), both[:, None, -nb * parts:]
-        both = self._combine_heads(torch.cat((blocks.flatten(1), s[:, -1]), 1))
+            tok, per_kv = tok.flatten(0, 1), tok.shape[1]
+        if self.config.heads in ("pair", "pair-lse"):  # both partials in one reduce (elementwise, then summed)
+            both = self._finish_heads(torch.cat((self._head_part(blocks).flatten(1), self._head_part(tok, per_kv)), 1))
+        else:
+            both = torch.cat((blocks.flatten(1), tok), 1)
         nb = blocks.shape[-1]
         return both[:, : -nb * parts].view(-1, *blocks.shape[1:]), both[:, None, -nb * parts:]
 
