@@ -20,6 +20,9 @@ row is the list's candidates not in N (a lead within r, by a binary search in th
 earlier one reaches further). Stored sets hold the listed others ascending, then N, SENTINEL after: not ascending,
 as the ranked path's priority order is not.
 
+The anchors' sets are ``kernels.anchor_sets``'s: one launch on GPUs (one program per pair holds its list), where
+this took two more list selections and about twenty small PyTorch launches over [B h_kv, ~k].
+
 ``cis_batched.cis_batched_step`` runs it where ``select_list`` runs on Triton (GPUs); on a CPU its top-k
 passes cost more than the ranked path's sort and cumulative sums, so the CPU keeps those
 (``tests/test_cpu_paths.py`` holds the two paths equal).
@@ -32,10 +35,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysparse.kernels import dispatch
+from raysparse.kernels.anchor_sets import anchor_sets
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import in_window
 from raysparse.kernels.row_select import select_list
-from raysparse.methods.selection import SENTINEL
 
 _INF = float("inf")  # a Python scalar: a tensor made inside the step would be a host copy in a graph capture
 
@@ -70,28 +73,7 @@ def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV
     final.scatter_add_(1, torch.where(seen, idx, spread).flatten(0, 1), torch.where(seen, _INF, 0.0).flatten(0, 1))
     out = select_list(final, torch.where(here.flatten(), c.pair_k, 0), c.k_w, out_width)
     # The anchors' sets: the top-m from the step's list (its candidates are the top-k), their +-r
-    # neighbours in [0, n) as N, then the k - |N| best others, all from the list's own entries.
-    listed = out.long()
-    # A retrieving pair's listed candidates (in [lo, hi)) keep their probabilities; its forced keys, and every
-    # entry of a sharing pair (whose new set is not kept), score -inf.
-    lv = listed.view(b, h_kv, -1)
-    cand_at = ((lv >= lo[:, None, None]) & (lv < hi[:, None, None]) & here[..., None]).flatten(0, 1)
-    pick = torch.where(cand_at, final.gather(1, listed.clamp(min=0)), -_INF)
-    # One spare column, so every row ends in padding, which is moved past every column: the leads stay
-    # sorted for the search below, and its neighbours fall past n like those of no lead.
-    lead = select_list(pick, c.pair_m, c.m_w, c.m_w + 1).long()
-    lead = torch.where(lead >= 0, listed.gather(1, lead.clamp(min=0)), 2**30)  # ascending, distinct
-    r = cfg.radius
-    nb = torch.cat([lead[..., None], lead[..., None] + c.offs], -1)  # [R, m + 1, 1 + 2 r]: offsets -r..r once
-    # A neighbour inside the previous lead's interval is a repeat (the earlier ones end below it); the first
-    # lead's "previous" interval ends at -1, so that test also drops neighbours below 0.
-    prev_end = torch.nn.functional.pad(lead[:, :-1] + r, (1, 0), value=-1)
-    fresh = ((nb > prev_end[..., None]) & (nb < c.pair_n[:, None, None])).flatten(1)
-    nb = nb.flatten(1)
-    # A listed column c is in N when the first lead at or past c - r is at most c + r (the padding ends every
-    # row, so there is one).
-    in_n = lead.gather(1, torch.searchsorted(lead, listed - r)) - listed <= r
-    score = torch.cat([torch.where(in_n, -_INF, pick), torch.where(fresh, _INF, -_INF).to(pick.dtype)], 1)
-    pos = select_list(score, c.pair_k - fresh.sum(1), c.k_w, width).long()
-    new_set = torch.where(pos >= 0, torch.cat([listed, nb], 1).gather(1, pos.clamp(min=0)), SENTINEL)
-    return new_set.to(torch.int32).view(b, h_kv, width), out.view(b, h_kv, -1)
+    # neighbours in [0, n) as N, then the k - |N| best others, all from the list's own entries
+    # (``kernels.anchor_sets``: one launch on GPUs).
+    new_set = anchor_sets(out, final, lo, hi, here, c.pair_m, c.pair_k, c.pair_n, c.m_w, c.k_w, cfg.radius, width)
+    return new_set.view(b, h_kv, width), out.view(b, h_kv, -1)
