@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from raysparse.kernels import dispatch
+from raysparse.kernels.anchor_share import commit, share
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import in_window, stable_top
 from raysparse.kv_cache import KVCache
@@ -198,27 +199,18 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     replace (6.8 against 4.8 ms a layer at 4096 tokens, 3 KV heads), so there the ranked path stays.
 
     On GPUs every shape is fixed and nothing is read back (a captured step). On a CPU, where a host read is
-    free, a step whose pairs all share skips the retrieval and the anchor update (their results would be
-    discarded by the ``torch.where`` below: the same bits)."""
-    b, h, d = q.shape
-    h_kv = kv.k.shape[1]
-    g, wt = h // h_kv, width_tokens
+    free, a step whose pairs all share skips the retrieval and the anchor update (``commit`` would discard
+    their results: the same bits)."""
+    h_kv, wt = kv.k.shape[1], width_tokens
     c = consts if consts is not None else cis_step_consts(cfg, kv.seqlens.long(), wt, h_kv)
     n = c.n  # [B]
     cq, sets, valid, step = buf.q[li], buf.sets[li], buf.valid[li], buf.step[li]
     rows, heads = c.rows, c.heads
-    slot = step % cfg.share_block
-    valid.masked_fill_((slot == 0)[:, None, None], False)  # a block's first step has no anchor to share
-
-    # Share: the most recent anchor slot of this block with cosine > threshold, per (row, KV head).
-    qg = q.float().reshape(b, h_kv, g * d)
-    qn = qg / qg.norm(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    cos = (cq * qn[:, None]).sum(-1)  # [B, s, h_kv]
-    chosen = torch.where(valid & (cos > cfg.threshold), c.slots, -1).amax(1)  # [B, h_kv]
-    share = chosen >= 0
-    here = ~share
+    # Share: the most recent anchor slot of this block with cosine > threshold, per (row, KV head); -1: none,
+    # the pair retrieves (``kernels.anchor_share``: one launch on GPUs, as the set marks and the commit below).
+    qn, chosen = share(q, cq, valid, step, cfg.threshold)
+    here = chosen < 0
     width = buf.sets.shape[-1]
-    shared = sets[rows[:, None], chosen.clamp(min=0), heads[None, :]]  # [B, h_kv, width]
 
     out_width = max(min(wt, cfg.sink + cfg.local + max(c.k_w, min(set_width(cfg, wt), width))), 1)
     if listed is None:
@@ -226,8 +218,9 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     listed = listed and cfg.limited_sets and cfg.top_m is None
     retrieve = q.is_cuda or bool(here.any())
     if listed and retrieve:  # index lists and the candidate row only: no [B, W] masks
-        new_set, out = listed_select(cfg, c, q, kv, wt, visible_lo, here, shared, width, out_width)
+        new_set, out = listed_select(cfg, c, q, kv, wt, visible_lo, here, sets, chosen, width, out_width)
     else:
+        shared = sets[rows[:, None], chosen.clamp(min=0), heads[None, :]]  # [B, h_kv, width]
         visible = c.inrange if visible_lo is None else in_window(c.pos, visible_lo[:, None], cfg.sink) & c.inrange
         forced = c.forced & visible
         if retrieve:
@@ -236,13 +229,9 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
                                           out_width)
         else:
             out = compact((forced[:, None, :] | _as_mask(shared, n, wt)) & visible[:, None, :], out_width)
-    if retrieve:
-        # Heads that retrieved become anchors of this slot (in place: the buffers are the graph's state).
-        cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
-        sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
-    valid[rows, slot] = here
-    step.add_(1)
-    buf.counts[li].copy_(torch.stack([(out >= 0).sum((1, 2)), here.sum(1)], -1))
+    if not retrieve:  # nothing retrieved: no anchor changes (a CPU step's shortcut)
+        new_set = sets[rows, step % cfg.share_block]
+    commit(cq, sets, valid, step, buf.counts[li], qn, new_set, chosen, out)
     return out
 
 

@@ -36,11 +36,9 @@ import torch
 
 from raysparse.kernels import dispatch
 from raysparse.kernels.anchor_sets import anchor_sets
+from raysparse.kernels.anchor_share import mark_shared
 from raysparse.kernels.formats import PagedKV
-from raysparse.kernels.paged_torch import in_window
 from raysparse.kernels.row_select import select_list
-
-_INF = float("inf")  # a Python scalar: a tensor made inside the step would be a host copy in a graph capture
 
 if TYPE_CHECKING:
     from raysparse.methods.cis import CISConfig
@@ -48,29 +46,23 @@ if TYPE_CHECKING:
 
 
 def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV, wt: int,
-                  visible_lo: torch.Tensor | None, here: torch.Tensor, shared: torch.Tensor, width: int,
-                  out_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  visible_lo: torch.Tensor | None, here: torch.Tensor, sets: torch.Tensor, chosen: torch.Tensor,
+                  width: int, out_width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The retrieving pairs' new anchor sets, int32 [B, h_kv, width] (-1 after), and the step's selection,
     int32 [B, h_kv, out_width] ascending. ``visible_lo`` [B]: the lowest visible non-sink key per row (PSAW
-    in CPE; None: every key); ``here`` [B, h_kv]: the pairs that retrieve (the others share); ``shared``
-    [B, h_kv, width]: each pair's shared anchor set (SENTINEL-padded). Fixed shapes, no host read."""
+    in CPE; None: every key); ``here`` [B, h_kv]: the pairs that retrieve (the others share); ``sets`` [B, s,
+    h_kv, width] the rows' anchor sets and ``chosen`` [B, h_kv] the slot each sharing pair takes its set from.
+    Fixed shapes, no host read."""
     b, h_kv = here.shape
     n = c.n
     lo = n.new_full(n.shape, cfg.sink) if visible_lo is None else visible_lo.long().clamp(min=cfg.sink)
     hi = n - cfg.local
     # The step's selection row, written by the scorer: the forced keys (sinks, and the local window where
     # visible) +inf, the retrieving pairs' candidates their probabilities (their top-k is taken), the sharing
-    # pairs' candidates 0 (none taken: their count is 0) with their set's visible keys raised to +inf below.
+    # pairs' candidates 0 (none taken: their count is 0) with their set's visible keys raised to +inf
+    # (``kernels.anchor_share.mark_shared``).
     final = dispatch.paged_group_probs(q, kv, wt, here, (lo, hi), keep=cfg.sink).view(b * h_kv, wt)
-    idx = shared.long()
-    # Visible: a sink, or at or past lo (which is the sink count when every key is visible).
-    seen = (idx >= 0) & (idx < n[:, None, None]) & ~here[..., None] & in_window(idx, lo[:, None, None], cfg.sink)
-    # Adding +inf marks a set's key wherever it lands (0, a forced +inf; a column given twice stays +inf),
-    # adding 0 changes nothing: so the entries that are not seen (most are padding) may land anywhere, and
-    # they are spread over the columns by their slot, where one column for all of them serialised the atomic
-    # adds (37 us a layer at 4 x 32K on an H200).
-    spread = torch.arange(idx.shape[-1], device=idx.device) % wt
-    final.scatter_add_(1, torch.where(seen, idx, spread).flatten(0, 1), torch.where(seen, _INF, 0.0).flatten(0, 1))
+    mark_shared(final, sets, chosen, n, lo, cfg.sink)
     out = select_list(final, torch.where(here.flatten(), c.pair_k, 0), c.k_w, out_width)
     # The anchors' sets: the top-m from the step's list (its candidates are the top-k), their +-r
     # neighbours in [0, n) as N, then the k - |N| best others, all from the list's own entries

@@ -1,0 +1,92 @@
+"""``kernels/anchor_share.py``: CIS's per-step bookkeeping, the one-launch Triton forms (the interpreter without
+a GPU) against the PyTorch forms on fresh random state: which pairs share and the valid flags a block's first
+step clears, the shared sets' marks in the selection row, and the committed anchors, counters and counts. Every
+buffer is compared whole after the call (the unit queries to fp32 rounding, everything else exactly)."""
+
+from __future__ import annotations
+
+import torch
+from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
+
+from raysparse.kernels.anchor_share import (
+    commit_torch,
+    commit_triton,
+    mark_shared_torch,
+    mark_shared_triton,
+    share_torch,
+    share_triton,
+)
+
+INF = float("inf")
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()))
+
+
+def _state(g: torch.Generator, b: int, s: int, h_kv: int, qdim: int, width: int, wt: int):
+    cq = torch.nn.functional.normalize(torch.randn(b, s, h_kv, qdim, generator=g), dim=-1)
+    sets = torch.randint(-1, wt + 4, (b, s, h_kv, width), generator=g).to(torch.int32)  # some past every row
+    valid = torch.rand(b, s, h_kv, generator=g) < 0.7
+    step = torch.randint(0, 3 * s, (b,), generator=g)
+    step[0] = s  # a block's first step
+    return cq, sets, valid, step
+
+
+def test_share_matches_torch():
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    b, s, h_kv, grp, d = 5, 4, 3, 2, 16
+    cq, _, valid, step = _state(g, b, s, h_kv, grp * d, 8, 64)
+    q = torch.randn(b, h_kv * grp, d, generator=g)
+    near = cq[:, 1].reshape(b, h_kv * grp, d) * 3 + 0.05 * torch.randn(b, h_kv * grp, d, generator=g)
+    q = torch.where(torch.arange(b)[:, None, None] % 2 == 1, near, q)  # rows 1 and 3 close to their anchor 1
+    valid[1::2, 1] = True
+    step[1::2] = torch.where(step[1::2] % s == 0, step[1::2] + 1, step[1::2])  # no block's first step there
+    for threshold in (0.8, -2.0, 2.0):
+        v_want = valid.clone()
+        qn_want, ch_want = share_torch(q, cq, v_want, step, threshold)
+        v_got = valid.clone().to(DEV)
+        qn_got, ch_got = share_triton(q.to(DEV), cq.to(DEV), v_got, step.to(DEV), threshold)
+        assert torch.equal(ch_got.cpu(), ch_want), f"seed {seed}: threshold {threshold}"
+        assert torch.equal(v_got.cpu(), v_want), f"seed {seed}: threshold {threshold}"
+        torch.testing.assert_close(qn_got.cpu(), qn_want, rtol=1e-6, atol=1e-6, msg=f"seed {seed}")
+        if threshold == 0.8:
+            assert (ch_want >= 0).any() and (ch_want < 0).any(), f"seed {seed}: no mix of sharing and retrieving"
+
+
+def test_mark_shared_matches_torch():
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    b, s, h_kv, width, wt, sink = 4, 3, 2, 24, 80, 3
+    _, sets, _, _ = _state(g, b, s, h_kv, 8, width, wt)
+    chosen = torch.randint(-1, s, (b, h_kv), generator=g)
+    n = torch.randint(wt // 2, wt + 1, (b,), generator=g)
+    lo = torch.randint(sink, wt // 2, (b,), generator=g)
+    pos = torch.arange(wt)
+    final = torch.where(torch.rand(b * h_kv, wt, generator=g) < 0.2, INF, 0.0)
+    final = torch.where(pos >= n.repeat_interleave(h_kv)[:, None], -INF, final)
+    want = final.clone()
+    mark_shared_torch(want, sets, chosen, n, lo, sink)
+    got = final.clone().to(DEV)
+    mark_shared_triton(got, sets.to(DEV), chosen.to(DEV), n.to(DEV), lo.to(DEV), sink)
+    assert torch.equal(got.cpu(), want), f"seed {seed}"
+    assert not torch.equal(want, final), f"seed {seed}: nothing was marked"
+
+
+def test_commit_matches_torch():
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    b, s, h_kv, qdim, width, ow = 4, 3, 3, 32, 20, 30
+    cq, sets, valid, step = _state(g, b, s, h_kv, qdim, width, 64)
+    counts = torch.zeros(b, 2, dtype=torch.long)
+    qn = torch.randn(b, h_kv, qdim, generator=g)
+    new_set = torch.randint(-1, 64, (b, h_kv, width), generator=g).to(torch.int32)
+    chosen = torch.randint(-1, s, (b, h_kv), generator=g)
+    out = torch.randint(-1, 64, (b, h_kv, ow), generator=g).to(torch.int32)
+    want = [x.clone() for x in (cq, sets, valid, step, counts)]
+    commit_torch(*want, qn, new_set, chosen, out)
+    got = [x.clone().to(DEV) for x in (cq, sets, valid, step, counts)]
+    commit_triton(*got, *(x.to(DEV) for x in (qn, new_set, chosen, out)))
+    for name, x, y in zip(("cq", "sets", "valid", "step", "counts"), got, want, strict=True):
+        assert torch.equal(x.cpu(), y), f"seed {seed}: {name}"
