@@ -5,7 +5,7 @@ one Triton launch, where the PyTorch forms take 10 to 20 small launches each on 
 
 Layout (``raysparse.methods.cis_batched.CISRows``, one sparse layer's views): ``cq`` fp32 [B, s, h_kv, g d]
 the anchors' unit queries, ``sets`` int32 [B, s, h_kv, width] their sets, ``valid`` bool [B, s, h_kv],
-``step`` int64 [B] the decode steps so far, ``counts`` int64 [B, 2]; s anchor slots a row (CIS's sharing
+``step`` int64 [B] the decode steps so far, ``counts`` int64 [B, h_kv, 2]; s anchor slots a row (CIS's sharing
 block), each pair (b, h) of row and KV head keeps its own. A step's slot is ``step % s``.
 
 - ``share(q, cq, valid, step, threshold)``: clears ``valid`` of the rows whose step opens a block (slot 0),
@@ -17,7 +17,7 @@ block), each pair (b, h) of row and KV head keeps its own. A step's slot is ``st
   positions hold 0 or +inf there, so the +inf ``cis_listed`` added is the same value).
 - ``commit(cq, sets, valid, step, counts, qn, new_set, chosen, out)``: a retrieving pair's query and new set
   become its slot's anchor, every pair's slot is valid where it retrieved, ``step`` advances, and ``counts``
-  gets the row's keys attended (``out`` [B, h_kv, W] entries >= 0) and retrieving pairs.
+  gets each pair's keys attended (``out`` [B, h_kv, W] entries >= 0) and whether it retrieved.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def commit_torch(cq: torch.Tensor, sets: torch.Tensor, valid: torch.Tensor, step
     sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
     valid[rows, slot] = here
     step.add_(1)
-    counts.copy_(torch.stack([(out >= 0).sum((1, 2)), here.sum(1)], -1))
+    counts.copy_(torch.stack([(out >= 0).sum(-1), here.long()], -1))
 
 
 if triton is not None:
@@ -107,28 +107,24 @@ if triton is not None:
     @triton.jit
     def _commit_kernel(CQ, SETS, V, STEP, CNT, QN, NEW, CH, OUT, H_KV, WIDTH, OW, s_cb, s_cs, s_ch,
                        s_sb, s_ss, s_sh, s_vb, s_vs, S: tl.constexpr, GD: tl.constexpr, BLK: tl.constexpr):
-        b = tl.program_id(0)
-        step = tl.load(STEP + b)
-        slot = step % S
-        e = tl.arange(0, GD)
+        p = tl.program_id(0)  # a (row, KV head) pair: no program reads what another writes
+        b = p // H_KV
+        h = p % H_KV
+        slot = tl.load(STEP + b) % S
+        here = tl.load(CH + p) < 0
         c = tl.arange(0, BLK)
+        if here:
+            e = tl.arange(0, GD)
+            tl.store(CQ + b * s_cb + slot * s_cs + h * s_ch + e, tl.load(QN + p * GD + e))
+            for c0 in range(0, WIDTH, BLK):
+                tl.store(SETS + b * s_sb + slot * s_ss + h * s_sh + c0 + c,
+                         tl.load(NEW + p * WIDTH + c0 + c, mask=c0 + c < WIDTH), mask=c0 + c < WIDTH)
+        tl.store(V + b * s_vb + slot * s_vs + h, here.to(tl.int8))
         keys = tl.zeros([BLK], dtype=tl.int64)
-        fresh = step * 0  # int64, as the loop adds to it
-        for h in range(H_KV):
-            p = b * H_KV + h
-            here = tl.load(CH + p) < 0
-            if here:
-                tl.store(CQ + b * s_cb + slot * s_cs + h * s_ch + e, tl.load(QN + p * GD + e))
-                for c0 in range(0, WIDTH, BLK):
-                    tl.store(SETS + b * s_sb + slot * s_ss + h * s_sh + c0 + c,
-                             tl.load(NEW + p * WIDTH + c0 + c, mask=c0 + c < WIDTH), mask=c0 + c < WIDTH)
-            tl.store(V + b * s_vb + slot * s_vs + h, here.to(tl.int8))
-            for c0 in range(0, OW, BLK):
-                keys += (tl.load(OUT + p.to(tl.int64) * OW + c0 + c, mask=c0 + c < OW, other=-1) >= 0).to(tl.int64)
-            fresh += here.to(tl.int64)
-        tl.store(STEP + b, step + 1)
-        tl.store(CNT + b * 2, tl.sum(keys, 0))
-        tl.store(CNT + b * 2 + 1, fresh)
+        for c0 in range(0, OW, BLK):
+            keys += (tl.load(OUT + p.to(tl.int64) * OW + c0 + c, mask=c0 + c < OW, other=-1) >= 0).to(tl.int64)
+        tl.store(CNT + p * 2, tl.sum(keys, 0))
+        tl.store(CNT + p * 2 + 1, here.to(tl.int64))
 
 
 def share_triton(q: torch.Tensor, cq: torch.Tensor, valid: torch.Tensor, step: torch.Tensor,
@@ -178,18 +174,21 @@ def mark_shared(final: torch.Tensor, sets: torch.Tensor, chosen: torch.Tensor, n
 def commit_triton(cq: torch.Tensor, sets: torch.Tensor, valid: torch.Tensor, step: torch.Tensor,
                   counts: torch.Tensor, qn: torch.Tensor, new_set: torch.Tensor, chosen: torch.Tensor,
                   out: torch.Tensor) -> None:
-    """``commit`` in one launch, a program per row (``commit``'s shape checks passed)."""
+    """``commit`` in one launch, a program per pair, then the rows' step counters (one more: every pair of a
+    row reads the counter for its slot, so none of them may advance it)."""
     b, s, h_kv, qdim = cq.shape
     if b:
-        _commit_kernel[(b,)](cq, sets, valid.view(torch.int8), step, counts, qn.contiguous(), new_set.contiguous(),
-                             chosen.contiguous(), out.contiguous(), h_kv, new_set.shape[-1], out.shape[-1],
-                             cq.stride(0), cq.stride(1), cq.stride(2), sets.stride(0), sets.stride(1),
-                             sets.stride(2), valid.stride(0), valid.stride(1), S=s, GD=qdim, BLK=1024)
+        _commit_kernel[(b * h_kv,)](cq, sets, valid.view(torch.int8), step, counts, qn.contiguous(),
+                                    new_set.contiguous(), chosen.contiguous(), out.contiguous(), h_kv,
+                                    new_set.shape[-1], out.shape[-1], cq.stride(0), cq.stride(1), cq.stride(2),
+                                    sets.stride(0), sets.stride(1), sets.stride(2), valid.stride(0), valid.stride(1),
+                                    S=s, GD=qdim, BLK=1024)
+    step.add_(1)
 
 
 def commit(cq: torch.Tensor, sets: torch.Tensor, valid: torch.Tensor, step: torch.Tensor, counts: torch.Tensor,
            qn: torch.Tensor, new_set: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor) -> None:
-    """The module's ``commit``: one launch (a program a row) where Triton runs."""
+    """The module's ``commit``: two launches where Triton runs."""
     qdim = cq.shape[-1]
     if (triton_wanted(cq, sets) and cq.stride(-1) == 1 and sets.stride(-1) == 1 and not qdim & (qdim - 1)
             and valid.dtype == torch.bool and counts.is_contiguous() and step.is_contiguous()):

@@ -79,7 +79,7 @@ def test_commit_matches_torch():
     g = torch.Generator().manual_seed(seed)
     b, s, h_kv, qdim, width, ow = 4, 3, 3, 32, 20, 30
     cq, sets, valid, step = _state(g, b, s, h_kv, qdim, width, 64)
-    counts = torch.zeros(b, 2, dtype=torch.long)
+    counts = torch.zeros(b, h_kv, 2, dtype=torch.long)
     qn = torch.randn(b, h_kv, qdim, generator=g)
     new_set = torch.randint(-1, 64, (b, h_kv, width), generator=g).to(torch.int32)
     chosen = torch.randint(-1, s, (b, h_kv), generator=g)

@@ -65,8 +65,9 @@ class CISRows:
         self.sets = torch.full((layers, rows, s, h_kv, width), SENTINEL, dtype=torch.int32, device=device)
         self.valid = torch.zeros(layers, rows, s, h_kv, dtype=torch.bool, device=device)
         self.step = torch.zeros(layers, rows, dtype=torch.long, device=device)  # decode steps so far
-        # The last step's keys attended (summed over KV heads) and KV heads that retrieved, per row.
-        self.counts = torch.zeros(layers, rows, 2, dtype=torch.long, device=device)
+        # The last step's keys attended and whether it retrieved, per (row, KV head): each pair writes its own
+        # (no atomics in the captured step); the host sums over the KV heads when it reads them.
+        self.counts = torch.zeros(layers, rows, h_kv, 2, dtype=torch.long, device=device)
 
     def reset(self, row: int) -> None:
         """A new sequence: no step yet (the first step opens a block, which clears the anchors)."""

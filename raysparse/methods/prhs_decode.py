@@ -116,7 +116,7 @@ class PrHSDecode(PSAWWindow):
         if state is None or not layers:
             return
         idx = [state.index[layer] for layer in layers]
-        counts = state.rows(len(state.current or ())).counts[idx, : len(ctx_lens)].sum(1).tolist()
+        counts = state.rows(len(state.current or ())).counts[idx, : len(ctx_lens)].sum((1, 2)).tolist()
         causal = float(sum(ctx_lens) * num_kv_heads)
         for layer, (keys, retrieved) in zip(layers, counts, strict=True):
             self.meter.add(layer, float(keys), causal, decode=True)
@@ -127,7 +127,7 @@ class PrHSDecode(PSAWWindow):
         """CIS: keys each row of the last batched step attended at this layer, summed over KV heads."""
         state = self._cis
         assert state is not None and state.current is not None, "no batched CIS step has run"
-        return state.rows(len(state.current)).counts[state.index[layer], :, 0].tolist()
+        return state.rows(len(state.current)).counts[state.index[layer], :, :, 0].sum(-1).tolist()
 
     def release(self, seq_id: int) -> None:
         if self._cis is not None:
