@@ -1,6 +1,6 @@
 """CIS's new anchor sets from the step's own list, one pass per (row, KV head) pair: ``anchor_sets``.
 
-Inputs (``raysparse.methods.cis_listed`` builds them): ``listed`` int32 [R, OW], each pair's step list
+Inputs (CIS's listed step, ``cis_listed``, builds them): ``listed`` int32 [R, OW], each pair's step list
 (ascending columns, -1 after); ``final`` fp32 [R, W], the step's selection row, whose entries at a retrieving
 pair's candidates (columns in [lo, hi) of its row) are the retrieval's probabilities; ``lo``, ``hi`` [B] the
 candidates' bounds per batch row (R = B * h_kv pairs, row-major); ``here`` [B, h_kv] bool, the pairs that

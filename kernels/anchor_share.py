@@ -3,7 +3,7 @@ anchor's set (``share``), the shared sets marked in the step's selection row (``
 anchors, counters and counts stored (``commit``). Each has a PyTorch form (the CPU path and the oracle) and
 one Triton launch, where the PyTorch forms take 10 to 20 small launches each on a GPU step.
 
-Layout (``raysparse.methods.cis_batched.CISRows``, one sparse layer's views): ``cq`` fp32 [B, s, h_kv, g d]
+Layout (``CISRows`` of CIS's batched step, one sparse layer's views): ``cq`` fp32 [B, s, h_kv, g d]
 the anchors' unit queries, ``sets`` int32 [B, s, h_kv, width] their sets, ``valid`` bool [B, s, h_kv],
 ``step`` int64 [B] the decode steps so far, ``counts`` int64 [B, h_kv, 2]; s anchor slots a row (CIS's sharing
 block), each pair (b, h) of row and KV head keeps its own. A step's slot is ``step % s``.
