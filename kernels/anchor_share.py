@@ -59,13 +59,15 @@ def mark_shared_torch(final: torch.Tensor, sets: torch.Tensor, chosen: torch.Ten
 
 
 def commit_torch(cq: torch.Tensor, sets: torch.Tensor, valid: torch.Tensor, step: torch.Tensor,
-                 counts: torch.Tensor, qn: torch.Tensor, new_set: torch.Tensor, chosen: torch.Tensor,
+                 counts: torch.Tensor, qn: torch.Tensor, new_set: torch.Tensor | None, chosen: torch.Tensor,
                  out: torch.Tensor) -> None:
+    """``new_set`` None: no pair retrieved (a CPU step that checked), so no anchor changes."""
     b, s = cq.shape[:2]
     rows, slot = torch.arange(b, device=cq.device), step % s
     here = chosen < 0
-    cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
-    sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
+    if new_set is not None:
+        cq[rows, slot] = torch.where(here[..., None], qn, cq[rows, slot])
+        sets[rows, slot] = torch.where(here[..., None], new_set, sets[rows, slot])
     valid[rows, slot] = here
     step.add_(1)
     counts.copy_(torch.stack([(out >= 0).sum(-1), here.long()], -1))
@@ -187,11 +189,13 @@ def commit_triton(cq: torch.Tensor, sets: torch.Tensor, valid: torch.Tensor, ste
 
 
 def commit(cq: torch.Tensor, sets: torch.Tensor, valid: torch.Tensor, step: torch.Tensor, counts: torch.Tensor,
-           qn: torch.Tensor, new_set: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor) -> None:
-    """The module's ``commit``: two launches where Triton runs."""
+           qn: torch.Tensor, new_set: torch.Tensor | None, chosen: torch.Tensor, out: torch.Tensor) -> None:
+    """The module's ``commit``: two launches where Triton runs. ``new_set`` None: no pair retrieved (only a
+    CPU step knows that without a host read), so no anchor changes."""
     qdim = cq.shape[-1]
-    if (triton_wanted(cq, sets) and cq.stride(-1) == 1 and sets.stride(-1) == 1 and not qdim & (qdim - 1)
-            and valid.dtype == torch.bool and counts.is_contiguous() and step.is_contiguous()):
+    if (new_set is not None and triton_wanted(cq, sets) and cq.stride(-1) == 1 and sets.stride(-1) == 1
+            and not qdim & (qdim - 1) and valid.dtype == torch.bool and counts.is_contiguous()
+            and step.is_contiguous()):
         commit_triton(cq, sets, valid, step, counts, qn, new_set, chosen, out)
     else:
         commit_torch(cq, sets, valid, step, counts, qn, new_set, chosen, out)

@@ -230,9 +230,7 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
                                           out_width)
         else:
             out = compact((forced[:, None, :] | _as_mask(shared, n, wt)) & visible[:, None, :], out_width)
-    if not retrieve:  # nothing retrieved: no anchor changes (a CPU step's shortcut)
-        new_set = sets[rows, step % cfg.share_block]
-    commit(cq, sets, valid, step, buf.counts[li], qn, new_set, chosen, out)
+    commit(cq, sets, valid, step, buf.counts[li], qn, new_set if retrieve else None, chosen, out)
     return out
 
 
