@@ -166,7 +166,6 @@ class CISStepConsts:
     pair_n: torch.Tensor
     rank: torch.Tensor  # [max(k_w, 1)]
     offs: torch.Tensor  # [2 r] the dilation's offsets
-    slots: torch.Tensor  # [1, s, 1]
     rows: torch.Tensor  # [B]
     heads: torch.Tensor  # [h_kv]
 
@@ -183,7 +182,6 @@ def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: in
     j = torch.arange(2 * r, device=dev)
     return CISStepConsts(n, kk_w, m_w, pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
                          pair_k, pair_m, pair_n, torch.arange(max(kk_w, 1), device=dev), j - r + (j >= r).long(),
-                         torch.arange(cfg.share_block, device=dev)[None, :, None],
                          torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev))
 
 
