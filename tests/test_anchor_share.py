@@ -90,3 +90,40 @@ def test_commit_matches_torch():
     commit_triton(*got, *(x.to(DEV) for x in (qn, new_set, chosen, out)))
     for name, x, y in zip(("cq", "sets", "valid", "step", "counts"), got, want, strict=True):
         assert torch.equal(x.cpu(), y), f"seed {seed}: {name}"
+
+
+def test_cis_steps_on_the_kernels_match_the_torch_forms(monkeypatch):
+    """CIS's listed step over several decode steps of a ragged batch with the anchor kernels (the rest of the
+    step in PyTorch, so both runs score alike) against the same step on the PyTorch forms: every selected entry,
+    every state buffer, on steps that mix sharing and retrieving pairs."""
+    import raysparse.kernels.anchor_sets as sets_mod
+    import raysparse.kernels.anchor_share as share_mod
+    from raysparse.kernels.formats import PagedKV
+    from raysparse.methods.cis import CISConfig
+    from raysparse.methods.cis_batched import CISRows, cis_batched_step, set_width
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    cfg = CISConfig(density=0.3, sink=2, local=3, share_block=3, radius=1, threshold=0.5)
+    b, h_kv, grp, d, page, width = 3, 2, 2, 16, 8, 12
+    k = torch.randn(b * width + 1, h_kv, page, d, generator=g)
+    table = torch.randperm(b * width + 1, generator=g)[: b * width].view(b, width).to(torch.int32)
+    steps, wt = 8, width * page
+    n = torch.randint(page, wt - steps, (b,), generator=g)
+    bufs = [CISRows(1, b, cfg, h_kv, grp * d, set_width(cfg, wt), torch.device("cpu")) for _ in range(2)]
+    q = torch.randn(b, h_kv * grp, d, generator=g)
+    for step in range(steps):
+        kv = PagedKV(k, k, table, (n + step).to(torch.int32))
+        outs = []
+        for buf, kernels in zip(bufs, (True, False), strict=True):
+            for mod in (sets_mod, share_mod):
+                monkeypatch.setattr(mod, "triton_wanted", lambda *a, on=kernels: on)
+            outs.append(cis_batched_step(cfg, buf, 0, q, kv, wt, None, listed=True))
+        assert torch.equal(outs[0], outs[1]), f"seed {seed} step {step}"
+        for name in ("sets", "valid", "step", "counts"):
+            assert torch.equal(getattr(bufs[0], name), getattr(bufs[1], name)), f"seed {seed} step {step}: {name}"
+        torch.testing.assert_close(bufs[0].q, bufs[1].q, rtol=1e-6, atol=1e-6, msg=f"seed {seed} step {step}")
+        slow = (torch.arange(b * h_kv).view(b, h_kv, 1, 1) + step) % 2 == 0  # half the pairs barely move
+        drift = q.view(b, h_kv, grp, d) + 0.01 * torch.randn(b, h_kv, grp, d, generator=g)
+        q = torch.where(slow, drift, torch.randn(b, h_kv, grp, d, generator=g)).view(q.shape)
+    assert 0 < int(bufs[0].counts[0, ..., 1].sum()) < b * h_kv, f"seed {seed}: the last step did not mix"
