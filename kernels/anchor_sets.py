@@ -32,6 +32,12 @@ from .selection import SENTINEL
 _FAR = 2**30  # a column past any row (the padding's lead)
 
 
+def dilation_offsets(radius: int, device: torch.device) -> torch.Tensor:
+    """A lead's neighbours relative to it, in CIS's order: -r .. -1, 1 .. r (int64 [2 r])."""
+    j = torch.arange(2 * radius, device=device)
+    return j - radius + (j >= radius).long()
+
+
 def anchor_sets_torch(listed: torch.Tensor, final: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                       here: torch.Tensor, pair_m: torch.Tensor, pair_k: torch.Tensor, pair_n: torch.Tensor,
                       m_w: int, k_w: int, radius: int, width: int) -> torch.Tensor:
@@ -49,9 +55,7 @@ def anchor_sets_torch(listed: torch.Tensor, final: torch.Tensor, lo: torch.Tenso
     lead = select_list(pick, pair_m, m_w, m_w + 1).long()
     lead = torch.where(lead >= 0, lst.gather(1, lead.clamp(min=0)), _FAR)  # ascending, distinct
     r = radius
-    j = torch.arange(2 * r, device=lst.device)
-    offs = j - r + (j >= r).long()  # -r .. -1, 1 .. r
-    nb = torch.cat([lead[..., None], lead[..., None] + offs], -1)  # [R, m + 1, 1 + 2 r]
+    nb = torch.cat([lead[..., None], lead[..., None] + dilation_offsets(r, lst.device)], -1)  # [R, m + 1, 1 + 2 r]
     # A neighbour inside the previous lead's interval is a repeat (the earlier ones end below it); the first
     # lead's "previous" interval ends at -1, so that test also drops neighbours below 0.
     prev_end = torch.nn.functional.pad(lead[:, :-1] + r, (1, 0), value=-1)
@@ -80,7 +84,7 @@ if triton is not None:
 
     @triton.jit
     def _offset(j: tl.constexpr, R: tl.constexpr):
-        """The j-th of a lead's columns, relative to it: 0, then -R .. -1, then 1 .. R."""
+        """The j-th of a lead's columns, relative to it: 0, then ``dilation_offsets``' -R .. -1, 1 .. R."""
         if j == 0:
             return 0
         elif j <= R:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from raysparse.kernels import dispatch
+from raysparse.kernels.anchor_sets import dilation_offsets
 from raysparse.kernels.anchor_share import commit, share
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import in_window, stable_top
@@ -179,9 +180,8 @@ def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: in
     kk_n, m_n = budget_rows(cfg, n)
     # Expanded views made contiguous, not repeat_interleave: nothing sized on the host inside a capture.
     pair_k, pair_m, pair_n = (x[:, None].expand(-1, h_kv).reshape(-1) for x in (kk_n, m_n, n))
-    j = torch.arange(2 * r, device=dev)
     return CISStepConsts(n, kk_w, m_w, pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
-                         pair_k, pair_m, pair_n, torch.arange(max(kk_w, 1), device=dev), j - r + (j >= r).long(),
+                         pair_k, pair_m, pair_n, torch.arange(max(kk_w, 1), device=dev), dilation_offsets(r, dev),
                          torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev))
 
 
