@@ -41,6 +41,19 @@ def bucket(n: int, limit: int) -> int:
     return min(b, limit)
 
 
+def width_bucket(n: int, limit: int) -> int:
+    """The smallest of 1, 1.25, 1.5, 1.75 times a power of two that is >= n (n >= 8 gives whole numbers),
+    capped at ``limit``. Why finer than ``bucket``: every row-wide selection (scores over the bucket's keys,
+    list bounds, anchor sets) pays for the whole width, and a power of two put 32K-token rows in the 64K
+    bucket, doubling those costs; quarter steps cap the waste at 25% for four times the captures."""
+    p = 1 << max(n - 1, 0).bit_length()
+    if p >= 8:
+        for j in (5, 6, 7):
+            if p * j // 8 >= n:
+                return min(p * j // 8, limit)
+    return min(p, limit)
+
+
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int, capture: bool | None = None) -> None:
         if max_batch <= 0:
@@ -125,7 +138,7 @@ class DecodeGraphs:
         return b, self._width(max(self.cache.seq_len(s) for s in seq_ids) + steps), list(seq_ids) + [-1] * (b - n)
 
     def _width(self, tokens: int) -> int:
-        return bucket(max(self.cache.pages_needed(tokens), MIN_WIDTH), self.max_width)
+        return width_bucket(max(self.cache.pages_needed(tokens), MIN_WIDTH), self.max_width)
 
     def _eager(self, backend: AttentionBackend, b: int, w: int, ctx_lens: list[int], rows: list[int]) -> torch.Tensor:
         """The padded step without a capture (CPU): the same inputs and metadata a graph would read."""

@@ -8,7 +8,7 @@ import torch
 from helpers import DEVICES, tiny_model
 
 from raysparse.attention import DenseAttention
-from raysparse.decode_graphs import DecodeGraphs, bucket
+from raysparse.decode_graphs import DecodeGraphs, bucket, width_bucket
 from raysparse.kv_cache import KVCache
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
 from raysparse.shard_executor import ShardExecutor
@@ -23,6 +23,9 @@ def model(request):
 def test_bucket():
     assert [bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 16, 64]
     assert bucket(5, 6) == 6
+    assert [width_bucket(n, 4096) for n in (16, 17, 21, 25, 29, 33, 2048, 2056, 4000)] == [
+        16, 20, 24, 28, 32, 40, 2048, 2560, 4096]
+    assert width_bucket(2056, 2300) == 2300
 
 
 def _prefill(model, cache, backend, lens, g):
