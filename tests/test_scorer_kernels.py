@@ -8,6 +8,7 @@ forgot to write fails the comparison. Shapes stay small: the interpreter pays pe
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 from pathlib import Path
@@ -134,10 +135,15 @@ def test_decode_sketches(monkeypatch: pytest.MonkeyPatch, g: int, d: int, sketch
                                                          (128, 12, torch.int16, torch.bfloat16),
                                                          (64, 3, torch.int32, torch.float16)])
 def test_bucket_ids(d: int, planes: int, out_dtype: torch.dtype, x_dtype: torch.dtype) -> None:
-    """Against the reference; bf16 keys take the split-plane bf16 products on GPUs (the serving dtype)."""
+    """Against the reference; bf16 keys take the split-plane bf16 products on GPUs (the serving dtype): one
+    product for SOCKET's planes (bf16-exact), three for planes that bf16 does not hold."""
     gen = torch.Generator().manual_seed(d + planes)
-    w = lsh.hyperplanes(5, 0, range(H_KV), 6, planes, d).to(DEV)
-    for m in (1, 70, 200, 1030):  # a decode append, a chunk, a prompt (its tables split over programs), one not
+    drawn = lsh.hyperplanes(5, 0, range(H_KV), 6, planes, d)
+    assert torch.equal(drawn, drawn.bfloat16().float())
+    fp32 = torch.randn(H_KV, 6, planes, d, generator=gen)
+    assert not torch.equal(fp32, fp32.bfloat16().float())
+    # a decode append, a chunk, a prompt (its tables split over programs), one not; each plane set
+    for w, m in itertools.product((drawn.to(DEV), fp32.to(DEV)), (1, 70, 200, 1030)):
         x = _rand(H_KV, m, d, gen=gen, dtype=x_dtype)
         fill = 255 if out_dtype == torch.uint8 else -1
         out = torch.full((H_KV, 6, m), fill, dtype=out_dtype, device=DEV)

@@ -45,11 +45,13 @@ def hyperplanes(seed: int, layer: int, kv_heads: range, tables: int, planes: int
     """The L tables of i.i.d. N(0, 1) hyperplanes of each KV head: fp32 ``[h_kv, L, P, d]`` on the CPU.
 
     Drawn from a private CPU generator per (layer, global head), so every device, shard and call sees the
-    same draw, and a head's tables do not depend on how many heads a shard holds."""
+    same draw, and a head's tables do not depend on how many heads a shard holds. Each draw is rounded to
+    the nearest bf16 value (8 bits of mantissa: a sign-random projection needs directions, not digits), so
+    bf16 keys hash on bf16 tensor cores in one exact product per plane, where fp32 planes take three."""
     out = []
     for h in kv_heads:
         gen = torch.Generator(device="cpu").manual_seed(table_seed(seed, layer, h))
-        out.append(torch.randn(tables, planes, dim, generator=gen))
+        out.append(torch.randn(tables, planes, dim, generator=gen).bfloat16().float())
     return torch.stack(out)
 
 
