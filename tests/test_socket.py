@@ -368,7 +368,7 @@ def test_batch_bucket_probs_equal_the_per_row_distributions(monkeypatch: pytest.
     from raysparse.methods.socket_batched import batch_bucket_probs
 
     m = method(planes=planes, hard=hard, tables=3)
-    q = torch.randn(3, H_KV * G, D)
+    q = torch.randn(3, H_KV * G, D, device="cuda" if torch.cuda.is_available() else "cpu")  # compiled: device only
     want = torch.stack([m.bucket_probs(1, q[i], H_KV) for i in range(3)])
     for mode in ("torch", "triton"):
         monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
