@@ -15,6 +15,11 @@ from raysparse.runtime_config import RuntimeConfig
 # GPU: unchanged (whole prompts up to 64K tokens), not measured against a stall bound yet.
 PREFILL_CHUNK_CPU = 128
 PREFILL_CHUNK_GPU = 65536
+# While no request decodes there is no stall to bound, so a CPU prompt runs whole up to this many tokens (the
+# default model's positions) in one step. The 128-token chunks cost a sparse method its selection's fixed work
+# in every chunk and layer: Quest's time to first token at 4096 tokens was 1.34x dense's in the engine, 0.64x
+# in one step (BENCHMARKS.md, "Every method against dense on the CPU after the idle prefill").
+IDLE_PREFILL_CPU = 8192
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,10 @@ class EngineConfig:
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return PREFILL_CHUNK_GPU if use_gpu else PREFILL_CHUNK_CPU
+
+    def idle_prefill(self, use_gpu: bool) -> int | None:
+        """The head prompt's budget while nothing decodes (None: ``prefill_chunk``'s). A ``max_prefill_tokens``
+        the user set holds at every step."""
+        if self.max_prefill_tokens is not None or use_gpu:
+            return None
+        return IDLE_PREFILL_CPU

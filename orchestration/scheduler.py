@@ -73,12 +73,19 @@ class SchedulerConfig:
     max_waiting: int = 4096
     decode_steps: int = 1  # consecutive decode steps per plan while no prompt can be admitted or continued
     prefix: PrefixCacheConfig = PrefixCacheConfig()
+    # While no sequence decodes, the head prompt may take up to this many tokens in one step (None: the same
+    # as max_prefill_tokens): the chunk bound exists to keep decodes flowing, and with none to keep, every
+    # chunk only adds the method's per-step work (a sparse method's selection over the keys so far).
+    idle_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("capacity_pages", "page_size", "max_batch", "max_prefill_tokens", "max_waiting",
                      "decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.idle_prefill_tokens is not None and self.idle_prefill_tokens < self.max_prefill_tokens:
+            raise ValueError(f"idle_prefill_tokens ({self.idle_prefill_tokens}) must be at least "
+                             f"max_prefill_tokens ({self.max_prefill_tokens})")
 
 
 class Scheduler:
@@ -199,6 +206,13 @@ class Scheduler:
             if seq is not None and seq.keys:
                 self.pool.register(sid, seq.keys, seq.prefilled)
 
+    def _prompt_left(self, seq: Sequence) -> int:
+        """Prompt tokens ``seq`` still has to compute: past its prefilled ones, or past its cached prefix."""
+        plen = len(seq.request.prompt_ids)
+        if seq in self.waiting:
+            return plen - self.pool.hits(seq.keys, plen) * self.cfg.page_size
+        return plen - seq.prefilled
+
     def _admissible(self, seq: Sequence) -> bool:
         return self.pool.can_admit(seq.pages, seq.keys, len(seq.request.prompt_ids))
 
@@ -236,11 +250,17 @@ class Scheduler:
         """Prompts (or their next chunks) up to ``max_prefill_tokens``: sequences part-way through their prompt
         first, then new admissions of the same method. A prompt longer than what is left of the step's budget
         is split (chunked prefill), so a long prompt never holds decodes up for more than one budget's worth;
-        a method without ``chunked_prefill`` (e.g. one whose draft prefills whole prompts) is never split."""
+        a method without ``chunked_prefill`` (e.g. one whose draft prefills whole prompts) is never split.
+        While nothing decodes, the head prompt alone may run up to ``idle_prefill_tokens`` in this step; the
+        prompts behind it then wait for the next step, so the head's first token comes no later."""
         partial = self._partial()
         key = partial[0].key if partial else self.waiting[0].key
         chunkable = self.capabilities(key).chunked_prefill
         budget = self.cfg.max_prefill_tokens
+        idle = self.cfg.idle_prefill_tokens
+        if idle is not None and idle > budget and not any(self._ready(k) for k in self.running):
+            head = partial[0] if partial else self.waiting[0]
+            budget = max(budget, min(idle, self._prompt_left(head)))
         rows: list[tuple[Sequence, int]] = []  # (sequence, tokens of it in this step)
         for seq in [s for s in partial if s.key == key]:
             if budget <= 0 or len(rows) >= self.cfg.max_batch:

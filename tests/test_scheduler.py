@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from helpers import random_state, tiny_hf_config
 
@@ -239,3 +240,39 @@ def test_a_request_that_had_not_started_when_its_group_died_is_retried_once():
         assert runner.rebuilds == 3
     finally:
         runner.stop()
+
+
+def test_idle_prefill_runs_the_head_prompt_whole_while_nothing_decodes():
+    """With no sequence decoding, the head prompt takes up to ``idle_prefill_tokens`` in one step and the
+    prompts behind it wait for the next step; once a sequence decodes, prompts go in ``max_prefill_tokens``
+    chunks again, with decode steps between them."""
+    sched = Scheduler(SchedulerConfig(32, 64, max_batch=8, max_prefill_tokens=100, idle_prefill_tokens=300))
+    seqs = []
+    for n in (250, 230):
+        h = RequestHandle(EngineRequest(tuple(range(1, n + 1)), SamplingParams(max_new_tokens=8, ignore_eos=True),
+                                        "dense"), lambda _rid: False)
+        seqs.append(sched.make_sequence(h, method_key("dense"), frozenset(), 0.0))
+        sched.add(seqs[-1])
+    plan = sched.next_plan()
+    assert plan.prefill and plan.seq_ids == [seqs[0].seq_id] and [len(t) for t in plan.tokens] == [250]
+    assert plan.sample == [True]
+    seqs[0].tokens.append(1)  # the first prompt's token: it decodes from now on
+    kinds = []
+    while not seqs[1].prompt_done:
+        plan = sched.next_plan()
+        kinds.append(len(plan.tokens[0]) if plan.prefill else "decode")
+        if not plan.prefill:
+            seqs[0].tokens.append(1)
+    assert kinds == ["decode", 100, "decode", 100, "decode", 30]
+    with pytest.raises(ValueError, match="idle_prefill_tokens"):
+        SchedulerConfig(32, 64, max_prefill_tokens=100, idle_prefill_tokens=50)
+    # a longer head prompt than the idle budget: that budget per step
+    sched = Scheduler(SchedulerConfig(32, 64, max_batch=8, max_prefill_tokens=100, idle_prefill_tokens=200))
+    h = RequestHandle(EngineRequest(tuple(range(1, 451)), SamplingParams(max_new_tokens=8, ignore_eos=True),
+                                    "dense"), lambda _rid: False)
+    seq = sched.make_sequence(h, method_key("dense"), frozenset(), 0.0)
+    sched.add(seq)
+    chunks = []
+    while not seq.prompt_done:
+        chunks.append(len(sched.next_plan().tokens[0]))
+    assert chunks == [200, 200, 50]

@@ -55,7 +55,8 @@ Choices where SPEC and paper are silent:
     0.3 with the mean is best without the factor; with it, tau 0.1 is slightly better and still below.
 - Ties (frequent for hard counts) break toward the lower token index (a stable sort), deterministically.
 - Hyperplanes are drawn on the CPU from a generator seeded by (seed, layer, global KV head), fixed for
-  the backend's life and identical on every device. With tensor parallelism set ``kv_head_offset`` to
+  the backend's life and identical on every device, each rounded to a bf16 value (``lsh.hyperplanes``: bf16
+  keys then hash in one exact bf16 tensor-core product). With tensor parallelism set ``kv_head_offset`` to
   the shard's first KV head so each head keeps its tables.
 - Metadata: ``metadata_bytes_per_token`` = per sparse layer and KV head L bytes of bucket ids (2 L for
   P > 8), + 4 bytes of fp32 value norm only where the scorer uses it (``value_norm=True``, soft counts): the
