@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raysparse.methods.registry import MethodCapabilities, method_capabilities
-from raysparse.orchestration.engine_api import (
-    CapacityExceededError,
-    EngineRequest,
-    RequestHandle,
-    RequestTooLargeError,
-)
+from raysparse.orchestration.engine_api import CapacityExceededError, EngineRequest, RequestHandle, RequestTooLargeError
 from raysparse.orchestration.prefix_cache import PagePool, PrefixCacheConfig, page_keys
 from raysparse.step_plan import StepPlan, parse_key
 
@@ -73,9 +68,8 @@ class SchedulerConfig:
     max_waiting: int = 4096
     decode_steps: int = 1  # consecutive decode steps per plan while no prompt can be admitted or continued
     prefix: PrefixCacheConfig = PrefixCacheConfig()
-    # While no sequence decodes, the head prompt may take up to this many tokens in one step (None: the same
-    # as max_prefill_tokens): the chunk bound exists to keep decodes flowing, and with none to keep, every
-    # chunk only adds the method's per-step work (a sparse method's selection over the keys so far).
+    # The head prompt's tokens in one step while nothing decodes (None: max_prefill_tokens): chunks exist to keep
+    # decodes flowing; with none, a chunk only adds the method's per-step work (a sparse method's selection).
     idle_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -83,9 +77,8 @@ class SchedulerConfig:
                      "decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.idle_prefill_tokens is not None and self.idle_prefill_tokens < self.max_prefill_tokens:
-            raise ValueError(f"idle_prefill_tokens ({self.idle_prefill_tokens}) must be at least "
-                             f"max_prefill_tokens ({self.max_prefill_tokens})")
+        if self.idle_prefill_tokens is not None and not self.idle_prefill_tokens >= self.max_prefill_tokens > 0:
+            raise ValueError(f"idle_prefill_tokens {self.idle_prefill_tokens} < max_prefill_tokens")
 
 
 class Scheduler:
@@ -206,13 +199,6 @@ class Scheduler:
             if seq is not None and seq.keys:
                 self.pool.register(sid, seq.keys, seq.prefilled)
 
-    def _prompt_left(self, seq: Sequence) -> int:
-        """Prompt tokens ``seq`` still has to compute: past its prefilled ones, or past its cached prefix."""
-        plen = len(seq.request.prompt_ids)
-        if seq in self.waiting:
-            return plen - self.pool.hits(seq.keys, plen) * self.cfg.page_size
-        return plen - seq.prefilled
-
     def _admissible(self, seq: Sequence) -> bool:
         return self.pool.can_admit(seq.pages, seq.keys, len(seq.request.prompt_ids))
 
@@ -251,16 +237,17 @@ class Scheduler:
         first, then new admissions of the same method. A prompt longer than what is left of the step's budget
         is split (chunked prefill), so a long prompt never holds decodes up for more than one budget's worth;
         a method without ``chunked_prefill`` (e.g. one whose draft prefills whole prompts) is never split.
-        While nothing decodes, the head prompt alone may run up to ``idle_prefill_tokens`` in this step; the
-        prompts behind it then wait for the next step, so the head's first token comes no later."""
+        While nothing decodes, the head prompt alone may take ``idle_prefill_tokens`` (the rest wait a step)."""
         partial = self._partial()
         key = partial[0].key if partial else self.waiting[0].key
         chunkable = self.capabilities(key).chunked_prefill
         budget = self.cfg.max_prefill_tokens
         idle = self.cfg.idle_prefill_tokens
         if idle is not None and idle > budget and not any(self._ready(k) for k in self.running):
-            head = partial[0] if partial else self.waiting[0]
-            budget = max(budget, min(idle, self._prompt_left(head)))
+            head = partial[0] if partial else self.waiting[0]  # its tokens left: past its prefill or cached prefix
+            plen = len(head.request.prompt_ids)
+            budget = max(budget, min(idle, plen - (head.prefilled if partial else
+                                                   self.pool.hits(head.keys, plen) * self.cfg.page_size)))
         rows: list[tuple[Sequence, int]] = []  # (sequence, tokens of it in this step)
         for seq in [s for s in partial if s.key == key]:
             if budget <= 0 or len(rows) >= self.cfg.max_batch:
@@ -310,6 +297,4 @@ class Scheduler:
 
 
 def _params_dict(seq: Sequence) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return asdict(seq.request.params)
