@@ -15,11 +15,13 @@ from raysparse.runtime_config import RuntimeConfig
 # GPU: unchanged (whole prompts up to 64K tokens), not measured against a stall bound yet.
 PREFILL_CHUNK_CPU = 128
 PREFILL_CHUNK_GPU = 65536
-# While no request decodes there is no stall to bound, so a CPU prompt runs whole up to this many tokens (the
-# default model's positions) in one step. The 128-token chunks cost a sparse method its selection's fixed work
-# in every chunk and layer: Quest's time to first token at 4096 tokens was 1.34x dense's in the engine, 0.64x
-# in one step (BENCHMARKS.md, "Every method against dense on the CPU after the idle prefill").
-IDLE_PREFILL_CPU = 8192
+# While no request decodes there is no stall to bound, so a CPU prompt takes this many tokens a step. The
+# 128-token chunks cost a sparse method its selection's fixed work in every chunk and layer: Quest's time to
+# first token at 4096 tokens was 1.34x dense's in the engine, and 0.61x with 1024-token steps, as with whole
+# prompts (0.68x; BENCHMARKS.md, "Every method against dense on the CPU after the idle prefill"). 1024, not a
+# whole prompt: a step is not interrupted, so a request cancelled or past its deadline mid-prompt holds the
+# engine until its step ends (about 44 s for a whole 7000-token prompt on 2 cores, at most ~10 s here).
+IDLE_PREFILL_CPU = 1024
 
 
 @dataclass(frozen=True)

@@ -242,7 +242,7 @@ def test_a_request_that_had_not_started_when_its_group_died_is_retried_once():
         runner.stop()
 
 
-def test_idle_prefill_runs_the_head_prompt_whole_while_nothing_decodes():
+def test_idle_prefill_gives_the_head_prompt_the_idle_budget_while_nothing_decodes():
     """With no sequence decoding, the head prompt takes up to ``idle_prefill_tokens`` in one step and the
     prompts behind it wait for the next step; once a sequence decodes, prompts go in ``max_prefill_tokens``
     chunks again, with decode steps between them."""

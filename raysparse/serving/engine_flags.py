@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="N",
                    help="prompt tokens per prefill step; other streams decode between two chunks (default: 128 on "
-                        "CPU shards, and a whole prompt of up to 8192 while nothing decodes; 65536 on GPUs; a value "
+                        "CPU shards, 1024 while nothing decodes; 65536 on GPUs; a value "
                         "given here holds at every step)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the shards run (auto: GPUs when the cluster has --tp of them)")
