@@ -46,6 +46,20 @@ def in_window(kpos: torch.Tensor, lo: torch.Tensor, sink: int) -> torch.Tensor:
     return (kpos < sink) | (kpos >= lo)
 
 
+def _token_rows(kv: PagedKV, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of token ids ``tok`` [B, h_kv, S] (each row's own, per KV head) from the paged cache: [B, h_kv,
+    S, d] each, in the cache's dtype.
+
+    One row index into the cache seen as [pages * h_kv * page, d]: a single index_select per tensor, about 2.5x
+    faster on a CPU than advanced indexing with three index tensors (the same rows, bit for bit)."""
+    h_kv, page, d = kv.k.shape[1:]
+    heads = torch.arange(h_kv, device=tok.device)[None, :, None]
+    pages = kv.page_table.long().gather(1, (tok // page).flatten(1)).view_as(tok)
+    rows = ((pages * h_kv + heads) * page + tok % page).flatten()
+    return (kv.k.reshape(-1, d).index_select(0, rows).view(*tok.shape, d),
+            kv.v.reshape(-1, d).index_select(0, rows).view(*tok.shape, d))
+
+
 def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit: int = 1,
                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, h, d] (each row's newest position) over its selected keys of the paged cache.
@@ -53,19 +67,17 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
     Returns out [B, h, d] (q's dtype) and lse [B, h] (fp32, natural log). A row with no valid key gets a
     zero output and an lse of -inf."""
     b, h, d = q.shape
-    h_kv, page = kv.k.shape[1], kv.k.shape[2]
-    heads = torch.arange(h_kv, device=q.device)[None, :, None]
-    if unit == page and not q.is_cuda:
-        # Whole pages (dense layers, block selections): gather page tiles, not tokens, and attend in one
-        # fused CPU flash-attention call; the fp32 form below stays the device-agnostic oracle.
-        return _paged_pages_cpu(q, kv, indices, scale)
+    h_kv = kv.k.shape[1]
+    if not q.is_cuda:
+        # Whole pages (dense layers, block selections) gather page tiles, other units their tokens, and both
+        # attend in one fused CPU flash-attention call; the fp32 form below stays the device-agnostic oracle.
+        if unit == kv.k.shape[2]:
+            return _paged_pages_cpu(q, kv, indices, scale)
+        tok, ok = selected_tokens(indices, unit, kv.seqlens)
+        k, v = _token_rows(kv, tok)
+        return _fused_cpu(q, k, v, ok, scale)
     tok, ok = selected_tokens(indices, unit, kv.seqlens)  # [B, h_kv, S]
-    pages = kv.page_table.long().gather(1, (tok // page).flatten(1)).view_as(tok)
-    # One row index into the cache seen as [pages * h_kv * page, d]: a single index_select per tensor, about
-    # 2.5x faster on a CPU than advanced indexing with three index tensors (the same rows, bit for bit).
-    rows = ((pages * h_kv + heads) * page + tok % page).flatten()
-    k = kv.k.reshape(-1, d).index_select(0, rows).view(*tok.shape, d).float()  # [B, h_kv, S, d]
-    v = kv.v.reshape(-1, d).index_select(0, rows).view(*tok.shape, d).float()
+    k, v = (x.float() for x in _token_rows(kv, tok))  # [B, h_kv, S, d]
     qg = q.float().view(b, h_kv, h // h_kv, d)
     s = (qg @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(d))  # [B, h_kv, g, S]
     s = s.masked_fill(~ok[:, :, None, :], -math.inf)
@@ -104,21 +116,32 @@ def paged_window_decode_cpu(q: torch.Tensor, kv: PagedKV, window_lo: torch.Tenso
 
 def _paged_pages_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, scale: float | None,
                      window_lo: torch.Tensor | None = None, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    b, h, d = q.shape
-    h_kv, page = kv.k.shape[1], kv.k.shape[2]
-    g, width = h // h_kv, indices.shape[-1]
+    page = kv.k.shape[2]
     logical = indices.long().clamp(min=0)
-    k = paged_tiles(kv.k, kv.page_table, logical).view(b * h_kv, 1, width * page, d).to(q.dtype)
-    v = paged_tiles(kv.v, kv.page_table, logical).view(b * h_kv, 1, width * page, d).to(q.dtype)
+    k = paged_tiles(kv.k, kv.page_table, logical)
+    v = paged_tiles(kv.v, kv.page_table, logical)
     tok = (logical[..., None] * page + torch.arange(page, device=q.device)).flatten(2)
     ok = ((indices != SENTINEL)[..., None].expand(-1, -1, -1, page).flatten(2)
           & (tok < kv.seqlens.long()[:, None, None]))
     if window_lo is not None:  # inside the listed pages, only the sinks and the keys from the row's bound up
         ok &= in_window(tok, window_lo.long()[:, None, None], sink)
-    ok = ok.view(b * h_kv, 1, 1, -1)
+    return _fused_cpu(q, k, v, ok, scale)
+
+
+def _fused_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor,
+               scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, h, d] over gathered keys k, v [B, h_kv, S, d] where ``ok`` [B, h_kv, S]: one fused CPU
+    flash-attention call, the group's query heads sharing their KV head's rows (an expanded view, no copy).
+    Returns (out, lse) as ``paged_decode_torch``: a row with no valid key gets zeros and -inf."""
+    b, h, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    g = h // h_kv
+    k = k.reshape(b * h_kv, 1, s, d).to(q.dtype)
+    v = v.reshape(b * h_kv, 1, s, d).to(q.dtype)
+    ok = ok.reshape(b * h_kv, 1, 1, s)
     mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = op(q.view(b * h_kv, g, 1, d), k.expand(-1, g, -1, -1), v.expand(-1, g, -1, -1), attn_mask=mask,
+    out, lse = op(q.reshape(b * h_kv, g, 1, d), k.expand(-1, g, -1, -1), v.expand(-1, g, -1, -1), attn_mask=mask,
                   scale=scale)
     none = ~ok.view(b * h_kv, -1).any(-1)[:, None, None]  # a row that selects no key: zeros and -inf
     out = out.masked_fill(none[..., None], 0.0).view(b, h, d)
