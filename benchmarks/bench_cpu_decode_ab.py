@@ -7,6 +7,9 @@ reports each method's median step time and its rate against dense's median:
     python benchmarks/bench_cpu_decode_ab.py --context-tokens 4096 --methods socket,cis --rounds 40 --threads 2
 
 ``--profile M`` prints the top operators of a few more decode steps of method M (torch.profiler, host time).
+``--stages`` adds where each method's step goes in the batched seam, in ms a step: its per-page state update
+(``update_state``), its selection (``decode_select``), the shared attend (``paged_decode_attention``, dense's
+decode included) and the rest (the weights' products, norms, the head).
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+import raysparse.methods.base as method_base
+from raysparse.kernels import dispatch
 from raysparse.kv_cache import KVCache
 from raysparse.loader import load_model, resolve_source
 from raysparse.methods.registry import create_backend, get_method
@@ -51,12 +58,33 @@ class Lane:
                     self.backend.update_state(layer, self.cache, batch)
             self.tok = source.tok.clone()
         self.times: list[float] = []
+        self.stages: dict[str, float] = defaultdict(float)  # host seconds per seam stage, over the timed steps
 
-    def step(self) -> None:
+    def _timed(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.stages[stage] += time.perf_counter() - t
+        return run
+
+    def step(self, stages: bool = False) -> None:
+        attend = dispatch.paged_decode_attention
+        hooks = [h for h in ("update_state", "decode_select") if stages and hasattr(self.backend, h)]
+        for h in hooks:  # timed for this lane's step only: the backend's own attributes shadow its class's
+            setattr(self.backend, h, self._timed(h, getattr(self.backend, h)))
+        if stages:
+            method_base.paged_decode_attention = dispatch.paged_decode_attention = self._timed("attend", attend)
         t = time.perf_counter()
-        batch = self.cache.prepare([0], [1], False)
-        self.tok = self.model(self.tok, batch, self.cache, self.backend).argmax(-1)
-        self.times.append(time.perf_counter() - t)
+        try:
+            batch = self.cache.prepare([0], [1], False)
+            self.tok = self.model(self.tok, batch, self.cache, self.backend).argmax(-1)
+        finally:
+            self.times.append(time.perf_counter() - t)
+            for h in hooks:
+                delattr(self.backend, h)
+            method_base.paged_decode_attention = dispatch.paged_decode_attention = attend
 
 
 def main() -> int:
@@ -68,6 +96,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", default=None, help="a method whose decode steps to profile after the rounds")
+    ap.add_argument("--stages", action="store_true", help="also time the seam's stages of every step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(resolve_source(None))
@@ -85,7 +114,7 @@ def main() -> int:
             lane.times.clear()
         for r in range(args.rounds):  # rotate the order so no method always follows the same one
             for i in range(len(lanes)):
-                lanes[(i + r) % len(lanes)].step()
+                lanes[(i + r) % len(lanes)].step(args.stages)
         dense = statistics.median(lanes[0].times)
         print(f"\n{args.context_tokens} tokens, {args.rounds} rounds, {args.threads} threads, "
               f"torch {torch.__version__}")
@@ -94,6 +123,15 @@ def main() -> int:
         for lane in lanes:
             med = statistics.median(lane.times)
             print(f"| {lane.name} | {1e3 * med:.1f} | {1 / med:.1f} | {dense / med:.2f}x |")
+        if args.stages:
+            print("\n| method | mean ms/step | state | select | attend | rest |")
+            print("|---|---:|---:|---:|---:|---:|")
+            for lane in lanes:
+                per = {k: 1e3 * v / len(lane.times) for k, v in lane.stages.items()}
+                mean = 1e3 * statistics.fmean(lane.times)
+                parts = [per.get(k, 0.0) for k in ("update_state", "decode_select", "attend")]
+                cells = " | ".join(f"{x:.1f}" for x in [*parts, mean - sum(parts)])
+                print(f"| {lane.name} | {mean:.1f} | {cells} |")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
