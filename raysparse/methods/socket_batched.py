@@ -27,7 +27,7 @@ import torch
 from raysparse.kernels.dispatch import triton_wanted
 from raysparse.kernels.lsh_probs import MAX_PLANES, bucket_probs
 from raysparse.kernels.lsh_scorer import bucket_ids_into_slots
-from raysparse.kernels.paged_collision import forced_tokens, paged_collision, paged_collision_torch
+from raysparse.kernels.paged_collision import forced_bias, forced_tokens, paged_collision, paged_collision_torch
 from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
@@ -128,7 +128,14 @@ def batched_select(method: Socket, layer: int, q: torch.Tensor, view: DecodeView
     else:
         probs = batch_bucket_probs(method, layer, q, h_kv)
         # norm_pool is None unless the scorer uses value norms; the forced sinks and windows come back as +inf
-        collide = paged_collision if triton_wanted(q, ids_pool) else paged_collision_torch
-        score = collide(probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens, (sink, local))
+        args = (probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens, (sink, local))
+        if triton_wanted(q, ids_pool):
+            score = paged_collision(*args)
+        else:  # the forced and past-the-length tokens' bias is the step's, the same at every layer: built once
+            key = ("socket-bias", id(method), width)
+            bias = view.batch.extras.get(key)
+            if bias is None:
+                bias = view.batch.extras[key] = forced_bias((sink, local), view.seqlens, width)
+            score = paged_collision_torch(*args, bias=bias)
     out_width = min(width, min(c.sink_tokens, width) + min(c.local_tokens, width) + k_max)
     return select_list(score.flatten(0, 1), top, k_max, max(out_width, 1)).view(*score.shape[:2], -1)
