@@ -157,3 +157,35 @@ def test_paged_collision_torch_matches_per_sequence_scores(tables, width, elems,
             torch.testing.assert_close(got[i, :, :n], want, rtol=1e-6, atol=1e-7,
                                        msg=lambda m, seed=seed: f"seed {seed}: {m}")
             assert torch.isneginf(got[i, :, n:]).all(), f"seed {seed}"
+
+
+def test_paged_collision_torch_forced_bias_sets_forced_and_past_tokens_exactly():
+    """The forced sinks and windows (+inf) and the tokens past each row's length (-inf) come from one bias added to
+    the scores; the other tokens keep their scores bit for bit. Sink counts above a row's length included: past
+    the length wins. The step-built bias (``bias=``) gives the same tensor as ``forced=``."""
+    from raysparse.kernels.paged_collision import forced_bias, paged_collision_torch
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    b, h, page, tables, planes, width = 4, 2, 16, 7, 5, 6
+    pages = b * width + 1
+    ids = torch.randint(0, 1 << planes, (pages + 1, h, tables, page), generator=g).to(torch.uint8)
+    norms = torch.rand(pages + 1, h, page, generator=g)
+    table = torch.randperm(pages, generator=g)[: b * width].view(b, width).to(torch.int32)
+    lens = torch.randint(1, width * page + 1, (b,), generator=g).to(torch.int32)
+    lens[0] = 3  # shorter than its sinks
+    sink = torch.randint(0, 24, (b,), generator=g)
+    local = torch.randint(0, 24, (b,), generator=g)
+    probs = torch.softmax(torch.randn(b, h, tables, 1 << planes, generator=g), -1)
+    j = torch.arange(width * page)
+    n = lens.long()[:, None]
+    forced = ((j < sink[:, None]) | ((j >= n - local[:, None]) & (j < n)))[:, None].expand(b, h, -1)
+    past = (j >= n)[:, None].expand(b, h, -1)
+    for nrm in (norms, None):
+        plain = paged_collision_torch(probs, ids, nrm, table, lens)
+        got = paged_collision_torch(probs, ids, nrm, table, lens, (sink, local))
+        built = paged_collision_torch(probs, ids, nrm, table, lens, bias=forced_bias((sink, local), lens, width * page))
+        assert torch.equal(got, built), f"seed {seed}"
+        assert torch.isneginf(got[past]).all() and torch.isposinf(got[forced & ~past]).all(), f"seed {seed}"
+        keep = ~forced & ~past
+        assert torch.equal(got[keep], plain[keep]) and torch.isfinite(got[keep]).all(), f"seed {seed}"
