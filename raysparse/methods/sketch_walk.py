@@ -1,7 +1,10 @@
-"""Sketch&Walk (papers/sketch-and-walk.md, SPEC section 1): block selection from sketched block scores
-walked across layers, for prefill (Algorithm 1) and decode (Algorithm 2). ``SketchWalk`` holds the method's
-seams and its batched state; the per-sequence path, the plain PyTorch reference (sketches, scores, selection),
-is ``sketch_walk_reference``'s ``ReferenceSelection``, and the walk across layers ``sketch_walk_walk``'s.
+"""Sketch&Walk (papers/sketch-and-walk.md, SPEC section 1): block selection from sketched block scores, for
+prefill (Algorithm 1) and decode (Algorithm 2). By default it does not walk across layers: each layer selects by
+its own scores (``walk="one-hop"``), which kept the retrieval tasks on the default model where every walk lost
+them (docs/sketch_walk.md); SPEC's walk (``walk="product"``) and a rollout (``walk="rollout"``) are options.
+``SketchWalk`` holds the method's seams and its batched state; the per-sequence path, the plain PyTorch reference
+(sketches, scores, selection), is ``sketch_walk_reference``'s ``ReferenceSelection``, and the walk across layers
+``sketch_walk_walk``'s.
 
 Per sparse layer k and sequence: Q_avg / K_avg (head means) are reduced to block means, sketched with a
 fixed SRHT H_d (d x r), A_hat = Q~ K~^T / sqrt(r) under the block-causal mask, W^k = row-softmax(A_hat)**s,
