@@ -27,8 +27,9 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
   ``threshold`` > 1 never shares.
 - Retrieval ratio rho = retrievals / (KV-head, step) pairs over the layers where CIS ran (the paper's
   R_t / (H N) averaged over steps); the reference path keeps the counts on device (no sync per step). At SPEC's
-  ``threshold`` 0.8 it is 0.45-0.46 on the default model; 0.75 brings it to the paper's 1/3 (0.32-0.34) for
-  +3.3-5.0% decode perplexity against 0.8's +1.8-3.2% (BENCHMARKS.md, "CIS's gate at 0.75"). The default stays 0.8.
+  ``threshold`` 0.8 it is 0.44-0.46 on the default model; 0.75 brings it to the paper's 1/3 (0.32-0.34) for
+  +1.3-5.0% decode perplexity against 0.8's +1.8-3.2% (2048-7680 tokens; BENCHMARKS.md, "CIS's gate at 0.75").
+  The default stays 0.8.
 - Batched decode (``cis_batched_step``, in ``cis_batched.py``): the same steps for a whole padded batch in fixed shapes,
   state in per-row buffers. The step writes each row's attended keys and retrievals on the device; the
   backend reads them back once per step, after it (the size of a CIS selection is data-dependent, so the
