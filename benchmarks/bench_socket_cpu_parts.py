@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -30,23 +29,10 @@ from bench_cpu_decode_ab import Lane
 
 import raysparse.methods.socket as socket_method
 import raysparse.methods.socket_batched as sb
-from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_collision import paged_collision_torch
-from raysparse.kernels.paged_torch import _token_rows, paged_decode_torch, selected_tokens
+from raysparse.kernels.paged_torch import paged_decode_fp32, paged_decode_torch
 from raysparse.kernels.row_select import select_list
 from raysparse.loader import load_model, resolve_source
-
-
-def fp32_attend(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor) -> torch.Tensor:
-    """The fp32 form of a token selection's attend (what the CPU ran before the fused call)."""
-    b, h, d = q.shape
-    h_kv = kv.k.shape[1]
-    tok, ok = selected_tokens(indices, 1, kv.seqlens)
-    k, v = (x.float() for x in _token_rows(kv, tok))
-    s = (q.float().view(b, h_kv, h // h_kv, d) @ k.transpose(-1, -2)) / math.sqrt(d)
-    s = s.masked_fill(~ok[:, :, None, :], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    return (torch.exp(s - lse[..., None]) @ v).view(b, h, d)
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -113,7 +99,7 @@ def main() -> int:
             rows = rows.view(b, width, h_kv, tables, page)
             return probs[:, None].expand(b, width, h_kv, tables, r).gather(-1, rows).sum(3)
 
-        fused, plain = paged_decode_torch(q, kv, sel)[0], fp32_attend(q, kv, sel)
+        fused, plain = paged_decode_torch(q, kv, sel)[0], paged_decode_fp32(q, kv, sel)[0]
         n = args.repeats
         kept_how = "a view" if contiguous else "index_select"
         rows = {
@@ -125,7 +111,7 @@ def main() -> int:
             "gather + sum, fresh int64 copy of the ids": timed(gather_fresh, n),
             f"gather + sum, int64 ids kept ({kept_how})": timed(gather_kept, n),
             "attend, fused CPU call": timed(lambda: paged_decode_torch(q, kv, sel), n),
-            "attend, fp32 form": timed(lambda: fp32_attend(q, kv, sel), n),
+            "attend, fp32 form": timed(lambda: paged_decode_fp32(q, kv, sel), n),
         }
     assert torch.equal(gather_fresh(), gather_kept())
     torch.testing.assert_close(fused, plain.to(fused.dtype), rtol=1e-4, atol=1e-5)

@@ -66,16 +66,23 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
 
     Returns out [B, h, d] (q's dtype) and lse [B, h] (fp32, natural log). A row with no valid key gets a
     zero output and an lse of -inf."""
+    if q.is_cuda:
+        return paged_decode_fp32(q, kv, indices, unit, scale)
+    # Whole pages (dense layers, block selections) gather page tiles, other units their tokens, and both attend
+    # in one fused CPU flash-attention call; ``paged_decode_fp32`` stays the device-agnostic oracle.
+    if unit == kv.k.shape[2]:
+        return _paged_pages_cpu(q, kv, indices, scale)
+    tok, ok = selected_tokens(indices, unit, kv.seqlens)
+    k, v = _token_rows(kv, tok)
+    return _fused_cpu(q, k, v, ok, scale)
+
+
+def paged_decode_fp32(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit: int = 1,
+                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_decode_torch`` in fp32 products on any device: the selected rows gathered, then scores, a
+    log-sum-exp and the weighted values (the CUDA fallback, and the form the fused CPU call replaced)."""
     b, h, d = q.shape
     h_kv = kv.k.shape[1]
-    if not q.is_cuda:
-        # Whole pages (dense layers, block selections) gather page tiles, other units their tokens, and both
-        # attend in one fused CPU flash-attention call; the fp32 form below stays the device-agnostic oracle.
-        if unit == kv.k.shape[2]:
-            return _paged_pages_cpu(q, kv, indices, scale)
-        tok, ok = selected_tokens(indices, unit, kv.seqlens)
-        k, v = _token_rows(kv, tok)
-        return _fused_cpu(q, k, v, ok, scale)
     tok, ok = selected_tokens(indices, unit, kv.seqlens)  # [B, h_kv, S]
     k, v = (x.float() for x in _token_rows(kv, tok))  # [B, h_kv, S, d]
     qg = q.float().view(b, h_kv, h // h_kv, d)

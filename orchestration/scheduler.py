@@ -78,7 +78,7 @@ class SchedulerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.idle_prefill_tokens is not None and not self.idle_prefill_tokens >= self.max_prefill_tokens > 0:
-            raise ValueError(f"idle_prefill_tokens {self.idle_prefill_tokens} < max_prefill_tokens")
+            raise ValueError(f"idle_prefill_tokens must be at least max_prefill_tokens, got {self.idle_prefill_tokens}")
 
 
 class Scheduler:

@@ -11,7 +11,7 @@ from helpers import DEVICES, prefill_then_decode, tiny_model, whole_model_densit
 from raysparse.config import ModelConfig
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kernels.formats import PagedKV
-from raysparse.kernels.paged_torch import paged_decode_torch
+from raysparse.kernels.paged_torch import paged_decode_fp32, paged_decode_torch
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.methods.selection import SENTINEL, TokenSelection
@@ -151,12 +151,14 @@ def test_paged_decode_torch_matches_gathering_reference():
                 m = int(torch.randint(1, min(units, width) + 1, (), generator=g))
                 sel[i, h, :m] = torch.randperm(units, generator=g)[:m].sort().values.to(torch.int32)
         q = torch.randn(5, 4, 16, generator=g)
-        out, lse = paged_decode_torch(q, kv, sel, unit)
-        for i in range(5):
-            k, v = cache.gather(0, batch, i)
-            o, s = sparse_decode_attention(q[i], k, v, TokenSelection(sel[i], unit))
-            torch.testing.assert_close(out[i], o, rtol=1e-5, atol=1e-5, msg=lambda m, seed=seed: f"seed {seed}: {m}")
-            torch.testing.assert_close(lse[i], s, rtol=1e-5, atol=1e-5, msg=lambda m, seed=seed: f"seed {seed}: {m}")
+        # The CPU's fused path and the fp32 form (the CUDA fallback), each against the gathering reference.
+        for out, lse in (paged_decode_torch(q, kv, sel, unit), paged_decode_fp32(q, kv, sel, unit)):
+            for i in range(5):
+                k, v = cache.gather(0, batch, i)
+                o, s = sparse_decode_attention(q[i], k, v, TokenSelection(sel[i], unit))
+                for got, want in ((out[i], o), (lse[i], s)):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                               msg=lambda m, seed=seed: f"seed {seed}: {m}")
 
 
 def _graph_path_against_reference(device: str, name: str, params: dict, seed: int) -> None:
