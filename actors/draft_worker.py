@@ -1,11 +1,12 @@
 """The SpecAttn draft actor: the draft model on its own device, proposing tokens and verification plans.
 
 The draft is self-speculative (the verifier's weights, a subset of its layers: ``specattn.draft``), with its
-own KV cache. Its prompt prefill runs the full model once, beside the verifier's own prefill, so the
-prompt's K/V in the draft layers are the verifier's. Each round it drafts gamma tokens per sequence,
-turns its attention rows into the verifier's plan (top-p, union over steps, 16-token chunks, through the
-layer map) and returns one msgpack message (``specattn.wire``) that the verifier shards read directly
-from Ray's object store.
+own KV cache. Its prompt prefill runs the full model once, beside the verifier's own prefill, so the prompt's
+K/V in the draft layers are the verifier's; where it shares the verifier shards' device (CPUs) it copies their
+prompt K/V instead (``adopt_prefill``, ``raysparse/kv_transfer.py``). Each round it drafts gamma tokens per
+sequence, turns its attention rows into the verifier's plan (top-p, union over steps, 16-token chunks, through
+the layer map) and returns one msgpack message (``specattn.wire``) that the verifier shards read directly from
+Ray's object store.
 
 Keeping its cache in step with the verifier needs no acceptance message: each round the engine sends
 the sequence's last tokens; the draft drops the K/V its own drafting wrote and runs the verified tokens
@@ -48,6 +49,7 @@ class DraftWorker:
         self.bytes_sent = 0
         self.rounds = 0
         self.propose_s = 0.0
+        self.adopted_tokens = 0  # prompt tokens whose K/V came from the verifier shards (adopt_prefill)
 
     def setup(self) -> dict[str, Any]:
         from raysparse.loader import build_model, load_hf_config, load_model, load_tokenizer, resolve_source
@@ -133,6 +135,23 @@ class DraftWorker:
             self._verified[sid] = len(p)
         return len(items)
 
+    def adopt_prefill(self, key: str, items: list[tuple[int, int, list[int]]], free: list[int],
+                      *parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """``prefill`` without running the model: each prompt's K/V come from the verifier shards' caches
+        (``parts``: per shard in rank order, seq id -> ``kv_transfer.export_pages``), which prefilled it densely
+        through every layer as the draft would. For a draft that shares the shards' device."""
+        from raysparse.kv_transfer import import_pages
+
+        self.free(free)
+        if self.separate is not None:
+            raise RuntimeError("a separate draft model prefills its own prompts: its K/V are not the verifier's")
+        for sid, max_tokens, p in items:
+            self.cache.allocate(sid, max_tokens)
+            import_pages(self.cache, sid, len(p), [part[sid] for part in parts])
+            self._verified[sid] = len(p)
+            self.adopted_tokens += len(p)
+        return len(items)
+
     def _sync_seq(self, sid: int, total: int, tail: list[int]) -> list[int]:
         """Rolls the cache back to the tokens confirmed by ``tail`` (the sequence's last tokens, of ``total``);
         returns the verified tokens still to feed, newest (not yet verified into any cache) last."""
@@ -206,7 +225,7 @@ class DraftWorker:
     def stats(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "bytes_sent": self.bytes_sent,
                 "bytes_per_round": self.bytes_sent / self.rounds if self.rounds else 0.0,
-                "propose_s": self.propose_s}
+                "propose_s": self.propose_s, "adopted_tokens": self.adopted_tokens}
 
     def ping(self) -> bool:
         return True
