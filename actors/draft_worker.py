@@ -50,6 +50,7 @@ class DraftWorker:
         self.rounds = 0
         self.propose_s = 0.0
         self.adopted_tokens = 0  # prompt tokens whose K/V came from the verifier shards (adopt_prefill)
+        self.copied_tokens = 0  # verified tokens whose K/V came from them (propose)
 
     def setup(self) -> dict[str, Any]:
         from raysparse.loader import build_model, load_hf_config, load_model, load_tokenizer, resolve_source
@@ -138,16 +139,16 @@ class DraftWorker:
     def adopt_prefill(self, key: str, items: list[tuple[int, int, list[int]]], free: list[int],
                       *parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """``prefill`` without running the model: each prompt's K/V come from the verifier shards' caches
-        (``parts``: per shard in rank order, seq id -> ``kv_transfer.export_pages``), which prefilled it densely
+        (``parts``: per shard in rank order, seq id -> ``kv_transfer.export_tokens``), which prefilled it densely
         through every layer as the draft would. For a draft that shares the shards' device."""
-        from raysparse.kv_transfer import import_pages
+        from raysparse.kv_transfer import import_tokens
 
         self.free(free)
         if self.separate is not None:
             raise RuntimeError("a separate draft model prefills its own prompts: its K/V are not the verifier's")
         for sid, max_tokens, p in items:
             self.cache.allocate(sid, max_tokens)
-            import_pages(self.cache, sid, len(p), [part[sid] for part in parts])
+            import_tokens(self.cache, sid, 0, [part[sid] for part in parts])
             self._verified[sid] = len(p)
             self.adopted_tokens += len(p)
         return len(items)
@@ -163,8 +164,13 @@ class DraftWorker:
         return tail[start - first:]
 
     @torch.inference_mode()
-    def propose(self, key: str, items: list[tuple[int, int, list[int], int]], free: list[int]) -> bytes:
-        """items: (seq id, tokens in the sequence, its last tokens, lookahead). Returns the round's message."""
+    def propose(self, key: str, items: list[tuple[int, int, list[int], int]], free: list[int],
+                *parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bytes:
+        """items: (seq id, tokens in the sequence, its last tokens, lookahead). Returns the round's message.
+        ``parts`` (a draft that shares the shards' device): per shard in rank order, seq id -> the K/V of the
+        sequence's last verified positions in the shard's cache (``kv_transfer.export_tokens``, up to the
+        lookahead + 1 tokens before the newest); the draft copies those it lacks instead of running them."""
+        from raysparse.kv_transfer import import_tokens
         from raysparse.specattn.draft import AttentionProbe, draft_forward
 
         t0 = time.perf_counter()
@@ -176,7 +182,17 @@ class DraftWorker:
         pending = [self._sync_seq(sid, total, tail) for sid, total, tail, _ in items]
         sids = [it[0] for it in items]
         catch = [i for i, p in enumerate(pending) if len(p) > 1]
-        if catch:  # the tokens verified since the last round, through the full model
+        if catch and parts:  # the tokens verified since the last round, from the verifier's cache
+            for i in catch:
+                sid, total = sids[i], items[i][1]
+                have = self.cache.seq_len(sid)
+                tails = [part[sid] for part in parts]
+                skip = have - (total - 1 - tails[0][0].shape[1])  # the exported tail ends before the newest token
+                if skip < 0:
+                    raise RuntimeError(f"sequence {sid}: the shards' tail does not reach the draft's {have} tokens")
+                import_tokens(self.cache, sid, have, [(k[:, skip:], v[:, skip:]) for k, v in tails])
+            self.copied_tokens += sum(len(pending[i]) - 1 for i in catch)
+        elif catch:  # the tokens verified since the last round, through the full model
             ids = torch.tensor([t for i in catch for t in pending[i][:-1]], dtype=torch.long, device=self.device)
             batch = self.cache.prepare([sids[i] for i in catch], [len(pending[i]) - 1 for i in catch], True)
             self.model(ids, batch, self.cache, self.dense)
@@ -225,7 +241,8 @@ class DraftWorker:
     def stats(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "bytes_sent": self.bytes_sent,
                 "bytes_per_round": self.bytes_sent / self.rounds if self.rounds else 0.0,
-                "propose_s": self.propose_s, "adopted_tokens": self.adopted_tokens}
+                "propose_s": self.propose_s, "adopted_tokens": self.adopted_tokens,
+                "copied_tokens": self.copied_tokens}
 
     def ping(self) -> bool:
         return True

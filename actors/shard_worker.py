@@ -185,13 +185,14 @@ class ShardWorker:
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
         return self.local_executor().verify(plan, message)
 
-    def export_prompt_kv(self, seqs: list[tuple[int, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """seqs: (seq id, prompt tokens) -> this shard's K/V pages of each prompt (``kv_transfer.export_pages``),
-        for the SpecAttn draft actor that shares this shard's device (``DraftWorker.adopt_prefill``)."""
-        from raysparse.kv_transfer import export_pages
+    def export_kv(self, ranges: list[tuple[int, int, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """ranges: (seq id, start, end) -> this shard's K/V of those positions (``kv_transfer.export_tokens``),
+        for the SpecAttn draft actor that shares this shard's device (``DraftWorker.adopt_prefill``,
+        ``DraftWorker.propose``)."""
+        from raysparse.kv_transfer import export_tokens
 
         cache = self.local_executor().cache
-        return {sid: export_pages(cache, sid, n) for sid, n in seqs}
+        return {sid: export_tokens(cache, sid, start, end) for sid, start, end in ranges}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self, reset: bool = False) -> dict[str, Any]:

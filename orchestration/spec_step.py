@@ -2,12 +2,13 @@
 
 A SpecAttn prefill runs on the shards and, on GPUs, at the same time on the draft actor (its own full-depth
 prefill); on CPUs, where the draft shares the shards' cores, the draft copies the shards' prompt K/V after
-their prefill instead (``DraftWorker.adopt_prefill``). A decode step becomes a round: the draft actor proposes
-(``DraftWorker.propose``) and the shards verify (``ShardExecutor.verify``). The shards receive the draft's
-message as an ObjectRef, so it travels from the draft to the shards through Ray's object store without a hop
-through the driver, and the call reaches the shards before the draft has finished. The draft gets a GPU of its
-own when the cluster has one to spare; otherwise, on a GPU cluster, it shares a GPU with a shard (Ray does not
-hand that GPU to it, so it sees every GPU of its node and takes the first); on CPU it is a process of its own.
+their prefill instead (``DraftWorker.adopt_prefill``), and each round the K/V of the tokens they verified. A
+decode step becomes a round: the draft actor proposes (``DraftWorker.propose``) and the shards verify
+(``ShardExecutor.verify``). The shards receive the draft's message as an ObjectRef, so it travels from the
+draft to the shards through Ray's object store without a hop through the driver, and the call reaches the
+shards before the draft has finished. The draft gets a GPU of its own when the cluster has one to spare;
+otherwise, on a GPU cluster, it shares a GPU with a shard (Ray does not hand that GPU to it, so it sees every
+GPU of its node and takes the first); on CPU it is a process of its own.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class SpecStep:
         self.gammas: dict[str, int] = {}
         self.round_s = 0.0
         self.rounds = 0
-        self.adopts_prompts = False
+        self.copies_kv = False
 
     def start(self, timeout_s: float = 600.0) -> None:
         import ray
@@ -50,10 +51,11 @@ class SpecStep:
             env["env_vars"] = {**env.get("env_vars", {}), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
         if env:
             opts["runtime_env"] = env
-        # On CPUs the draft's prefill would take the shards' cores for as long as their own: it copies the
-        # shards' prompt K/V instead (the self-speculative draft's are the verifier's). On GPUs it prefills on
-        # its own device (or beside a shard) while the shards do, which costs no time in the shards' step.
-        self.adopts_prompts = not self.use_gpu and self.draft_model is None
+        # On CPUs every forward the draft runs to fill its cache takes the shards' cores: it copies the shards'
+        # K/V instead, of the prompt (its own prefill's would be the same) and of the tokens verified each round
+        # (``raysparse/kv_transfer.py``). On GPUs it runs them on its own device (or beside a shard), and the
+        # prompt's prefill overlaps the shards' own.
+        self.copies_kv = not self.use_gpu and self.draft_model is None
         self.actor = ray.remote(DraftWorker).options(**opts).remote(self.spec, self.draft_model)
         self.name = opts["name"]
         from raysparse.orchestration.replica import actor_id
@@ -115,12 +117,12 @@ class SpecStep:
         try:
             if plan.prefill:
                 items = [(s.seq_id, s.request.max_tokens, list(s.request.prompt_ids)) for s in seqs]
-                if self.adopts_prompts:  # the shards prefill alone, then the draft copies their K/V
+                if self.copies_kv:  # the shards prefill alone, then the draft copies their K/V
                     res = runner.group.execute(plan)
                     if res["error"]:
                         self.free(free)
                     else:
-                        parts = runner.group.submit("export_prompt_kv", [(sid, len(p)) for sid, _, p in items])
+                        parts = runner.group.submit("export_kv", [(sid, 0, len(p)) for sid, _, p in items])
                         ray.get(self.actor.adopt_prefill.remote(plan.key, items, free, *parts))
                 else:
                     draft_ref = self.actor.prefill.remote(plan.key, items, free)
@@ -134,7 +136,11 @@ class SpecStep:
                     toks = list(s.request.prompt_ids) + s.tokens
                     items.append((s.seq_id, len(toks), toks[-(g + 2):],
                                   min(g, s.request.params.max_new_tokens - len(s.tokens))))
-                msg_ref = self.actor.propose.remote(plan.key, items, free)
+                parts = []
+                if self.copies_kv:  # each shard's K/V of the tokens it verified last round (and a few before)
+                    parts = runner.group.submit("export_kv", [(sid, max(0, n - 1 - (g + 1)), n - 1)
+                                                              for sid, n, _, _ in items])
+                msg_ref = self.actor.propose.remote(plan.key, items, free, *parts)
                 results = runner.group._gather([a.verify.remote(plan, msg_ref) for a in runner.group.actors])
                 res = results[0]
                 errors = [r["error"] for r in results if r["error"]]

@@ -198,7 +198,7 @@ def test_killed_shard_fails_its_request_and_the_group_is_rebuilt(engines):
 def test_specattn_through_the_draft_actor_matches_greedy(tiny_dir):
     """The draft actor proposes, the TP=2 shards verify: p = 1 must be plain greedy decoding, and p < 1 runs
     sparse verification end to end with acceptance statistics and bytes per round reported. On CPUs the draft
-    takes the prompts' K/V from the shards (``adopt_prefill``) instead of prefilling them."""
+    takes the prompts' and the verified tokens' K/V from the shards instead of running them."""
     eng = Engine(EngineConfig(model=tiny_dir, tp=2, kv_cache_tokens=4096, cpus_per_shard=0.5)).start()
     try:
         ps = prompts(2)
@@ -215,8 +215,9 @@ def test_specattn_through_the_draft_actor_matches_greedy(tiny_dir):
         assert fin.finish_reason == "length" and len(fin.token_ids) == 9, fin.error
         st = eng.runners[0].spec_step.stats()
         assert st["rounds"] > 0 and st["bytes_per_round"] > 0
-        # on CPUs the draft prefills nothing: every prompt's K/V came from the two shards' halves of the heads
-        assert st["adopted_tokens"] == sum(len(p) for p in ps) + len(ps[0])
+        # on CPUs the draft runs no forward to fill its cache: every prompt's K/V, and every round's verified
+        # tokens', came from the two shards' halves of the heads
+        assert st["adopted_tokens"] == sum(len(p) for p in ps) + len(ps[0]) and st["copied_tokens"] > 0
         shard = eng.shard_stats()[0][0]["specattn"]
         assert sum(s["rounds"] for s in shard.values()) >= st["rounds"] - 0  # rank 0 counts every round
     finally:

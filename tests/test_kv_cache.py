@@ -99,41 +99,47 @@ def test_paged_view_gives_dense_decode_through_the_kernel_entry_point():
         torch.testing.assert_close(out[i], dense_attention(q[i: i + 1], k, v)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_pages_exported_per_shard_and_imported_reproduce_the_prefill_and_its_next_step():
-    """What SpecAttn's draft actor does on CPUs (``kv_transfer``): the verifier's prompt K/V, exported by each
-    shard (here: the KV heads split as two shards would hold them), imported into a cache whose pages lie
-    elsewhere, equal a prefill of its own bit for bit, and the next decode step's logits equal too."""
+def test_tokens_exported_per_shard_and_imported_reproduce_the_cache_and_its_next_step():
+    """What SpecAttn's draft actor does on CPUs (``kv_transfer``): the verifier's K/V, exported by each shard
+    (here: the KV heads split as two shards would hold them), imported into a cache whose pages lie elsewhere
+    in two ranges (a prompt, then tokens verified later), equal the source's bit for bit, and the next decode
+    step's logits equal too."""
     from helpers import fresh_cache, tiny_model
 
     from raysparse.attention import DenseAttention
-    from raysparse.kv_transfer import export_pages, import_pages
+    from raysparse.kv_transfer import export_tokens, import_tokens
 
     seed = int(torch.randint(0, 2**31 - 1, ()))
     print(f"seed {seed}")
     g = torch.Generator().manual_seed(seed)
     model = tiny_model("cpu", num_kv_heads=2, group=2, layers=3, seed=seed)
     dense = DenseAttention(model.cfg.num_layers)
-    n = int(torch.randint(20, 100, (), generator=g))
-    prompt = torch.randint(0, model.cfg.vocab_size, (n,), generator=g)
+    n, m = int(torch.randint(20, 100, (), generator=g)), int(torch.randint(1, 6, (), generator=g))
+    ids = torch.randint(0, model.cfg.vocab_size, (n + m + 1,), generator=g)
     src, dst = fresh_cache(model, 512), fresh_cache(model, 512)
-    src.allocate(7, n + 4)
+    src.allocate(7, n + m + 4)
     dst.allocate(99, 50)  # the imported sequence's pages are not the source's
-    dst.allocate(7, n + 4)
-    model(prompt, src.prepare([7], [n], True), src, dense)
-    k, v = export_pages(src, 7, n)
-    assert k.shape == (3, src.pages_needed(n), 2, 16, model.cfg.head_dim)
-    with pytest.raises(ValueError, match="pages of shape"):
-        import_pages(dst, 7, n, [(k[:, :, :1], v[:, :, :1])])  # one shard's heads only
-    import_pages(dst, 7, n, [(k[:, :, :1], v[:, :, :1]), (k[:, :, 1:], v[:, :, 1:])])
+    dst.allocate(7, n + m + 4)
+    model(ids[:n], src.prepare([7], [n], True), src, dense)
+    model(ids[n:n + m], src.prepare([7], [m], True), src, dense)
+
+    def halves(start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        k, v = export_tokens(src, 7, start, end)
+        assert k.shape == (3, end - start, 2, model.cfg.head_dim)
+        return [(k[:, :, :1], v[:, :, :1]), (k[:, :, 1:], v[:, :, 1:])]
+
+    with pytest.raises(ValueError, match="KV heads"):
+        import_tokens(dst, 7, 0, halves(0, n)[:1])  # one shard's heads only
+    import_tokens(dst, 7, 0, halves(0, n))
     assert dst.seq_len(7) == n
-    with pytest.raises(ValueError, match="already holds"):
-        import_pages(dst, 7, n, [(k, v)])
+    with pytest.raises(ValueError, match="not the 0 to import after"):
+        import_tokens(dst, 7, 0, halves(0, n))
     with pytest.raises(ValueError, match="cannot export"):
-        export_pages(src, 7, n + 1)
-    a = src.prepare([7], [1], False)
-    b = dst.prepare([7], [1], False)
+        export_tokens(src, 7, 0, n + m + 1)
+    import_tokens(dst, 7, n, halves(n, n + m))
+    a, b = src.prepare([7], [1], False), dst.prepare([7], [1], False)
     for layer in range(model.cfg.num_layers):
-        assert torch.equal(src.gather(layer, a, 0)[0][:, :n], dst.gather(layer, b, 0)[0][:, :n])
-        assert torch.equal(src.gather(layer, a, 0)[1][:, :n], dst.gather(layer, b, 0)[1][:, :n])
-    tok = prompt[-1:]
+        for x, y in zip(src.gather(layer, a, 0), dst.gather(layer, b, 0), strict=True):
+            assert torch.equal(x[:, :n + m], y[:, :n + m])
+    tok = ids[-1:]
     assert torch.equal(model(tok, a, src, dense), model(tok, b, dst, dense))
