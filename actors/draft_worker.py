@@ -13,7 +13,9 @@ the sequence's last tokens; the draft drops the K/V its own drafting wrote and r
 since then through the full model (a few tokens), so, as in the in-process generator that shares the
 verifier's cache, every verified token's K/V in the draft layers is full-depth; then it drafts from the
 newest token. (Keeping its own layer-skipping K/V of the accepted tokens instead measured an acceptance of
-0.12 against the shared cache's.)
+0.12 against the shared cache's.) Where it shares the shards' device, it copies those tokens' K/V from the
+shards' caches instead of running them (``propose``'s ``parts``): the verifier's own K/V, which is what the
+in-process generator's draft reads.
 
 With a separate draft model (``--draft-model``, ``specattn.draft_model.SeparateDraft``) the actor loads that
 checkpoint only (its vocabulary and tokenizer checked against the verifier's), keeps its cache in step the
