@@ -469,6 +469,10 @@ def test_method_params_parse_and_sweep_every_combination():
         (("threshold", 0.8), ("radius", 0)), (("threshold", 0.8), ("radius", 1)),
         (("threshold", 2), ("radius", 0)), (("threshold", 2), ("radius", 1))]
     assert param_combinations(sweeps, "socket") == [()]
+    # list values (a method's dense layers): commas inside brackets belong to the list
+    assert parse_method_params(["socket:dense_layers=[],[0, 1]"]) == (("socket", "dense_layers", ((), (0, 1))),)
+    with pytest.raises(ValueError, match="not a JSON list"):
+        parse_value("[0,")
     plan = plan_settings(["socket", "specattn", "dense", "psaw"], [0.1, 0.2], sweeps, lambda m: m == "socket")
     assert plan == [Setting("dense"), Setting("socket", 0.1), Setting("socket", 0.2),
                     Setting("specattn", None, (("top_p", 0.95),)), Setting("specattn", None, (("top_p", 0.97),)),

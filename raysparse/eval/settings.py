@@ -13,6 +13,7 @@ attribute, or by a config without a ``density`` field.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,8 +46,17 @@ def _show(v: Any) -> str:
 
 
 def parse_value(text: str) -> Any:
-    """``true``/``false``/``none``, an int, a float, else the string itself."""
+    """``true``/``false``/``none``, an int, a float, a JSON list as a tuple (``[]``, ``[0, 1]``: hashable, so
+    it can be swept), else the string itself."""
     low = text.strip().lower()
+    if low.startswith("["):
+        try:
+            got = json.loads(low)
+        except ValueError:
+            raise ValueError(f"{text.strip()!r} is not a JSON list") from None
+        if not isinstance(got, list) or any(isinstance(x, (list, dict)) for x in got):
+            raise ValueError(f"{text.strip()!r}: a list of plain values is expected")
+        return tuple(got)
     if low in ("true", "false"):
         return low == "true"
     if low in ("none", "null"):
@@ -59,6 +69,18 @@ def parse_value(text: str) -> Any:
     return text.strip()
 
 
+def _split_values(text: str) -> list[str]:
+    """``"[],[0, 1],3"`` -> ``["[]", "[0, 1]", "3"]``: commas inside brackets belong to a list value."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return out
+
+
 def parse_method_params(specs: Sequence[str]) -> tuple[ParamSweep, ...]:
     """``["specattn:top_p=0.95,0.97", "cis:threshold=0.8,2"]`` -> ((method, key, values), ...).
     Raises ValueError with a one-line reason on a malformed spec or a key given twice for one method."""
@@ -68,7 +90,7 @@ def parse_method_params(specs: Sequence[str]) -> tuple[ParamSweep, ...]:
         method, sep, rest = spec.partition(":")
         key, eq, values = rest.partition("=")
         method, key = method.strip(), key.strip()
-        vals = [v for v in values.split(",") if v.strip()]
+        vals = [v for v in _split_values(values) if v.strip()]
         if not (sep and eq and method and key and vals):
             raise ValueError(f"--method-params {spec!r}: expected METHOD:KEY=VALUE[,VALUE...]")
         if key == "density":
