@@ -161,9 +161,10 @@ def prefill_then_decode(model, cache, backend, graphs, lens: list[int], steps: i
     return torch.stack(logits)
 
 
-def whole_model_density(layer_density: float, num_layers: int, dense_layers: int = 2) -> float:
+def whole_model_density(layer_density: float, num_layers: int, dense_layers: int = 0) -> float:
     """The whole-model ``--density`` whose sparse layers each get ``layer_density`` (``methods.budget.layer_density``'s
-    inverse): tests that exercise a selection at a given per-layer budget ask for it through the registry."""
+    inverse): tests that exercise a selection at a given per-layer budget ask for it through the registry. The
+    registry's default has no dense layer (``dense_layers=0``); pass the count a test gives the method."""
     return (dense_layers + layer_density * (num_layers - dense_layers)) / num_layers
 
 

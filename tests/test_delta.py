@@ -23,8 +23,9 @@ BASE = {"sink_tokens": 16, "window": 48}
 
 def delta(mode: str = "delta", base: str = "streaming", tail: int = 128, **base_params) -> Delta:
     params = base_params or dict(BASE) if base == "streaming" else dict(base_params)
-    if "density" in params:  # the tests give the base's per-layer budget: the whole model's that yields it
-        params["density"] = whole_model_density(params["density"], model_cfg().num_layers)
+    if "density" in params:  # the tests give the base's per-layer budget: the whole model's that yields it (a
+        # config built directly keeps SPEC's dense layers 0 and 1, which Delta hands its base)
+        params["density"] = whole_model_density(params["density"], model_cfg().num_layers, 2)
     return Delta(model_cfg(), DeltaConfig(block_size=16, gamma=GAMMA, mode=mode, tail=tail, base=base,
                                           base_params=params))
 
@@ -155,7 +156,9 @@ def test_registry_config_and_validation():
     cfg = model_cfg()
     m = create_backend("delta", cfg, base="oracle", base_params={"density": 0.8}, gamma=32, block_size=16)
     assert isinstance(m, Delta) and m.base.name == "oracle" and m.base.config.target_density == 0.8
-    assert m.base.config.density == pytest.approx(0.4)  # layers 0 and 1 of 3 dense: 0.4 at layer 2
+    assert m.base.config.density == pytest.approx(0.8) and m.base.config.dense_layers == ()  # every layer sparse
+    spec = create_backend("delta", cfg, base="oracle", base_params={"density": 0.8}, dense_layers=[0, 1])
+    assert spec.base.config.density == pytest.approx(0.4)  # layers 0 and 1 of 3 dense: 0.4 at layer 2
     assert m.base.config.block_size == 16 and m.config.base_params == (("density", 0.8),)
     default = create_backend("delta", cfg)
     assert default.base.name == "streaming" and default.base.config.window == 2048

@@ -227,12 +227,13 @@ def test_config_defaults_and_validation():
     for bad in ({"alpha": 1.5}, {"check_every": -1}, {"tail": -1}, {"density": 0.9, "tail": 64}):
         with pytest.raises(ValueError):
             create_backend("delta", cfg, **bad)
-    tight = create_backend("delta", cfg, density=0.7, block_size=16)  # layer 2: 0.1, the base's prefill 0.085
+    spec = {"dense_layers": [0, 1]}  # SPEC's dense layers 0 and 1 of 3: layer 2 alone takes the budget
+    tight = create_backend("delta", cfg, density=0.7, block_size=16, **spec)  # layer 2: 0.1, the base's prefill 0.085
     with pytest.raises(ValueError, match=r"with Delta's dense rows, 0\.0166 of a layer's pairs"):
         tight.check_request(100, 110)  # the sink and diagonal blocks alone are more
     tight.check_request(2000, 2010)
     with pytest.raises(ValueError, match="no more than Delta's dense rows alone attend"):
-        create_backend("delta", cfg, density=0.67)  # layer 2, the one sparse: 0.01, below 1/64 + 1/1024
+        create_backend("delta", cfg, density=0.67, **spec)  # layer 2, the one sparse: 0.01, below 1/64 + 1/1024
     assert create_backend("delta", cfg, density=0.67, mode="sparse-only").prefill_density is None
     recompute = create_backend("delta", cfg, density=0.9, mode="recompute")
     assert recompute.prefill_density == pytest.approx((d - 1 / 64) / (1 - 1 / 64))  # anchors alone
@@ -291,7 +292,7 @@ def test_eval_reports_the_fitted_correction_and_its_fallback(tiny):
         cfg = EvalConfig(methods=("delta",), densities=(0.75,), tasks=("single_needle",), samples=1,
                          context_tokens=640, max_new_tokens=2, rows=8, decode_ppl_tokens=0,
                          method_params=parse_method_params(["delta:mode=far-merge,delta", "delta:block_size=16",
-                                                            "delta:gamma=16"]))
+                                                            "delta:gamma=16", "delta:dense_layers=[0,1]"]))
         report = run_eval(net, CharTokenizer(), cfg, synthetic_haystack(300), "synthetic", model_name="tiny")
     finally:
         torch.set_num_threads(before)

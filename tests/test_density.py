@@ -80,8 +80,13 @@ def test_dense_layers_count_inside_the_budget():
     cfg = model_from_state(tiny_hf_config(layers=LAYERS), random_state(tiny_hf_config(layers=LAYERS)).state_dict()).cfg
     for name in ("sketch_walk", "quest", "oracle", "streaming", "socket", "cis"):
         with pytest.raises(ValueError, match=r"dense layers alone attend: 2 of 4 layers .* at least 0\.5000"):
-            create_backend(name, cfg, density=0.5)  # layers 0 and 1 of 4 dense by default
-        assert create_backend(name, cfg, density=0.75).config.density == pytest.approx(0.5)
+            create_backend(name, cfg, density=0.5, dense_layers=[0, 1])  # SPEC's two dense layers, asked for
+        assert create_backend(name, cfg, density=0.75, dense_layers=[0, 1]).config.density == pytest.approx(0.5)
+        # by default the registry spreads the whole-model density over every layer
+        spread = create_backend(name, cfg, density=0.5)
+        assert spread.config.dense_layers == () and spread.config.density == pytest.approx(0.5)
+    for name in ("psaw", "etf"):  # no density budget: their depth schedule, SPEC's dense layers
+        assert create_backend(name, cfg).config.dense_layers == (0, 1)
 
 
 def test_forced_units_beyond_the_budget_are_refused(model):

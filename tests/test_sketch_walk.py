@@ -721,11 +721,13 @@ def test_config_validation_and_registry():
     from raysparse.methods.registry import get_method
 
     # --density is the whole model's: 0.75 over 4 layers, 2 of them dense, is 0.5 at each sparse layer
-    backend = get_method("sketch_walk").factory(model_cfg(), density=0.75, sketch_dim=32)
+    backend = get_method("sketch_walk").factory(model_cfg(), density=0.75, sketch_dim=32, dense_layers=[0, 1])
     assert isinstance(backend, SketchWalk) and backend.config.target_density == 0.75
     assert backend.config.density == backend.layer_density == 0.5
     with pytest.raises(ValueError, match="dense layers alone attend: 2 of 4 layers"):
-        get_method("sketch_walk").factory(model_cfg(), density=0.5)  # the dense layers alone attend 0.5
+        get_method("sketch_walk").factory(model_cfg(), density=0.5, dense_layers=[0, 1])  # they alone attend 0.5
+    # by default the registry spreads it over every layer
+    assert get_method("sketch_walk").factory(model_cfg(), density=0.5).layer_density == 0.5
     assert get_method("sketch_walk").factory(model_cfg(), density=0.5, dense_layers=(0,)).layer_density == \
         pytest.approx(1 / 3)
     with pytest.raises(ValueError):

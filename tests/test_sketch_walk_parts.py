@@ -221,7 +221,8 @@ def test_instances_with_one_sketch_share_one_state(model):
     first = attach(density=whole_model_density(0.1, 5))
     assert attach(density=whole_model_density(0.3, 5), heads="pair") is first
     assert attach(density=whole_model_density(0.2, 5), decode_unit="block") is first
-    others = [attach(sub_blocks=4), attach(sketch_dim=8), attach(seed=5), attach(dense_layers=(0,))]
+    others = [attach(sub_blocks=4), attach(sketch_dim=8), attach(seed=5),
+              attach(dense_layers=(0,), density=whole_model_density(0.2, 5, 1))]
     assert all(ks is not first for ks in others) and len({id(ks) for ks in others}) == len(others)
     assert len(cache.shared_state) == 1 + len(others)
 

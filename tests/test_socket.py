@@ -342,7 +342,7 @@ def test_config_registry_and_metadata_bytes():
                 {"top_k": -1}, {"group_reduce": "sum"}, {"seed": -1}, {"density": 0.0}):
         with pytest.raises(ValueError):
             SocketConfig(**bad)
-    soft = get_method("socket").factory(model_cfg(), density=0.8, tables=4)  # 0.4 at the one sparse layer of 3
+    soft = get_method("socket").factory(model_cfg(), density=0.8, tables=4, dense_layers=[0, 1])  # 0.4 at layer 2
     hard = get_method("socket_hard").factory(model_cfg(), top_k=16)
     assert isinstance(soft, Socket) and not soft.config.hard and soft.config.target_density == 0.8
     assert soft.config.density == pytest.approx(0.4)

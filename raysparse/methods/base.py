@@ -39,7 +39,10 @@ class MethodConfig:
     """Fields every method shares. ``density`` is the budget of each sparse layer as a fraction of its causal
     pairs, forced units (sinks, local window, the diagonal block) counted inside it. Users give the whole model's
     (``--density``: every layer, the dense ones included); the registry's factory turns it into this one
-    (``budgeted_config``) and keeps it as ``target_density``. Prefill and decode each meet it on their own."""
+    (``budgeted_config``) and keeps it as ``target_density``. Prefill and decode each meet it on their own.
+    ``dense_layers`` defaults to SPEC's (0, 1) here; the registry's factory, every user's path, builds a method with
+    a density budget with none unless they are given (the whole-model density spread over every layer, measured
+    better: ``registry.method_spec``)."""
 
     density: float = 0.2
     dense_layers: tuple[int, ...] = (0, 1)
@@ -56,6 +59,7 @@ class MethodConfig:
             raise ValueError(f"target_density must be in (0, 1], got {self.target_density}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # a list from the CLI stays hashable
         if any(layer < 0 for layer in self.dense_layers):
             raise ValueError(f"dense_layers must be non-negative layer indices, got {self.dense_layers}")
 
