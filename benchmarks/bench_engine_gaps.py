@@ -6,9 +6,10 @@ the shard actor, its messages, the driver), against dense's in the same engine:
 
     python benchmarks/bench_engine_gaps.py --methods dense,cis,cpe,dense --new-tokens 64
 
-``--new-tokens`` tokens are generated past EOS. Each method's prompt is the same, so from the second request on a
-method's prefix cache may hold it. Prints a table last and writes JSON to ``--out`` (default
-./results/engine_gaps.json).
+``--new-tokens`` tokens are generated past EOS. With ``specattn`` among the methods the engine starts its draft
+actor, and SpecAttn's rounds are reported too (their wall time, the draft's share, tokens a round). Each method's
+prompt is the same, so from the second request on a method's prefix cache may hold it. Prints a table last and
+writes JSON to ``--out`` (default ./results/engine_gaps.json).
 """
 
 from __future__ import annotations
@@ -35,14 +36,19 @@ def main() -> int:
     from raysparse.sampling import SamplingParams
     from raysparse.workload import build_retrieval_task, load_haystack_text
 
-    engine = Engine(EngineConfig(kv_cache_tokens=args.context_tokens + args.new_tokens + 256, draft=False))
+    methods = args.methods.split(",")
+    # SpecAttn needs the draft actor; its rounds' split (the draft's propose time, the round's wall time) is
+    # reported from the engine's SpecAttn step
+    speculative = any(get_method(m).capabilities.needs_draft for m in methods)
+    engine = Engine(EngineConfig(kv_cache_tokens=args.context_tokens + args.new_tokens + 256, draft=speculative))
     engine.start()
     rows = []
     try:
         text, source = load_haystack_text(None)
         task = build_retrieval_task(engine.tokenizer, text, source, context_tokens=args.context_tokens, depth=0.5,
                                     seed=0)
-        for m in args.methods.split(","):
+        for m in methods:
+            spec_before = engine.runners[0].spec_step.stats() if get_method(m).capabilities.needs_draft else None
             params = (("density", args.density),) if m != "dense" and get_method(m).takes_density else ()
             req = EngineRequest(tuple(task.prompt_ids),
                                 SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True), m, params)
@@ -55,6 +61,13 @@ def main() -> int:
             gaps = [b - a for a, b in zip(tokens[:-1], tokens[1:], strict=True)]
             rows.append({"method": m, "median_gap_ms": 1e3 * statistics.median(gaps),
                          "mean_gap_ms": 1e3 * statistics.fmean(gaps), "tokens": len(tokens)})
+            if spec_before is not None:
+                after = engine.runners[0].spec_step.stats()
+                rounds = after["engine_rounds"] - spec_before["engine_rounds"]
+                rows[-1]["spec_rounds"] = rounds
+                rows[-1]["round_ms"] = 1e3 * (after["round_s"] - spec_before["round_s"]) / max(1, rounds)
+                rows[-1]["propose_ms"] = 1e3 * (after["propose_s"] - spec_before["propose_s"]) / max(1, rounds)
+                rows[-1]["tokens_per_round"] = (len(tokens) - 1) / max(1, rounds)
     finally:
         engine.shutdown()
     dense = statistics.fmean(r["median_gap_ms"] for r in rows if r["method"] == "dense") if any(
@@ -67,6 +80,10 @@ def main() -> int:
     for r in rows:
         ratio = f"{dense / r['median_gap_ms']:.2f}x" if dense else "-"
         print(f"| {r['method']} | {r['median_gap_ms']:.1f} | {r['mean_gap_ms']:.1f} | {ratio} |")
+    for r in rows:
+        if "spec_rounds" in r:
+            print(f"{r['method']}: {r['spec_rounds']} rounds of {r['round_ms']:.0f} ms (the draft's propose "
+                  f"{r['propose_ms']:.0f} ms), {r['tokens_per_round']:.2f} tokens a round")
     return 0
 
 
