@@ -139,18 +139,18 @@ class DraftWorker:
         return len(items)
 
     def adopt_prefill(self, key: str, items: list[tuple[int, int, list[int]]], free: list[int],
-                      *parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
+                      *parts: dict[int, tuple[Any, Any, str]]) -> int:
         """``prefill`` without running the model: each prompt's K/V come from the verifier shards' caches
-        (``parts``: per shard in rank order, seq id -> ``kv_transfer.export_tokens``), which prefilled it densely
+        (``parts``: per shard in rank order, seq id -> ``kv_transfer.to_arrays``), which prefilled it densely
         through every layer as the draft would. For a draft that shares the shards' device."""
-        from raysparse.kv_transfer import import_tokens
+        from raysparse.kv_transfer import from_arrays, import_tokens
 
         self.free(free)
         if self.separate is not None:
             raise RuntimeError("a separate draft model prefills its own prompts: its K/V are not the verifier's")
         for sid, max_tokens, p in items:
             self.cache.allocate(sid, max_tokens)
-            import_tokens(self.cache, sid, 0, [part[sid] for part in parts])
+            import_tokens(self.cache, sid, 0, [from_arrays(*part[sid]) for part in parts])
             self._verified[sid] = len(p)
             self.adopted_tokens += len(p)
         return len(items)
@@ -167,12 +167,12 @@ class DraftWorker:
 
     @torch.inference_mode()
     def propose(self, key: str, items: list[tuple[int, int, list[int], int]], free: list[int],
-                *parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> bytes:
+                *parts: dict[int, tuple[Any, Any, str]]) -> bytes:
         """items: (seq id, tokens in the sequence, its last tokens, lookahead). Returns the round's message.
         ``parts`` (a draft that shares the shards' device): per shard in rank order, seq id -> the K/V of the
-        sequence's last verified positions in the shard's cache (``kv_transfer.export_tokens``, up to the
+        sequence's last verified positions in the shard's cache (``kv_transfer.to_arrays``, up to the
         lookahead + 1 tokens before the newest); the draft copies those it lacks instead of running them."""
-        from raysparse.kv_transfer import import_tokens
+        from raysparse.kv_transfer import from_arrays, import_tokens
         from raysparse.specattn.draft import AttentionProbe, draft_forward
 
         t0 = time.perf_counter()
@@ -188,7 +188,7 @@ class DraftWorker:
             for i in catch:
                 sid, total = sids[i], items[i][1]
                 have = self.cache.seq_len(sid)
-                tails = [part[sid] for part in parts]
+                tails = [from_arrays(*part[sid]) for part in parts]
                 skip = have - (total - 1 - tails[0][0].shape[1])  # the exported tail ends before the newest token
                 if skip < 0:
                     raise RuntimeError(f"sequence {sid}: the shards' tail does not reach the draft's {have} tokens")

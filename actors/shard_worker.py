@@ -185,14 +185,14 @@ class ShardWorker:
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
         return self.local_executor().verify(plan, message)
 
-    def export_kv(self, ranges: list[tuple[int, int, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """ranges: (seq id, start, end) -> this shard's K/V of those positions (``kv_transfer.export_tokens``),
-        for the SpecAttn draft actor that shares this shard's device (``DraftWorker.adopt_prefill``,
+    def export_kv(self, ranges: list[tuple[int, int, int]]) -> dict[int, tuple[Any, Any, str]]:
+        """ranges: (seq id, start, end) -> this shard's K/V of those positions (``kv_transfer.export_tokens``, as
+        ``to_arrays``), for the SpecAttn draft actor that shares this shard's device (``DraftWorker.adopt_prefill``,
         ``DraftWorker.propose``)."""
-        from raysparse.kv_transfer import export_tokens
+        from raysparse.kv_transfer import export_tokens, to_arrays
 
         cache = self.local_executor().cache
-        return {sid: export_tokens(cache, sid, start, end) for sid, start, end in ranges}
+        return {sid: to_arrays(*export_tokens(cache, sid, start, end)) for sid, start, end in ranges}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def stats(self, reset: bool = False) -> dict[str, Any]:

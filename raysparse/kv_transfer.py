@@ -12,12 +12,17 @@ what the in-process self-speculative draft reads from the cache it shares with t
 - ``import_tokens``: the parts of every tensor-parallel shard (their KV heads in rank order) written at a
   sequence's next positions in another cache with the same layers and head dim, and the sequence advanced
   past them.
+- ``to_arrays`` / ``from_arrays``: the K/V as numpy arrays between the actors. Ray moves numpy arrays through
+  its object store without a copy on either side, while a torch tensor is pickled through ``torch.save``: for
+  a 4096-token prompt of the default model (189 MB) the adopted prefill took 1.3-1.8 s in all that way.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from raysparse.kv_cache import KVCache
@@ -48,3 +53,20 @@ def import_tokens(cache: KVCache, seq_id: int, start: int, parts: Sequence[tuple
     batch = cache.prepare([seq_id], [want[1]], True)  # advances the sequence (within its reservation)
     for layer in range(want[0]):
         cache.write(layer, k[layer].to(cache.device), v[layer].to(cache.device), batch)
+
+
+def to_arrays(k: torch.Tensor, v: torch.Tensor) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(k, v)`` as numpy arrays and the dtype's name (bf16, which numpy lacks, travels as its int16 bits)."""
+    name = str(k.dtype).removeprefix("torch.")
+    if k.dtype == torch.bfloat16:
+        k, v = k.view(torch.int16), v.view(torch.int16)
+    return k.contiguous().numpy(), v.contiguous().numpy(), name
+
+
+def from_arrays(k: np.ndarray, v: np.ndarray, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``to_arrays``' inverse. The arrays may be read-only views of the object store: only read from them."""
+    with warnings.catch_warnings():  # torch warns on wrapping a read-only array; nothing writes to these
+        warnings.simplefilter("ignore", UserWarning)
+        kt, vt = torch.from_numpy(k), torch.from_numpy(v)
+    dtype = getattr(torch, name)
+    return (kt.view(dtype), vt.view(dtype)) if kt.dtype != dtype else (kt, vt)

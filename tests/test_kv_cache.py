@@ -143,3 +143,19 @@ def test_tokens_exported_per_shard_and_imported_reproduce_the_cache_and_its_next
             assert torch.equal(x[:, :n + m], y[:, :n + m])
     tok = ids[-1:]
     assert torch.equal(model(tok, a, src, dense), model(tok, b, dst, dense))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_travels_as_arrays_bit_for_bit(dtype):
+    """Between the actors the K/V go as numpy arrays (Ray's object store moves them without a copy); bf16, which
+    numpy lacks, as its int16 bits. The round trip is exact, the arrays read-only as the object store's are."""
+    from raysparse.kv_transfer import from_arrays, to_arrays
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(3, 17, 2, 16, generator=g).to(dtype) for _ in range(2))
+    ka, va, name = to_arrays(k, v)
+    ka.flags.writeable = va.flags.writeable = False
+    k2, v2 = from_arrays(ka, va, name)
+    assert k2.dtype == v2.dtype == dtype and torch.equal(k2, k) and torch.equal(v2, v)
