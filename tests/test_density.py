@@ -85,6 +85,9 @@ def test_dense_layers_count_inside_the_budget():
         # by default the registry spreads the whole-model density over every layer
         spread = create_backend(name, cfg, density=0.5)
         assert spread.config.dense_layers == () and spread.config.density == pytest.approx(0.5)
+    for bad in (1, "0,1", [0, -1], [0.5]):  # one line, not a TypeError, for a --param that is not a list
+        with pytest.raises(ValueError, match="dense_layers must be"):
+            create_backend("socket", cfg, dense_layers=bad)
     for name in ("psaw", "etf"):  # no density budget: their depth schedule, SPEC's dense layers
         assert create_backend(name, cfg).config.dense_layers == (0, 1)
 

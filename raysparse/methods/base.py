@@ -59,8 +59,10 @@ class MethodConfig:
             raise ValueError(f"target_density must be in (0, 1], got {self.target_density}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if isinstance(self.dense_layers, (str, bytes)) or not hasattr(self.dense_layers, "__iter__"):
+            raise ValueError(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # a list from the CLI stays hashable
-        if any(layer < 0 for layer in self.dense_layers):
+        if any(isinstance(layer, bool) or not isinstance(layer, int) or layer < 0 for layer in self.dense_layers):
             raise ValueError(f"dense_layers must be non-negative layer indices, got {self.dense_layers}")
 
 
