@@ -10,7 +10,7 @@ from helpers import fresh_cache, measure_density, random_state, tiny_hf_config
 
 from raysparse.loader import model_from_state
 from raysparse.methods.budget import host_row_budget, layer_density, prefill_block_budget, prefill_floor
-from raysparse.methods.registry import create_backend
+from raysparse.methods.registry import create_backend, get_method
 
 LAYERS, DENSE = 4, (0,)
 B = 16  # block = page: the batched prefill and decode seams run, as in serving
@@ -85,6 +85,9 @@ def test_dense_layers_count_inside_the_budget():
         # by default the registry spreads the whole-model density over every layer
         spread = create_backend(name, cfg, density=0.5)
         assert spread.config.dense_layers == () and spread.config.density == pytest.approx(0.5)
+    for name in ("socket", "cis", "cpe", "psaw", "streaming", "delta", "sketch_walk"):  # a CLI list, kept as a tuple
+        budget = {"density": 0.8} if get_method(name).takes_density else {}
+        assert create_backend(name, cfg, dense_layers=[0], **budget).config.dense_layers == (0,)
     for bad in (1, "0,1", [0, -1], [0.5]):  # one line, not a TypeError, for a --param that is not a list
         with pytest.raises(ValueError, match="dense_layers must be"):
             create_backend("socket", cfg, dense_layers=bad)

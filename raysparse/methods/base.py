@@ -39,10 +39,8 @@ class MethodConfig:
     """Fields every method shares. ``density`` is the budget of each sparse layer as a fraction of its causal
     pairs, forced units (sinks, local window, the diagonal block) counted inside it. Users give the whole model's
     (``--density``: every layer, the dense ones included); the registry's factory turns it into this one
-    (``budgeted_config``) and keeps it as ``target_density``. Prefill and decode each meet it on their own.
-    ``dense_layers`` defaults to SPEC's (0, 1) here; the registry's factory, every user's path, builds a method with
-    a density budget with none unless they are given (the whole-model density spread over every layer, measured
-    better: ``registry.method_spec``)."""
+    (``budgeted_config``) and keeps it as ``target_density``. Prefill and decode each meet it on their own. SPEC's
+    ``dense_layers`` here; the registry's factory (every user's path) spreads a density over every layer instead."""
 
     density: float = 0.2
     dense_layers: tuple[int, ...] = (0, 1)

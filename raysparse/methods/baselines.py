@@ -84,7 +84,7 @@ class StreamingConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         if self.density is None:
-            replace(self, density=1.0)  # validates the shared fields
+            object.__setattr__(self, "dense_layers", replace(self, density=1.0).dense_layers)  # validated, a tuple
         else:
             super().__post_init__()
         if self.sink_tokens < 0 or self.window < 1:

@@ -42,7 +42,8 @@ class DeltaConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         if self.density is None:  # validates the shared fields
-            MethodConfig(1.0, self.dense_layers, self.block_size, self.target_density)
+            shared = MethodConfig(1.0, self.dense_layers, self.block_size, self.target_density)
+            object.__setattr__(self, "dense_layers", shared.dense_layers)  # validated, as a tuple
         else:
             super().__post_init__()
         if isinstance(self.base_params, dict):

@@ -42,7 +42,6 @@ class SketchWalkConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # lists from the CLI stay hashable
         if isinstance(self.sketch_dim, bool) or not isinstance(self.sketch_dim, int) or self.sketch_dim <= 0:
             raise ValueError(f"sketch_dim must be a positive integer, got {self.sketch_dim!r}")
         if not (isinstance(self.exponent, int | float) and math.isfinite(self.exponent) and self.exponent > 0):
