@@ -24,6 +24,7 @@ import torch
 
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
+from .paged_rows import paged_rows_decode_cpu
 from .paged_torch import block_sparse_prefill_torch, paged_decode_torch, paged_window_decode_cpu, window_pages
 from .selection import BlockSelection, TokenSelection
 
@@ -173,6 +174,19 @@ def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
         return sparse_decode_attention_varlen(q, kv, indices, unit)
     return paged_decode_torch(q, kv, indices, unit)
+
+
+def paged_rows_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit: int, row_seq: torch.Tensor,
+                         row_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows q [T, h, d] of sequences over each sequence's selection: row r is position ``row_len[r] - 1``
+    of sequence ``row_seq[r]`` and sees the sequence's listed keys ``indices`` [S, h_kv, W] below its own length
+    (a verification step's rows). On GPUs the rows are decode rows of their own (Triton's split-K decode); on a
+    CPU each sequence's keys are gathered once for all its rows (``paged_rows.py``)."""
+    if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
+        seq = row_seq.long()
+        rows = PagedKV(kv.k, kv.v, kv.page_table[seq].contiguous(), row_len.to(torch.int32))
+        return sparse_decode_attention_varlen(q, rows, indices[seq].contiguous(), unit)
+    return paged_rows_decode_cpu(q, kv, indices, unit, row_seq, row_len)
 
 
 def paged_window_decode(q: torch.Tensor, kv: PagedKV, window_lo: torch.Tensor, sink: int,

@@ -161,6 +161,51 @@ def test_paged_decode_torch_matches_gathering_reference():
                                                msg=lambda m, seed=seed: f"seed {seed}: {m}")
 
 
+@pytest.mark.parametrize("mode", ["torch", "triton"])
+def test_rows_of_a_sequence_over_one_selection_match_the_rows_expanded(mode, monkeypatch):
+    """A verification step's rows (ragged: 4, 1 and 3 new positions after ragged contexts) over each sequence's
+    selection, each row seeing the listed keys below its own length: the CPU's one gather a sequence
+    (``paged_rows_decode_cpu``) and the dispatch's Triton path (decode rows of their own, under the interpreter
+    without a GPU) give every row what the per-row decode gives over the rows expanded, outputs and lse."""
+    from raysparse.kernels.dispatch import paged_rows_attention
+    from raysparse.kernels.paged_rows import paged_rows_decode_cpu
+
+    monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    dev = "cuda" if mode == "triton" and torch.cuda.is_available() else "cpu"
+    cache = KVCache(_cfg(1), num_pages=60, page_size=16, device=dev)
+    ctx, new = [int(x) for x in torch.randint(20, 200, (3,), generator=g)], [4, 1, 3]
+    lens = [c + m for c, m in zip(ctx, new, strict=True)]
+    for sid, n in enumerate(lens):
+        cache.allocate(sid, n)
+    batch = cache.prepare([0, 1, 2], lens, True)
+    k, v = (torch.randn(sum(lens), 2, 16, generator=g).to(dev) for _ in range(2))
+    cache.write(0, k, v, batch)
+    kv, blocks = cache.paged(0, batch)
+    row_seq = torch.repeat_interleave(torch.arange(3), torch.tensor(new)).to(dev)
+    row_len = torch.tensor([c + r + 1 for c, m in zip(ctx, new, strict=True) for r in range(m)], dtype=torch.int32,
+                           device=dev)
+    width = max(lens)
+    sel = torch.full((3, 2, width), SENTINEL, dtype=torch.int32)
+    for i, (c, n) in enumerate(zip(ctx, lens, strict=True)):  # a planned list: some context keys, every new one
+        for h in range(2):
+            m = int(torch.randint(1, c + 1, (), generator=g))
+            listed = torch.cat([torch.randperm(c, generator=g)[:m].sort().values, torch.arange(c, n)])
+            sel[i, h, : listed.numel()] = listed.to(torch.int32)
+    q = torch.randn(row_seq.numel(), 4, 16, generator=g).to(dev)
+    rows = PagedKV(kv.k, kv.v, kv.page_table[row_seq].contiguous(), row_len)
+    for unit, indices in ((1, sel.to(dev)), (16, blocks)):
+        want = paged_decode_fp32(q, rows, indices[row_seq].contiguous(), unit)
+        forms = [paged_rows_attention(q, kv, indices, unit, row_seq, row_len)]
+        if mode == "torch":
+            forms.append(paged_rows_decode_cpu(q, kv, indices, unit, row_seq, row_len))
+        for got in forms:
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4,
+                                           msg=lambda m, u=unit: f"seed {seed} unit {u}: {m}")
+
+
 def _graph_path_against_reference(device: str, name: str, params: dict, seed: int) -> None:
     model = tiny_model(device, 2, 2, 3, seed=seed)
     # 16-token pages: the longest row needs up to 23, so most batches run in a 20- or 24-page width bucket

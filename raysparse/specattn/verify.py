@@ -3,11 +3,12 @@ over its key lists (``verify_attention``) and the two paths of a verification st
 a base of the ``specattn`` backend in ``method.py``).
 
 - Verification runs on the batched seam (``_verify_batched``): each of a step's gamma + 1 positions is a
-  decode row whose length ends at itself, and the shared paged attend (Triton's split-K decode on GPUs)
-  reads the planned keys in place, in token units; the rows' lists are built once per step. Each row reads
-  its keys again (gamma + 1 reads of a chunk, where a multi-row kernel would read it once). The per-sequence
-  ``verify_attention`` over gathered K/V (``_prefill_reference``) stays as its test oracle and the fidelity
-  tracer's path.
+  decode row whose length ends at itself, over its sequence's planned keys in token units, the lists built
+  once per step (``paged_rows_attention``). On GPUs every row is a split-K decode row that reads its keys in
+  place (gamma + 1 reads of a chunk, where a multi-row kernel would read it once); on a CPU each sequence's
+  keys are gathered once for all its rows, where one gather per row made a step of 5 rows cost about three
+  decode steps. The per-sequence ``verify_attention`` over gathered K/V (``_prefill_reference``) stays as its
+  test oracle and the fidelity tracer's path.
 - The fidelity tracer sees each sparse verification call as a decode step of gamma + 1 rows
   (``phase="decode"``) with a TokenSelection shared by the rows: every row is measured against dense
   attention over the same keys (its own causal prefix).
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from raysparse.attention import DensityMeter, causal_pairs, dense_attention
-from raysparse.kernels.dispatch import paged_decode_attention
+from raysparse.kernels.dispatch import paged_rows_attention
 from raysparse.kernels.formats import PagedKV
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.selection import SENTINEL, TokenSelection
@@ -95,15 +96,15 @@ class VerificationPaths:
         rows = batch.extras.get("specattn_rows")
         if rows is None:
             rows = batch.extras["specattn_rows"] = self._verify_rows(cache, batch, plans)
-        table, seqlens, blocks, tokens = rows
+        table, seqlens, row_seq, row_len, blocks, tokens = rows
         kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
         h_kv = cache.num_kv_heads
         sparse = not (plans[0].full or self.is_dense_layer(layer))  # top_p decides ``full`` for every plan
         if sparse:
-            out, _ = paged_decode_attention(q, kv, tokens[plans[0].draft_of.get(layer, self.layer_map.mapping[layer])],
-                                            1)
+            listed = tokens[plans[0].draft_of.get(layer, self.layer_map.mapping[layer])]
+            out, _ = paged_rows_attention(q, kv, listed, 1, row_seq, row_len)
         else:
-            out, _ = paged_decode_attention(q, kv, blocks, cache.page_size)
+            out, _ = paged_rows_attention(q, kv, blocks, cache.page_size, row_seq, row_len)
         for plan in plans:
             n_q, held = plan.n_new, float(plan.ctx_len) * h_kv
             read = float(plan.ctx_read[layer]) if sparse else held
@@ -115,9 +116,11 @@ class VerificationPaths:
         return out
 
     def _verify_rows(self, cache: KVCache, batch: BatchMeta, plans: list[VerifyPlan]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """The step's rows: page table [T, W], lengths [T] (row r of a sequence ends at ctx_len + r + 1),
-        every page [T, h_kv, W], and per draft layer the planned key lists [T, h_kv, S] (-1 padded)."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                dict[int, torch.Tensor]]:
+        """The step's sequences and rows: the sequences' page table [S, W] and lengths [S], each row's sequence
+        and length [T] (row r of a sequence ends at ctx_len + r + 1), every page [S, h_kv, W], and per draft
+        layer the sequences' planned key lists [S, h_kv, L] (-1 padded)."""
         for sid, plan, n, lo, hi in zip(batch.seq_ids, plans, batch.ctx_lens, batch.cu_q, batch.cu_q[1:],
                                         strict=False):
             if (plan.ctx_len, plan.n_new) != (n - (hi - lo), hi - lo):
@@ -130,7 +133,7 @@ class VerificationPaths:
         first = torch.tensor([p.ctx_len for p in plans], device=dev).repeat_interleave(n_new)
         starts = torch.cumsum(n_new, 0) - n_new  # each sequence's first row
         step = torch.arange(of_row.numel(), device=dev) - starts[of_row]
-        seqlens = (first + step + 1).to(torch.int32)
+        row_len = (first + step + 1).to(torch.int32)
         tokens: dict[int, torch.Tensor] = {}
         if not plans[0].full:
             for j in self.stats.sparse_layers:
@@ -139,10 +142,9 @@ class VerificationPaths:
                     continue
                 lists = [p.tokens[j] for p in plans]
                 width = max(t.shape[-1] for t in lists)
-                padded = torch.stack([torch.nn.functional.pad(t.to(dev, torch.int32), (0, width - t.shape[-1]),
-                                                              value=SENTINEL) for t in lists])
-                tokens[d] = padded[of_row]
-        return kv.page_table[of_row].contiguous(), seqlens, blocks[of_row], tokens
+                tokens[d] = torch.stack([torch.nn.functional.pad(t.to(dev, torch.int32), (0, width - t.shape[-1]),
+                                                                 value=SENTINEL) for t in lists])
+        return kv.page_table, kv.seqlens, of_row, row_len, blocks, tokens
 
     def _prefill_reference(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         """Prompt prefill (dense) and, with a tracer, verification one sequence at a time over gathered K/V:
