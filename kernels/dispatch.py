@@ -180,12 +180,13 @@ def paged_rows_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, un
                          row_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode rows q [T, h, d] of sequences over each sequence's selection: row r is position ``row_len[r] - 1``
     of sequence ``row_seq[r]`` and sees the sequence's listed keys ``indices`` [S, h_kv, W] below its own length
-    (a verification step's rows). On GPUs the rows are decode rows of their own (Triton's split-K decode); on a
-    CPU each sequence's keys are gathered once for all its rows (``paged_rows.py``)."""
-    if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
+    (a verification step's rows). On GPUs (and wherever the kernels are asked for) the rows are decode rows of
+    their own, each reading its keys in place (``paged_decode_attention``); on a CPU each sequence's keys are
+    gathered once for all its rows (``paged_rows.py``)."""
+    if q.is_cuda or use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
         seq = row_seq.long()
         rows = PagedKV(kv.k, kv.v, kv.page_table[seq].contiguous(), row_len.to(torch.int32))
-        return sparse_decode_attention_varlen(q, rows, indices[seq].contiguous(), unit)
+        return paged_decode_attention(q, rows, indices[seq].contiguous(), unit)
     return paged_rows_decode_cpu(q, kv, indices, unit, row_seq, row_len)
 
 

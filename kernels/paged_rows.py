@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .formats import PagedKV
-from .paged_torch import SENTINEL, _token_rows, paged_tiles, selected_tokens
+from .paged_torch import SENTINEL, paged_tiles, selected_tokens, token_rows
 
 
 def _sequence_keys(kv: PagedKV, indices: torch.Tensor, unit: int
@@ -33,7 +33,7 @@ def _sequence_keys(kv: PagedKV, indices: torch.Tensor, unit: int
               & (tok < kv.seqlens.long()[:, None, None]))
         return k, v, tok, ok
     tok, ok = selected_tokens(indices, unit, kv.seqlens)
-    k, v = _token_rows(kv, tok)
+    k, v = token_rows(kv, tok)
     return k, v, tok, ok
 
 
@@ -42,12 +42,14 @@ def paged_rows_decode_cpu(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, u
     """q [T, h, d]: row r is position ``row_len[r] - 1`` of sequence ``row_seq[r]`` (module docstring)."""
     t, h, d = q.shape
     s, h_kv = indices.shape[:2]
+    if t == 0:
+        return q.new_zeros(0, h, d), torch.zeros(0, h, device=q.device)
     g = h // h_kv
     k, v, tok, ok = _sequence_keys(kv, indices, unit)
     length = k.shape[2]
     seq = row_seq.long()
     counts = torch.bincount(seq, minlength=s)
-    n_max = int(counts.max()) if t else 0  # a host read: this is the CPU's path
+    n_max = int(counts.max())  # a host read: this is the CPU's path
     slot = torch.arange(t, device=q.device) - (torch.cumsum(counts, 0) - counts)[seq]
     # The rows laid out [S, n_max]; a padding slot's length is 0, so it sees no key and is dropped below.
     qp = q.new_zeros(s, n_max, h, d)

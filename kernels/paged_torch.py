@@ -46,7 +46,7 @@ def in_window(kpos: torch.Tensor, lo: torch.Tensor, sink: int) -> torch.Tensor:
     return (kpos < sink) | (kpos >= lo)
 
 
-def _token_rows(kv: PagedKV, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_rows(kv: PagedKV, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of token ids ``tok`` [B, h_kv, S] (each row's own, per KV head) from the paged cache: [B, h_kv,
     S, d] each, in the cache's dtype.
 
@@ -73,7 +73,7 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
     if unit == kv.k.shape[2]:
         return _paged_pages_cpu(q, kv, indices, scale)
     tok, ok = selected_tokens(indices, unit, kv.seqlens)
-    k, v = _token_rows(kv, tok)
+    k, v = token_rows(kv, tok)
     return _fused_cpu(q, k, v, ok, scale)
 
 
@@ -84,7 +84,7 @@ def paged_decode_fp32(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit:
     b, h, d = q.shape
     h_kv = kv.k.shape[1]
     tok, ok = selected_tokens(indices, unit, kv.seqlens)  # [B, h_kv, S]
-    k, v = (x.float() for x in _token_rows(kv, tok))  # [B, h_kv, S, d]
+    k, v = (x.float() for x in token_rows(kv, tok))  # [B, h_kv, S, d]
     qg = q.float().view(b, h_kv, h // h_kv, d)
     s = (qg @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(d))  # [B, h_kv, g, S]
     s = s.masked_fill(~ok[:, :, None, :], -math.inf)
