@@ -165,15 +165,16 @@ def test_paged_decode_torch_matches_gathering_reference():
 def test_rows_of_a_sequence_over_one_selection_match_the_rows_expanded(mode, monkeypatch):
     """A verification step's rows (ragged: 4, 1 and 3 new positions after ragged contexts) over each sequence's
     selection, each row seeing the listed keys below its own length: the CPU's one gather a sequence
-    (``paged_rows_decode_cpu``) and the dispatch's Triton path (decode rows of their own, under the interpreter
-    without a GPU) give every row what the per-row decode gives over the rows expanded, outputs and lse."""
-    from raysparse.kernels.dispatch import paged_rows_attention
+    (``paged_rows_decode_cpu``) and the dispatch's other paths (decode rows of their own: Triton, under the
+    interpreter without a GPU; on a GPU also the fp32 form) give every row what the per-row decode gives over
+    the rows expanded, outputs and lse."""
+    from raysparse.kernels.dispatch import attend_rounding, paged_rows_attention
     from raysparse.kernels.paged_rows import paged_rows_decode_cpu
 
     monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    dev = "cuda" if mode == "triton" and torch.cuda.is_available() else "cpu"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on CUDA "torch" is the per-row fp32 form
     cache = KVCache(_cfg(1), num_pages=60, page_size=16, device=dev)
     ctx, new = [int(x) for x in torch.randint(20, 200, (3,), generator=g)], [4, 1, 3]
     lens = [c + m for c, m in zip(ctx, new, strict=True)]
@@ -195,14 +196,15 @@ def test_rows_of_a_sequence_over_one_selection_match_the_rows_expanded(mode, mon
             sel[i, h, : listed.numel()] = listed.to(torch.int32)
     q = torch.randn(row_seq.numel(), 4, 16, generator=g).to(dev)
     rows = PagedKV(kv.k, kv.v, kv.page_table[row_seq].contiguous(), row_len)
+    tol = max(1e-4, 4 * attend_rounding(q))  # Triton's fp32 dots on a GPU are TF32's (max error 9e-4 seen here)
     for unit, indices in ((1, sel.to(dev)), (16, blocks)):
         want = paged_decode_fp32(q, rows, indices[row_seq].contiguous(), unit)
         forms = [paged_rows_attention(q, kv, indices, unit, row_seq, row_len)]
-        if mode == "torch":
+        if mode == "torch" and dev == "cpu":
             forms.append(paged_rows_decode_cpu(q, kv, indices, unit, row_seq, row_len))
         for got in forms:
             for a, b in zip(got, want, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4,
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol,
                                            msg=lambda m, u=unit: f"seed {seed} unit {u}: {m}")
 
 
