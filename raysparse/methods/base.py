@@ -36,23 +36,24 @@ from raysparse.methods.views import DecodeView, PrefillView, SeqContext
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Fields every method shares. ``density`` is the budget of each sparse layer as a fraction of its causal
-    pairs, forced units (sinks, local window, the diagonal block) counted inside it. Users give the whole model's
-    (``--density``: every layer, the dense ones included); the registry's factory turns it into this one
-    (``budgeted_config``) and keeps it as ``target_density``. Prefill and decode each meet it on their own. SPEC's
-    ``dense_layers`` here; the registry's factory (every user's path) spreads a density over every layer instead."""
+    """Fields every method shares. ``density``: each sparse layer's budget as a fraction of its causal pairs, forced
+    units (sinks, local window, diagonal block) inside it. Users give the whole model's (``--density``), which the
+    registry's factory turns into this one (``budgeted_config``), spread over every layer (SPEC's ``dense_layers``
+    are this class's default only), keeping it as ``target_density``. Prefill and decode each meet it."""
 
     density: float = 0.2
     dense_layers: tuple[int, ...] = (0, 1)
     block_size: int = 64
-    # The whole-model density asked for (``--density``, a request's ``density``), which the registry's factory
-    # turned into ``density``, each sparse layer's share (``layer_density``); None where the config was given
-    # a sparse layer's density directly. Not a method parameter: the factory sets it.
+    # The whole-model ``--density`` the factory turned into ``density`` (None if given per layer); not a parameter.
     target_density: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.density <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {self.density}")
+        self.check_shared(self.density)
+
+    def check_shared(self, density: float) -> None:
+        """Validates the shared fields at ``density`` (a config whose density may be None passes 1.0)."""
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density}")
         if self.target_density is not None and not 0.0 < self.target_density <= 1.0:
             raise ValueError(f"target_density must be in (0, 1], got {self.target_density}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

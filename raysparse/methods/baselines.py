@@ -38,7 +38,7 @@ row_budget(density, n) - 1 tokens by the probabilities summed over the group's q
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -83,10 +83,7 @@ class StreamingConfig(MethodConfig):
     window: int = 2048
 
     def __post_init__(self) -> None:
-        if self.density is None:
-            object.__setattr__(self, "dense_layers", replace(self, density=1.0).dense_layers)  # validated, a tuple
-        else:
-            super().__post_init__()
+        self.check_shared(1.0 if self.density is None else self.density)
         if self.sink_tokens < 0 or self.window < 1:
             raise ValueError(f"need sink_tokens >= 0 and window >= 1, got {self.sink_tokens}, {self.window}")
 

@@ -41,11 +41,7 @@ class DeltaConfig(MethodConfig):
     base_params: Any = ()  # dict or (key, value) pairs for the base
 
     def __post_init__(self) -> None:
-        if self.density is None:  # validates the shared fields
-            shared = MethodConfig(1.0, self.dense_layers, self.block_size, self.target_density)
-            object.__setattr__(self, "dense_layers", shared.dense_layers)  # validated, as a tuple
-        else:
-            super().__post_init__()
+        self.check_shared(1.0 if self.density is None else self.density)
         if isinstance(self.base_params, dict):
             object.__setattr__(self, "base_params", tuple(sorted(self.base_params.items())))
         object.__setattr__(self, "base_params", tuple((str(a), b) for a, b in self.base_params))
