@@ -649,62 +649,6 @@ def test_decode_query_heads_scores_parts_by_every_query_head(heads):
     torch.testing.assert_close(got[:held], torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("heads,parts", [("pair-lse", 4), ("pair", 2)])
-def test_prefill_query_heads_scores_blocks_by_every_query_head(heads, parts):
-    """``prefill_query="heads"``: each query head's sketched block mean (the prompt's last token's own query
-    for the last row) scores its KV head's key parts, a block its best part, the scores combined over every
-    query head; the one-hop selection, against explicit loops. The decode step after it is the default's."""
-    b, density = 8, 0.375
-    cfg = model_cfg(layers=2)  # 4 query heads, 2 KV heads: groups of 2
-    seed = rand_int(0, 2**31)
-    m = method(cfg, density=density, heads=heads, sub_blocks=parts, walk="one-hop", token_query="last",
-               decode_unit="part", prefill_query="heads", seed=seed)
-    n = rand_int(4 * b + 1, 7 * b - 1)
-    q, k = random_qk(n + 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, b)
-    st, ss = {}, {}
-    sel = m.select_prefill(SeqContext(1, 0, 0, n, st, ss), q[:n], k[:, :n], k[:, :n])
-    H = explicit_srht(m.srht)
-    r, g, size, nb = H.shape[1], cfg.num_heads // cfg.num_kv_heads, b // parts, -(-n // b)
-    qt = torch.stack([torch.stack([q[i * b: min(n, (i + 1) * b), h].double().mean(0) @ H
-                                   for h in range(cfg.num_heads)]) for i in range(nb)])  # [nb, h, r]
-    kt = torch.zeros(nb * parts, cfg.num_kv_heads, r, dtype=torch.float64)
-    for j in range(-(-n // size)):
-        kt[j] = torch.stack([k[kv, j * size: min(n, (j + 1) * size)].double().mean(0) @ H
-                             for kv in range(cfg.num_kv_heads)])
-    torch.testing.assert_close(st["qs"].double().view(nb, cfg.num_heads, r) / block_counts(n, b)[:, None, None], qt,
-                               rtol=1e-5, atol=1e-5)
-
-    def row(qh: torch.Tensor, last: int) -> torch.Tensor:  # qh [h, r]: combined block scores [nb]
-        out = torch.zeros(nb, dtype=torch.float64)
-        for j in range(last + 1):
-            per_head = torch.tensor([max(float(qh[h] @ kt[j * parts + p, h // g]) / math.sqrt(r)
-                                         for p in range(parts) if (j * parts + p) * size < n)
-                                     for h in range(cfg.num_heads)], dtype=torch.float64)
-            out[j] = per_head.logsumexp(0) if heads == "pair-lse" else per_head.mean()
-        return out
-
-    a = torch.stack([row(qt[i], i) for i in range(nb)])
-    torch.testing.assert_close(st["a_hat"].double(), a, **BF16)
-    a = st["a_hat"].double().clone()
-    a[nb - 1] = row(q[n - 1].double() @ H, nb - 1).to(torch.bfloat16).double()
-    ref = brute_walk([a], 8.0, "one-hop")[0]
-    torch.testing.assert_close(ss["walk"][1].double(), ref, rtol=2e-3, atol=1e-30)
-    for qi, chosen in enumerate(rows_of(sel.indices[0])):
-        assert_same_choice(chosen, brute_select(ref[qi], qi, density), ref[qi])
-    assert (sel.indices == sel.indices[:1]).all()
-
-    # the decode step scores its parts by the group's mean query, as the default does on the same sketches
-    group = method(cfg, density=density, heads=heads, sub_blocks=parts, walk="one-hop", token_query="last",
-                   decode_unit="part", seed=seed)
-    st2, ss2 = {}, {}
-    group.select_prefill(SeqContext(1, 0, 0, n, st2, ss2), q[:n], k[:, :n], k[:, :n])
-    kv = k[:, : n + 1]
-    got = m.select_decode(SeqContext(1, 0, n, n + 1, st, ss), q[n], kv, kv)
-    want = group.select_decode(SeqContext(1, 0, n, n + 1, st2, ss2), q[n], kv, kv)
-    assert torch.equal(st["ks"], st2["ks"]) and st["qs"].shape[1] == cfg.num_heads
-    assert torch.equal(got.indices, want.indices) and got.block_size == want.block_size
-
-
 def test_chunked_prefill_continues_the_sketches():
     b = 8
     cfg = model_cfg(layers=3)

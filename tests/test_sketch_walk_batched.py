@@ -22,8 +22,6 @@ MODES = {
     "kv-block": {"heads": "kv", "decode_unit": "block"},
     "never-parts1": {"token_query": "never", "sub_blocks": 1, "decode_unit": "block"},
     "decode-parts4": {"token_query": "decode", "sub_blocks": 4, "local_blocks": 2},
-    "query-heads": {"prefill_query": "heads"},
-    "query-heads-pair": {"prefill_query": "heads", "heads": "pair", "decode_unit": "block", "sub_blocks": 2},
 }
 PAGE = 64
 
@@ -106,7 +104,8 @@ def _pool_states(ex: ShardExecutor, key: str) -> dict:
             st = cache.metadata[layer][sid]
             n = st["n"]
             nb = -(-n // cfg.block_size)
-            qpool, kpool = prefix_pools(backend, layer, cache, cache.num_kv_heads)
+            width = cache.num_kv_heads * backend.srht.sketch_dim
+            qpool, kpool = prefix_pools(backend, layer, cache, width)
             at = torch.tensor(cache.page_list(sid)[:nb])
             out[layer, sid] = (n, qpool[at].clone(), kpool[at].clone())
     return out
@@ -156,9 +155,8 @@ def test_rollout_and_head_mean_stay_per_sequence():
     assert batched_mode(SketchWalkConfig(density=0.5))
 
 
-@pytest.mark.parametrize("heads,query", [("pair-lse", "group"), ("pair", "group"), ("pair", "heads"),
-                                         ("pair-lse", "heads")])
-def test_batched_prefill_under_tensor_parallelism_reduces_once_and_matches_one_device(heads, query):
+@pytest.mark.parametrize("heads", ["pair-lse", "pair"])
+def test_batched_prefill_under_tensor_parallelism_reduces_once_and_matches_one_device(heads):
     """Two shards of one KV head each: per layer one ``head_reduce`` of the whole batch's partials, and both
     shards select what one device selects (a ragged batch: a fresh prompt, a chunk continuing one)."""
     from raysparse.config import ModelConfig
@@ -170,8 +168,7 @@ def test_batched_prefill_under_tensor_parallelism_reduces_once_and_matches_one_d
     cfg = ModelConfig(vocab_size=97, hidden_size=96, intermediate_size=80, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=24, rms_norm_eps=1e-5, max_position_embeddings=4096,
                       tie_word_embeddings=False)
-    kw = dict(block_size=8, sketch_dim=16, dense_layers=(0,), density=0.4, heads=heads, sub_blocks=2, seed=seed,
-              prefill_query=query)
+    kw = dict(block_size=8, sketch_dim=16, dense_layers=(0,), density=0.4, heads=heads, sub_blocks=2, seed=seed)
     steps = [[(0, 45), (1, 20)], [(1, 17), (2, 3)]]  # (sequence, new tokens) per step
     qk = [(torch.randn(sum(n for _, n in s), 4, 24, generator=g), torch.randn(sum(n for _, n in s), 2, 24,
                                                                              generator=g)) for s in steps]

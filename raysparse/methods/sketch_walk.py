@@ -185,13 +185,6 @@ class SketchWalk(ReferenceSelection, SparseMethod):
             return prefill_select_batched(self, layer, q, view)
         return self.prefill_select_per_sequence(layer, q, view)
 
-    @property
-    def query_group(self) -> int:
-        """Query sums kept per KV head: the group's query heads with ``prefill_query="heads"``, else 1 (their
-        mean)."""
-        cfg = self.model_cfg
-        return cfg.num_heads // cfg.num_kv_heads if self.config.prefill_query == "heads" else 1
-
     # Prefix caching: rebuilt, from per-page sums every prefill keeps (``sketch_walk_prefix``).
     prefix_state = "rebuilt"
 
@@ -201,7 +194,7 @@ class SketchWalk(ReferenceSelection, SparseMethod):
         layers = len(self.sparse_layers())
         h_kv, cfg = self.model_cfg.num_kv_heads, self.config
         hs = h_kv if cfg.heads == "kv" else 1  # score heads: walks and A_hat
-        sums = (self.query_group + cfg.sub_blocks) * (1 if cfg.heads == "mean" else h_kv)  # qs + ks rows a block
+        sums = (1 + cfg.sub_blocks) * (1 if cfg.heads == "mean" else h_kv)  # qs rows + ks rows per block
         return {"a_hat": 2 * b * b * layers * hs, "sketch_sums": 4 * self.srht.sketch_dim * b * layers * sums,
                 "decode_walk_row": 4 * b * hs}
 

@@ -62,7 +62,7 @@ class StepRows:
     key blocks each."""
 
     tok_row: torch.Tensor  # [T] each new token's packed query block
-    tok_part: torch.Tensor  # [T] its packed key part's row in the step's key sums
+    tok_part: torch.Tensor  # [T] its packed key part's row in the step's sums (after R + S' query rows)
     last_tok: torch.Tensor  # [S'] the last new token of each sequence whose last row its own query scores
     row_page: torch.Tensor  # [R] each packed block's page
     row_old: torch.Tensor  # [R, 1] bool: the block held tokens before this step (its sums add)
@@ -152,7 +152,7 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
     cat = torch.cat
     i64 = dict(dtype=torch.int64)
     return StepRows(
-        tok_row=cat(tok_row).to(dev), tok_part=cat(tok_part).to(dev),
+        tok_row=cat(tok_row).to(dev), tok_part=(cat(tok_part) + len(row_page) + len(last_tok)).to(dev),
         last_tok=torch.tensor(last_tok, **i64).to(dev), row_page=torch.tensor(row_page, **i64).to(dev),
         row_old=torch.tensor(row_old)[:, None].to(dev),
         row_cnt=torch.tensor(row_cnt, dtype=torch.float32)[:, None, None].to(dev),
@@ -194,40 +194,34 @@ def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view
     method._cache = view.cache  # per-sequence readers find the pages there (a bound backend's own cache)
     k_new = view.new_keys()  # [T, h_kv, d]
     T, hs, d = k_new.shape
-    R, gq = rows.row_page.numel(), method.query_group
-    # each KV head's query group averaged (or, prefill_query="heads", its heads, KV-head major); a shard holds
-    # whole KV groups, so nothing to reduce
-    q_group = q.float().view(T, hs, -1, d)
-    q_avg = q_group.mean(2) if gq == 1 else q_group.flatten(1, 2)  # [T, hs * gq, d]
+    R = rows.row_page.numel()
+    # each KV head's query group averaged; a shard holds whole KV groups, so nothing to reduce
+    q_avg = q.float().view(T, hs, -1, d).mean(2)
     n_tok = rows.last_tok.numel()
-    q_sums = torch.zeros(R + n_tok, hs * gq, d, device=q.device)
-    k_sums = torch.zeros(R * P, hs, d, device=q.device)
-    q_sums.index_add_(0, rows.tok_row, q_avg)
-    k_sums.index_add_(0, rows.tok_part, k_new.float())
-    q_sums[R:] = q_avg[rows.last_tok]
-    new = srht.apply(torch.cat((q_sums.view(-1, d), k_sums.view(-1, d))))  # one call, rows independent
-    new_q, new_k = new[: q_sums[..., 0].numel()].view(R + n_tok, -1, r), new[q_sums[..., 0].numel():]
+    sums = torch.zeros(R + n_tok + R * P, hs, d, device=q.device)
+    sums.index_add_(0, rows.tok_row, q_avg)
+    sums.index_add_(0, rows.tok_part, k_new.float())
+    sums[R: R + n_tok] = q_avg[rows.last_tok]
+    new = srht.apply(sums)  # [R + S' + R * P, hs, r]
 
-    qpool, kpool = prefix_pools(method, layer, view.cache, hs)
+    width = hs * r
+    qpool, kpool = prefix_pools(method, layer, view.cache, width)
     old = rows.row_old
-    qs = torch.where(old, qpool[rows.row_page], 0.0) + new_q[:R].view(R, -1)
-    ks = torch.where(old[..., None], kpool[rows.row_page], 0.0) + new_k.view(R, P, hs * r)
+    qs = torch.where(old, qpool[rows.row_page], 0.0) + new[:R].view(R, width)
+    ks = torch.where(old[..., None], kpool[rows.row_page], 0.0) + new[R + n_tok:].view(R, P, width)
     qpool[rows.row_page] = qs
     kpool[rows.row_page] = ks
 
     # Query rows: block means, the last row of a sequence whose own token scores it replaced by that token's.
-    q_rows = (qs.view(R, hs * gq, r) / rows.row_cnt)[rows.pad_row]  # [S, rmax, hs * gq, r]
-    q_rows[rows.tok_at] = new_q[R:]
+    q_rows = (qs.view(R, hs, r) / rows.row_cnt)[rows.pad_row]  # [S, rmax, hs, r]
+    q_rows[rows.tok_at] = new[R: R + n_tok]
     S, nbmax = rows.table.shape
     k_parts = kpool[rows.table].view(S, nbmax * P, hs, r) / rows.k_cnt.clamp(min=1)
-    if gq == 1:
-        s = torch.einsum("sihr,sjhr->shij", q_rows, k_parts) / math.sqrt(r)  # [S, hs, rmax, nbmax * P]
-    else:  # each query head against its KV head's parts: [S, hs * gq, rmax, nbmax * P]
-        s = torch.einsum("sihgr,sjhr->shgij", q_rows.unflatten(2, (hs, gq)), k_parts).flatten(1, 2) / math.sqrt(r)
+    s = torch.einsum("sihr,sjhr->shij", q_rows, k_parts) / math.sqrt(r)  # [S, hs, rmax, nbmax * P]
     if P > 1:  # an empty part is no candidate
         s = s.masked_fill(~rows.filled, -math.inf)
     blocks = s.unflatten(-1, (-1, P)).amax(-1) if P > 1 else s
-    scores = _combine_heads(method, blocks, gq)  # [S, H', rmax, nbmax]
+    scores = _combine_heads(method, blocks)  # [S, H', rmax, nbmax]
     # one-hop: the row's weights, from its scores rounded as A_hat caches them
     logits = scores.masked_fill(~rows.allowed, 0.0).to(torch.bfloat16).float()
     w = torch.exp(cfg.exponent * torch.log_softmax(logits.masked_fill(~rows.allowed, -math.inf), dim=-1))
@@ -237,11 +231,11 @@ def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view
     return view.packed(packed.expand(hs, -1, -1), cfg.block_size)
 
 
-def _combine_heads(method: SketchWalk, s: torch.Tensor, per_kv: int) -> torch.Tensor:
+def _combine_heads(method: SketchWalk, s: torch.Tensor) -> torch.Tensor:
     """``SketchWalk._combine_heads`` over the head axis 1 of [S, H, rows, blocks]: one ``head_reduce``."""
     if method.config.heads == "kv":
         return s
-    return method._combine_heads(s.transpose(0, 1), per_kv).transpose(0, 1)
+    return method._combine_heads(s.transpose(0, 1)).transpose(0, 1)
 
 
 def _choose(w: torch.Tensor, rows: StepRows) -> torch.Tensor:

@@ -14,7 +14,6 @@ TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv", "pair", "pair-lse")
 DECODE_UNITS = ("block", "part")
 DECODE_QUERIES = ("group", "heads")
-PREFILL_QUERIES = ("group", "heads")
 # SPEC's scoring, the one the head-mean batched graph decode (sketch_walk_rows) implements.
 GRAPH_DECODE = {"heads": "mean", "sub_blocks": 1, "decode_unit": "block"}
 
@@ -40,11 +39,6 @@ class SketchWalkConfig(MethodConfig):
     # head's query group averaged, one query per KV head; "heads": every query head on its own, the scores
     # combined by ``heads`` over every query head (a needle one head of a group attends is not averaged away).
     decode_query: str = "group"
-    # Whose query block means score the prefill's rows (heads pair / pair-lse, walk one-hop): "group" (default):
-    # each KV head's query group averaged; "heads": every query head's own block mean (and, with token_query
-    # "last", the prompt's last token per query head), the scores combined by ``heads`` over every query head.
-    # The state keeps per-query-head query sums then; the decode's rows follow ``decode_query``.
-    prefill_query: str = "group"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,11 +68,6 @@ class SketchWalkConfig(MethodConfig):
         if self.decode_query == "heads" and (self.decode_unit != "part" or self.heads not in ("pair", "pair-lse")):
             raise ValueError("decode_query='heads' combines every query head's part scores: it needs "
                              "decode_unit='part' and heads 'pair' or 'pair-lse'")
-        if self.prefill_query not in PREFILL_QUERIES:
-            raise ValueError(f"prefill_query must be one of {PREFILL_QUERIES}, got {self.prefill_query!r}")
-        if self.prefill_query == "heads" and (self.walk != "one-hop" or self.heads not in ("pair", "pair-lse")):
-            raise ValueError("prefill_query='heads' combines every query head's block scores into one selection "
-                             "per layer: it needs heads 'pair' or 'pair-lse' and walk='one-hop'")
         if (isinstance(self.sub_blocks, bool) or not isinstance(self.sub_blocks, int) or self.sub_blocks < 1
                 or self.block_size % self.sub_blocks):
             raise ValueError(f"sub_blocks must be a positive divisor of block_size, got {self.sub_blocks!r}")

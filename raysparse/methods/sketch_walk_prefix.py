@@ -22,14 +22,13 @@ if TYPE_CHECKING:
     from raysparse.methods.sketch_walk import SketchWalk
 
 
-def prefix_pools(method: SketchWalk, layer: int, cache: KVCache, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-page query sums [pages + 1, heads * query_group * r] and key-part sums [pages + 1, sub_blocks,
-    heads * r] of a layer (``heads``: the score heads held, the KV heads or 1 for the head mean)."""
+def prefix_pools(method: SketchWalk, layer: int, cache: KVCache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page query sums [pages + 1, width] and key-part sums [pages + 1, sub_blocks, width] of a layer."""
     from raysparse.methods.sketch_walk_parts import PartsDecode
 
     key = ("sketch_walk_prefix", layer, method.config, method.head_reduce is not None)
-    parts, width = method.config.sub_blocks, heads * method.srht.sketch_dim
-    qpool = cache.page_pool((*key, "q"), (width * method.query_group,), torch.float32)
+    parts = method.config.sub_blocks
+    qpool = cache.page_pool((*key, "q"), (width,), torch.float32)
     dec = method.batch_decoder
     if isinstance(dec, PartsDecode) and layer in dec.index and dec.ks[0, 0].numel() == width:
         return qpool, dec.ks[dec.index[layer]].view(-1, parts, width)  # the same sums: no second copy
@@ -40,11 +39,11 @@ def store_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: tor
                  ) -> None:
     """Keeps blocks qb0..nb-1's sums (just updated by the prefill) in their pages."""
     st, parts = ctx.state, method.config.sub_blocks
-    heads = st["ks"][0].numel() // method.srht.sketch_dim
-    qpool, kpool = prefix_pools(method, ctx.layer, cache, heads)
+    width = st["qs"][0].numel()
+    qpool, kpool = prefix_pools(method, ctx.layer, cache, width)
     at = pages[qb0:nb].to(qpool.device)
-    qpool[at] = st["qs"].reshape(-1, qpool.shape[-1])[qb0:nb]
-    kpool[at] = st["ks"].reshape(-1, parts, kpool.shape[-1])[qb0:nb]
+    qpool[at] = st["qs"].reshape(-1, width)[qb0:nb]
+    kpool[at] = st["ks"].reshape(-1, parts, width)[qb0:nb]
 
 
 def adopt_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: torch.Tensor) -> None:
@@ -64,9 +63,9 @@ def adopt_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: tor
     nb = -(-q0 // B)
     per_head = cfg.heads != "mean"
     hs = cache.num_kv_heads if per_head else 1
-    qpool, kpool = prefix_pools(method, ctx.layer, cache, hs)
+    qpool, kpool = prefix_pools(method, ctx.layer, cache, hs * r)
     at = pages[:nb].to(qpool.device)
-    qs, ks = qpool[at].view(nb, -1, r), kpool[at].view(nb * parts, hs, r)
+    qs, ks = qpool[at].view(nb, hs, r), kpool[at].view(nb * parts, hs, r)
     dev = qs.device
     if cfg.walk == "one-hop" and per_head:
         # never read: not recomputed (at a 64K-token prefix, O(blocks^2 * sub_blocks) scores per layer)

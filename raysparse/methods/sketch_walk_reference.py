@@ -42,7 +42,6 @@ class ReferenceSelection:
     head_reduce: Callable[[torch.Tensor], torch.Tensor] | None  # tensor parallelism's SUM all-reduce
     first_sparse: int | None
     layer_density: float | None
-    query_group: int  # query sums kept per KV head (``prefill_query``)
     _cache: KVCache | None
     _seq_state: dict[int, dict[str, Any]]
 
@@ -52,13 +51,12 @@ class ReferenceSelection:
     # [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]); the pair modes sketch per KV head (qs,
     # ks [b, h_kv, r]) and combine the scores to H = 1 (a_hat [b, b], walk rows [rows, b]). ks has
     # b * sub_blocks rows.
-    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k_new: torch.Tensor, decode: bool = False
+    def _update_sketch(self, ctx: SeqContext, q: torch.Tensor, k_new: torch.Tensor
                        ) -> tuple[int, int, torch.Tensor | None]:
         """Folds the new tokens (q: [n_q, h, d], k: [h_kv, n, d]) into this layer's block sketches and
         recomputes the A_hat rows of the query blocks they touch. Returns (first query block, b, and with
         ``token_query`` the last query block's row of A_hat scored by the last token's query alone, bf16
-        [H, 1, b], else None). ``decode``: a decode step, whose rows are scored by the group's mean query
-        whatever ``prefill_query`` (``decode_query`` says how its part row is)."""
+        [H, 1, b], else None)."""
         B, st, cfg = self.config.block_size, ctx.state, self.config
         parts = cfg.sub_blocks
         q0, n = ctx.q_start, ctx.n
@@ -67,13 +65,11 @@ class ReferenceSelection:
         r = self.srht.sketch_dim
         per_head = cfg.heads != "mean"
         hs = k_new.shape[0] if per_head else 1
-        gq = self.query_group if per_head else 1  # query sums per score head: a group's heads, or their mean
         if st.get("paged") and q0 > 0:  # the batched prefill's page-indexed state, in this path's layout
             adopt_prefix(self, ctx, self._cache, self._cache.page_table(ctx.seq_id))
         if q0 == 0:  # a new sequence (or a re-prefill): start this layer's sketches afresh
             shape = (0, hs, r) if per_head else (0, r)
-            st.update(qs=torch.zeros((0, hs * gq, r) if per_head else shape, device=dev),
-                      ks=torch.zeros(shape, device=dev),
+            st.update(qs=torch.zeros(shape, device=dev), ks=torch.zeros(shape, device=dev),
                       a_hat=torch.zeros((hs, 0, 0) if cfg.heads == "kv" else (0, 0), dtype=torch.bfloat16,
                                         device=dev), n=0)
         elif st.get("n") != q0:
@@ -86,11 +82,9 @@ class ReferenceSelection:
             st["qs"], st["ks"] = F.pad(st["qs"], pad + (0, grow)), F.pad(st["ks"], pad + (0, grow * parts))
             st["a_hat"] = F.pad(st["a_hat"], (0, grow, 0, grow))
 
-        n_q, d = n - q0, q.shape[-1]
-        if per_head:  # each KV head's query group averaged (or its heads, KV-head major); a shard holds whole
-            # KV groups, so nothing to reduce
-            q_group = q.float().view(n_q, hs, -1, d)
-            q_avg = q_group.mean(2) if gq == 1 else q_group.flatten(1, 2)  # [n_q, H * gq, d]
+        n_q = n - q0
+        if per_head:  # each KV head's query group averaged; a shard holds whole KV groups, so nothing to reduce
+            q_avg = q.float().view(n_q, hs, -1, q.shape[-1]).mean(2)  # [n_q, H, d]
             k_avg = k_new.float().transpose(0, 1)
         else:  # head sums over the heads held here, divided by the model's head counts when shards reduce
             hq = self.model_cfg.num_heads if self.head_reduce is not None else q.shape[1]
@@ -103,30 +97,23 @@ class ReferenceSelection:
         # O(n d log d). The last token's own query rides along as one more query row, through the same reduce.
         lq = nb - qb0 + int(want_token and n_q > 1)
         pos = torch.arange(q0, n, device=dev)
-        q_sums = torch.zeros(lq, hs * gq, d, device=dev)
-        k_sums = torch.zeros((nb - qb0) * parts, hs, d, device=dev)
-        q_sums.index_add_(0, pos // B - qb0, q_avg)
-        k_sums.index_add_(0, pos // (B // parts) - qb0 * parts, k_avg)
+        sums = torch.zeros(lq + (nb - qb0) * parts, hs, q.shape[-1], device=dev)
+        sums.index_add_(0, pos // B - qb0, q_avg)
+        sums.index_add_(0, lq + pos // (B // parts) - qb0 * parts, k_avg)
         if lq > nb - qb0:
-            q_sums[lq - 1] = q_avg[-1]
-        new = self.srht.apply(torch.cat((q_sums.view(-1, d), k_sums.view(-1, d))))  # one call, rows independent
+            sums[lq - 1] = q_avg[-1]
+        new = self.srht.apply(sums)  # [lq + (nb - qb0) * parts, H, r]
         if self.head_reduce is not None and not per_head:
             new = self.head_reduce(new)
-        new_q, new_k = new[: q_sums[..., 0].numel()].view(lq, -1, r), new[q_sums[..., 0].numel():].view(-1, hs, r)
-        qs, ks = st["qs"].view(-1, hs * gq, r), st["ks"].view(-1, hs, r)  # views: in-place writes reach the state
-        qs[qb0:nb] += new_q[: nb - qb0]
-        ks[qb0 * parts: nb * parts] += new_k
+        qs, ks = st["qs"].view(-1, hs, r), st["ks"].view(-1, hs, r)  # views: in-place writes reach the state
+        qs[qb0:nb] += new[: nb - qb0]
+        ks[qb0 * parts: nb * parts] += new[lq:]
         st["n"] = n
 
         # Rows qb0.. of A_hat; rows above qb0 cannot see the key blocks that changed (block causality).
         q_rows = qs[qb0:nb] / block_counts(n, nb, B, dev)[qb0:, None, None]
-        token = new_q[lq - 1: lq]
-        if decode and gq > 1:  # the decode scores by the group's mean query, as the batched decode does; one
-            # hop reads no block row of a decode step, so only the token's matters
-            q_rows = q_rows.view(-1, hs, gq, r).mean(2)
-            token = self.srht.apply(q_group[-1:].mean(2))
         if want_token:  # the last row nb - 1 sees every key block, so the token's row needs no mask
-            q_rows = torch.cat((q_rows, token))
+            q_rows = torch.cat((q_rows, new[lq - 1: lq]))
         k_cnt = block_counts(n, nb * parts, B // parts, dev)
         want_parts = n_q == 1 and cfg.decode_unit == "part"
         # decode_query="heads": the step's part row scored by each query head's own sketch [H, g, r]
@@ -149,27 +136,21 @@ class ReferenceSelection:
         (empty parts -inf; it rides in the same all-reduce), else None. With ``token_q`` [H, g, r] (the last
         row's query heads, ``decode_query="heads"``) that part row is scored by each query head and combined
         over all of them (in the same all-reduce)."""
-        gq = q_rows.shape[1] // k_parts.shape[1]  # query rows per key head (``prefill_query="heads"``)
-        if gq == 1:
-            s = torch.einsum("ihr,jhr->hij", q_rows, k_parts) / math.sqrt(self.srht.sketch_dim)
-        else:  # [H * gq, R, parts], KV-head major: each query head against its KV head's parts
-            s = torch.einsum("ihgr,jhr->hgij", q_rows.unflatten(1, (-1, gq)), k_parts).flatten(0, 1)
-            s = s / math.sqrt(self.srht.sketch_dim)
+        s = torch.einsum("ihr,jhr->hij", q_rows, k_parts) / math.sqrt(self.srht.sketch_dim)
         parts = self.config.sub_blocks
         if parts > 1:  # an empty part of the last block is no candidate
             s = s.masked_fill(~filled, -math.inf)
         blocks = s.unflatten(-1, (-1, parts)).amax(-1) if parts > 1 else s
         if not part_row:
-            return self._combine_heads(blocks, gq), None
-        tok, per_kv = s[:, -1], gq  # the last row's per-part scores, by score head
+            return self._combine_heads(blocks), None
+        tok, per_kv = s[:, -1], 1  # the last row's per-part scores, by score head
         if token_q is not None:  # by query head instead: [H * g, b * sub_blocks]
             tok = torch.einsum("hgr,jhr->hgj", token_q, k_parts) / math.sqrt(self.srht.sketch_dim)
             if parts > 1:
                 tok = tok.masked_fill(~filled, -math.inf)
             tok, per_kv = tok.flatten(0, 1), tok.shape[1]
         if self.config.heads in ("pair", "pair-lse"):  # both partials in one reduce (elementwise, then summed)
-            both = self._finish_heads(torch.cat((self._head_part(blocks, gq).flatten(1),
-                                                 self._head_part(tok, per_kv)), 1))
+            both = self._finish_heads(torch.cat((self._head_part(blocks).flatten(1), self._head_part(tok, per_kv)), 1))
         else:
             both = torch.cat((blocks.flatten(1), tok), 1)
         nb = blocks.shape[-1]
@@ -281,7 +262,7 @@ class ReferenceSelection:
                           for i in range(len(view.batch.seq_ids))])
 
     def select_decode(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> TokenSelection:
-        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n], decode=True)
+        qb0, nb, token_row = self._update_sketch(ctx, q.unsqueeze(0), k[:, ctx.n - 1: ctx.n])  # the new token's block
         if self.config.decode_unit == "part":
             return self._choose_parts(ctx.seq_state.pop("part_row"), ctx.n, k.shape[0])
         mask, width = self._choose(walk_rows(self, ctx, qb0, nb, token_row), qb0, nb, decode=True)
