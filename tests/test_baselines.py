@@ -157,17 +157,19 @@ def brute_probs(q: torch.Tensor, k: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("n,n_q", [(200, 200), (230, 97)])
-def test_oracle_prefill_selection_matches_brute_force(n, n_q):
+@pytest.mark.parametrize("n,n_q,shared", [(200, 200, False), (230, 97, False), (230, 97, True)])
+def test_oracle_prefill_selection_matches_brute_force(n, n_q, shared):
+    """A list per KV head by its group's exact mass, or (``shared_list``) one for all by the mass of every head."""
     density, b = 0.3, 16
     q, k, v = rand_qkv(n, n_q)
-    sel = Oracle(model_cfg(), OracleConfig(density=density, block_size=b)).select_prefill(ctx_for(n, n_q), q, k, v)
+    cfg = OracleConfig(density=density, block_size=b, shared_list=shared)
+    sel = Oracle(model_cfg(), cfg).select_prefill(ctx_for(n, n_q), q, k, v)
     probs = brute_probs(q, k, n)
     qs = n - n_q
     for r, qb in enumerate(range(qs // b, (n - 1) // b + 1)):
         rows = slice(max(qb * b, qs) - qs, min(n, qb * b + b) - qs)
         for h in range(H_KV):
-            p = probs[h * G: h * G + G, rows].sum((0, 1))
+            p = (probs if shared else probs[h * G: h * G + G])[:, rows].sum((0, 1))
             mass = [float(p[j * b: j * b + b].sum()) for j in range(qb + 1)]
             got = rows_of(sel.indices[h, r: r + 1])[0]
             # Sink and diagonal are kept; the rest of the budget goes to the other blocks by exact mass.

@@ -180,7 +180,16 @@ class Streaming(SparseMethod):
 # ---- oracle top-k ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class OracleConfig(MethodConfig):
-    """Only the shared fields: density is the budget, block_size the prefill block."""
+    """The shared fields (density is the budget, block_size the prefill block), and ``shared_list``: one prefill
+    list for every KV head, by the mass summed over them, the best a method that selects once per layer (as
+    Sketch&Walk's paired scorings do) can do. Default False: a list per KV head."""
+
+    shared_list: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.shared_list, bool):
+            raise ValueError(f"shared_list must be true or false, got {self.shared_list!r}")
 
 
 class Oracle(SparseMethod):
@@ -213,6 +222,8 @@ class Oracle(SparseMethod):
     def select_prefill(self, ctx, q, k, v) -> BlockSelection:
         b = self.config.block_size
         mass = self.block_mass(ctx, q, k)
+        if self.config.shared_list:
+            mass = mass.sum(0, keepdim=True).expand_as(mass).contiguous()
         qb = ctx.q_start // b + torch.arange(mass.shape[1], device=q.device)
         kb = torch.arange(mass.shape[2], device=q.device)[None, :]
         causal, forced = kb <= qb[:, None], (kb == 0) | (kb == qb[:, None])
