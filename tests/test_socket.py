@@ -242,12 +242,18 @@ def test_selection_is_deduplicated_ascending_keeps_sink_local_and_respects_budge
 
 
 def test_density_budget_counts_sink_and_local():
-    m = Socket(model_cfg(), SocketConfig())  # defaults: density 0.1, sink 128, local 128, forced share 0.5
-    assert m.budget(6000) == (128, 128, 344)  # a budget of 600: SPEC's forced tokens whole
-    assert m.budget(3000) == (75, 75, 150)  # sink and local would take more than half: they shrink to half
-    assert m.budget(1000) == (25, 25, 50)
-    assert m.budget(200) == (5, 5, 10)
-    assert Socket(model_cfg(), SocketConfig(sink_tokens=30, local_tokens=90)).budget(1000) == (12, 38, 50)
+    m = Socket(model_cfg(), SocketConfig())  # defaults: density 0.1, sink 128, local 128, forced share 0.25
+    assert m.budget(12000) == (128, 128, 944)  # a budget of 1200: SPEC's forced tokens whole
+    assert m.budget(6000) == (75, 75, 450)  # they would take more than a quarter: they shrink to a quarter
+    assert m.budget(3000) == (37, 38, 225)  # in proportion to their sizes, the rounding to the local window
+    assert m.budget(200) == (2, 3, 15)
+    assert Socket(model_cfg(), SocketConfig(sink_tokens=30, local_tokens=90)).budget(1000) == (6, 19, 75)
+    half = Socket(model_cfg(), SocketConfig(forced_share=0.5))
+    assert half.budget(6000) == (128, 128, 344)
+    assert half.budget(3000) == (75, 75, 150)
+    assert half.budget(1000) == (25, 25, 50)
+    assert Socket(model_cfg(), SocketConfig(sink_tokens=30, local_tokens=90, forced_share=0.5)).budget(1000) == (
+        12, 38, 50)
     whole = Socket(model_cfg(), SocketConfig(forced_share=1.0))  # they shrink only to the whole budget
     assert whole.budget(3000) == (128, 128, 44)
     assert whole.budget(1000) == (50, 50, 0)
