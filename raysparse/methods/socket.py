@@ -21,7 +21,7 @@ Choices where SPEC and paper are silent:
   share in proportion to their sizes, and the rest of the budget is scored. SPEC's 128 + 128 are kept whole
   wherever the budget reaches 1024 keys (10% of 10240 keys with every layer sparse). 0.25 against 0.5 on the
   GPU eval, every layer sparse: accuracy 0.46 -> 0.48 and decode perplexity +2.1% -> +1.4% at 4096 tokens and
-  0.10, the other three rows equal or one item better (BENCHMARKS.md, "... SOCKET's forced share of 0.25").
+  0.10, the other three rows equal or one item better (BENCHMARKS.md: "Sketch&Walk against an oracle ...").
   With ``forced_share=1`` they shrink only to the whole budget, and no token is scored there: at 4096 tokens
   and a whole-model 0.1 (146 keys a sparse layer) that selection, sink and window alone, had accuracy 0 and
   decode perplexity +48% where 16 + 64 forced keys and 66 scored ones had 0.46 (dense 0.53) and +7.4%
