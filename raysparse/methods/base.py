@@ -50,9 +50,9 @@ class MethodConfig:
     def __post_init__(self) -> None:
         self.check_shared(self.density)
 
-    def check_shared(self, density: float) -> None:
-        """Validates the shared fields at ``density`` (a config whose density may be None passes 1.0)."""
-        if not 0.0 < density <= 1.0:
+    def check_shared(self, density: float | None) -> None:
+        """Validates the shared fields at ``density`` (None, where a config's density is optional: at 1.0)."""
+        if not 0.0 < (density := 1.0 if density is None else density) <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density}")
         if self.target_density is not None and not 0.0 < self.target_density <= 1.0:
             raise ValueError(f"target_density must be in (0, 1], got {self.target_density}")

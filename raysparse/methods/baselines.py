@@ -83,7 +83,7 @@ class StreamingConfig(MethodConfig):
     window: int = 2048
 
     def __post_init__(self) -> None:
-        self.check_shared(1.0 if self.density is None else self.density)
+        self.check_shared(self.density)
         if self.sink_tokens < 0 or self.window < 1:
             raise ValueError(f"need sink_tokens >= 0 and window >= 1, got {self.sink_tokens}, {self.window}")
 
@@ -222,15 +222,16 @@ class Oracle(SparseMethod):
     def select_prefill(self, ctx, q, k, v) -> BlockSelection:
         b = self.config.block_size
         mass = self.block_mass(ctx, q, k)
-        if self.config.shared_list:
-            mass = mass.sum(0, keepdim=True).expand_as(mass).contiguous()
+        h_kv = mass.shape[0]
+        if self.config.shared_list:  # one top-k, its list expanded over the KV heads
+            mass = mass.sum(0, keepdim=True)
         qb = ctx.q_start // b + torch.arange(mass.shape[1], device=q.device)
         kb = torch.arange(mass.shape[2], device=q.device)[None, :]
         causal, forced = kb <= qb[:, None], (kb == 0) | (kb == qb[:, None])
         budget = prefill_block_budget(self.layer_density, qb, (ctx.n - 1) // b, 2, b)
         top = (budget - torch.where(qb == 0, 1, 2)).clamp(min=0)
         mask = topk_mask(mass, top, causal.expand_as(mass), forced.expand_as(mass))
-        return BlockSelection(indices_from_mask(mask), b)
+        return BlockSelection(indices_from_mask(mask).expand(h_kv, -1, -1), b)
 
     def select_decode(self, ctx, q, k, v) -> TokenSelection:
         h_kv, n, d = k.shape

@@ -41,7 +41,7 @@ class DeltaConfig(MethodConfig):
     base_params: Any = ()  # dict or (key, value) pairs for the base
 
     def __post_init__(self) -> None:
-        self.check_shared(1.0 if self.density is None else self.density)
+        self.check_shared(self.density)
         if isinstance(self.base_params, dict):
             object.__setattr__(self, "base_params", tuple(sorted(self.base_params.items())))
         object.__setattr__(self, "base_params", tuple((str(a), b) for a, b in self.base_params))

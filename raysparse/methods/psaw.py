@@ -44,7 +44,7 @@ class PrHSConfig(MethodConfig):
     sink: int = 16  # C_sink: the first tokens, always visible and never frozen
 
     def __post_init__(self) -> None:
-        self.check_shared(1.0 if self.density is None else self.density)
+        self.check_shared(self.density)
         if self.sink < 0:
             raise ValueError(f"sink must be >= 0, got {self.sink}")
 
