@@ -5,53 +5,41 @@ installed), ``triton`` (always Triton; with ``TRITON_INTERPRET=1`` this runs the
 is how the tests exercise them) or ``torch`` (always the reference). Shapes the kernels do not support
 (head dim or block size not a power of two >= 16) silently take the reference path.
 
-Single-sequence functions mirror the PyTorch references of ``reference``; the method scorers
-(``scorer_dispatch``, re-exported here) mirror those of ``scorer_reference``; the ``*_varlen`` functions
-take the packed ragged formats of ``formats`` and fall back to a per-sequence loop (with host reads, so only
-for CPU use). The CPU's block-sparse prefill is ``paged_torch.block_sparse_prefill_torch`` (one fused masked
-flash-attention call per chunk of query blocks, held to the reference by the tests), not the reference's
-einsum, so a sparse prefill costs less than dense SDPA there too. Importing this module does not import
+The path is chosen by ``kernel_path`` (re-exported here). Single-sequence functions mirror the PyTorch
+references of ``reference``; the method scorers (``scorer_dispatch``, re-exported here) mirror those of
+``scorer_reference``; the ``*_varlen`` functions take the packed ragged formats of ``formats`` and fall back
+to a per-sequence loop (with host reads, so only for CPU use). The CPU's block-sparse prefill is
+``paged_torch.block_sparse_prefill_torch`` (one fused masked flash-attention call per chunk of query blocks,
+held to the reference by the tests), not the reference's einsum, so a sparse prefill costs less than dense
+SDPA there too. Importing this module does not import
 Triton: the kernel modules load on the first Triton call, so CPU-only processes (and the interpreter
 tests, which must set TRITON_INTERPRET before Triton is imported) are unaffected by it.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
+from .kernel_path import ENV, HAS_TRITON, triton_wanted, use_triton
 from .paged_rows import paged_rows_decode_cpu
 from .paged_torch import block_sparse_prefill_torch, paged_decode_torch, paged_window_decode_cpu, window_pages
+from .scorer_dispatch import (
+    collision_scores,
+    collision_scores_varlen,
+    decode_sketches,
+    lsh_bucket_ids,
+    paged_group_probs,
+    quest_page_bounds,
+    quest_page_scores,
+    sketch_block_sums,
+    srht_apply,
+    topp_mask,
+)
 from .selection import BlockSelection, TokenSelection
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
 combine = ref.combine  # torch ops only: device-agnostic and sync-free already
-
-ENV = "RAYSPARSE_KERNELS"
-
-
-def _pow2_at_least_16(x: int) -> bool:
-    return x >= 16 and not x & (x - 1)
-
-
-def triton_wanted(*tensors: torch.Tensor) -> bool:
-    """The ``RAYSPARSE_KERNELS`` decision before any shape check: Triton installed and forced, or all
-    tensors on CUDA under ``auto``."""
-    mode = os.environ.get(ENV, "auto").lower()
-    if mode not in ("auto", "triton", "torch"):
-        raise ValueError(f"{ENV} must be auto, triton or torch, got {mode!r}")
-    if mode == "torch" or not HAS_TRITON:
-        return False
-    return mode == "triton" or all(t.is_cuda for t in tensors)
-
-
-def use_triton(*tensors: torch.Tensor, head_dim: int, block: int = 16) -> bool:
-    return _pow2_at_least_16(head_dim) and _pow2_at_least_16(block) and triton_wanted(*tensors)
 
 
 def attend_rounding(t: torch.Tensor) -> float:
@@ -253,21 +241,7 @@ def dense_rows_attention_varlen(q: torch.Tensor, kv: KVSource, row_tok: torch.Te
     return tuple(torch.cat(t) for t in zip(*parts, strict=True))
 
 
-# ---- the method scorers (kept in their own module; importable from here) -------------------------
-from .scorer_dispatch import (  # noqa: E402
-    collision_scores,
-    collision_scores_varlen,
-    decode_sketches,
-    lsh_bucket_ids,
-    paged_group_probs,
-    quest_page_bounds,
-    quest_page_scores,
-    sketch_block_sums,
-    srht_apply,
-    topp_mask,
-)
-
-__all__ = ["ENV", "block_sparse_attention", "block_sparse_attention_varlen", "collision_scores",
+__all__ = ["ENV", "HAS_TRITON", "block_sparse_attention", "block_sparse_attention_varlen", "collision_scores",
            "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen", "lsh_bucket_ids",
            "paged_group_probs", "quest_page_bounds",
            "quest_page_scores", "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen",

@@ -1,4 +1,4 @@
-"""Dispatch of the method scorers (re-exported by ``dispatch``): Triton when ``dispatch.triton_wanted``
+"""Dispatch of the method scorers (re-exported by ``dispatch``): Triton when ``kernel_path.triton_wanted``
 says so (CUDA tensors, or ``RAYSPARSE_KERNELS=triton``), the methods' PyTorch reference otherwise; shapes a
 kernel does not take (a head dim that is not a power of two >= 16) take the reference.
 
@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 
 from . import scorer_reference as ref
+from .kernel_path import triton_wanted
 
 
 def _triton(*tensors: torch.Tensor) -> bool:
-    from .dispatch import triton_wanted
-
     return triton_wanted(*tensors)
 
 
