@@ -29,7 +29,7 @@ from raysparse.kernels.dispatch import (
 )
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.budget import check_density_floor
+from raysparse.methods.budget import host_row_budget, prefill_floor
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs, packed_block_pairs
 from raysparse.methods.views import DecodeView, PrefillView, SeqContext
 
@@ -128,7 +128,20 @@ class SparseMethod(AttentionBackend):
     def check_request(self, prompt_len: int, total_len: int) -> None:
         """Raises ValueError when ``--density`` cannot be met by a request of ``prompt_len`` prompt tokens decoded
         up to ``total_len`` keys: the forced units alone exceed the budget of its prefill or of a decode step."""
-        check_density_floor(self, prompt_len, total_len)
+        d = self.layer_density
+        if d is None:
+            return
+        forced = self.prefill_forced_blocks
+        if forced is not None:
+            floor = prefill_floor(prompt_len, forced, self.config.block_size)
+            if floor > d * (1 + 1e-6):
+                raise ValueError(density_floor_error(self, "prefill", prompt_len, floor))
+        for n in range(prompt_len + 1, total_len + 1):
+            keys = self.decode_forced_keys(n)
+            if keys is None:
+                break
+            if keys > host_row_budget(d, n):
+                raise ValueError(density_floor_error(self, "decode", n, keys / n))
 
     # ---- to implement ------------------------------------------------------------------------
     def select_prefill(self, ctx: SeqContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockSelection:
@@ -298,3 +311,14 @@ class SparseMethod(AttentionBackend):
 
     def release(self, seq_id: int) -> None:
         self._seq_state.pop(seq_id, None)
+
+
+def density_floor_error(method: SparseMethod, phase: str, n: int, floor: float) -> str:
+    """The one-line refusal of a density its forced units exceed, with the least density that fits."""
+    cfg = method.model_cfg
+    dense = cfg.num_layers - len(method.sparse_layers())
+    need = (dense + floor * (cfg.num_layers - dense)) / cfg.num_layers
+    asked = method.config.target_density if method.config.target_density is not None else method.config.density
+    return (f"density {asked} is below what {method.name}'s forced units alone attend in the "
+            f"{phase} of {n} tokens (its sink, local and diagonal units, and {dense} dense layers): at least "
+            f"{need:.4f}; raise the density or use a longer context")

@@ -3,7 +3,7 @@
 Shared conventions. Prefill selects key blocks of ``block_size`` per query block and KV head; decode
 selects tokens (streaming, oracle) or pages (Quest). Query heads of a GQA group share their KV head's
 selection. ``density`` is a sparse layer's (the registry turns ``--density``, the whole model's, into it:
-``methods.budget.budgeted_config``). Budgets: in prefill ``prefill_block_budget`` (blocks per query block, the
+``methods.registry.budgeted_config``). Budgets: in prefill ``prefill_block_budget`` (blocks per query block, the
 diagonal's causal half counted, the first rows' forced excess paid back by later rows, so a prefill attends its
 budget), in decode ``row_budget(density, causal units of the row)`` (tokens or pages); forced units (sinks,
 diagonal, current page) count inside the budget; a request whose forced units alone exceed it attends them

@@ -1,25 +1,20 @@
-"""The density budget: how many units (blocks or tokens) a sparse layer's rows may attend.
+"""The density budget's arithmetic: how many units (blocks or tokens) a sparse layer's rows may attend.
 
-The whole-model ``--density`` becomes each sparse layer's (``layer_density``, ``budgeted_config``); a row's
-budget is that fraction of its causal units (``row_budget``, ``host_row_budget`` on the host); a prefill's
-query blocks share theirs by error diffusion over the rows (``prefill_block_budget``); and a request whose
-forced units alone exceed the budget is refused with the least density that fits (``check_density_floor``,
-``prefill_floor``, ``density_floor_error``).
+The whole-model ``--density`` becomes each sparse layer's (``layer_density``; the registry's
+``budgeted_config`` applies it to a method's config); a row's budget is that fraction of its causal units
+(``row_budget``, ``host_row_budget`` on the host); a prefill's query blocks share theirs by error diffusion
+over the rows (``prefill_block_budget``); and the least density a prefill's forced blocks fit in is
+``prefill_floor`` (the method interface refuses a request below it: ``SparseMethod.check_request``). Numbers
+only: this module knows no method.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:  # annotations only: the method interface imports this module
-    from raysparse.config import ModelConfig
-    from raysparse.methods.base import MethodConfig, SparseMethod
 
 
 def row_budget(density: float, causal_units: torch.Tensor) -> torch.Tensor:
@@ -48,31 +43,6 @@ def layer_density(density: float, num_layers: int, dense_layers: Iterable[int]) 
                          f"{num_layers} layers are dense (dense_layers), so the density is at least {floor:.4f}; "
                          "raise the density or keep fewer layers dense")
     return min(1.0, (density * num_layers - dense) / sparse)
-
-
-def budgeted_config(cls: type[SparseMethod], model_cfg: ModelConfig, config: MethodConfig) -> MethodConfig:
-    """``config`` with its whole-model ``density`` turned into a sparse layer's (``layer_density``, the layers
-    the method leaves dense counted: its ``dense_layers`` and any it never selects in) and the asked density
-    kept as ``target_density``. Unchanged for a method or config without a density budget."""
-    density = getattr(config, "density", None)
-    if density is None:
-        return config
-    probe = cls(model_cfg, config)
-    if not probe.has_density_budget():
-        return config
-    dense = [i for i in range(model_cfg.num_layers) if probe.is_dense_layer(i)]
-    return replace(config, density=layer_density(density, model_cfg.num_layers, dense), target_density=density)
-
-
-def density_floor_error(method: SparseMethod, phase: str, n: int, floor: float) -> str:
-    """The one-line refusal of a density its forced units exceed, with the least density that fits."""
-    cfg = method.model_cfg
-    dense = cfg.num_layers - len(method.sparse_layers())
-    need = (dense + floor * (cfg.num_layers - dense)) / cfg.num_layers
-    asked = method.config.target_density if method.config.target_density is not None else method.config.density
-    return (f"density {asked} is below what {method.name}'s forced units alone attend in the "
-            f"{phase} of {n} tokens (its sink, local and diagonal units, and {dense} dense layers): at least "
-            f"{need:.4f}; raise the density or use a longer context")
 
 
 def _half_block(block_size: int) -> float:
@@ -124,22 +94,3 @@ def prefill_floor(n: int, forced: int, block_size: int) -> float:
     forced_pairs = sum(min(i + 1, forced) - 1 + h for i in range(rows))
     causal = rows * (rows - 1) / 2 + rows * h
     return forced_pairs / causal
-
-
-def check_density_floor(method: SparseMethod, prompt_len: int, total_len: int) -> None:
-    """``SparseMethod.check_request``: raises ValueError when the method's forced units alone exceed its layer
-    density in the prefill of ``prompt_len`` tokens or in a decode step up to ``total_len`` keys."""
-    d = method.layer_density
-    if d is None:
-        return
-    forced = method.prefill_forced_blocks
-    if forced is not None:
-        floor = prefill_floor(prompt_len, forced, method.config.block_size)
-        if floor > d * (1 + 1e-6):
-            raise ValueError(density_floor_error(method, "prefill", prompt_len, floor))
-    for n in range(prompt_len + 1, total_len + 1):
-        keys = method.decode_forced_keys(n)
-        if keys is None:
-            break
-        if keys > host_row_budget(d, n):
-            raise ValueError(density_floor_error(method, "decode", n, keys / n))

@@ -58,8 +58,8 @@ from raysparse.config import ModelConfig
 from raysparse.kernels import dispatch
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import baselines  # noqa: F401  - registers the default base, streaming
-from raysparse.methods.base import SparseMethod
-from raysparse.methods.budget import density_floor_error, prefill_floor
+from raysparse.methods.base import SparseMethod, density_floor_error
+from raysparse.methods.budget import prefill_floor
 from raysparse.methods.delta_config import DeltaConfig, DeltaSelection
 from raysparse.methods.delta_correction import DeltaCorrection
 from raysparse.methods.delta_rows import PackedRows, SeqRows, row_indices

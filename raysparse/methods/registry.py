@@ -8,15 +8,15 @@ the scheduler and the engine read these by the method's name, so no generic code
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from raysparse.attention import AttentionBackend, DenseAttention
 from raysparse.config import ModelConfig
-from raysparse.methods.budget import budgeted_config
+from raysparse.methods.budget import layer_density
 
 if TYPE_CHECKING:  # annotations only: the methods import this module
-    from raysparse.methods.base import SparseMethod
+    from raysparse.methods.base import MethodConfig, SparseMethod
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,20 @@ def no_density_error(name: str) -> str:
     """The one-line refusal of ``--density`` by a method without a density budget."""
     return (f"method {name!r} has no parameter 'density': it has no density budget, so --density does not apply "
             "to it (its real prefill and decode densities are reported)")
+
+
+def budgeted_config(cls: type[SparseMethod], model_cfg: ModelConfig, config: MethodConfig) -> MethodConfig:
+    """``config`` with its whole-model ``density`` turned into a sparse layer's (``layer_density``, the layers
+    the method leaves dense counted: its ``dense_layers`` and any it never selects in) and the asked density
+    kept as ``target_density``. Unchanged for a method or config without a density budget."""
+    density = getattr(config, "density", None)
+    if density is None:
+        return config
+    probe = cls(model_cfg, config)
+    if not probe.has_density_budget():
+        return config
+    dense = [i for i in range(model_cfg.num_layers) if probe.is_dense_layer(i)]
+    return replace(config, density=layer_density(density, model_cfg.num_layers, dense), target_density=density)
 
 
 def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
