@@ -91,10 +91,31 @@ class ShardContext:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class StepCollectives:
+    """What a method's decode step all-reduces across the tensor-parallel group beyond the model's own
+    reductions: ``count`` SUM all-reduces of an fp32 tensor of ``shape``, each through ``ShardContext.all_reduce``."""
+
+    shape: tuple[int, ...]
+    count: int
+
+
 class AttentionBackend(ABC):
-    """One layer's attention for a packed batch. Outputs are [T, num_heads, head_dim]."""
+    """One layer's attention for a packed batch. Outputs are [T, num_heads, head_dim].
+
+    Generic code (the model, the shard executor, the graph runner, the eval) reaches a backend only through
+    what this class declares: ``prefill`` and ``decode``, and optional hooks whose defaults are right for a
+    method that has no use for them; a method overrides the hooks it needs.
+    """
 
     name: str = "abstract"
+    # Decode steps are draft-then-verify rounds (SpecAttn): generators drive the backend with
+    # ``specattn.SpecAttnGenerator`` and the eval verifies in chunks, instead of one decode step per token.
+    speculative: bool = False
+    # Decode reads lengths and pages from device tensors only, so ``raysparse.decode_graphs`` may capture and
+    # replay its steps; such a backend prepares each replay (``graph_prepare``) and accounts its density
+    # (``account_graph_decode``).
+    graph_decode: bool = False
 
     def __init__(self, num_layers: int) -> None:
         self.meter = DensityMeter(num_layers)
@@ -123,6 +144,53 @@ class AttentionBackend(ABC):
         """The method's own statistics beyond density (e.g. speculative acceptance), reported by the shard
         per method key; None when it keeps none."""
         return None
+
+    def wrapped_backends(self) -> tuple[AttentionBackend, ...]:
+        """The backends this one wraps and calls from its own calls (Delta wraps its base): the shard binds them
+        too. None by default."""
+        return ()
+
+    def frozen_rows(self, layer: int, batch: BatchMeta) -> torch.Tensor | None:
+        """Early token freezing: bool [T] of the rows whose hidden state is carried unchanged through ``layer``
+        (their K/V are still projected and cached; the backend decides what they attend, usually nothing), or
+        None where every row runs the layer (the default)."""
+        return None
+
+    def decode_collectives(self, batch: int) -> StepCollectives | None:
+        """What a decode step of ``batch`` rows all-reduces across the shards for the method's own selection
+        (its cost is measured apart from the step's); None, the default, where the shards select alike without
+        collectives of their own."""
+        return None
+
+    def graph_prepare(self, rows: list[int], cache: KVCache) -> None:  # noqa: B027 - an optional hook
+        """Host side, before each replayed decode step: places the backend's per-row state for ``rows`` (the
+        sequence of each row of the padded batch, -1 for padding) where the captured step reads it. Backends
+        whose decode reads the cache's pages alone need nothing."""
+
+    def account_graph_decode(self, ctx_lens: list[int], num_kv_heads: int) -> None:
+        """Meters a replayed decode step over rows of ``ctx_lens`` keys (a replay runs no host code of the
+        backend's own); only backends with ``graph_decode`` are replayed."""
+        raise NotImplementedError(f"{type(self).__name__} does not decode from CUDA graphs")
+
+    def takes_density(self) -> bool:
+        """Whether ``--density`` sets this backend's budget (the eval sweeps densities for these alone); a
+        method whose budget is a schedule or a top-p says False."""
+        return True
+
+    def set_tracer(self, tracer: Callable[..., None] | None) -> bool:
+        """Installs ``tracer``, called as tracer(ctx, q, k, v, selection, out) after each sparse attention, so
+        the eval's fidelity metrics see what the method attended (None removes it). Returns False, installing
+        nothing, where the backend makes no selection to trace (the default)."""
+        return False
+
+    def reset_stats(self) -> None:  # noqa: B027 - an optional hook, not abstract
+        """Zeroes the method's own run-wide statistics (the eval does before each item)."""
+
+    def item_sums(self) -> dict[str, Any]:
+        """The method's own statistics since ``reset_stats`` as sums additive over an eval's items and a group's
+        shards, by kind: ``spec`` (SpecAttn's rounds and KV reads), ``cis`` (CIS's retrievals and head steps per
+        layer), ``delta`` (Delta's fitted correction, ``fit_sums``). Empty by default."""
+        return {}
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -78,7 +78,7 @@ class DecodeGraphs:
 
     @staticmethod
     def supports(backend: AttentionBackend) -> bool:
-        return bool(getattr(backend, "graph_decode", False))
+        return bool(backend.graph_decode)
 
     def _batch(self, b: int, w: int, ctx_lens: list[int], seq_ids: list[int]) -> BatchMeta:
         """The step's metadata over views of the static buffers (the graph reads these addresses)."""
@@ -165,7 +165,7 @@ class DecodeGraphs:
             graph.replay()
             self.replays += 1
             logits = self.logits[k][:n]
-        backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)  # type: ignore[attr-defined]
+        backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)
         return logits
 
     def decode_greedy(self, key: str, backend: AttentionBackend, seq_ids: Sequence[int], ids: list[int],
@@ -182,7 +182,7 @@ class DecodeGraphs:
                 ctx_lens = self._fill(seq_ids, toks, b, w)
                 self._prepare(backend, rows)
                 logits = self._eager(backend, b, w, ctx_lens, rows)
-                backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)  # type: ignore[attr-defined]
+                backend.account_graph_decode(ctx_lens[:n], self.cache.num_kv_heads)
                 toks = logits[:n].argmax(-1).tolist()
                 out.append(toks)
             return [list(t) for t in zip(*out, strict=True)]
@@ -197,7 +197,7 @@ class DecodeGraphs:
                 lens = [x + 1 for x in lens]
             graph.replay()
             drawn[s].copy_(self.inputs[0, :b])
-            backend.account_graph_decode(lens, self.cache.num_kv_heads)  # type: ignore[attr-defined]
+            backend.account_graph_decode(lens, self.cache.num_kv_heads)
         self.replays += steps
         return [list(t) for t in zip(*drawn[:, :n].tolist(), strict=True)]
 
@@ -214,9 +214,7 @@ class DecodeGraphs:
 
     def _prepare(self, backend: AttentionBackend, rows: list[int]) -> None:
         """The backend's own static inputs for these rows (e.g. Sketch&Walk's state slots)."""
-        prep = getattr(backend, "graph_prepare", None)
-        if prep is not None:
-            prep(rows, self.cache)
+        backend.graph_prepare(rows, self.cache)
 
     @contextmanager
     def _no_meter(self, backend: AttentionBackend) -> Iterator[None]:

@@ -68,11 +68,9 @@ class DecoderLayer(nn.Module):
         next norm, which fuses it (``RMSNorm.add_forward``); mlp is None when the add was done here. With
         ``reduce_norm`` the pending MLP output is a partial sum still to be reduced (every layer of a model
         is set alike)."""
-        # Optional backend hook (early token freezing): bool [T] of rows whose hidden state is carried
-        # unchanged through this layer. Their K/V are still projected and cached (the backend decides what
-        # they attend, usually nothing); the residual updates and the MLP run on the other rows only.
-        hook = getattr(backend, "frozen_rows", None)
-        frozen = hook(self.self_attn.layer, batch) if hook is not None else None
+        # Early token freezing (``AttentionBackend.frozen_rows``): the residual updates and the MLP run on the
+        # other rows only.
+        frozen = backend.frozen_rows(self.self_attn.layer, batch)
         if frozen is None:
             if pending is None:
                 x = self.input_layernorm(h)

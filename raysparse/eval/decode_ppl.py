@@ -55,7 +55,7 @@ def decode_nll(model: LlamaForCausalLM, cache: KVCache, backend: AttentionBacken
             logits = model(ids_t, cache.prepare([seq_id], [n], True), cache, backend, all_logits=True)
             return float(F.cross_entropy(logits[p:n - 1], ids_t[p + 1:], reduction="sum")), m
         model(ids_t[:p], cache.prepare([seq_id], [p], True), cache, backend)
-        if getattr(backend, "speculative", False):
+        if backend.speculative:
             if draft is None:
                 return _verify_chunks(model, cache, backend, ids_t, p, seq_id), m
             draft.prefill([(seq_id, n, ids[:p])])

@@ -222,7 +222,7 @@ class Harness:
         if self._current is None or self._current[0] != setting:
             self._current = None
             backend = self.factory(setting.method, self.model.cfg, **setting.backend_params())
-            if getattr(backend, "speculative", False):
+            if backend.speculative:
                 backend.set_layer_map(self.layer_map(backend))
             self._current = (setting, backend)
         return self._current[1]

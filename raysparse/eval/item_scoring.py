@@ -24,7 +24,7 @@ from raysparse.sampling import SamplingParams
 def task_sample(model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend, tokenizer: Any,
                 task: EvalTask, max_new_tokens: int, draft: Any | None = None) -> dict[str, Any]:
     """Greedy generation of up to ``max_new_tokens`` on ``task``'s prompt, scored; raises if generation fails."""
-    if getattr(backend, "speculative", False):
+    if backend.speculative:
         from raysparse.specattn.decode import SpecAttnGenerator
 
         gen: Generator = SpecAttnGenerator(model, cache, backend, tokenizer, draft=draft)  # type: ignore

@@ -48,7 +48,7 @@ class SpecAttnGenerator(Generator):
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: SpecAttn, tokenizer: Any | None = None,
                  eos_token_ids: Sequence[int] = (), layer_map: LayerMap | None = None,
                  draft: SeparateDraft | None = None) -> None:
-        if not getattr(backend, "speculative", False):
+        if not backend.speculative:
             raise TypeError(f"SpecAttnGenerator needs a speculative backend (specattn), got {type(backend).__name__}")
         super().__init__(model, cache, backend, tokenizer, eos_token_ids)
         self.backend: SpecAttn = backend
