@@ -103,6 +103,10 @@ class SparseMethod(AttentionBackend):
         for layer in range(self.model_cfg.num_layers):
             self._meter_decode(layer, ctx_lens, num_kv_heads)
 
+    def set_tracer(self, tracer: Callable[..., None] | None) -> bool:
+        self.tracer = tracer
+        return True
+
     def _meter_decode(self, layer: int, ctx_lens: list[int], num_kv_heads: int) -> None:
         """Host-side density accounting of a batched decode step (the selection's size is a function of
         the length alone, so nothing is read back from the device)."""
@@ -115,6 +119,12 @@ class SparseMethod(AttentionBackend):
         """Whether the config's ``density`` sets this instance's budget (PSAW's and ETF's schedules, or an
         explicit top-k, replace it)."""
         return getattr(type(self), "density_budget", True)
+
+    def takes_density(self) -> bool:
+        # PSAW's and ETF's schedules are their budget (``density_budget = False``); a config without a density
+        # field has none (SpecAttn's top-p).
+        flag = getattr(self, "density_budget", None)
+        return bool(flag) if flag is not None else hasattr(self.config, "density")
 
     # What a method keeps whatever its budget; ``check_request`` says when a request's forced units alone would
     # attend more than the budget (the eval's settings refuse it; the engine serves it and reports the density).
