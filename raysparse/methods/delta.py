@@ -130,6 +130,9 @@ class Delta(DeltaCorrection):
         super().release(seq_id)
         self.base.release(seq_id)
 
+    def wrapped_backends(self) -> tuple[SparseMethod, ...]:
+        return (self.base,)
+
     def check_request(self, prompt_len: int, total_len: int) -> None:
         base = self.base
         try:

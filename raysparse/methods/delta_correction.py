@@ -93,6 +93,9 @@ class DeltaCorrection(SparseMethod):
         fit = self._fit.T.tolist() if self._fit is not None else [[0.0] * n] * 4
         return fit[0], [float(h) for h in self._heads], fit[1], fit[2], fit[3]
 
+    def item_sums(self) -> dict[str, Any]:
+        return {"delta": self.fit_sums()}
+
     def stats_dict(self) -> dict[str, Any]:
         return {"mode": self.config.mode, **fit_summary(*self.fit_sums())}
 
