@@ -18,6 +18,8 @@ The retrieval ratio rho is ``retrieval_ratio`` (overall) and ``retrieval_ratio_p
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from raysparse.attention import dense_attention
@@ -167,3 +169,8 @@ class PrHSDecode(PSAWWindow):
     def reset_stats(self) -> None:
         self._retrievals = [0] * len(self._retrievals)
         self._head_steps = [0] * len(self._head_steps)
+
+    def item_sums(self) -> dict[str, Any]:
+        if not self.use_cis:
+            return {}
+        return {"cis": ([float(r) for r in self._retrievals], [float(s) for s in self._head_steps])}
