@@ -162,6 +162,16 @@ class SpecAttn(VerificationPaths, SparseMethod):
     def stats_dict(self) -> dict[str, Any]:
         return self.stats.to_dict()
 
+    def reset_stats(self) -> None:
+        self.stats.reset()
+
+    def item_sums(self) -> dict[str, Any]:
+        s = self.stats
+        return {"spec": {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted, "kv_read": list(s.kv_read),
+                         "kv_held": list(s.kv_held), "draft_kv_read": s.draft_kv_read,
+                         "draft_kv_full": s.draft_kv_full, "sparse_layers": tuple(s.sparse_layers),
+                         "draft": self.layer_map.draft, "layer_map": list(self.layer_map.mapping)}}
+
     # ---- a verifier shard's round (``ShardExecutor.verify``) ------------------------------------------
     def verify_round(self, model: Any, cache: KVCache, seq_ids: list[int], tokens: list[list[int]],
                      message: bytes, record_stats: bool) -> list[list[int]]:
