@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from raysparse.attention import ShardContext
+from raysparse.attention import ShardContext, StepCollectives
 from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import KVCache
@@ -136,6 +136,12 @@ class SketchWalk(ReferenceSelection, SparseMethod):
     @property
     def row_state(self) -> bool:  # type: ignore[override]
         return self.config.heads == "mean"
+
+    def decode_collectives(self, batch: int) -> StepCollectives | None:
+        # The walk coordinator: a batched step all-reduces [2, batch, r] sketch sums at every sparse layer.
+        if not self.batched_decode:
+            return None
+        return StepCollectives((2, batch, self.srht.sketch_dim), len(self.sparse_layers()))
 
     @property
     def decode_unit(self) -> int:  # type: ignore[override]
