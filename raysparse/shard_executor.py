@@ -48,7 +48,7 @@ class RoundVerifier(Protocol):
 
 
 def bind_backend(backend: AttentionBackend, shard: ShardContext) -> None:
-    """Binds ``backend`` and every backend it wraps (``base``: Delta wraps one) to the shard. A wrapped
+    """Binds ``backend`` and every backend it wraps (``wrapped_backends``: Delta wraps one) to the shard. A wrapped
     backend decodes inside its wrapper's decode, never from a graph capture of its own, so it gets no graph
     runner (no fixed-shape state allocated for a path that would never run)."""
     seen: set[int] = set()
@@ -60,8 +60,7 @@ def bind_backend(backend: AttentionBackend, shard: ShardContext) -> None:
             continue
         seen.add(id(b))
         b.bind(ctx)
-        if isinstance(getattr(b, "base", None), AttentionBackend):
-            stack.append((b.base, inner))
+        stack.extend((w, inner) for w in b.wrapped_backends())
 
 
 def attach_group(backend: AttentionBackend, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -244,15 +243,16 @@ class ShardExecutor(MultiStepDecode):
         return self.graphs.warm(key, backend, batch_sizes, context)
 
     def coordinator_cost(self, key: str, batch: int = 1, reps: int = 50) -> float:
-        """Seconds per decode step that the walk coordinator's collectives take inside a captured step: its
-        per-sparse-layer all-reduces of [2, batch, r] fp32, captured alone on this group and replayed (a
-        timing event cannot sit inside the decode graph itself). Every rank must call it; 0 without one."""
+        """Seconds per decode step that the method's own collectives take inside a captured step (its
+        ``decode_collectives``: the walk coordinator's per-sparse-layer all-reduces of [2, batch, r] fp32),
+        captured alone on this group and replayed (a timing event cannot sit inside the decode graph itself).
+        Every rank must call it; 0 without one."""
         backend = self.backend(key)
-        sketch = getattr(backend, "srht", None)  # a method whose selection all-reduces sketches every layer
-        if (self.world_size == 1 or sketch is None or not getattr(backend, "batched_decode", False)
-                or self._share_reduce is None or self.cache.device.type != "cuda"):
+        coll = backend.decode_collectives(batch)
+        if (self.world_size == 1 or coll is None or self._share_reduce is None
+                or self.cache.device.type != "cuda"):
             return 0.0
-        x = torch.zeros(2, batch, sketch.sketch_dim, device=self.cache.device)
+        x = torch.zeros(coll.shape, device=self.cache.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -260,7 +260,7 @@ class ShardExecutor(MultiStepDecode):
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(len(backend.sparse_layers())):  # type: ignore[attr-defined]
+            for _ in range(coll.count):
                 self._share_reduce(x)
         graph.replay()
         torch.cuda.synchronize()
