@@ -1,7 +1,7 @@
 """Sketch&Walk (papers/sketch-and-walk.md, SPEC section 1): block selection from sketched block scores, for
 prefill (Algorithm 1) and decode (Algorithm 2). By default it does not walk across layers: each layer selects by
 its own scores (``walk="one-hop"``), which kept the retrieval tasks on the default model where every walk lost
-them (docs/sketch_walk.md); SPEC's walk (``walk="product"``) and a rollout (``walk="rollout"``) are options.
+them (docs/methods/sketch_walk.md); SPEC's walk (``walk="product"``) and a rollout (``walk="rollout"``) are options.
 ``SketchWalk`` holds the method's seams and its batched state; the per-sequence path, the plain PyTorch reference
 (sketches, scores, selection), is ``sketch_walk_reference``'s ``ReferenceSelection``, and the walk across layers
 ``sketch_walk_walk``'s.
@@ -29,7 +29,7 @@ rebuild the dict layout from its pages, ``sketch_walk_prefix.adopt_prefix``). Th
 batched path's test oracle).
 
 The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
-every mode are in docs/sketch_walk.md.
+every mode are in docs/methods/sketch_walk.md.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class SketchWalk(ReferenceSelection, SparseMethod):
         self.srht = SRHT(model_cfg.head_dim, cfg.sketch_dim, derive_seed(cfg.seed, model_cfg.head_dim))
         sparse = [layer for layer in range(model_cfg.num_layers) if not self.is_dense_layer(layer)]
         self.first_sparse: int | None = sparse[0] if sparse else None
-        # Tensor parallelism: a SUM all-reduce over the shards (docs/sketch_walk.md); None on one device.
+        # Tensor parallelism: a SUM all-reduce over the shards (docs/methods/sketch_walk.md); None on one device.
         self.head_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def bind(self, shard: ShardContext) -> None:
@@ -82,7 +82,7 @@ class SketchWalk(ReferenceSelection, SparseMethod):
                                max_positions=self.model_cfg.max_position_embeddings)
 
     # ---- the batched seam -----------------------------------------------------------------------
-    # Two state layouts (docs/sketch_walk.md): the paired scorings keep key part sums per KV page
+    # Two state layouts (docs/methods/sketch_walk.md): the paired scorings keep key part sums per KV page
     # (``sketch_walk_parts``, shared by every instance with the same sketch); SPEC's head mean keeps a slot of
     # sums and walk rows per running sequence (``sketch_walk_rows``: row state, placed by ``graph_prepare``).
     batch_decoder: Any = None

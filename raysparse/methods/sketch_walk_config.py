@@ -1,6 +1,6 @@
 """Sketch&Walk's configuration: the frozen, validated parameters of ``raysparse.methods.sketch_walk`` and the
 names of its modes. What each mode does and why the defaults are what they are: that module's docstring and
-docs/sketch_walk.md."""
+docs/methods/sketch_walk.md."""
 
 from __future__ import annotations
 
