@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from raysparse.attention import AttentionBackend, DenseAttention
 from raysparse.eval.metrics import FidelityTracer, _Sums
 from raysparse.eval.settings import Setting
 
@@ -79,38 +80,25 @@ def item_order(tasks: int, windows: int, decode: bool) -> list[tuple[str, int]]:
             + ([("decode", i) for i in range(windows)] if decode else []))
 
 
-def reset_accumulators(backend: Any, num_layers: int, rows: int) -> FidelityTracer | None:
-    """Zeroes every run-wide sum of ``backend`` before an item; returns the item's tracer (a SparseMethod)."""
+def reset_accumulators(backend: AttentionBackend, num_layers: int, rows: int) -> FidelityTracer | None:
+    """Zeroes every run-wide sum of ``backend`` before an item; returns the item's tracer (None where the
+    backend traces nothing)."""
     backend.meter.reset()
-    if hasattr(backend, "stats"):
-        backend.stats.reset()
-    if getattr(backend, "use_cis", False) or hasattr(backend, "fit_sums"):
-        backend.reset_stats()
-    tracer = None
-    if rows > 0 and hasattr(backend, "tracer"):  # 0 rows: untraced, on the method's fast paths
-        tracer = FidelityTracer(num_layers, rows)
-        backend.tracer = tracer
-    return tracer
+    backend.reset_stats()
+    if rows == 0:  # untraced, on the method's fast paths
+        return None
+    tracer = FidelityTracer(num_layers, rows)
+    return tracer if backend.set_tracer(tracer) else None
 
 
-def snapshot(item: ItemResult, backend: Any, tracer: FidelityTracer | None) -> ItemResult:
+def snapshot(item: ItemResult, backend: AttentionBackend, tracer: FidelityTracer | None) -> ItemResult:
     """Copies the backend's sums (what the item alone accumulated) into ``item``."""
-    from raysparse.attention import DenseAttention
-
     m = backend.meter
     item.meter = (list(m.attended), list(m.causal), m.decode_attended, m.decode_causal)
     if tracer is not None:
         item.tracer = {k: (s.retained, s.mass, s.pairs, s.err_sq, s.ref_sq) for k, s in tracer.sums.items()}
-    if hasattr(backend, "stats"):
-        s = backend.stats
-        item.spec = {"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted, "kv_read": list(s.kv_read),
-                     "kv_held": list(s.kv_held), "draft_kv_read": s.draft_kv_read, "draft_kv_full": s.draft_kv_full,
-                     "sparse_layers": tuple(s.sparse_layers), "draft": backend.layer_map.draft,
-                     "layer_map": list(backend.layer_map.mapping)}
-    if getattr(backend, "use_cis", False):
-        item.cis = ([float(r) for r in backend._retrievals], [float(s) for s in backend._head_steps])
-    if hasattr(backend, "fit_sums"):
-        item.delta = backend.fit_sums()
+    sums = backend.item_sums()
+    item.spec, item.cis, item.delta = sums.get("spec"), sums.get("cis"), sums.get("delta")
     item.exact = isinstance(backend, DenseAttention)
     return item
 

@@ -6,8 +6,8 @@ the listed values is a setting of its own, e.g. ``specattn:top_p=0.95,0.97,0.99`
 
 A method without a density budget runs once per parameter combination, whatever ``--densities`` says, with
 no density target: SpecAttn (its budget is ``top_p``), PSAW and ETF (their budget is the depth schedule of
-the paper; the meter reports the density it amounts to). A backend says so with a ``density_budget = False``
-attribute, or by a config without a ``density`` field.
+the paper; the meter reports the density it amounts to). A backend says so through
+``AttentionBackend.takes_density``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raysparse.attention import AttentionBackend
 
 ParamSweep = tuple[str, str, tuple[Any, ...]]  # (method, key, values)
 
@@ -121,10 +124,6 @@ def plan_settings(methods: Sequence[str], densities: Sequence[float], sweeps: Se
     return out
 
 
-def backend_takes_density(backend: Any) -> bool:
+def backend_takes_density(backend: AttentionBackend) -> bool:
     """Whether ``--density`` sets this backend's budget (see the module docstring)."""
-    flag = getattr(backend, "density_budget", None)
-    if flag is not None:
-        return bool(flag)
-    cfg = getattr(backend, "config", None)
-    return cfg is None or hasattr(cfg, "density")
+    return backend.takes_density()
