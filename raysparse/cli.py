@@ -34,9 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
     if argv[0] == "specattn-map":  # its own argparse body lives with SpecAttn
-        from raysparse.specattn.layer_map import specattn_map_main
+        from raysparse.specattn import map_command
 
-        return specattn_map_main(argv[1:])
+        return map_command.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "eval":

@@ -34,12 +34,12 @@ from raysparse.specattn import (
     resolve_layer_map,
     round_to_chunks,
     save_layer_map,
-    specattn_map_main,
     topp_mask,
 )
 from raysparse.specattn.draft import default_draft_layers
 from raysparse.specattn.dtw import kl_similarity
 from raysparse.specattn.layer_map import nearest_below_map
+from raysparse.specattn.map_command import main as specattn_map_main
 from raysparse.specattn.topp import union_topp
 from raysparse.specattn.verify import verify_attention
 

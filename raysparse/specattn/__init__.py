@@ -2,8 +2,8 @@
 context chunks the draft's attention points at.
 
 - ``draft``: the draft is the verifier with a subset of its layers, sharing its KV cache.
-- ``layer_map``: the map verifier layer -> draft layer (``LayerMap``) and its fallbacks;
-  ``specattn_map_main`` is the ``raysparse specattn-map`` command.
+- ``layer_map``: the map verifier layer -> draft layer (``LayerMap``) and its fallbacks.
+- ``map_command``: the ``raysparse specattn-map`` command (not imported here: it starts an engine).
 - ``dtw``: monotone DTW over -KL similarities of attention rows.
 - ``map_measure``: the map measured on real text (probed attention rows, similarity sums, DTW).
 - ``map_store``: the map's JSON next to the model (or in the cache) and its serve-time lookup.
@@ -16,7 +16,7 @@ context chunks the draft's attention points at.
 
 from raysparse.specattn.decode import SpecAttnGenerator
 from raysparse.specattn.dtw import monotone_dtw
-from raysparse.specattn.layer_map import LayerMap, specattn_map_main
+from raysparse.specattn.layer_map import LayerMap
 from raysparse.specattn.map_measure import compute_layer_map
 from raysparse.specattn.map_store import load_layer_map, resolve_layer_map, save_layer_map
 from raysparse.specattn.method import SpecAttn, SpecAttnConfig
@@ -25,4 +25,4 @@ from raysparse.specattn.topp import round_to_chunks, topp_mask
 
 __all__ = ["LayerMap", "SpecAttn", "SpecAttnConfig", "SpecAttnGenerator", "SpecAttnStats", "compute_layer_map",
            "load_layer_map", "monotone_dtw", "resolve_layer_map", "round_to_chunks", "save_layer_map",
-           "specattn_map_main", "topp_mask"]
+           "topp_mask"]

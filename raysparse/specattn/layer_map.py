@@ -1,9 +1,10 @@
 """Layer mapping f: verifier layer -> draft layer, by monotone DTW over attention KL similarities.
 
 This module holds the map itself (``LayerMap`` and its JSON form), the fallbacks used when none was measured
-(``nearest_below_map``, ``proportional_map``) and the body of ``raysparse specattn-map``. The map is measured
-in ``map_measure.py`` (both models' attention rows on real text, their -KL similarities from ``dtw.py``,
-aligned by ``dtw.monotone_dtw``) and saved, loaded and resolved at serve time in ``map_store.py``.
+(``nearest_below_map``, ``proportional_map``): data a command, the draft actor and the verifier read. The
+map is measured in ``map_measure.py`` (both models' attention rows on real text, their -KL similarities from ``dtw.py``,
+aligned by ``dtw.monotone_dtw``), saved, loaded and resolved at serve time in ``map_store.py``, and
+``raysparse specattn-map`` is ``map_command.py``.
 """
 
 from __future__ import annotations
@@ -87,12 +88,3 @@ def proportional_map(num_layers: int, draft_num_layers: int, draft: str) -> Laye
     mapping = tuple(round(j * (m - 1) / (num_layers - 1)) if num_layers > 1 else 0 for j in range(num_layers))
     return LayerMap(num_layers, tuple(range(m)), mapping, source="same relative depth (no measured map)",
                     draft=draft, draft_num_layers=m)
-
-
-# ---- command ----------------------------------------------------------------------------------
-def specattn_map_main(argv: Sequence[str] | None = None) -> int:
-    """Body of ``raysparse specattn-map`` (``map_command.py``); ``argv`` are the arguments after the name."""
-    from raysparse.specattn.map_command import main
-
-    return main(argv)
-
