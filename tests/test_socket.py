@@ -371,11 +371,9 @@ def test_batch_bucket_probs_equal_the_per_row_distributions(monkeypatch: pytest.
                                                             hard: bool) -> None:
     """The batch's distributions (the one-launch kernel where it applies, the PyTorch form past its planes)
     equal ``bucket_probs`` of each row's query, every element."""
-    from raysparse.methods.socket_batched import batch_bucket_probs
-
     m = method(planes=planes, hard=hard, tables=3)
     q = torch.randn(3, H_KV * G, D, device="cuda" if torch.cuda.is_available() else "cpu")  # compiled: device only
     want = torch.stack([m.bucket_probs(1, q[i], H_KV) for i in range(3)])
     for mode in ("torch", "triton"):
         monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
-        torch.testing.assert_close(batch_bucket_probs(m, 1, q, H_KV), want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(m.batch_bucket_probs(1, q, H_KV), want, atol=1e-6, rtol=1e-5)

@@ -1,5 +1,5 @@
-"""SOCKET (papers/socket.md, SPEC section 3): soft-LSH token selection for decode. Plain PyTorch reference;
-the batched decode step over per-page hash ids is ``socket_batched.py``'s.
+"""SOCKET (papers/socket.md, SPEC section 3): soft-LSH token selection for decode. The per-sequence reference
+(``select_decode``) and the batched decode step over per-page hash ids (``decode_select``), in one class.
 
 Prefill runs dense attention (SOCKET is a decode method) and builds, per sparse layer and KV head, the
 hash index of the keys: L tables of P seeded Gaussian hyperplanes W_l (P x d), one bucket id per key and
@@ -65,7 +65,7 @@ Choices where SPEC and paper are silent:
   default and ``socket_hard`` neither compute nor store norms. Dense layers store nothing. The per-sequence
   arrays grow by 1/8 when full (amortised O(1) per appended key), so allocated memory is at most ~12.5% above that.
 - Prefix caching (``prefix_state = "pages"``): the batched decode's bucket ids and value norms are kept per
-  physical page (``socket_batched.page_pools``), so a prompt starting from cached pages finds its prefix's
+  physical page (``Socket.page_pools``), so a prompt starting from cached pages finds its prefix's
   hashed already.
 - Chunked prefill: each chunk attends densely and hashes the keys not hashed yet. Rollback of rejected
   speculative tokens needs no hook: every call rehashes its own new keys (positions q_start..n-1).
@@ -83,13 +83,17 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.kernels.dispatch import triton_wanted
+from raysparse.kernels.lsh_probs import MAX_PLANES, bucket_probs
+from raysparse.kernels.lsh_scorer import bucket_ids_into_slots
+from raysparse.kernels.paged_collision import forced_bias, forced_tokens, paged_collision, paged_collision_torch
+from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
 from raysparse.methods.base import MethodConfig, SparseMethod
-from raysparse.methods.budget import host_row_budget
+from raysparse.methods.budget import host_row_budget, row_budget
 from raysparse.methods.registry import method_spec, register
 from raysparse.methods.selection import TokenSelection
-from raysparse.methods.socket_batched import batched_select, budget_rows, hash_step_keys
 from raysparse.methods.views import DecodeView, SeqContext
 
 GROUP_REDUCES = ("mean", "max")
@@ -232,22 +236,117 @@ class Socket(SparseMethod):
         idx = torch.cat(parts, 1).sort(dim=-1).values  # disjoint parts: deduplicated, width sink+local+top
         return TokenSelection(idx.to(torch.int32).contiguous(), 1)
 
-    # ---- batched decode over per-page bucket ids and value norms (socket_batched.py) -------------
+    # ---- batched decode over per-page bucket ids and value norms ------------------------------------
+    # The same selection as ``select_decode`` for a whole decode batch, in fixed shapes and without host reads,
+    # so it runs inside a captured CUDA graph. The hash index is kept per physical page and KV head
+    # (``page_pools``), keyed by what fixes the hash, so a prompt starting from cached pages finds its prefix
+    # hashed already; ``update_state`` hashes each step's new keys into their slots (on GPUs straight from the
+    # cache pages into the id pool); ``decode_select`` takes the group-reduced bucket distributions of every
+    # row at once (``kernels/lsh_probs.py`` on GPUs), the collision scores of every key through the page table
+    # (``kernels/paged_collision.py``; skipped where no row scores a token) with the sinks and local window
+    # written as forced (+inf), then the top-k of the middle in one ``select_list``, each row's (sink, local,
+    # k) from ``_budget_rows``, the budget rule on device.
     @property
     def uses_value_norms(self) -> bool:
         """Whether the scorer multiplies by ||v_j|| (SPEC's factor): only then are norms computed and kept."""
         return self.config.value_norm and not self.config.hard
 
+    def page_pools(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per cache page and KV head: the L bucket ids of each slot ``[h_kv, L, page]`` and, where the scorer
+        uses them, ``||v||`` of each slot ``[h_kv, page]`` (else None), keyed by what fixes the hash (seed,
+        tables, planes, the shard's heads)."""
+        c, h_kv = self.config, cache.num_kv_heads
+        key = ("socket", layer, c.seed, c.tables, c.planes, self.kv_head_offset)
+        ids = cache.page_pool(key + ("ids",), (h_kv, c.tables, cache.page_size), lsh.bucket_dtype(c.planes))
+        if not self.uses_value_norms:
+            return ids, None
+        return ids, cache.page_pool(key + ("norm",), (h_kv, cache.page_size), torch.float32)
+
     def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
-        """Hashes the step's new keys into their slots (a rollback's rewritten slots are rehashed too)."""
-        hash_step_keys(self, layer, cache, batch)
+        """Hashes the step's new keys into their slots (a rollback's rewritten slots are rehashed too): on GPUs
+        one launch that reads the keys from their pages and writes the ids in place."""
+        ids_pool, norm_pool = self.page_pools(layer, cache)
+        pages, offs = batch.slot_pages, batch.slot_offsets
+        keys = cache.k[layer]
+        w = self.planes_for(layer, keys.shape[1], keys.device)
+        if triton_wanted(keys, ids_pool):
+            bucket_ids_into_slots(w, keys, pages, offs, ids_pool)
+        else:
+            ids = lsh.bucket_ids(w, keys[pages, :, offs].transpose(0, 1))  # [h_kv, L, T]
+            ids_pool[pages, :, :, offs] = ids.permute(2, 0, 1).to(ids_pool.dtype)
+        if norm_pool is not None:
+            norm_pool[pages, :, offs] = torch.linalg.vector_norm(cache.v[layer][pages, :, offs].float(), dim=-1)
+
+    def batch_bucket_probs(self, layer: int, q: torch.Tensor, h_kv: int) -> torch.Tensor:
+        """``Socket.bucket_probs`` of every row at once: q [B, h, d] -> [B, h_kv, L, R] (on GPUs one launch,
+        ``kernels/lsh_probs.py``)."""
+        c = self.config
+        b, h, d = q.shape
+        w = self.planes_for(layer, h_kv, q.device)
+        if triton_wanted(q, w) and c.planes <= MAX_PLANES:
+            return bucket_probs(w, q, c.tau, hard=c.hard, reduce=c.group_reduce)
+        qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)  # [h_kv, B * g, d]
+        p = lsh.hard_bucket_probs(w, qg) if c.hard else lsh.soft_bucket_probs(w, qg, c.tau)
+        p = p.view(h_kv, b, h // h_kv, *p.shape[2:])
+        p = p.mean(2) if c.group_reduce == "mean" else p.amax(2)
+        return p.transpose(0, 1)
 
     def _budget_rows(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``budget`` on device for lengths n [B, 1]: (sink, local, k)."""
-        return budget_rows(self, n)
+        """``Socket.budget`` on device for lengths n [B, 1]: (sink, local, k)."""
+        c = self.config
+        sink = n.clamp(max=c.sink_tokens)
+        local = (n - sink).clamp(max=c.local_tokens)
+        if c.top_k is not None:
+            k = torch.full_like(n, c.top_k)
+        else:
+            b = row_budget(self.layer_density, n)
+            cap = (b.double() * c.forced_share).floor().long()
+            over = cap < sink + local
+            shrunk = torch.minimum(sink, cap * c.sink_tokens // max(1, c.sink_tokens + c.local_tokens))
+            sink = torch.where(over, shrunk, sink)
+            local = torch.where(over, torch.minimum((n - sink).clamp(max=c.local_tokens), cap - sink), local)
+            k = b - sink - local
+        return sink, local, torch.minimum(k.clamp(min=0), n - sink - local)
+
+    def _step_rows(self, view: DecodeView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's per-row budget, the same at every sparse layer (one density for all of them), so computed
+        by the step's first SOCKET layer and kept in ``batch.extras``: each row's forced sink and local window
+        [B] (the scorer writes them as +inf, the list selection's forced encoding) and each (row, KV head)'s k
+        [B h_kv]."""
+        h_kv = view.kv.k.shape[1]
+        key = ("socket-step", id(self), h_kv)  # the method's frozen config fixes the rule
+        got = view.batch.extras.get(key)
+        if got is None:
+            sink, local, top = self._budget_rows(view.seqlens.long()[:, None])
+            got = view.batch.extras[key] = (sink.flatten(), local.flatten(), top.expand(-1, h_kv).flatten())
+        return got
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
-        return batched_select(self, layer, q, view)
+        """The batch's selection ``[B, h_kv, W]`` (``SparseMethod.decode_select``)."""
+        c, width = self.config, view.width_tokens
+        ids_pool, norm_pool = self.page_pools(layer, view.cache)
+        h_kv = ids_pool.shape[1]
+        k_max = self.budget(width)[2] if c.top_k is None else min(c.top_k, width)
+        sink, local, top = self._step_rows(view)
+        if k_max == 0:
+            # No row of the bucket scores a token (the budget holds no more than the sinks and the local window,
+            # k non-decreasing in n): the selection is the forced tokens, so the collision scores are not computed.
+            forced = forced_tokens(sink, local, view.seqlens, width)
+            score = torch.where(forced, math.inf, -math.inf)[:, None].expand(-1, h_kv, -1).contiguous()
+        else:
+            probs = self.batch_bucket_probs(layer, q, h_kv)
+            # norm_pool is None unless the scorer uses value norms; the forced sinks and windows come back as +inf
+            args = (probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens, (sink, local))
+            if triton_wanted(q, ids_pool):
+                score = paged_collision(*args)
+            else:  # the forced and past-the-length tokens' bias is the step's, the same at every layer: built once
+                key = ("socket-bias", id(self), width)
+                bias = view.batch.extras.get(key)
+                if bias is None:
+                    bias = view.batch.extras[key] = forced_bias((sink, local), view.seqlens, width)
+                score = paged_collision_torch(*args, bias=bias)
+        out_width = min(width, min(c.sink_tokens, width) + min(c.local_tokens, width) + k_max)
+        return select_list(score.flatten(0, 1), top, k_max, max(out_width, 1)).view(*score.shape[:2], -1)
 
     def decode_keys(self, layer: int, n: int) -> int:
         return sum(self.budget(n))
