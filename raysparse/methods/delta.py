@@ -1,15 +1,15 @@
-"""Delta attention (SPEC section 2): a prefill correction on top of any registered sparse prefill.
+"""Delta attention: a prefill correction on top of any registered sparse prefill (docs/methods/delta.md).
 
 For one sequence: O_sparse = the base method's prefill output; the anchor rows R = {i : i mod gamma == 0}
 (absolute positions) are computed densely (query-sparse, key-dense) and written exactly, the other rows are
 corrected from their anchor a = gamma floor(i / gamma), and the last ``n mod gamma + max(tail, gamma)`` queries of
 the prompt are computed densely. Decode is the base method's decode. This module holds the method (``Delta``): its
 base, the density budget it shares with it, decode and the prefill paths. The modes (``far-merge``, the default;
-``delta-shrunk``; ``delta``, SPEC's; ``recompute``; ``sparse-only``), the fitted alpha, the density accounting,
-the anchors and what the predictors measured: ``delta_correction.py`` (``DeltaCorrection``, the base of
+``delta-shrunk``; ``delta``, the published one; ``recompute``; ``sparse-only``), the fitted alpha, the density
+accounting and the anchors: ``delta_correction.py`` (``DeltaCorrection``, the base of
 ``Delta``). The dense rows: ``delta_rows.py``; the configuration: ``delta_config.py``.
 
-Choices where SPEC is silent:
+Choices the published method leaves open:
 - ``density`` (``--density``) is met with Delta's dense rows inside it. It is forwarded to the base (the whole
   model's; the base turns it into its sparse layers' d); in prefill the base attends
   d_b = (d - f) / (1 - f) of the pairs, f = 1 / gamma + 1 / (gamma check_every) the share of a layer's causal
@@ -18,7 +18,7 @@ Choices where SPEC is silent:
   ``check_request``); decode is the base's at d. A density at or below f is refused at construction, one whose
   forced units plus f exceed it by ``check_request``. The dense tail's share (about 2 tail / n) depends on the
   prompt's length, so with a density the tail defaults to 0 and tail > 0 is refused; without a density the
-  base keeps its own budget (streaming: sinks 64 + window 2048), the tail is SPEC's 128, and the dense rows come
+  base keeps its own budget (streaming: sinks 64 + window 2048), the tail is the published 128, and the dense rows come
   on top (the reported density is the real one). ``dense_layers`` and ``block_size`` are forwarded too;
   ``base_params`` (dict or pairs) override all of them.
 - Prefill runs on the batched seam when the base's does and its blocks are all it attends (streaming, quest,
@@ -30,18 +30,8 @@ Choices where SPEC is silent:
 - The tracer sees a ``DeltaSelection``: the base's BlockSelection plus which rows were computed densely.
 - Prefix caching: none. The dense tail sits at the end of the prompt that computed a page, so a cached
   prefix's K/V depend on where that prompt ended; a prompt is always prefilled whole.
-
-Measured on the default model (SmolLM2-135M, CPU, 2026-11-25; BENCHMARKS.md "Delta that helps"; the predictors
-and the fit: delta_correction.py):
-- far-merge keeps alpha ~0.98 (no head falls back) with check-row error ratio 0.72-0.75, but at the same base
-  budget (dense rows on top) it lowers the KL to dense by only 6-7% (streaming) and 3-11% (Sketch&Walk), and at
-  the same real density its dense rows (1.7% of a sparse layer's pairs, ~19% of its budget at density 0.15)
-  cost the base more than the correction returns: perplexity 28.54 against streaming's 28.19 and Sketch&Walk's
-  27.59 against Delta over it 28.01 at 7680 tokens. Issue 16's ">= 50% of the gap" is not reached.
-- No fallback to the base at its whole budget: the check rows cannot tell when one is needed. Per layer
-  (teacher-forced, 4096 tokens, density 0.15), Delta's output error is 0.67-0.97x that of the base alone at
-  the whole budget in every layer, the early layers gaining most; yet Delta in layer 2 or 5 alone raises
-  perplexity and KL end to end, while in layers 20 or 29 it is neutral (``benchmarks/probe_delta_layers.py``).
+- No fallback to the base at its whole budget: the check rows measure a layer's attention-output error, which
+  does not predict the error that reaches the model's output (docs/methods/delta.md says what was measured).
 """
 
 from __future__ import annotations
