@@ -230,11 +230,7 @@ def test_block_selection_fidelity_against_per_row_brute_force():
 
 
 def test_dense_rows_count_as_full_and_a_missing_selection_measures_error_only():
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class WithDenseRows(BlockSelection):  # the shape of Delta's DeltaSelection
-        dense_rows: torch.Tensor
+    from raysparse.methods.delta_config import DeltaSelection
 
     q, k, v = _inputs(n=128)
     b, h_kv, n = 16, k.shape[0], k.shape[1]
@@ -242,7 +238,7 @@ def test_dense_rows_count_as_full_and_a_missing_selection_measures_error_only():
     diag = torch.eye(nb, dtype=torch.bool).expand(h_kv, nb, nb)
     dense_rows = torch.zeros(n, dtype=torch.bool)
     dense_rows[::8] = True
-    sel = WithDenseRows(indices_from_mask(diag), b, dense_rows)
+    sel = DeltaSelection(indices_from_mask(diag), b, dense_rows, gamma=8, mode="far-merge")
     pos = torch.arange(b, n)
     retained, got = selection_fidelity(sel, q[pos], k, pos, 0, dense_rows[pos])
     assert torch.allclose(got[:, dense_rows[pos]], torch.ones(1), atol=1e-5)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from raysparse.methods.delta_config import DeltaSelection
 from raysparse.methods.selection import SENTINEL, BlockSelection, TokenSelection, mask_from_indices
 
 DEFAULT_ROWS = 64  # query rows sampled per prefill call: enough for a stable mean, cheap next to the prefill
@@ -130,8 +131,9 @@ class FidelityTracer:
                 qr, outr = q[pos - ctx.q_start], out[pos - ctx.q_start]
             s = self.sums.setdefault((phase, ctx.layer), _Sums())
             if selection is not None:
-                dense_rows = getattr(selection, "dense_rows", None)
-                full = None if dense_rows is None or phase == "decode" else dense_rows[pos - ctx.q_start]
+                # the rows of a Delta prefill computed densely attended every causal key
+                dense = isinstance(selection, DeltaSelection) and phase != "decode"
+                full = selection.dense_rows[pos - ctx.q_start] if dense else None
                 retained, mass = selection_fidelity(selection, qr, k, pos, ctx.q_start, full)
                 s.retained += float(retained.sum())
                 s.mass += float(mass.sum())
