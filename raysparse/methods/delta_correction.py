@@ -12,7 +12,7 @@ scaled per query head by the fitted alpha, and the fit's statistics. The modes:
   gamma = block_size the anchor's far keys are exactly its rows' far keys; only the queries differ. A base that
   reports no BlockSelection has no far part: this mode then uses the paper's difference (``delta-shrunk``).
 - ``delta-shrunk``: the paper's D_pred(i) = O_dense(a) - O_sparse(a), scaled by the fitted alpha.
-- ``delta``: SPEC's and the paper's formula as written, O[i] = O_sparse[i] + (O_dense(a) - O_sparse(a)).
+- ``delta``: the published formula as written, O[i] = O_sparse[i] + (O_dense(a) - O_sparse(a)).
 - ``recompute`` only swaps in the dense rows; ``sparse-only`` returns O_sparse.
 
 The fitted modes apply O = O_sparse + alpha D_pred, with alpha per query head fitted on check rows: the rows
@@ -26,27 +26,17 @@ the base plus the exact dense rows, i.e. ``recompute``. ``alpha=x`` fixes it (0:
 alpha, the fraction of heads that fell back (alpha < 0.05) and the check rows' error ratio ||D - alpha D_pred|| /
 ||D||, each check row predicted with the alpha fitted before it (out of sample: below 1, the correction helps).
 
-Choices where SPEC is silent:
+Choices the published method leaves open:
 - Density accounting counts the union: attended = base pairs + sum over the dense rows of (causal keys of the
   row - keys the base already attended in that row), read from the base's BlockSelection. A base that reports
   none falls back to min(base pairs + dense pairs, causal pairs), an upper bound.
-- Anchors stay SPEC's R (the first row of each gamma-block): a row's anchor is then never after it, so a chunked
+- Anchors stay the published R (the first row of each gamma-block): a row's anchor is then never after it, so a chunked
   prefill gives the whole prompt's output (rows before a chunk's first anchor use the previous chunk's anchor,
   carried in Delta's per-sequence state, as does the fit). The tail is the last rows of each chunk.
 
-Measured on the default model (SmolLM2-135M, CPU, 2026-11-25; BENCHMARKS.md "Delta that helps"; what it costs
-end to end: delta.py):
-- The paper's premise fails here: a row's true correction D(i) has cosine ~0.4 with its anchor's, and reusing it
-  raises the output error of every layer (after / before at 4096 tokens: 1.9 over the block-level streaming
-  base, whose anchor row has the smallest window of its block; 1.15 over a token-level window as in the
-  paper). ``delta`` raises perplexity: 28.19 -> 39.94 at 7680 tokens, density 0.15. ``delta-shrunk`` detects
-  it: alpha 0.15, 38% of the heads fall back, check-row error ratio 0.93.
-- Other predictors, per layer on the dense run's q, k, v at 4096 tokens, density 0.15 (``probe_delta.py
-  --diagnose --variants``), error ratio of the rows not computed: the paper's difference from mid-block anchors
-  1.13; linear interpolation between dense rows every 32 1.33; the paper's difference with the fitted alpha
-  0.95; far-merge without the first-order term 1.50; far-merge 0.78 (0.75 with the mid-block row of the row's
-  own query block as anchor, which a chunk may not have yet); far-merge with the row's exact far output (not
-  computable cheaply) 0.65. Letting alpha reach 2 gained nothing (scratch measurement).
+Why far-merge is the default: on the default model a row's true correction is far from its anchor's, so the
+published difference raises every layer's output error, and of the predictors measured far-merge's error is the
+lowest that costs no more than the anchors (docs/methods/delta.md).
 """
 
 from __future__ import annotations
