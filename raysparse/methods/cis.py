@@ -1,4 +1,4 @@
-"""CIS (Clustered Index Sharing) of PrHS: decode only, token granularity, per KV head.
+"""CIS (Clustered Index Sharing) of PrHS: decode only, token granularity, per KV head (docs/methods/prhs.md).
 
 Per KV head and decode step (n keys, the newest at n - 1): sinks = [0, C_sink), local = [n - C_local, n),
 middle candidates = the rest (the paper's [C_sink, t - C_local]). Decode steps of a sequence are counted
@@ -23,13 +23,11 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
   retrieval step attends the top-B (k = B), and an anchor's set is limited to B tokens, with m = floor(B / (3 +
   2 r)) so that the paper's proportion (k' = 3 m top entries and 2 r m neighbours) fills it when nothing
   repeats; repeats leave room for the next-ranked entries. The dilation thus counts inside ``--density``: a
-  sharing step attends at most the budget (it attended up to 2 r m more before, 0.103-0.164 at 0.10-0.15).
+  sharing step attends at most the budget.
   ``threshold`` > 1 never shares.
 - Retrieval ratio rho = retrievals / (KV-head, step) pairs over the layers where CIS ran (the paper's
-  R_t / (H N) averaged over steps); the reference path keeps the counts on device (no sync per step). At SPEC's
-  ``threshold`` 0.8 it is 0.44-0.46 on the default model; 0.75 brings it to the paper's 1/3 (0.32-0.34) for
-  +1.3-5.0% decode perplexity against 0.8's +1.8-3.2% (2048-7680 tokens; BENCHMARKS.md, "CIS's gate at 0.75").
-  The default stays 0.8.
+  R_t / (H N) averaged over steps); the reference path keeps the counts on device (no sync per step). What the
+  default ``threshold`` 0.8 and looser gates cost in it and in perplexity: docs/methods/prhs.md.
 - Batched decode (``cis_batched_step``, in ``cis_batched.py``): the same steps for a whole padded batch in fixed shapes,
   state in per-row buffers. The step writes each row's attended keys and retrievals on the device; the
   backend reads them back once per step, after it (the size of a CIS selection is data-dependent, so the
