@@ -1,7 +1,7 @@
-"""Sketch&Walk (papers/sketch-and-walk.md, SPEC section 1): block selection from sketched block scores, for
-prefill (Algorithm 1) and decode (Algorithm 2). By default it does not walk across layers: each layer selects by
-its own scores (``walk="one-hop"``), which kept the retrieval tasks on the default model where every walk lost
-them (docs/methods/sketch_walk.md); SPEC's walk (``walk="product"``) and a rollout (``walk="rollout"``) are options.
+"""Sketch&Walk: block selection from sketched block scores, for prefill and decode (docs/methods/sketch_walk.md).
+By default it does not walk across layers: each layer selects by its own scores (``walk="one-hop"``), which kept
+the retrieval tasks on the default model where every walk lost them; the published walk (``walk="product"``) and a
+rollout (``walk="rollout"``) are options.
 ``SketchWalk`` holds the method's seams and its batched state; the per-sequence path, the plain PyTorch reference
 (sketches, scores, selection), is ``sketch_walk_reference``'s ``ReferenceSelection``, and the walk across layers
 ``sketch_walk_walk``'s.
@@ -11,12 +11,10 @@ fixed SRHT H_d (d x r), A_hat = Q~ K~^T / sqrt(r) under the block-causal mask, W
 R^k = R^{k-1} W^k (R^0 = W at the first sparse layer), and each query block attends the top key blocks
 of its row of R^k plus the sink and diagonal blocks, on the original per-head Q, K, V.
 
-Defaults (measured, BENCHMARKS.md "Sketch&Walk: head pairing and finer decode selection"): walk one-hop,
-token_query last, heads pair-lse, sub_blocks 8, decode_unit part, decode_query group (every query head's own
-scoring, ``decode_query="heads"``, is more accurate and costs the decode's saving at 4 x 32K: an option);
-SPEC's form is walk="product",
-token_query="never" with ``GRAPH_DECODE`` (heads="mean", sub_blocks=1, decode_unit="block"). At density 0.2
-on the default model they retrieve 0.47 against 0.17 for SPEC's head mean over whole blocks (dense 0.64).
+Defaults (each measured: docs/methods/sketch_walk.md): walk one-hop, token_query last, heads pair-lse, sub_blocks
+8, decode_unit part, decode_query group (every query head's own scoring, ``decode_query="heads"``, is an option:
+more accurate, and it costs the decode's saving); the published form is walk="product", token_query="never" with
+``GRAPH_DECODE`` (heads="mean", sub_blocks=1, decode_unit="block").
 The batched decode seam (``decode_select``, captured in CUDA graphs): its state and selection are in
 ``sketch_walk_rows`` for ``GRAPH_DECODE``'s scoring and ``sketch_walk_parts`` for the paired modes
 (``RuntimeConfig.sw_graph_paired`` False decodes them per sequence).
@@ -25,10 +23,10 @@ The batched prefill seam (``prefill_select``): for one-hop with per-KV-head sket
 pair-lse, pair or kv) ``sketch_walk_batch`` selects the whole step in launches that do not grow with the
 batch, from block sums kept per page (a sequence's metadata then holds only ``n``; per-sequence readers
 rebuild the dict layout from its pages, ``sketch_walk_prefix.adopt_prefix``). The walks that chain layers
-(rollout, product) and SPEC's head mean select per sequence (``prefill_select_per_sequence``, also the
+(rollout, product) and the published head mean select per sequence (``prefill_select_per_sequence``, also the
 batched path's test oracle).
 
-The choices where SPEC and the paper are silent, with the measurements behind each, and the state layout of
+Where the method departs from the published one, with the measurements behind each, and the state layout of
 every mode are in docs/methods/sketch_walk.md.
 """
 
