@@ -1,4 +1,4 @@
-"""The comparison baselines of SPEC's "Baselines that must exist": streaming, Quest and oracle top-k.
+"""The comparison baselines: streaming, Quest and oracle top-k (docs/methods/baselines.md).
 
 Shared conventions. Prefill selects key blocks of ``block_size`` per query block and KV head; decode
 selects tokens (streaming, oracle) or pages (Quest). Query heads of a GQA group share their KV head's
@@ -17,7 +17,7 @@ references) are shared with Quest.
 ``streaming`` (StreamingLLM): the first ``sink_tokens`` keys plus a sliding window. Prefill keeps the
 sink blocks (ceil(sink_tokens / B)) and the last local blocks up to the diagonal; decode keeps the sink
 tokens and the last ``window`` tokens (the new one included). With ``density`` unset the window is
-``window`` tokens (ceil(window / B) blocks in prefill): SPEC's Delta base, sinks 64 + window 2048. With
+``window`` tokens (ceil(window / B) blocks in prefill): Delta's published base, sinks 64 + window 2048. With
 ``density`` set (``--density``) it replaces ``window``: window = max(budget - causal sink units, 1).
 Sink default 64 tokens = one default block, so prefill and decode keep the same sinks.
 
@@ -27,8 +27,8 @@ Sink default 64 tokens = one default block, so prefill and decode keep the same 
 the SUM of the exact softmax probabilities over the query rows of block i, the g query heads of the
 group and the keys of block j. Like streaming and Quest it keeps the sink block 0 and the diagonal block
 i (forced, inside the budget, kept even where they alone exceed it), plus the top other causal blocks
-by that mass up to row_budget(density, i + 1). Pure top-k by mass was measured to wreck the model
-(perplexity 49 vs streaming's 29 at density 0.2, 2048 tokens): rows 1-6 have a budget of one block, and
+by that mass up to row_budget(density, i + 1). Pure top-k by mass wrecks the model (docs/methods/baselines.md):
+rows 1-6 have a budget of one block, and
 the diagonal (half causally masked, so undercounted) or the sink (every row's dump of excess mass) was
 then dropped; the diagonal is the only block holding each query's own key and a query without the sink
 has no place to put its excess attention. Decode keeps the newest token plus the top
