@@ -1,4 +1,5 @@
-"""Quest (``quest``, pages of ``page_size`` = 16), one of SPEC's baselines (conventions: ``baselines.py``).
+"""Quest (``quest``, pages of ``page_size`` = 16), one of the baselines (conventions: ``baselines.py``; its doc:
+docs/methods/baselines.md).
 
 Per page and KV head the element-wise min m and max M of its keys live in ``ctx.state`` (dtype of K; min/max
 are exact) and are extended as keys are appended (only the pages touched since the last call are recomputed).
