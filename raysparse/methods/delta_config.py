@@ -1,6 +1,6 @@
 """Delta's configuration: the frozen, validated parameters of ``raysparse.methods.delta`` (``DeltaConfig``), the
 names of its modes, and what the tracer sees of a Delta prefill (``DeltaSelection``). What each mode does and why
-the defaults are what they are: the docstrings of delta.py and delta_correction.py."""
+the defaults are what they are: the docstrings of delta.py and delta_correction.py, and docs/methods/delta.md."""
 
 from __future__ import annotations
 
