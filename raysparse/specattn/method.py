@@ -1,4 +1,4 @@
-"""The SpecAttn backend (SPEC section 4): dense prefill, sparse verification guided by the draft.
+"""The SpecAttn backend: dense prefill, sparse verification guided by the draft (docs/methods/specattn.md).
 
 ``SpecAttn`` is the registry entry ``specattn``. It is the verifier's attention backend; it does not decode
 by itself: ``speculative = True`` tells the worker to drive it with ``SpecAttnGenerator`` (``decode.py``),
@@ -6,7 +6,7 @@ which drafts, installs one verification plan per sequence (``plan``), runs the v
 positions through the model's prefill path with a prefix (q_start > 0) and accepts greedily.
 
 Attention rules:
-- Prompt prefill (no plan installed): dense, as SPEC and the paper do (only decoding is speculated).
+- Prompt prefill (no plan installed): dense, as published (only decoding is speculated).
 - Verification (a plan installed): the dense layers (``dense_layers``, default the first 2) attend every
   key; every other verifier layer j attends, per KV head, the context chunks selected from the draft
   layer f(j)'s attention (sorting-free top-p per speculative step, united over the steps, rounded to
@@ -17,7 +17,7 @@ Attention rules:
 - ``decode`` (a plain ``Generator`` driving this backend by mistake, one token at a time): dense (every page
   through the shared paged attend), metered as dense. Nothing is sparse without the speculative generator.
 
-Choices where SPEC is silent:
+Choices the published method leaves open:
 - Chunk rounding applies to the verified context only (positions < t); the chunk around the newest
   context tokens is kept only if the draft selected a token in it. The new tokens are always attended.
 - Top-p of a step runs over the draft's whole row (context plus the speculative positions before it), so
