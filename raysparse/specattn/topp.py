@@ -1,9 +1,9 @@
 """Sorting-free top-p (nucleus) selection over attention weights, and 16-token chunk rounding.
 
-``topp_mask`` follows the paper's Algorithm 2 with SPEC's fixed 10 iterations: a bisection on a threshold
+``topp_mask`` follows the published sorting-free top-p with a fixed 10 iterations: a bisection on a threshold
 theta over [0, max(a)] where the invariant is that ``lo`` is always feasible (the mass of {a >= lo} is at
 least p * sum(a)) and ``hi`` is infeasible unless it equals max(a). It returns {a >= lo}, so the returned
-set ALWAYS reaches the target mass (the paper returns {a >= theta_mid} of the last step, which may fall short).
+set ALWAYS reaches the target mass (the published form returns {a >= theta_mid} of the last step, which may fall short).
 
 Exactness: the minimal threshold set is {a >= theta*}, theta* = the largest weight whose set {a >= theta*}
 still has mass >= p (for distinct weights this is the smallest set with mass >= p; equal weights at the
