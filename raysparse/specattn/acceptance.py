@@ -1,9 +1,9 @@
 """SpecAttn's acceptance rules: greedy, and standard speculative sampling for sampled requests.
 
 Greedy (temperature 0): the longest prefix of the draft equal to the verifier's argmax, then the verifier's
-own next token (SPEC section 4).
+own next token.
 
-Sampling (temperature > 0; Leviathan et al. 2023, Chen et al. 2023): the draft samples d_i from its
+Sampling (temperature > 0; standard speculative sampling): the draft samples d_i from its
 distribution q_i, the verifier gives p_i at each of the gamma + 1 positions. Draft token i is accepted with
 probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token emitted instead is drawn from
 the normalised residual max(0, p_i - q_i); when every draft token is accepted the verifier's extra position
