@@ -2,20 +2,16 @@
 
 There is no separate draft model for the default model (SmolLM2-135M; models of other families do not
 share its tokenizer), so the draft is the verifier's embedding, a subset D of its decoder layers, its final
-norm and its LM head (SPEC section 4 allows this). Default D (``default_draft_layers``): every layer except
-a contiguous middle third, [max(2, L // 3), max(2, L // 3) + L // 3), never the last layer; for
-SmolLM2-135M (30 layers) that skips layers 10..19 and keeps 20.
-Why this subset, measured on SmolLM2-135M-Instruct (3 Emma/Mansfield Park prompts of 256 tokens, 24 greedy
-tokens each, gamma 4, draft acceptance rate): skipping a middle block beat every other shape tried at the
-same size: skip 10..19: 0.20, 9..18: 0.24, 11..20: 0.17, 14..23: 0.10, 16..25: 0.04, 6..15: 0.16,
-18..27: 0.00; alternate layers (0, 1, evens, last; 17 layers): 0.09 (0.12 on a 512-token prompt), first
-half + last 2 (17): 0.00, every third (12): 0.00; larger drafts accept more (skip 10..17: 0.28,
-12..17: 0.37). Early and late layers are the ones a model cannot do without (they read the embedding and
-write the logits); the middle ones refine the residual stream least, so the draft's residual stream, and
-hence its attention rows, stay closest to the verifier's. The first two layers are always kept (the
-verifier runs them dense; the draft's copy is then exact) and so is the last (the head reads it). With
-this small a model the self-speculative draft does not make decoding faster (about 1.8 tokens per round
-for 4 draft steps of 2/3 of the depth); it is there to provide attention rows and a faithful protocol.
+norm and its LM head. Default D (``default_draft_layers``): every layer except a contiguous middle third,
+[max(2, L // 3), max(2, L // 3) + L // 3), never the last layer; for SmolLM2-135M (30 layers) that skips layers
+10..19 and keeps 20. Why this subset: skipping a middle block accepted more drafted tokens on the default model
+than every other shape tried at the same size (the measurements: docs/methods/specattn.md). Early and late layers
+are the ones a model cannot do without (they read the embedding and write the logits); the middle ones refine the
+residual stream least, so the draft's residual stream, and hence its attention rows, stay closest to the
+verifier's. The first two layers are always kept (the verifier runs them dense; the draft's copy is then exact)
+and so is the last (the head reads it). With this small a model the self-speculative draft does not make decoding
+faster (about 1.8 tokens per round for 4 draft steps of 2/3 of the depth); it is there to provide attention rows
+and a faithful protocol.
 
 KV cache: shared with the verifier (no second cache). Draft layer i reads and writes verifier layer i's
 pages. For the verified context the draft attends the verifier's own keys and values (as in Draft & Verify
