@@ -1,4 +1,4 @@
-"""SOCKET (papers/socket.md, SPEC section 3): soft-LSH token selection for decode. The per-sequence reference
+"""SOCKET: soft-LSH token selection for decode (docs/methods/socket.md). The per-sequence reference
 (``select_decode``) and the batched decode step over per-page hash ids (``decode_select``), in one class.
 
 Prefill runs dense attention (SOCKET is a decode method) and builds, per sparse layer and KV head, the
@@ -13,19 +13,15 @@ from its bucket ids and value norm alone (never the keys):
 and attends exactly over the union of the sink tokens, the local window and the top-k scored tokens
 outside both (disjoint by construction, so deduplicated), ascending, shared by the group's query heads.
 
-Choices where SPEC and paper are silent:
+Choices the published method leaves open:
 - Budget. ``density`` (default 0.1) is the fraction of the context attended in total, forced tokens
   included (round(density * n), as ``row_budget``): k = budget - sink - local, so methods compare at equal
   real density. Sink and local take at most ``forced_share`` (default 0.25) of the budget: where they would
   take more (short contexts, or a whole-model density the dense layers leave little of), they shrink to that
-  share in proportion to their sizes, and the rest of the budget is scored. SPEC's 128 + 128 are kept whole
-  wherever the budget reaches 1024 keys (10% of 10240 keys with every layer sparse). 0.25 against 0.5 on the
-  GPU eval, every layer sparse: accuracy 0.46 -> 0.48 and decode perplexity +2.1% -> +1.4% at 4096 tokens and
-  0.10, the other three rows equal or one item better (BENCHMARKS.md: "Sketch&Walk against an oracle ...").
-  With ``forced_share=1`` they shrink only to the whole budget, and no token is scored there: at 4096 tokens
-  and a whole-model 0.1 (146 keys a sparse layer) that selection, sink and window alone, had accuracy 0 and
-  decode perplexity +48% where 16 + 64 forced keys and 66 scored ones had 0.46 (dense 0.53) and +7.4%
-  (BENCHMARKS.md "The fidelity rows at density 0.10"). The attended fraction is the budget (rounded per row)
+  share in proportion to their sizes, and the rest of the budget is scored. The published 128 + 128 are kept
+  whole wherever the budget reaches 1024 keys (10% of 10240 keys with every layer sparse). With
+  ``forced_share=1`` they shrink only to the whole budget, and where they take all of it no token is scored
+  (how each share measured: docs/methods/socket.md). The attended fraction is the budget (rounded per row)
   either way. An explicit ``top_k`` is the paper's k: that many scored tokens on top of sink and local.
   k is clamped to the tokens outside sink and local, so ``top_k >= n`` (or density 1.0) attends every key:
   dense.
@@ -40,21 +36,11 @@ Choices where SPEC and paper are silent:
   in which the key's bucket equals the query's hard bucket sign(W_l q), NOT weighted by ||v|| (eq. 3 and
   Fig. 2 have no value term). It runs as a one-hot p_l through the same scorer and group reduction (mean:
   collisions averaged over the group's heads; max: tables where any head collides). Same budget rule.
-- Value-norm factor (``value_norm``): SPEC and Algorithm 3 multiply the soft count by ||v_j||. Measured on
-  SmolLM2-135M it loses, so the default leaves it out (``value_norm=True`` restores SPEC's scorer):
-  - `raysparse eval --methods socket --densities 0.15 --context-tokens 4096 --tasks single_needle --samples 8
-    --no-perplexity --method-params socket:value_norm=true,false` (2-core CPU, 2026-11-26; decode density
-    0.150 for both): retained mass 0.763 with the factor against 0.948 without, output error 0.202 against
-    0.129, single-needle accuracy 8/8 for both (and dense).
-  - Earlier (2048 tokens, one sample per task, BENCHMARKS.md "Issue 4's methods"): decode perplexity +4.1%
-    with the factor against +2.0% without at 0.2; the one single-needle sample was lost without it, which the
-    eight samples at 4096 tokens above do not repeat.
-  - On the real q, k, v of 4 decode steps after a 4096-token window (layers 2-29): retained 0.74 with vs 0.93
-    without at 0.1 (hard: 0.85), output error 0.44 vs 0.15 (hard: 0.27).
-  - Why: the soft count estimates an angular kernel, far flatter than exp(q.k / sqrt d), so multiplying it by
-    ||v|| (which varies 5-8x across keys here) lets the value norm dominate the ranking. Without the factor
-    the scorer is the paper's Fig. 2 soft count. Of the values tried (tau 0.01-0.3, group mean vs max), tau
-    0.3 with the mean is best without the factor; with it, tau 0.1 is slightly better and still below.
+- Value-norm factor (``value_norm``): the published scorer multiplies the soft count by ||v_j||. On the default
+  model it loses (docs/methods/socket.md), so the default leaves it out (``value_norm=True`` restores it): the
+  soft count estimates an angular kernel, far flatter than exp(q.k / sqrt d), so multiplying it by ||v|| (which
+  varies 5-8x across keys there) lets the value norm dominate the ranking. Without the factor the scorer is the
+  published soft count, with tau 0.3 and the group mean.
 - Ties (frequent for hard counts) break toward the lower token index (a stable sort), deterministically.
 - Hyperplanes are drawn on the CPU from a generator seeded by (seed, layer, global KV head), fixed for
   the backend's life and identical on every device, each rounded to a bf16 value (``lsh.hyperplanes``: bf16
