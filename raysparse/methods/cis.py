@@ -56,7 +56,8 @@ from typing import Any
 
 import torch
 
-from raysparse.methods.budget import host_row_budget
+from raysparse.kernels.anchor_sets import dilation_offsets
+from raysparse.methods.budget import host_row_budget, row_budget
 from raysparse.methods.psaw import PrHSConfig
 from raysparse.methods.selection import SENTINEL, mask_from_indices
 
@@ -94,6 +95,63 @@ def cis_budget(cfg: CISConfig, n: int) -> tuple[int, int, int | None]:
         return k, (k // 3 if cfg.top_m is None else min(cfg.top_m, k)), None
     k = max(host_row_budget(cfg.density, n) - cfg.sink - cfg.local, 0)
     return k, (k // (3 + 2 * cfg.radius) if cfg.top_m is None else min(cfg.top_m, k)), k
+
+
+def bounded_budget(cfg: CISConfig, n: int) -> tuple[int, int]:
+    """``cis_step``'s (k, m) after its clamps to the n candidates: the static bound at a width of n tokens
+    (both are non-decreasing in n, so the bound at the bucket's width holds for every row)."""
+    kk, m, _ = cis_budget(cfg, n)
+    kk = min(kk, n)
+    return kk, min(m, kk)
+
+
+def budget_rows(cfg: CISConfig, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bounded_budget`` on device for lengths n [B] (int64): (k, m) per row. With a density an anchor's set
+    is limited to k entries (``cis_budget``)."""
+    if not cfg.limited_sets:
+        k = torch.full_like(n, cfg.topk)
+        m = k // 3 if cfg.top_m is None else k.clamp(max=cfg.top_m)
+    else:
+        k = (row_budget(cfg.density, n) - cfg.sink - cfg.local).clamp(min=0)
+        m = k // (3 + 2 * cfg.radius) if cfg.top_m is None else k.clamp(max=cfg.top_m)
+    kk = torch.minimum(k, n)
+    return kk, torch.minimum(m, kk)
+
+
+@dataclass(frozen=True)
+class CISStepConsts:
+    """What every sparse layer of one decode step shares (the rows' lengths and the width bucket are the
+    step's): built once per step instead of once per layer, which on a CPU is a fifth of a layer's select."""
+
+    n: torch.Tensor  # [B] int64 lengths
+    k_w: int  # k's and m's static bounds at the bucket's width (``bounded_budget``)
+    m_w: int
+    pos: torch.Tensor  # [W] key positions
+    inrange: torch.Tensor  # [B, W] below the row's length
+    forced: torch.Tensor  # [B, W] sinks and local window
+    kk_n: torch.Tensor  # [B] k per row
+    m_n: torch.Tensor  # [B] m per row
+    pair_k: torch.Tensor  # [B h_kv] k, m and n per (row, KV head) pair, row-major (the list selections' rows)
+    pair_m: torch.Tensor
+    pair_n: torch.Tensor
+    rank: torch.Tensor  # [max(k_w, 1)]
+    offs: torch.Tensor  # [2 r] the dilation's offsets
+    rows: torch.Tensor  # [B]
+    heads: torch.Tensor  # [h_kv]
+
+
+def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: int) -> CISStepConsts:
+    """``CISStepConsts`` for lengths n [B] (int64) in a bucket of ``width_tokens``."""
+    dev, wt, r = n.device, width_tokens, cfg.radius
+    pos = torch.arange(wt, device=dev)
+    nn = n[:, None]
+    kk_w, m_w = bounded_budget(cfg, wt)
+    kk_n, m_n = budget_rows(cfg, n)
+    # Expanded views made contiguous, not repeat_interleave: nothing sized on the host inside a capture.
+    pair_k, pair_m, pair_n = (x[:, None].expand(-1, h_kv).reshape(-1) for x in (kk_n, m_n, n))
+    return CISStepConsts(n, kk_w, m_w, pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
+                         pair_k, pair_m, pair_n, torch.arange(max(kk_w, 1), device=dev), dilation_offsets(r, dev),
+                         torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev))
 
 
 def priority_set(top: torch.Tensor, m: torch.Tensor | int, m_max: int, offs: torch.Tensor,

@@ -41,8 +41,7 @@ from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.row_select import select_list
 
 if TYPE_CHECKING:
-    from raysparse.methods.cis import CISConfig
-    from raysparse.methods.cis_batched import CISStepConsts
+    from raysparse.methods.cis import CISConfig, CISStepConsts
 
 
 def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV, wt: int,

@@ -25,8 +25,8 @@ import torch
 from raysparse.attention import dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.cis import cis_step
-from raysparse.methods.cis_batched import CISBatchedState, cis_batched_step, cis_step_consts
+from raysparse.methods.cis import cis_step, cis_step_consts
+from raysparse.methods.cis_batched import CISBatchedState, cis_batched_step
 from raysparse.methods.psaw import PrHSConfig, window_key_count, window_keys, window_lists, window_lo, window_start
 from raysparse.methods.psaw_window import PSAWWindow
 from raysparse.methods.selection import TokenSelection, indices_from_mask
