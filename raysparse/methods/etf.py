@@ -7,8 +7,8 @@ layer stays frozen at every later one. The model asks the backend ``frozen_rows(
 [T] or None) in ``DecoderLayer.forward``; frozen rows keep their hidden state bit for bit and skip the MLP,
 and the backend skips their attention (output zero, no attended pairs).
 
-K/V of frozen tokens (the paper's Sec. IV-C says "reuse the previous-layer hidden states", its Appendix G
-"k^(l) <- k^(l-1)"; SPEC says nothing): ``etf_kv="project"`` (default) keeps the K/V that layer l's own
+K/V of frozen tokens (the published method reuses the previous layer's hidden states, and in one place writes
+"k^(l) <- k^(l-1)"; docs/methods/prhs.md): ``etf_kv="project"`` (default) keeps the K/V that layer l's own
 projections compute from the carried hidden state, so later tokens and decode attend to keys in the right
 layer's space; ``etf_kv="copy"`` is Appendix G literally: the cache rows of frozen tokens at layer l are
 overwritten with layer l - 1's K/V before attention (an ablation). Either way frozen tokens stay visible
