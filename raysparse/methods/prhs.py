@@ -1,4 +1,4 @@
-"""PrHS / CPE (SPEC section 5): the methods ``cis``, ``psaw``, ``etf`` and ``cpe`` = CIS + PSAW + ETF.
+"""PrHS / CPE: the methods ``cis``, ``psaw``, ``etf`` and ``cpe`` = CIS + PSAW + ETF (docs/methods/prhs.md).
 
 The selectors live in cis.py, psaw.py and etf.py (each documents its conventions); this module composes
 them into backends (their schedules and prefill, per sequence and batched; the decode and CIS's retrieval
