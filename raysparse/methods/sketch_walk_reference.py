@@ -4,7 +4,7 @@ scores and the heads' combine, the forced + top-k choice of blocks (or, at decod
 ``select_prefill`` / ``select_decode`` / ``prefill_select_per_sequence`` seams built on them. The walk across
 layers is ``sketch_walk_walk``'s.
 
-It serves the modes the batched paths do not (the walks that chain layers, SPEC's head mean, a decode with
+It serves the modes the batched paths do not (the walks that chain layers, the published head mean, a decode with
 ``RuntimeConfig.sw_graph_paired`` False or no room for the batched state) and is their test oracle; the
 batched paths reuse its pieces (``_scores`` for the prefix cache's A_hat rows, ``_combine_heads`` /
 ``head_partial`` in the paired decode and the batched prefill, so that every path combines heads alike).
