@@ -39,9 +39,23 @@ class SketchWalkConfig(MethodConfig):
     # head's query group averaged, one query per KV head; "heads": every query head on its own, the scores
     # combined by ``heads`` over every query head (a needle one head of a group attends is not averaged away).
     decode_query: str = "group"
+    # Which implementation the batched decode runs; each pair of paths selects the same keys, and the defaults are
+    # the measured fastest. graph_paired: the paired scorings (heads pair / pair-lse) decode on the batched seam,
+    # from CUDA graphs on GPUs (sketch_walk_parts); off, per sequence. part_scores / part_select: that path's
+    # Triton part scores and its combine + part selection (kernels/part_scores.py, kernels/part_select.py) on CUDA
+    # tensors; off, their PyTorch forms. walk_select: one-hop's Triton selection (kernels/walk_select.py) on the
+    # head-mean graph path; off, its PyTorch form.
+    graph_paired: bool = True
+    part_scores: bool = True
+    part_select: bool = True
+    walk_select: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("graph_paired", "part_scores", "part_select", "walk_select"):
+            # a string such as "off" is truthy: take booleans only, so it cannot silently mean on
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.sketch_dim, bool) or not isinstance(self.sketch_dim, int) or self.sketch_dim <= 0:
             raise ValueError(f"sketch_dim must be a positive integer, got {self.sketch_dim!r}")
         if not (isinstance(self.exponent, int | float) and math.isfinite(self.exponent) and self.exponent > 0):
