@@ -47,7 +47,9 @@ from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import method_spec, register
 from raysparse.methods.sketch_walk_batch import batched_mode, prefill_select_batched
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
+from raysparse.methods.sketch_walk_parts import PartsDecode
 from raysparse.methods.sketch_walk_reference import ReferenceSelection
+from raysparse.methods.sketch_walk_rows import RowsDecode
 from raysparse.methods.views import DecodeView, PrefillView
 from raysparse.runtime_config import RuntimeConfig
 
@@ -92,9 +94,6 @@ class SketchWalk(ReferenceSelection, SparseMethod):
         batched seam. It does not where its state would exceed ``state_budget_bytes`` or the device has no room
         left (the log says so; the per-sequence decode then runs, much slower), where a page is not a block,
         and for a head-mean instance without a graph runner (``max_batch`` None: its slots are sized by it)."""
-        from raysparse.methods.sketch_walk_parts import PartsDecode
-        from raysparse.methods.sketch_walk_rows import RowsDecode
-
         self.batch_decoder = None
         runtime = runtime or RuntimeConfig()
         if cache.page_size != self.config.block_size:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,11 +42,9 @@ from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.methods.budget import prefill_block_budget
 from raysparse.methods.selection import SENTINEL
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
+from raysparse.methods.sketch_walk_method import SketchWalkMethod
 from raysparse.methods.sketch_walk_prefix import prefix_pools
 from raysparse.methods.views import PrefillView
-
-if TYPE_CHECKING:
-    from raysparse.methods.sketch_walk import SketchWalk
 
 
 def batched_mode(cfg: SketchWalkConfig) -> bool:
@@ -81,7 +78,7 @@ class StepRows:
     out_row: torch.Tensor  # [R] its padded row
 
 
-def step_rows(method: SketchWalk, view: PrefillView) -> StepRows:
+def step_rows(method: SketchWalkMethod, view: PrefillView) -> StepRows:
     """The step's ``StepRows`` for ``method``'s block size and parts, built once and kept in ``batch.extras``."""
     cfg = method.config
     key = ("sketch_walk_batch", cfg.block_size, cfg.sub_blocks, cfg.token_query, cfg.local_blocks,
@@ -92,7 +89,7 @@ def step_rows(method: SketchWalk, view: PrefillView) -> StepRows:
     return got
 
 
-def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
+def _build_rows(method: SketchWalkMethod, view: PrefillView) -> StepRows:
     # Host arithmetic on the lengths and page lists (python ints: no device read), then one copy per tensor.
     cfg, b, cache = method.config, view.batch, view.cache
     B, P = cfg.block_size, cfg.sub_blocks
@@ -164,7 +161,7 @@ def _build_rows(method: SketchWalk, view: PrefillView) -> StepRows:
         out_seq=torch.tensor(out_seq, **i64).to(dev), out_row=torch.tensor(out_row, **i64).to(dev))
 
 
-def enter_step(method: SketchWalk, view: PrefillView) -> None:
+def enter_step(method: SketchWalkMethod, view: PrefillView) -> None:
     """Each sequence's metadata slot for this step (host only): the checks the per-sequence path makes, then
     the paged layout (``n`` and ``paged``; the sums are in the pages)."""
     b, B = view.batch, method.config.block_size
@@ -183,7 +180,7 @@ def enter_step(method: SketchWalk, view: PrefillView) -> None:
         st.update(n=n, paged=True)
 
 
-def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view: PrefillView
+def prefill_select_batched(method: SketchWalkMethod, layer: int, q: torch.Tensor, view: PrefillView
                            ) -> PackedBlockSelection:
     """The batch's packed prefill selection (``SketchWalk.prefill_select_per_sequence``'s), in launches that do
     not grow with the batch."""
@@ -231,7 +228,7 @@ def prefill_select_batched(method: SketchWalk, layer: int, q: torch.Tensor, view
     return view.packed(packed.expand(hs, -1, -1), cfg.block_size)
 
 
-def _combine_heads(method: SketchWalk, s: torch.Tensor) -> torch.Tensor:
+def _combine_heads(method: SketchWalkMethod, s: torch.Tensor) -> torch.Tensor:
     """``SketchWalk._combine_heads`` over the head axis 1 of [S, H, rows, blocks]: one ``head_reduce``."""
     if method.config.heads == "kv":
         return s

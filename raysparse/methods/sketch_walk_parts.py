@@ -55,8 +55,8 @@ import torch
 from raysparse.kernels.dispatch import decode_sketches
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.budget import host_row_budget, row_budget
-from raysparse.methods.sketch_walk import SketchWalk
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
+from raysparse.methods.sketch_walk_method import SketchWalkMethod
 from raysparse.methods.sketch_walk_rows import RowsDecode
 from raysparse.runtime_config import RuntimeConfig
 
@@ -82,7 +82,7 @@ class PartsDecode(RowsDecode):
     # on CUDA tensors.
     select_kernel: bool | None = None
 
-    def __init__(self, method: SketchWalk, cache: KVCache, runtime: RuntimeConfig | None = None) -> None:
+    def __init__(self, method: SketchWalkMethod, cache: KVCache, runtime: RuntimeConfig | None = None) -> None:
         cfg = method.config
         self.runtime = runtime or RuntimeConfig()
         if not self.supports(cfg) or cache.page_size != cfg.block_size:
@@ -111,14 +111,14 @@ class PartsDecode(RowsDecode):
                 and cfg.decode_unit in ("part", "block") and size & (size - 1) == 0)
 
     @staticmethod
-    def state_key(method: SketchWalk) -> tuple[Any, ...]:
+    def state_key(method: SketchWalkMethod) -> tuple[Any, ...]:
         """What fixes the state's contents: the SRHT draw, the parts, the block size and the sparse layers."""
         cfg, srht = method.config, method.srht
         return ("sketch_walk_parts", srht.dim, srht.sketch_dim, cfg.seed, cfg.sub_blocks, cfg.block_size,
                 method.sparse_layers())
 
     @staticmethod
-    def state_bytes(method: SketchWalk, num_pages: int, num_kv_heads: int = 0) -> int:  # type: ignore[override]
+    def state_bytes(method: SketchWalkMethod, num_pages: int, num_kv_heads: int = 0) -> int:  # type: ignore[override]
         """The whole state's bytes: one allocation of (num_pages + 1) * P rows per sparse layer."""
         layers = len(method.sparse_layers())
         h_kv = num_kv_heads or method.model_cfg.num_kv_heads

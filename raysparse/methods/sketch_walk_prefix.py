@@ -10,19 +10,15 @@ query blocks' rows (row-wise weights) and the decode only the key parts, so thos
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from raysparse.kv_cache import KVCache
+from raysparse.methods.sketch_walk_method import SketchWalkMethod
 from raysparse.methods.sketch_walk_walk import block_counts
 from raysparse.methods.views import SeqContext
 
-if TYPE_CHECKING:
-    from raysparse.methods.sketch_walk import SketchWalk
 
-
-def prefix_pools(method: SketchWalk, layer: int, cache: KVCache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_pools(method: SketchWalkMethod, layer: int, cache: KVCache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-page query sums [pages + 1, width] and key-part sums [pages + 1, sub_blocks, width] of a layer."""
     from raysparse.methods.sketch_walk_parts import PartsDecode
 
@@ -35,7 +31,7 @@ def prefix_pools(method: SketchWalk, layer: int, cache: KVCache, width: int) -> 
     return qpool, cache.page_pool((*key, "k"), (parts, width), torch.float32)
 
 
-def store_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: torch.Tensor, qb0: int, nb: int
+def store_prefix(method: SketchWalkMethod, ctx: SeqContext, cache: KVCache, pages: torch.Tensor, qb0: int, nb: int
                  ) -> None:
     """Keeps blocks qb0..nb-1's sums (just updated by the prefill) in their pages."""
     st, parts = ctx.state, method.config.sub_blocks
@@ -46,7 +42,7 @@ def store_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: tor
     kpool[at] = st["ks"].reshape(-1, parts, width)[qb0:nb]
 
 
-def adopt_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: torch.Tensor) -> None:
+def adopt_prefix(method: SketchWalkMethod, ctx: SeqContext, cache: KVCache, pages: torch.Tensor) -> None:
     """This layer's state for a prompt whose first ``q_start`` tokens are cached pages: their blocks' sums from
     the pages, their A_hat rows recomputed where a walk reads them (as ``_update_sketch`` computes them: under
     tensor parallelism the same all-reduce, on every shard). Also how a per-sequence step rebuilds the batched
@@ -81,7 +77,7 @@ def adopt_prefix(method: SketchWalk, ctx: SeqContext, cache: KVCache, pages: tor
                      a_hat=a_hat if cfg.heads == "kv" else a_hat.view(nb, nb), n=q0)
 
 
-def sequence_state(method: SketchWalk, cache: KVCache, layer: int, seq_id: int) -> dict:
+def sequence_state(method: SketchWalkMethod, cache: KVCache, layer: int, seq_id: int) -> dict:
     """A sequence's state at ``layer`` in the per-sequence layout (qs, ks, a_hat, n), whichever path kept it:
     the batched prefill's page-indexed state is read from its pages (A_hat zero, as one hop never reads it);
     the metadata itself is left as it is."""

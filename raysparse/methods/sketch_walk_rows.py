@@ -37,7 +37,7 @@ import torch
 
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.budget import host_row_budget
-from raysparse.methods.sketch_walk import SketchWalk
+from raysparse.methods.sketch_walk_method import SketchWalkMethod
 from raysparse.methods.sketch_walk_walk import rollout_step, walk_weights
 from raysparse.runtime_config import RuntimeConfig
 
@@ -47,7 +47,7 @@ class RowsDecode:
     # layer, two launches, even in a graph. None: ``runtime.walk_select`` on CUDA tensors; tests force it.
     select: bool | None = None
 
-    def __init__(self, method: SketchWalk, cache: KVCache, max_batch: int, max_blocks: int,
+    def __init__(self, method: SketchWalkMethod, cache: KVCache, max_batch: int, max_blocks: int,
                  runtime: RuntimeConfig | None = None) -> None:
         cfg = method.config
         self.runtime = runtime or RuntimeConfig()
@@ -72,7 +72,7 @@ class RowsDecode:
         self._n: torch.Tensor | None = None  # the step's lengths as int64
 
     @staticmethod
-    def state_bytes(method: SketchWalk, max_blocks: int) -> int:
+    def state_bytes(method: SketchWalkMethod, max_blocks: int) -> int:
         layers = len(method.sparse_layers())
         w = 0 if method.config.walk == "one-hop" else 4 * max_blocks**2
         return layers * (w + 8 * max_blocks * method.srht.sketch_dim)

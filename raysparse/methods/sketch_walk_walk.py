@@ -7,14 +7,10 @@ that turn block sums into means (``block_counts``). The batched decodes (``sketc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from raysparse.methods.sketch_walk_method import SketchWalkMethod
 from raysparse.methods.views import SeqContext
-
-if TYPE_CHECKING:
-    from raysparse.methods.sketch_walk import SketchWalk
 
 
 def block_counts(n: int, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -44,7 +40,7 @@ def renormalise(rows: torch.Tensor) -> torch.Tensor:
     return rows / rows.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def walk_rows(method: SketchWalk, ctx: SeqContext, qb0: int, nb: int, token_row: torch.Tensor | None = None
+def walk_rows(method: SketchWalkMethod, ctx: SeqContext, qb0: int, nb: int, token_row: torch.Tensor | None = None
               ) -> torch.Tensor:
     """Rows qb0..nb-1 of R^k for this layer (fp32 [H, nb - qb0, nb]), carried in ``ctx.seq_state``.
     ``token_row`` replaces the last row of A_hat for this call only: the state keeps the block mean's row,
