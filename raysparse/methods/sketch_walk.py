@@ -17,7 +17,7 @@ more accurate, and it costs the decode's saving); the published form is walk="pr
 ``GRAPH_DECODE`` (heads="mean", sub_blocks=1, decode_unit="block").
 The batched decode seam (``decode_select``, captured in CUDA graphs): its state and selection are in
 ``sketch_walk_rows`` for ``GRAPH_DECODE``'s scoring and ``sketch_walk_parts`` for the paired modes
-(``RuntimeConfig.sw_graph_paired`` False decodes them per sequence).
+(the parameter ``graph_paired`` False decodes them per sequence).
 
 The batched prefill seam (``prefill_select``): for one-hop with per-KV-head sketches (the default; heads
 pair-lse, pair or kv) ``sketch_walk_batch`` selects the whole step in launches that do not grow with the
@@ -51,7 +51,6 @@ from raysparse.methods.sketch_walk_parts import PartsDecode
 from raysparse.methods.sketch_walk_reference import ReferenceSelection
 from raysparse.methods.sketch_walk_rows import RowsDecode
 from raysparse.methods.views import DecodeView, PrefillView
-from raysparse.runtime_config import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class SketchWalk(ReferenceSelection, SparseMethod):
             self.head_reduce = shard.all_reduce
         if shard.cache is not None:
             self._cache = shard.cache  # the reference prefill keeps its per-page sums there too (prefix cache)
-            self.build_batched(shard.cache, shard.max_batch, runtime=shard.runtime,
+            self.build_batched(shard.cache, shard.max_batch,
                                max_positions=self.model_cfg.max_position_embeddings)
 
     # ---- the batched seam -----------------------------------------------------------------------
@@ -88,27 +87,26 @@ class SketchWalk(ReferenceSelection, SparseMethod):
     batch_decoder: Any = None
     _cache: KVCache | None = None
 
-    def build_batched(self, cache: KVCache, max_batch: int | None, runtime: RuntimeConfig | None = None,
+    def build_batched(self, cache: KVCache, max_batch: int | None,
                       state_budget_bytes: int = 8 << 30, max_positions: int | None = None) -> bool:
         """Allocates the batched decode's state over ``cache``; returns whether this instance now decodes on the
         batched seam. It does not where its state would exceed ``state_budget_bytes`` or the device has no room
         left (the log says so; the per-sequence decode then runs, much slower), where a page is not a block,
         and for a head-mean instance without a graph runner (``max_batch`` None: its slots are sized by it)."""
         self.batch_decoder = None
-        runtime = runtime or RuntimeConfig()
         if cache.page_size != self.config.block_size:
             return False
         if self.config.heads != "mean":
-            if not runtime.sw_graph_paired or not PartsDecode.supports(self.config):
+            if not self.config.graph_paired or not PartsDecode.supports(self.config):
                 return False
             shared = PartsDecode.state_key(self) in cache.shared_state  # no new allocation
             need = 0 if shared else PartsDecode.state_bytes(self, cache.num_pages, cache.num_kv_heads)
-            return self._build(lambda: PartsDecode(self, cache, runtime), need, state_budget_bytes)
+            return self._build(lambda: PartsDecode(self, cache), need, state_budget_bytes)
         if max_batch is None or self.config.sub_blocks > 1:  # the head-mean rows score whole blocks
             return False
         limit = cache.num_pages if max_positions is None else min(cache.num_pages, -(-max_positions // cache.page_size))
         need = (max_batch + 1) * RowsDecode.state_bytes(self, limit)
-        return self._build(lambda: RowsDecode(self, cache, max_batch, limit, runtime), need, state_budget_bytes)
+        return self._build(lambda: RowsDecode(self, cache, max_batch, limit), need, state_budget_bytes)
 
     def _build(self, make: Callable[[], Any], need: int, budget: int) -> bool:
         # The state is allocated when a method is first used, after the KV cache took its memory: where the

@@ -28,19 +28,19 @@ state is dropped), so no later call could read them either. That saves 1 / (1 + 
 
 On CUDA tensors the part scores (state update, part means, per-head dots, empty parts masked) are two
 Triton launches (``kernels/part_scores.py``) that read the part sums once instead of ~4 times;
-``RuntimeConfig.part_scores`` False keeps the PyTorch form. The scores differ only by fp32 rounding (the dots are
+the parameter ``part_scores`` False keeps the PyTorch form. The scores differ only by fp32 rounding (the dots are
 summed in another order, then divided by the count), so a selection can differ only where two scores are
 that close. With ``decode_unit="part"`` the heads' combine rides in that launch (``part_combine``: the
 per-head scores never reach memory, the state is stored there too) and ``kernels/part_select.py``
 finalises it and writes the part list in one more launch, ``_choose_parts``'s list bit for bit on the same
-fp32 scores (``RuntimeConfig.part_select`` False keeps ``_combine_heads`` + ``_choose_parts``; with the part
+fp32 scores (``part_select`` False keeps ``_combine_heads`` + ``_choose_parts``; with the part
 scores off the kernel selects from PyTorch's partial). ``decode_unit="block"`` keeps the PyTorch combine
 and choice.
 
 Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
 lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors
 of each step; no host sync. Verified on the GPU machine (captured, the lists the PyTorch form's); built by
-default, ``RuntimeConfig.sw_graph_paired`` False keeps the eager decode.
+default, ``graph_paired`` False keeps the eager decode.
 
 Memory: 4 * L_s * (num_pages + 1) * P * h_kv * r bytes (h_kv: the KV heads this shard holds).
 """
@@ -58,7 +58,6 @@ from raysparse.methods.budget import host_row_budget, row_budget
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_method import SketchWalkMethod
 from raysparse.methods.sketch_walk_rows import RowsDecode
-from raysparse.runtime_config import RuntimeConfig
 
 _KEY_FLOOR = torch.iinfo(torch.int64).min  # below every candidate's key
 
@@ -74,17 +73,16 @@ class PartsDecode(RowsDecode):
     page-indexed state, entry, selection and accounting."""
 
     key_parts = True  # serves sub_blocks > 1
-    # The part scores as two Triton launches (kernels/part_scores.py). None: ``runtime.part_scores`` on CUDA
+    # The part scores as two Triton launches (kernels/part_scores.py). None: the config's ``part_scores`` on CUDA
     # tensors; tests force it.
     part_kernel: bool | None = None
     # With decode_unit="part", the heads' combine and the part selection as Triton launches
-    # (kernels/part_select.py; with the part scores' kernel the combine rides in it). None: ``runtime.part_select``
+    # (kernels/part_select.py; with the part scores' kernel the combine rides in it). None: the config's ``part_select``
     # on CUDA tensors.
     select_kernel: bool | None = None
 
-    def __init__(self, method: SketchWalkMethod, cache: KVCache, runtime: RuntimeConfig | None = None) -> None:
+    def __init__(self, method: SketchWalkMethod, cache: KVCache) -> None:
         cfg = method.config
-        self.runtime = runtime or RuntimeConfig()
         if not self.supports(cfg) or cache.page_size != cfg.block_size:
             raise ValueError(f"the paired graph decode does not serve {cfg}")
         self.m, self.cfg = method, cfg
@@ -183,10 +181,10 @@ class PartsDecode(RowsDecode):
         st = self._step
         ks = self.ks[li]  # a view: writes reach the state
         r = new.shape[-1]
-        kernel = (r & (r - 1)) == 0 and self._wanted(q, self.runtime.part_scores, self.part_kernel)
+        kernel = (r & (r - 1)) == 0 and self._wanted(q, cfg.part_scores, self.part_kernel)
         if cfg.decode_query == "heads":  # every query head's own sketch [bsz, h, r] instead of its group's mean
             new = (m.srht.apply(q.float()), new[1])
-        if cfg.decode_unit == "part" and self._wanted(q, self.runtime.part_select, self.select_kernel):
+        if cfg.decode_unit == "part" and self._wanted(q, cfg.part_select, self.select_kernel):
             return self._select_parts(ks, table, n, new, st, kernel), cfg.block_size // P
         s = self._part_scores(ks, table, n, new, st, kernel)  # [h_kv * G, bsz, w * P]
         if cfg.decode_unit == "part":

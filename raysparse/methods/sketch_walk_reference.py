@@ -5,7 +5,7 @@ scores and the heads' combine, the forced + top-k choice of blocks (or, at decod
 layers is ``sketch_walk_walk``'s.
 
 It serves the modes the batched paths do not (the walks that chain layers, the published head mean, a decode with
-``RuntimeConfig.sw_graph_paired`` False or no room for the batched state) and is their test oracle; the
+``graph_paired`` False or no room for the batched state) and is their test oracle; the
 batched paths reuse its pieces (``_scores`` for the prefix cache's A_hat rows, ``_combine_heads`` /
 ``head_partial`` in the paired decode and the batched prefill, so that every path combines heads alike).
 """

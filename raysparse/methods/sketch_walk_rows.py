@@ -19,7 +19,7 @@ state (the reference's qs, ks and A_hat) is copied into a free slot and W built 
 the slot is its state (the reference path refuses it). Padded rows use a scratch slot.
 
 One-hop on CUDA tensors: the whole per-layer selection (state update, scores, top-k, block list) is two
-Triton launches (``kernels/walk_select.py``) instead of ~40 small kernels; ``RuntimeConfig.walk_select``
+Triton launches (``kernels/walk_select.py``) instead of ~40 small kernels; the parameter ``walk_select``
 False keeps the PyTorch form. It ranks by the bf16 logits, which the reference's exp(s * log_softmax) orders
 alike except where rounding merges distinct values (that module's docstring says where).
 
@@ -39,18 +39,15 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.budget import host_row_budget
 from raysparse.methods.sketch_walk_method import SketchWalkMethod
 from raysparse.methods.sketch_walk_walk import rollout_step, walk_weights
-from raysparse.runtime_config import RuntimeConfig
 
 
 class RowsDecode:
     # One-hop's Triton selection (kernels/walk_select.py): instead of ~40 kernels of ~2-3 us each per sparse
-    # layer, two launches, even in a graph. None: ``runtime.walk_select`` on CUDA tensors; tests force it.
+    # layer, two launches, even in a graph. None: the config's ``walk_select`` on CUDA tensors; tests force it.
     select: bool | None = None
 
-    def __init__(self, method: SketchWalkMethod, cache: KVCache, max_batch: int, max_blocks: int,
-                 runtime: RuntimeConfig | None = None) -> None:
+    def __init__(self, method: SketchWalkMethod, cache: KVCache, max_batch: int, max_blocks: int) -> None:
         cfg = method.config
-        self.runtime = runtime or RuntimeConfig()
         if cache.page_size != cfg.block_size:
             raise ValueError(f"the graph path needs page size == block size, got {cache.page_size} and "
                              f"{cfg.block_size}")
@@ -147,7 +144,7 @@ class RowsDecode:
         if m.head_reduce is not None:
             new = m.head_reduce(new)
         r = new.shape[-1]
-        if cfg.walk == "one-hop" and (r & (r - 1)) == 0 and self._wanted(q, self.runtime.walk_select, self.select):
+        if cfg.walk == "one-hop" and (r & (r - 1)) == 0 and self._wanted(q, cfg.walk_select, self.select):
             from raysparse.kernels.walk_select import walk_select
 
             return walk_select(self.qs[:, li], self.ks[:, li], slots, n, new, cfg.block_size, cfg.density,
@@ -189,7 +186,7 @@ class RowsDecode:
 
     @staticmethod
     def _wanted(q: torch.Tensor, enabled: bool, forced: bool | None) -> bool:
-        """A Triton path's switch: ``forced`` if set, else its runtime flag and CUDA tensors."""
+        """A Triton path's switch: ``forced`` if set, else its config switch and CUDA tensors."""
         from raysparse.kernels.dispatch import triton_wanted
 
         if forced is not None:
