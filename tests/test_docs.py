@@ -28,6 +28,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_architecture_map_names_every_module():
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    doc = doc.split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]  # the map itself, not the layer table
     for folder in ("raysparse", "kernels", "actors", "orchestration", "configs"):
         for py in (ROOT / folder).rglob("*.py"):
             if py.name == "__init__.py":
