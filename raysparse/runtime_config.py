@@ -15,12 +15,9 @@ configured, never inside a request; ``EngineConfig.runtime`` carries it to every
   symmetric memory (and the fused kernel verifies at start-up).
 - ``compiled_graph``: decode steps through a Ray compiled graph (``orchestration.replica``): ``auto`` (GPU
   groups; on the CPU its channels' spinning costs more than it saves), ``on`` or ``off``.
-- ``sw_graph_paired``: the paired Sketch&Walk scorings decode from CUDA graphs
-  (``sketch_walk_parts``); off, they decode per sequence.
-- ``part_scores`` / ``part_select``: that path's Triton part scores and its combine + part selection
-  (``kernels/part_scores.py``, ``kernels/part_select.py``) on CUDA tensors; off, their PyTorch forms.
-- ``walk_select``: one-hop Sketch&Walk's Triton selection (``kernels/walk_select.py``) on the head-mean graph
-  path; off, its PyTorch form.
+
+A method's own implementation switches are its parameters, in its config (Sketch&Walk's ``graph_paired``,
+``part_scores``, ``part_select`` and ``walk_select``: ``methods/sketch_walk_config.py``).
 """
 
 from __future__ import annotations
@@ -39,10 +36,6 @@ class RuntimeConfig:
     allreduce: str = "auto"
     fused_allreduce: bool = True
     compiled_graph: str = "auto"
-    sw_graph_paired: bool = True
-    part_scores: bool = True
-    part_select: bool = True
-    walk_select: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

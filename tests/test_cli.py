@@ -40,7 +40,9 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -
     (["run", "--cpus-per-shard", "0"], "cpus_per_shard must be > 0"),
     (["run", "--runtime", "fused_ops=fast"], "runtime.fused_ops must be one of"),
     (["run", "--runtime", "no_such_switch=1"], "unknown key 'no_such_switch'"),
-    (["serve", "--runtime", "walk_select=maybe"], "walk_select takes true or false"),
+    (["serve", "--runtime", "fused_allreduce=maybe"], "fused_allreduce takes true or false"),
+    (["serve", "--runtime", "walk_select=true"], "unknown key 'walk_select'; choose from fused_ops, allreduce, "
+                                                  "fused_allreduce, compiled_graph"),  # a Sketch&Walk parameter
     (["serve", "--runtime", "allreduce"], "expected KEY=VALUE"),
     (["bench", "--runtime", "compiled_graph=sometimes"], "runtime.compiled_graph must be one of"),
 ])
@@ -85,9 +87,9 @@ def test_runtime_flag_reaches_the_engine_config():
     from raysparse.runtime_config import RuntimeConfig
     from raysparse.serving.engine_flags import engine_config
 
-    want = RuntimeConfig(fused_ops="torch", compiled_graph="off", sw_graph_paired=False, walk_select=True)
-    flags = ["--runtime", "fused_ops=torch", "--runtime", "compiled-graph=off", "--runtime", "sw_graph_paired=off",
-             "--runtime", "walk_select=no", "--runtime", "walk_select=true"]
+    want = RuntimeConfig(fused_ops="torch", compiled_graph="off", fused_allreduce=False, allreduce="nccl")
+    flags = ["--runtime", "fused_ops=torch", "--runtime", "compiled-graph=off", "--runtime", "fused_allreduce=off",
+             "--runtime", "allreduce=symm_mem", "--runtime", "allreduce=nccl"]
     for argv in (["serve", *flags], ["bench", *flags]):
         assert engine_config(build_parser().parse_args(argv)).runtime == want
     job = job_parser().parse_args(["--input", "in.jsonl", "--output", "out.jsonl", *flags])

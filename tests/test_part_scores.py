@@ -22,8 +22,8 @@ from triton_env import DEV  # before raysparse.kernels: without a GPU it picks t
 
 import raysparse.kernels.part_scores as ps
 from raysparse.kernels.common import interpreting
+from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_parts import PartsDecode
-from raysparse.runtime_config import RuntimeConfig
 
 B = 16  # tokens per block (a KV page)
 REAL = 3  # real rows; two padded rows follow
@@ -133,13 +133,13 @@ def test_switch_picks_the_kernel(monkeypatch, flag):
     cpu = torch.zeros(1)
     monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
     for on in (True, False):
-        assert PartsDecode._wanted(cpu, getattr(RuntimeConfig(**{flag: on}), flag), None) is on
-    assert PartsDecode._wanted(cpu, getattr(RuntimeConfig(), flag), None)  # on by default
+        assert PartsDecode._wanted(cpu, getattr(SketchWalkConfig(**{flag: on}), flag), None) is on
+    assert PartsDecode._wanted(cpu, getattr(SketchWalkConfig(), flag), None)  # on by default
     assert PartsDecode._wanted(cpu, False, True)  # a forced kernel wins over the config
     monkeypatch.setenv("RAYSPARSE_KERNELS", "auto")
     assert not PartsDecode._wanted(cpu, True, None)  # CPU tensors keep PyTorch
     with pytest.raises(ValueError, match=flag):
-        RuntimeConfig(**{flag: "maybe"})
+        SketchWalkConfig(**{flag: "maybe"})
 
 
 @pytest.fixture(scope="module", params=DEVICES)

@@ -16,16 +16,14 @@ from raysparse.shard_executor import ShardExecutor
 
 
 @pytest.mark.parametrize("field,bad", [("fused_ops", "fast"), ("allreduce", "mpi"), ("compiled_graph", True),
-                                       ("fused_allreduce", "off"), ("sw_graph_paired", "off"), ("part_scores", 1),
-                                       ("part_select", None), ("walk_select", "on")])
+                                       ("fused_allreduce", "off"), ("fused_allreduce", None)])
 def test_bad_values_fail_at_construction(field, bad):
     with pytest.raises(ValueError, match=f"runtime.{field}"):
         RuntimeConfig(**{field: bad})
 
 
 def test_engine_config_carries_a_frozen_runtime():
-    rt = RuntimeConfig(fused_ops="torch", allreduce="nccl", fused_allreduce=False, compiled_graph="off",
-                       sw_graph_paired=False, part_scores=False, part_select=False, walk_select=False)
+    rt = RuntimeConfig(fused_ops="torch", allreduce="nccl", fused_allreduce=False, compiled_graph="off")
     assert EngineConfig(runtime=rt).runtime is rt
     assert EngineConfig().runtime == RuntimeConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

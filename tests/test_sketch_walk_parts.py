@@ -13,6 +13,7 @@ from helpers import DEVICES, prefill_then_decode, tiny_model, whole_model_densit
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
+from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_parts import PartsDecode, order_keys
 from raysparse.runtime_config import RuntimeConfig
 
@@ -161,26 +162,49 @@ def test_switch_and_settings_gate_the_paired_path(model):
         pytest.skip("host-side bookkeeping: the CPU run covers it")
     cache = KVCache(model.cfg, 40, 16)
 
-    def attach(max_batch: int = 2, budget: int = 8 << 30, runtime: RuntimeConfig | None = None, **params):
+    def attach(max_batch: int = 2, budget: int = 8 << 30, **params):
         backend = create_backend("sketch_walk", model.cfg,
                                  **{"block_size": 16, "density": whole_model_density(0.3, 5), **params})
-        return backend.build_batched(cache, max_batch=max_batch, state_budget_bytes=budget,
-                                   runtime=runtime), backend
+        return backend.build_batched(cache, max_batch=max_batch, state_budget_bytes=budget), backend
 
     ok, backend = attach()  # the default scoring: on by default
     assert ok and isinstance(backend.batch_decoder, PartsDecode)
-    assert backend.batch_decoder.runtime == RuntimeConfig()
-    ok, backend = attach(runtime=RuntimeConfig(sw_graph_paired=False))
+    assert backend.batch_decoder.cfg.part_scores and backend.batch_decoder.cfg.part_select  # kernels on by default
+    ok, backend = attach(graph_paired=False)
     assert not ok and backend.batch_decoder is None
-    runtime = RuntimeConfig(part_scores=False)
-    ok, backend = attach(runtime=runtime)
-    assert ok and backend.batch_decoder.runtime is runtime  # the path's kernels follow the engine's config
-    with pytest.raises(ValueError, match="sw_graph_paired"):
-        RuntimeConfig(sw_graph_paired="off")
+    ok, backend = attach(part_scores=False)
+    assert ok and backend.batch_decoder.cfg is backend.config  # the path's kernels follow the method's config
+    assert not backend.batch_decoder.cfg.part_scores and backend.batch_decoder.cfg.part_select
+    with pytest.raises(ValueError, match="graph_paired"):
+        create_backend("sketch_walk", model.cfg, graph_paired="off")
     assert not attach(walk="product", decode_unit="block")[0]
     assert not attach(token_query="never")[0]
     assert not attach(heads="kv")[0]
     assert not attach(block_size=32)[0]  # page size != block size
+
+
+@pytest.mark.parametrize("field,bad", [("graph_paired", "off"), ("part_scores", 1), ("part_select", None),
+                                       ("walk_select", "on")])
+def test_bad_switch_values_fail_at_construction(field, bad):
+    with pytest.raises(ValueError, match=f"{field} must be true or false"):
+        SketchWalkConfig(**{field: bad})
+
+
+def test_the_switches_are_the_methods_parameters_not_the_engines():
+    from dataclasses import fields
+
+    from helpers import tiny_hf_config
+
+    from raysparse.config import ModelConfig
+    from raysparse.methods.registry import get_method
+
+    switches = {"graph_paired", "part_scores", "part_select", "walk_select"}
+    assert switches <= get_method("sketch_walk").params
+    assert not switches & {f.name for f in fields(RuntimeConfig)}
+    cfg = ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=4))
+    got = create_backend("sketch_walk", cfg, **{name: False for name in switches}).config
+    assert not any(getattr(got, name) for name in switches)
+    assert all(getattr(SketchWalkConfig(), name) for name in switches)  # on by default
 
 
 def test_state_is_one_page_indexed_allocation(model, caplog):

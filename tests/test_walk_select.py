@@ -25,21 +25,19 @@ from raysparse.config import ModelConfig
 from raysparse.kernels.walk_select import ZERO_Y, walk_select
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
-from raysparse.methods.sketch_walk_config import GRAPH_DECODE
+from raysparse.methods.sketch_walk_config import GRAPH_DECODE, SketchWalkConfig
 from raysparse.methods.sketch_walk_rows import RowsDecode
-from raysparse.runtime_config import RuntimeConfig
 
 B = 16
 SLOTS = 4  # 3 real slots + the scratch slot
 
 
-def _path(params: dict, width: int, runtime: RuntimeConfig | None = None) -> RowsDecode:
+def _path(params: dict, width: int) -> RowsDecode:
     cfg = ModelConfig.from_hf(tiny_hf_config(num_kv_heads=2, group=2, layers=4))
     # No dense layer: --density is then each layer's budget exactly, which the kernel takes (and its ties need)
     method = create_backend("sketch_walk", cfg, block_size=B,
                             **{"walk": "one-hop", "dense_layers": (), **GRAPH_DECODE, **params})
-    return RowsDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width,
-                                 runtime=runtime)
+    return RowsDecode(method, KVCache(cfg, width, B, device=DEV), max_batch=SLOTS - 1, max_blocks=width)
 
 
 def _draw(g: torch.Generator, path: RowsDecode, width: int, local: int):
@@ -155,7 +153,7 @@ def test_graph_decode_with_the_kernel(monkeypatch, token_query):
 
 
 def test_one_hop_state_has_no_w(monkeypatch):
-    """One-hop never reads W: the graph path allocates none and budgets none; ``runtime.walk_select``
+    """One-hop never reads W: the graph path allocates none and budgets none; the parameter ``walk_select``
     switches the kernel."""
     hop, roll = _path({}, 16), _path({"walk": "rollout"}, 16)
     assert hop.w is None and roll.w is not None
@@ -164,8 +162,8 @@ def test_one_hop_state_has_no_w(monkeypatch):
     assert RowsDecode.state_bytes(roll.m, 16) == layers * (4 * 16**2 + 8 * 16 * r)
     q = torch.zeros(1, 4, 16, device=DEV)
     monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
-    assert hop.runtime.walk_select and hop._wanted(q, hop.runtime.walk_select, hop.select)  # on by default
-    off = _path({}, 16, RuntimeConfig(walk_select=False))
-    assert not off._wanted(q, off.runtime.walk_select, off.select)
+    assert hop.cfg.walk_select and hop._wanted(q, hop.cfg.walk_select, hop.select)  # on by default
+    off = _path({"walk_select": False}, 16)
+    assert not off._wanted(q, off.cfg.walk_select, off.select)
     with pytest.raises(ValueError, match="walk_select"):
-        RuntimeConfig(walk_select="yes")
+        SketchWalkConfig(walk_select="yes")

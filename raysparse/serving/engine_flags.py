@@ -50,7 +50,7 @@ def add_runtime_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", action="append", default=[], metavar="KEY=VALUE",
                    help="a runtime switch of the shards (repeatable), one of: "
                         f"{', '.join(f.name for f in fields(RuntimeConfig))}; e.g. --runtime fused_ops=torch "
-                        "--runtime sw_graph_paired=false (see raysparse/runtime_config.py)")
+                        "--runtime fused_allreduce=false (see raysparse/runtime_config.py)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
