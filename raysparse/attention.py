@@ -128,6 +128,31 @@ class AttentionBackend(ABC):
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         """q: [num_seqs, num_heads, head_dim], one new token per sequence."""
 
+    # ---- the layers' plan -----------------------------------------------------------------------
+    # As FlashInfer's wrappers plan before they run: what every layer of one step shares (budgets, row lists,
+    # masks built from the batch's lengths) is built once, before the model's layers, by ``plan_layers``; each
+    # layer's ``prefill`` / ``decode`` reads it (``layer_plan``) instead of building it at the step's first
+    # layer and caching it there.
+    def plan_layers(self, cache: KVCache, batch: BatchMeta) -> Any:
+        """This backend's state for the step ``batch``, shared by every layer of it; None (the default) where
+        it needs none. Called once per step before the layers (``begin_step``); inside a captured decode step
+        it is captured with the step, so it reads the batch's device tensors, not its host lists."""
+        return None
+
+    def begin_step(self, cache: KVCache, batch: BatchMeta) -> None:
+        """Plans the step for this backend and every backend it wraps; the model's forward calls it once per
+        step, before its first layer."""
+        for b in (self, *self.wrapped_backends()):
+            batch.extras[("plan", id(b))] = b.plan_layers(cache, batch)
+
+    def layer_plan(self, cache: KVCache, batch: BatchMeta) -> Any:
+        """The plan ``begin_step`` built for this step (``plan_layers``'s). A layer driven on its own, outside a
+        model's forward (a test of one layer), plans the step here first."""
+        key = ("plan", id(self))
+        if key not in batch.extras:
+            batch.extras[key] = self.plan_layers(cache, batch)
+        return batch.extras[key]
+
     def release(self, seq_id: int) -> None:  # noqa: B027 - an optional hook, not abstract
         """Drops any per-sequence state the backend keeps outside the cache."""
 

@@ -139,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(batch.positions, h.dtype)
         mlp = None
         fused = fused_ops(h, self.fused_mode) is not None
+        backend.begin_step(cache, batch)  # the method's per-step state, once, before the layers read it
         for i, layer in enumerate(self.model.layers):
             if fused:  # each MLP's residual add rides in the next layer's fused input norm
                 h, mlp = layer.forward_pending(h, mlp, cos, sin, cache, batch, backend)

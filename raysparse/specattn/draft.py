@@ -104,6 +104,7 @@ def draft_forward(model: LlamaForCausalLM, layers: Sequence[int], input_ids: tor
     Returns the logits of each sequence's last token [num_seqs, V] (fp32)."""
     h = model.model.embed_tokens(input_ids)
     cos, sin = model.rotary(batch.positions, h.dtype)
+    backend.begin_step(cache, batch)  # as the model's forward: the step planned before its layers
     for i in layers:
         h = model.model.layers[i](h, cos, sin, cache, batch, backend)
     h = h[batch.last_token_rows()]
