@@ -816,11 +816,16 @@ def test_shard_executor_binds_every_backend_it_creates():
     seen: list[tuple[object, ShardContext]] = []
 
     class Recording(DenseAttention):
+        wraps: tuple[DenseAttention, ...] = ()
+
         def bind(self, shard: ShardContext) -> None:
             seen.append((self, shard))
 
+        def wrapped_backends(self) -> tuple[DenseAttention, ...]:
+            return self.wraps
+
     outer, inner = Recording(1), Recording(1)
-    outer.base = inner  # type: ignore[attr-defined]
+    outer.wraps = (inner,)
     ctx = ShardContext(max_batch=8, all_reduce=lambda t: t)
     bind_backend(outer, ctx)
     assert seen == [(outer, ctx), (inner, dataclasses.replace(ctx, max_batch=None))]
