@@ -24,7 +24,13 @@ from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
 from .kernel_path import ENV, HAS_TRITON, triton_wanted, use_triton
 from .paged_rows import paged_rows_decode_cpu
-from .paged_torch import block_sparse_prefill_torch, paged_decode_torch, paged_window_decode_cpu, window_pages
+from .paged_torch import (
+    block_sparse_prefill_torch,
+    paged_decode_torch,
+    paged_dense_decode_cpu,
+    paged_window_decode_cpu,
+    window_pages,
+)
 from .scorer_dispatch import (
     collision_scores,
     collision_scores_varlen,
@@ -162,6 +168,15 @@ def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
         return sparse_decode_attention_varlen(q, kv, indices, unit)
     return paged_decode_torch(q, kv, indices, unit)
+
+
+def paged_dense_decode(q: torch.Tensor, kv: PagedKV, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, h, d] over every key of each sequence (``blocks``: every page of each row, the dense decode as a
+    block selection): the split-K decode over the block lists where the kernels run, elsewhere each sequence's
+    pages read in place as runs of consecutive pages (``paged_dense_decode_cpu``, no copy of the keys)."""
+    if q.is_cuda or use_triton(q, kv.k, blocks, head_dim=q.shape[-1]):
+        return paged_decode_attention(q, kv, blocks, unit=kv.k.shape[2])
+    return paged_dense_decode_cpu(q, kv)
 
 
 def paged_rows_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit: int, row_seq: torch.Tensor,

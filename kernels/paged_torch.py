@@ -77,6 +77,70 @@ def paged_decode_torch(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit
     return _fused_cpu(q, k, v, ok, scale)
 
 
+# Runs of consecutive pages a CPU dense decode reads in place; a sequence scattered over more is gathered once.
+_MAX_RUNS = 8
+
+
+def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """A sequence's physical pages as runs of consecutive ones: (first logical page, first physical page, count)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == p:
+            start, first, m = runs[-1]
+            runs[-1] = (start, first, m + 1)
+        else:
+            runs.append((i, p, 1))
+    return runs
+
+
+def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV,
+                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, h, d] (each row's newest position) over every key of its sequence, on the CPU, read in place.
+
+    Each sequence's pages are read as views of runs of consecutive physical pages (the allocators hand a
+    sequence its pages in order, so a run is usually the whole sequence): one product of the group's query
+    heads with the run's [pages, h_kv, page, d] tiles, the scores' softmax over the whole sequence, one product
+    with the value tiles. Gathering the tiles first copies every key and value of the layer at every step and
+    costs more than attending them. Returns (out, lse) as ``paged_decode_torch``."""
+    b, h, d = q.shape
+    h_kv, page = kv.k.shape[1], kv.k.shape[2]
+    g = h // h_kv
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    out = torch.zeros_like(q)
+    lse = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
+    lens = kv.seqlens.tolist()
+    table = kv.page_table.tolist()
+    for i in range(b):
+        n = lens[i]
+        if n <= 0:
+            continue
+        m = -(-n // page)
+        runs = page_runs(table[i][:m])
+        if len(runs) > _MAX_RUNS:
+            idx = kv.page_table[i, :m].long()
+            tiles = [(kv.k.index_select(0, idx), kv.v.index_select(0, idx))]
+        else:
+            tiles = [(kv.k[p: p + c], kv.v[p: p + c]) for _, p, c in runs]
+        qi = q[i].view(1, h_kv, g, d)
+        scores = [torch.matmul(qi, kt.transpose(-1, -2).to(q.dtype)) for kt, _ in tiles]  # [c, h_kv, g, page]
+        s = (scores[0] if len(scores) == 1 else torch.cat(scores)).float()
+        s = s.permute(1, 2, 0, 3).reshape(h_kv, g, m * page).mul_(scale)
+        if n < m * page:
+            s[..., n:] = -math.inf
+        row_lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - row_lse[..., None]).to(q.dtype).view(h_kv, g, m, page).permute(2, 0, 1, 3)
+        o = None
+        start = 0
+        for _, vt in tiles:
+            c = vt.shape[0]
+            part = torch.matmul(p[start: start + c], vt.to(q.dtype)).sum(0)  # [h_kv, g, d]
+            o = part if o is None else o + part
+            start += c
+        out[i] = o.reshape(h, d)
+        lse[i] = row_lse.reshape(h)
+    return out, lse
+
+
 def paged_decode_fp32(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit: int = 1,
                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode_torch`` in fp32 products on any device: the selected rows gathered, then scores, a

@@ -226,6 +226,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     n_q, n_k = q.shape[0], k.shape[1]
     if n_q == 1 and q.is_cuda:
         return _decode_attention(q, k, v, scale)
+    if 1 < n_q < n_k and not q.is_cuda:
+        return _chunk_attention_cpu(q, k, v, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, n_q, d]
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)
     if n_q == 1:
@@ -239,6 +241,28 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )
     return out[0].transpose(0, 1)
+
+
+def _chunk_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """A prompt chunk's n_q queries (the last of n_k positions) on the CPU: the earlier keys attended with no
+    mask (each KV head's query heads as one block of rows over its keys, no repeat), the chunk's own keys
+    causally, by two calls of the fused CPU flash attention merged by their log-sum-exp. One call with a
+    boolean mask over every key costs that kernel a third more, and the mask itself is n_q x n_k."""
+    n_q, h, d = q.shape
+    h_kv, n_k = k.shape[0], k.shape[1]
+    g, p = h // h_kv, n_k - n_q
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    heads = q.view(n_q, h_kv, g, d).permute(1, 2, 0, 3)  # [h_kv, g, n_q, d]
+    o1, l1 = op(heads.reshape(1, h_kv, g * n_q, d), k[None, :, :p], v[None, :, :p], scale=scale)
+    own_k = k[:, p:, None].expand(h_kv, n_q, g, d).transpose(1, 2).reshape(1, h, n_q, d)
+    own_v = v[:, p:, None].expand(h_kv, n_q, g, d).transpose(1, 2).reshape(1, h, n_q, d)
+    o2, l2 = op(heads.reshape(1, h, n_q, d), own_k, own_v, is_causal=True, scale=scale)
+    l1, l2 = l1.reshape(h, n_q, 1).float(), l2.reshape(h, n_q, 1).float()
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+    out = (o1.reshape(h, n_q, d).float() * w1 + o2.reshape(h, n_q, d).float() * w2) / (w1 + w2)
+    return out.to(q.dtype).transpose(0, 1)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -278,12 +302,11 @@ class DenseAttention(AttentionBackend):
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         # Every sequence's whole block list over its pages, read in place: one split-K kernel on GPUs (a decode
-        # step's host time is what bounds it), one fused flash-attention call over page tiles on CPUs (about
-        # twice as fast there as gathering each sequence's K/V and calling SDPA per sequence).
-        from raysparse.kernels.dispatch import paged_decode_attention
+        # step's host time is what bounds it), each sequence's runs of consecutive pages as views on CPUs.
+        from raysparse.kernels.dispatch import paged_dense_decode
 
         kv, blocks = cache.paged(layer, batch)
-        out, _ = paged_decode_attention(q, kv, blocks, unit=cache.page_size)
+        out, _ = paged_dense_decode(q, kv, blocks)
         for n in batch.ctx_lens:
             self.meter.add(layer, n * cache.num_kv_heads, n * cache.num_kv_heads, decode=True)
         return out

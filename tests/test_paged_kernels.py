@@ -208,3 +208,58 @@ def test_paged_group_probs_match_torch(width: int, g_heads: int):
         got_in = inside & ~kept
         assert torch.equal(want_sel[got_in], want[got_in]), f"seed {seed}"
         torch.testing.assert_close(sel[got_in], want[got_in], rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("scatter", ["in_order", "runs", "scattered"])
+def test_dense_decode_in_place_matches_the_gathered_form(scatter: str):
+    """The CPU's dense decode, reading runs of consecutive pages in place, against the gathered fp32 form over
+    every page, on a ragged batch (an empty row, a partial last page, one page) whose pages lie in order, in a few
+    runs, or scattered past the in-place limit."""
+    from raysparse.kernels.paged_torch import page_runs, paged_decode_fp32, paged_dense_decode_cpu
+
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    page, h_kv, grp, d = 8, 3, 3, 16
+    lens = [0, 75, 8, 130, 1]
+    pages = 64
+    width = max(-(-n // page) for n in lens)
+    table = torch.full((len(lens), width), pages, dtype=torch.int32)
+    order = torch.randperm(pages, generator=g)
+    used = 0
+    for i, n in enumerate(lens):
+        m = -(-n // page)
+        if scatter == "in_order":
+            row = torch.arange(used, used + m)
+        elif scatter == "runs":  # two or three runs of consecutive pages
+            cut = m // 2
+            row = torch.cat([torch.arange(40 - cut, 40), torch.arange(used, used + m - cut)])
+        else:
+            row = order[used: used + m]
+        table[i, :m] = row.to(torch.int32)
+        used += m
+    k = torch.randn(pages + 1, h_kv, page, d, generator=g)
+    v = torch.randn(pages + 1, h_kv, page, d, generator=g)
+    q = torch.randn(len(lens), h_kv * grp, d, generator=g)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    if scatter == "scattered":
+        assert len(page_runs(table[3, : -(-lens[3] // page)].tolist())) > 8, f"seed {seed}"
+    kv = PagedKV(k, v, table, seqlens)
+    blocks = torch.arange(width, dtype=torch.int32)[None, None, :].expand(len(lens), h_kv, -1).clone()
+    past = torch.arange(width)[None, None, :].expand_as(blocks) >= (-(-seqlens.long() // page))[:, None, None]
+    blocks[past] = SENTINEL
+    want, want_lse = paged_decode_fp32(q, kv, blocks, page)
+    got, lse = paged_dense_decode_cpu(q, kv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+    assert (got[0] == 0).all() and torch.isneginf(lse[0]).all(), f"seed {seed}"
+
+
+def test_page_runs():
+    assert page_runs_of([5, 6, 7, 2, 3, 9]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)]
+    assert page_runs_of([]) == []
+
+
+def page_runs_of(pages: list[int]) -> list[tuple[int, int, int]]:
+    from raysparse.kernels.paged_torch import page_runs
+
+    return page_runs(pages)
