@@ -76,7 +76,7 @@ class Engine:
         import ray
 
         from raysparse.loader import load_hf_config, load_tokenizer, materialize, resolve_source
-        from raysparse.orchestration.ray_env import start_ray
+        from raysparse.orchestration.ray_env import local_instance, start_ray
 
         self.state = "loading"
         self._owns_ray = start_ray(self.cfg.address, self.cfg.num_cpus)
@@ -103,7 +103,7 @@ class Engine:
             self.use_gpu = self.cfg.device == "cuda" or (self.cfg.device == "auto" and gpus >= self.cfg.tp)
             spec = ShardSpec(str(src.directory), self.cfg.dtype, self.cfg.kv_cache_tokens, self.cfg.page_size,
                              self.cfg.random_weights, self.cfg.seed,
-                             num_threads=shard_threads(self.cfg, self.use_gpu, self._owns_ray),
+                             num_threads=shard_threads(self.cfg, self.use_gpu, local_instance()),
                              cuda_graphs=self.cfg.cuda_graphs, max_batch=self.cfg.max_batch, runtime=self.cfg.runtime)
             # appended one by one: a failure part way leaves the runners built so far to ``shutdown``
             for runner in replica_runners(self.cfg, spec, self.use_gpu, self.tokenizer, self.name):

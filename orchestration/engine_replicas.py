@@ -20,12 +20,12 @@ from raysparse.orchestration.runner import ReplicaRunner
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
 
 
-def shard_threads(cfg: EngineConfig, use_gpu: bool, owns_ray: bool) -> int | None:
-    """Torch threads of each CPU shard. On the local instance this engine started, its shards are all there
-    is, so they split its cores (a TP=1 engine takes them all; the draft actor runs between the verifier's
-    steps). On a cluster a shard cannot know its node's other tenants: None keeps the worker's own
-    default, half its node's cores."""
-    if use_gpu or not owns_ray:
+def shard_threads(cfg: EngineConfig, use_gpu: bool, local: bool) -> int | None:
+    """Torch threads of each CPU shard. On a local instance this process started (``local``: the engine's
+    own, or the server's in front of it), its shards are all there is, so they split its cores (a TP=1 engine
+    takes them all; the draft actor runs between the verifier's steps). On a cluster a shard cannot know its
+    node's other tenants: None keeps the worker's own default, half its node's cores."""
+    if use_gpu or not local:
         return None
     cores = cfg.num_cpus or os.cpu_count() or 1
     return max(1, cores // (cfg.tp * cfg.replicas))

@@ -58,6 +58,16 @@ def _restore_sigterm(handler: Any) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def local_instance() -> bool:
+    """Whether this process started the Ray instance it is connected to (``start_ray`` without an address,
+    called by this engine or by the server in front of it): that instance's cores are this process's to share
+    out among its shards."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    return ray.is_initialized() and node is not None and bool(node.head)
+
+
 def stop_ray(grace_s: float = 5.0) -> list[int]:
     """Stops the local Ray instance this process started, every process of it included, and returns the pids
     that were still alive after ``ray.shutdown()`` and had to be ended here.

@@ -484,3 +484,11 @@ def test_committed_stubs_match_the_proto(tmp_path):
                     "--pyi_out=.", str(rel / "raysparse.proto")], cwd=tmp_path, check=True, timeout=120)
     for name in ("raysparse_pb2.py", "raysparse_pb2_grpc.py", "raysparse_pb2.pyi"):
         assert (tmp_path / rel / name).read_text() == (root / rel / name).read_text(), f"{name} is stale"
+
+
+def test_the_shards_of_a_server_started_instance_split_its_cores(served):
+    """The server starts the local Ray instance before the engine joins it; the engine's CPU shards still split
+    that instance's cores (here num_cpus=2, one shard: 2 threads), as when the engine starts Ray itself."""
+    srv, _, _ = served
+    threads = srv.engine.runners[0].group.call("__ray_call__", lambda worker: torch.get_num_threads())
+    assert threads == [2]
