@@ -18,6 +18,8 @@ tests, which must set TRITON_INTERPRET before Triton is imported) are unaffected
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import reference as ref
@@ -256,9 +258,50 @@ def dense_rows_attention_varlen(q: torch.Tensor, kv: KVSource, row_tok: torch.Te
     return tuple(torch.cat(t) for t in zip(*parts, strict=True))
 
 
+# ---- Quest: its decode and prefill page scores and its bounds' update -----------------------------------------
+
+def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
+                       seqlens: torch.Tensor, quest_page: int) -> torch.Tensor:
+    """Quest's decode page scores of a batch from the per-page bounds (``paged_quest``): fp32 [B, h_kv, W * S],
+    +inf for the forced pages, -inf past a row's last page."""
+    from . import paged_quest
+
+    fn = paged_quest.paged_quest_scores if triton_wanted(q, lo) else paged_quest.paged_quest_scores_torch
+    return fn(q, lo, hi, page_table, seqlens, quest_page)
+
+
+def quest_prefill_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
+                         seqlens: torch.Tensor, cu_q: torch.Tensor, row_seq: torch.Tensor, row_qb: torch.Tensor,
+                         block: int, quest_page: int, nkb: int) -> torch.Tensor:
+    """Quest's prefill block scores of a batch's query blocks from the per-page bounds (``quest_prefill``):
+    fp32 [h_kv, R, nkb], -inf past each row's diagonal."""
+    from . import quest_prefill
+
+    fn = quest_prefill.quest_prefill_scores if triton_wanted(q, lo) else quest_prefill.quest_prefill_scores_torch
+    return fn(q, lo, hi, page_table, seqlens, cu_q, row_seq, row_qb, block, quest_page, nkb)
+
+
+def update_quest_bounds(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pages: torch.Tensor,
+                        offsets: torch.Tensor, quest_page: int) -> None:
+    """Recomputes in place the bounds ``lo, hi [num_pages + 1, h_kv, S, d]`` of the Quest page each listed token
+    (cache page ``pages[i]``, slot ``offsets[i]``) lies in, from the layer's paged keys ``k`` up to that token
+    (``quest_bounds.update_page_bounds``: one launch; the PyTorch form here is its oracle and the CPU path)."""
+    if use_triton(lo, offsets, head_dim=lo.shape[-1]):
+        from .quest_bounds import update_page_bounds
+
+        update_page_bounds(k, lo, hi, pages, offsets, quest_page)
+        return
+    sub = offsets // quest_page
+    cols = torch.arange(quest_page, device=offsets.device)
+    keys = k[pages[:, None], :, sub[:, None] * quest_page + cols]  # [M, quest_page, h_kv, d]
+    valid = (cols <= offsets[:, None] % quest_page)[..., None, None]
+    lo[pages, :, sub] = torch.where(valid, keys, math.inf).amin(1).to(lo.dtype)
+    hi[pages, :, sub] = torch.where(valid, keys, -math.inf).amax(1).to(hi.dtype)
+
+
 __all__ = ["ENV", "HAS_TRITON", "block_sparse_attention", "block_sparse_attention_varlen", "collision_scores",
            "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen", "lsh_bucket_ids",
-           "paged_group_probs", "quest_page_bounds",
-           "quest_page_scores", "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen",
+           "paged_group_probs", "paged_quest_scores", "quest_page_bounds", "quest_page_scores",
+           "quest_prefill_scores", "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen",
            "srht_apply", "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted",
-           "use_triton"]
+           "update_quest_bounds", "use_triton"]
