@@ -125,6 +125,16 @@ class SocketHardConfig(SocketConfig):
     hard: bool = True
 
 
+@dataclass(frozen=True)
+class SocketStep:
+    """What every sparse layer of a batched decode step reads (``Socket.plan_layers``)."""
+
+    sink: torch.Tensor  # [B] forced sink tokens per row
+    local: torch.Tensor  # [B] forced local window per row
+    top: torch.Tensor  # [B h_kv] scored tokens per (row, KV head)
+    bias: torch.Tensor | None  # off Triton: the forced (+inf) and past-the-length (-inf) tokens' score bias
+
+
 class Socket(SparseMethod):
     name = "socket"
     config_cls = SocketConfig
@@ -294,18 +304,22 @@ class Socket(SparseMethod):
             k = b - sink - local
         return sink, local, torch.minimum(k.clamp(min=0), n - sink - local)
 
-    def _step_rows(self, view: DecodeView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's per-row budget, the same at every sparse layer (one density for all of them), so computed
-        by the step's first SOCKET layer and kept in ``batch.extras``: each row's forced sink and local window
-        [B] (the scorer writes them as +inf, the list selection's forced encoding) and each (row, KV head)'s k
-        [B h_kv]."""
-        h_kv = view.kv.k.shape[1]
-        key = ("socket-step", id(self), h_kv)  # the method's frozen config fixes the rule
-        got = view.batch.extras.get(key)
-        if got is None:
-            sink, local, top = self._budget_rows(view.seqlens.long()[:, None])
-            got = view.batch.extras[key] = (sink.flatten(), local.flatten(), top.expand(-1, h_kv).flatten())
-        return got
+    def plan_layers(self, cache: KVCache, batch: BatchMeta) -> SocketStep | None:
+        """A batched decode step's budget, the same at every sparse layer (one density for all of them): each
+        row's forced sink and local window [B] (the scorer writes them as +inf, the list selection's forced
+        encoding), each (row, KV head)'s k [B h_kv], and off Triton the forced and past-the-length tokens' bias
+        of the collision scores. None for a prefill, or a decode on the per-sequence path."""
+        if batch.is_prefill or self.tracer is not None:
+            return None
+        kv, _ = cache.paged(0, batch)
+        h_kv, width = cache.num_kv_heads, kv.page_table.shape[1] * cache.page_size
+        sink, local, top = self._budget_rows(kv.seqlens.long()[:, None])
+        sink, local, top = sink.flatten(), local.flatten(), top.expand(-1, h_kv).flatten()
+        bias = None
+        k_max = self.budget(width)[2] if self.config.top_k is None else min(self.config.top_k, width)
+        if k_max > 0 and not triton_wanted(kv.seqlens, cache.k[0]):  # q and the pools live on the cache's device
+            bias = forced_bias((sink, local), kv.seqlens, width)
+        return SocketStep(sink, local, top, bias)
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         """The batch's selection ``[B, h_kv, W]`` (``SparseMethod.decode_select``)."""
@@ -313,7 +327,8 @@ class Socket(SparseMethod):
         ids_pool, norm_pool = self.page_pools(layer, view.cache)
         h_kv = ids_pool.shape[1]
         k_max = self.budget(width)[2] if c.top_k is None else min(c.top_k, width)
-        sink, local, top = self._step_rows(view)
+        step = self.layer_plan(view.cache, view.batch)
+        sink, local, top = step.sink, step.local, step.top
         if k_max == 0:
             # No row of the bucket scores a token (the budget holds no more than the sinks and the local window,
             # k non-decreasing in n): the selection is the forced tokens, so the collision scores are not computed.
@@ -325,12 +340,8 @@ class Socket(SparseMethod):
             args = (probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens, (sink, local))
             if triton_wanted(q, ids_pool):
                 score = paged_collision(*args)
-            else:  # the forced and past-the-length tokens' bias is the step's, the same at every layer: built once
-                key = ("socket-bias", id(self), width)
-                bias = view.batch.extras.get(key)
-                if bias is None:
-                    bias = view.batch.extras[key] = forced_bias((sink, local), view.seqlens, width)
-                score = paged_collision_torch(*args, bias=bias)
+            else:  # the forced and past-the-length tokens' bias is the step's (``plan_layers``)
+                score = paged_collision_torch(*args, bias=step.bias)
         out_width = min(width, min(c.sink_tokens, width) + min(c.local_tokens, width) + k_max)
         return select_list(score.flatten(0, 1), top, k_max, max(out_width, 1)).view(*score.shape[:2], -1)
 
