@@ -56,6 +56,17 @@ def _closing_rows(batch: BatchMeta, p: int, device: torch.device) -> torch.Tenso
 
 
 @dataclass(frozen=True)
+class QuestStep:
+    """What every sparse layer of one step reads (``Quest.plan_layers``). Prefill: the tokens whose Quest page
+    the step's bounds update recomputes (``_closing_rows``) and the packed lists' static widths
+    (``list_widths``, None off the batched prefill); decode: each (row, KV head)'s page count k [B h_kv]."""
+
+    closing_rows: torch.Tensor | None = None
+    widths: tuple[int, int] | None = None
+    decode_k: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class QuestConfig(MethodConfig):
     page_size: int = 16
 
@@ -119,15 +130,31 @@ class Quest(SparseMethod):
         return (cache.page_pool(key + ("min",), per_page, cache.dtype),
                 cache.page_pool(key + ("max",), per_page, cache.dtype))
 
+    def plan_layers(self, cache: KVCache, batch: BatchMeta) -> QuestStep | None:
+        """The step's row sets and budgets, functions of the batch's lengths alone and so the same at every
+        sparse layer (one density): built once, before the layers."""
+        if not self.sparse_layers():
+            return None
+        p = self.config.page_size
+        if batch.is_prefill:
+            widths = None
+            if self.tracer is None and cache.page_size == self.config.block_size:
+                widths = self.list_widths(batch.q_lens, batch.ctx_lens)
+            return QuestStep(closing_rows=_closing_rows(batch, p, batch.slot_offsets.device), widths=widths)
+        if self.tracer is not None:
+            return None
+        n_pages = (cache.paged(0, batch)[0].seqlens.long() + p - 1) // p
+        forced = torch.where(n_pages == 1, 1, 2)
+        kk = (row_budget(self.layer_density, n_pages) - forced).clamp(min=0)  # [B]
+        return QuestStep(decode_k=kk.repeat_interleave(cache.num_kv_heads))
+
     def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
         """Recomputes the bounds of each Quest page a step ends in (its keys up to the newest): a decode
         step's every row, and in prefill the tokens that close a Quest page or end a sequence's chunk."""
         p = self.config.page_size
         pages, offs = batch.slot_pages, batch.slot_offsets
         if batch.is_prefill:
-            rows = batch.extras.get(("quest-closing-rows", p))
-            if rows is None:  # built by the step's first layer, read by the rest
-                rows = batch.extras[("quest-closing-rows", p)] = _closing_rows(batch, p, offs.device)
+            rows = self.layer_plan(cache, batch).closing_rows
             pages, offs = pages[rows], offs[rows]
         lo_pool, hi_pool = self._pools(layer, cache)
         # one launch; the PyTorch form below is its oracle and the CPU path
@@ -151,15 +178,7 @@ class Quest(SparseMethod):
         args = (q, lo_pool, hi_pool, view.kv.page_table, view.seqlens, p)
         # +inf: forced (the first and current page); -inf: past the row's pages.
         score = paged_quest_scores(*args) if triton_wanted(q, lo_pool) else paged_quest_scores_torch(*args)
-        # Each (row, KV head)'s k is a function of the lengths alone, the same at every sparse layer (one
-        # density): built by the step's first layer, reused by the others.
-        key = ("quest-step", id(self), score.shape[1])
-        kk = view.batch.extras.get(key)
-        if kk is None:
-            n_pages = (view.seqlens.long() + p - 1) // p
-            forced = torch.where(n_pages == 1, 1, 2)
-            kk = (row_budget(self.layer_density, n_pages) - forced).clamp(min=0)  # [B]
-            kk = view.batch.extras[key] = kk.repeat_interleave(score.shape[1])
+        kk = self.layer_plan(view.cache, view.batch).decode_k  # the lengths' alone: the step's (``plan_layers``)
         pages = score.shape[-1]
         k_max = max(self._static_width(pages) - 2, 0)
         return select_list(score.flatten(0, 1), kk, k_max, self._static_width(pages)).view(*score.shape[:2], -1)
@@ -188,10 +207,7 @@ class Quest(SparseMethod):
         args = (q, lo_pool, hi_pool, view.kv.page_table, view.kv.seqlens, view.cu_q_dev, rows.seq, qb, b, p, nkb)
         # [h_kv, R, nkb], -inf past each row's diagonal: those blocks are excluded.
         score = quest_prefill_scores(*args) if triton_wanted(q, lo_pool) else quest_prefill_scores_torch(*args)
-        key = ("quest_widths", b, self.layer_density)
-        if key not in view.batch.extras:
-            view.batch.extras[key] = self.list_widths(view.batch.q_lens, view.batch.ctx_lens)
-        return view.packed(self.packed_lists(score, qb, nkb, *view.batch.extras[key]), b)
+        return view.packed(self.packed_lists(score, qb, nkb, *self.layer_plan(view.cache, view.batch).widths), b)
 
     def packed_lists(self, score: torch.Tensor, qb: torch.Tensor, nkb: int, k_max: int, width: int) -> torch.Tensor:
         """Packed rows' block lists [h_kv, R, width] from their scores (overwritten: the sink and the diagonal
