@@ -141,10 +141,23 @@ class SpecAttn(VerificationPaths, SparseMethod):
         self._plans.clear()
 
     # ---- the AttentionBackend seam ------------------------------------------------------------------
-    def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+    def _batched_plans(self, batch: BatchMeta) -> list[VerifyPlan] | None:
+        """The step's verification plans when it verifies on the batched seam (every sequence has one, no
+        tracer); None for a prompt's prefill or the per-sequence reference."""
         plans = [self._plans.get(sid) for sid in batch.seq_ids]
-        if self.tracer is None and plans and all(p is not None for p in plans):
-            return self._verify_batched(layer, q, cache, batch, plans)  # type: ignore[arg-type]
+        if self.tracer is None and batch.is_prefill and plans and all(p is not None for p in plans):
+            return plans  # type: ignore[return-value]
+        return None
+
+    def plan_layers(self, cache: KVCache, batch: BatchMeta) -> Any:
+        """A batched verification step's rows and key lists (``_verify_rows``), the same at every layer."""
+        plans = self._batched_plans(batch)
+        return None if plans is None else self._verify_rows(cache, batch, plans)
+
+    def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
+        plans = self._batched_plans(batch)
+        if plans is not None:
+            return self._verify_batched(layer, q, cache, batch, plans)
         return self._prefill_reference(layer, q, cache, batch)
 
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:

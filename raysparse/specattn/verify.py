@@ -84,6 +84,7 @@ class VerificationPaths:
     tracer: Callable[..., None] | None
     meter: DensityMeter
     is_dense_layer: Callable[[int], bool]
+    layer_plan: Callable[[KVCache, BatchMeta], Any]  # the step's rows (``AttentionBackend.layer_plan``)
 
     def _verify_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta,
                         plans: list[VerifyPlan]) -> torch.Tensor:
@@ -92,11 +93,9 @@ class VerificationPaths:
         the shared paged attend reads each row's keys in place, with no gather: the whole pages at dense
         layers and full plans, the planned key list of the row's sequence (per KV head, the draft layer's
         chunks then the new tokens, in token units) at sparse layers. The rows and lists are built once per
-        step, at its first layer. Density and KV reads are host arithmetic on the plans, as the reference's."""
-        rows = batch.extras.get("specattn_rows")
-        if rows is None:
-            rows = batch.extras["specattn_rows"] = self._verify_rows(cache, batch, plans)
-        table, seqlens, row_seq, row_len, blocks, tokens = rows
+        step, before its layers (``SpecAttn.plan_layers``). Density and KV reads are host arithmetic on the
+        plans, as the reference's."""
+        table, seqlens, row_seq, row_len, blocks, tokens = self.layer_plan(cache, batch)
         kv = PagedKV(cache.k[layer], cache.v[layer], table, seqlens)
         h_kv = cache.num_kv_heads
         sparse = not (plans[0].full or self.is_dense_layer(layer))  # top_p decides ``full`` for every plan
