@@ -127,8 +127,11 @@ def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV,
         s = s.permute(1, 2, 0, 3).reshape(h_kv, g, m * page).mul_(scale)
         if n < m * page:
             s[..., n:] = -math.inf
-        row_lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - row_lse[..., None]).to(q.dtype).view(h_kv, g, m, page).permute(2, 0, 1, 3)
+        top = s.amax(dim=-1, keepdim=True)
+        e = torch.exp(s - top)  # one exponential pass for both the weights and the log-sum-exp
+        total = e.sum(dim=-1, keepdim=True)
+        row_lse = (top + total.log()).squeeze(-1)
+        p = (e / total).to(q.dtype).view(h_kv, g, m, page).permute(2, 0, 1, 3)
         o = None
         start = 0
         for _, vt in tiles:

@@ -21,6 +21,7 @@ from torch import nn
 
 from raysparse.attention import AttentionBackend
 from raysparse.config import ModelConfig
+from raysparse.kernels.dispatch import linear
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.rope import apply_rope
 
@@ -70,6 +71,11 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+def _apply(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A projection through the kernels' ``linear`` (oneDNN on CPUs), its module keeping the weights."""
+    return linear(x, proj.weight, proj.bias)
+
+
 class Merged:
     """Several linears that read the same input as one GEMM: at decode batch sizes a layer's launches, not
     its bytes, set much of a step's time. The parts keep their modules (loading, sharding and the state
@@ -101,7 +107,7 @@ class Merged:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         if not self.valid():
             return None
-        return list(F.linear(x, self.w, self.b).split(self.sizes, -1))
+        return list(linear(x, self.w, self.b).split(self.sizes, -1))
 
 
 def merge_projections(model: nn.Module) -> None:
@@ -134,7 +140,7 @@ class Attention(nn.Module):
                 batch: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.merged(x) if self.merged is not None else None
-        q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = qkv if qkv is not None else (_apply(self.q_proj, x), _apply(self.k_proj, x), _apply(self.v_proj, x))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -151,7 +157,7 @@ class Attention(nn.Module):
             o = backend.prefill(self.layer, q, cache, batch)
         else:
             o = backend.decode(self.layer, q, cache, batch)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return _apply(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -166,6 +172,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.merged(x) if self.merged is not None else None
-        gate, up = gu if gu is not None else (self.gate_proj(x), self.up_proj(x))
+        gate, up = gu if gu is not None else (_apply(self.gate_proj, x), _apply(self.up_proj, x))
         ops = fused_ops(x, self.fused_mode)
-        return self.down_proj(ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up)
+        return _apply(self.down_proj, ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up)

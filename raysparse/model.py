@@ -21,6 +21,7 @@ from torch import nn
 
 from raysparse.attention import AttentionBackend
 from raysparse.config import ModelConfig
+from raysparse.kernels.dispatch import linear
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.layers import FUSED_MODES, MLP, Attention, RMSNorm, fused_ops
 from raysparse.rope import RotaryEmbedding
@@ -151,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
             rows = batch.last_token_rows()
             h, mlp = h[rows], (None if mlp is None else mlp[rows])
         x = self.model.norm(h) if mlp is None else self.model.layers[-1].add_norm(mlp, h, self.model.norm)[0]
-        logits = self.lm_head(x)
+        logits = linear(x, self.lm_head.weight)
         if self.gather_logits is not None:
             logits = self.gather_logits(logits)
         return logits.float()

@@ -375,3 +375,26 @@ def test_combine_of_splits_equals_whole() -> None:
     torch.testing.assert_close(out, whole[0], **_tol(torch.float32))
     torch.testing.assert_close(lse, whole[1], **_tol(torch.float32))
     assert math.isfinite(float(lse.min()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dispatch_linear_matches_torch_linear(dtype: torch.dtype, bias: bool):
+    """The model's projections' ``linear`` (oneDNN's GEMM on CPUs) against ``F.linear``, every element, for the
+    shapes a prefill chunk, a decode step and a packed 3-D input give it; under autograd it is PyTorch's."""
+    from raysparse.kernels.dispatch import linear
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    g = torch.Generator().manual_seed(seed)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for shape in ((1, 96), (5, 96), (300, 96), (2, 7, 96)):
+        x = torch.randn(*shape, generator=g).to(dtype)
+        w = torch.randn(40, 96, generator=g).to(dtype)
+        b = torch.randn(40, generator=g).to(dtype) if bias else None
+        want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        got = linear(x, w, b)
+        assert got.shape == want.shape and got.dtype == dtype, f"seed {seed}"
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol, msg=lambda m: f"seed {seed}: {m}")
+    w = torch.randn(4, 8, generator=g, requires_grad=True)
+    linear(torch.randn(3, 8, generator=g), w).sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape, f"seed {seed}"
