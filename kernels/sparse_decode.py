@@ -47,6 +47,13 @@ from .common import (
 from .formats import pack_token_selections  # noqa: F401 - re-exported
 
 _BLOCK_N = 64  # keys per inner step
+# Entries of a page or more (dense decode's block lists, page-sized block selections, PSAW's window pages): two
+# pages per inner step, two pipeline stages. Twice the bytes in flight per program: the split-K loop is a chain of
+# dependent gathers (list entry, page table, K/V), and with one page per step an H200 read dense lists at 2.5 TB/s
+# (1 x 32K) to 3.5 TB/s (8 x 32K) against its 4.3 TB/s copy; with two, at 3.2 and 4.3 TB/s (bench_roofline.py's
+# profile of the dense step).
+_BLOCK_N_PAGES = 128
+_STAGES_PAGES = 2
 _CNT_CHUNK = 1024  # entries counted per step (only rows whose list is padded count)
 _STAGES = 3  # software-pipeline depth of the key loop
 _MAX_SPLITS = 128
@@ -260,12 +267,15 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
     page = a.page_size if a.paged else 1
     lo = a.seqlens if window_lo is None else window_lo.to(torch.int32).contiguous()  # unread without a window
+    # The split count above keeps the one-page model: at the sizes measured its choice was also the fastest split
+    # count for two-page steps.
+    block_n, stages = (_BLOCK_N_PAGES, _STAGES_PAGES) if unit >= 64 else (_BLOCK_N, _STAGES)
     _decode_split_kernel[(splits, a.h_kv, batch)](
         q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters, lo, sink,
         q.stride(0), q.stride(1), *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), max_sel, splits, scale * LOG2E,
-        G=g, G_PAD=max(16, g_p2), G_P2=g_p2, HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=_BLOCK_N,
+        G=g, G_PAD=max(16, g_p2), G_P2=g_p2, HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=block_n,
         PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK,
         COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), WINDOW=window_lo is not None, num_warps=4,
-        num_stages=1 if interpreting() else _STAGES)
+        num_stages=1 if interpreting() else stages)
     return out, lse
