@@ -25,11 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from raysparse.kernels.dispatch import triton_wanted, use_triton
+from raysparse.kernels.dispatch import paged_quest_scores, quest_prefill_scores, update_quest_bounds
 from raysparse.kernels.formats import PackedBlockSelection
-from raysparse.kernels.paged_quest import paged_quest_scores, paged_quest_scores_torch
-from raysparse.kernels.quest_bounds import update_page_bounds
-from raysparse.kernels.quest_prefill import block_scores, quest_prefill_scores, quest_prefill_scores_torch
+from raysparse.kernels.quest_prefill import block_scores
 from raysparse.kernels.row_select import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
 from raysparse.kv_cache import BatchMeta, KVCache
@@ -157,16 +155,7 @@ class Quest(SparseMethod):
             rows = self.layer_plan(cache, batch).closing_rows
             pages, offs = pages[rows], offs[rows]
         lo_pool, hi_pool = self._pools(layer, cache)
-        # one launch; the PyTorch form below is its oracle and the CPU path
-        if use_triton(lo_pool, offs, head_dim=lo_pool.shape[-1]):
-            update_page_bounds(cache.k[layer], lo_pool, hi_pool, pages, offs, p)
-            return
-        sub = offs // p
-        cols = torch.arange(p, device=offs.device)
-        k = cache.k[layer][pages[:, None], :, sub[:, None] * p + cols]  # [M, p, h_kv, d]
-        valid = (cols <= offs[:, None] % p)[..., None, None]
-        lo_pool[pages, :, sub] = torch.where(valid, k, math.inf).amin(1).to(cache.dtype)
-        hi_pool[pages, :, sub] = torch.where(valid, k, -math.inf).amax(1).to(cache.dtype)
+        update_quest_bounds(cache.k[layer], lo_pool, hi_pool, pages, offs, p)
 
     def _static_width(self, pages: int) -> int:
         """Entries of the widest row of a bucket of ``pages`` Quest pages: forced pages plus the budget."""
@@ -177,7 +166,7 @@ class Quest(SparseMethod):
         lo_pool, hi_pool = self._pools(layer, view.cache)
         args = (q, lo_pool, hi_pool, view.kv.page_table, view.seqlens, p)
         # +inf: forced (the first and current page); -inf: past the row's pages.
-        score = paged_quest_scores(*args) if triton_wanted(q, lo_pool) else paged_quest_scores_torch(*args)
+        score = paged_quest_scores(*args)
         kk = self.layer_plan(view.cache, view.batch).decode_k  # the lengths' alone: the step's (``plan_layers``)
         pages = score.shape[-1]
         k_max = max(self._static_width(pages) - 2, 0)
@@ -206,7 +195,7 @@ class Quest(SparseMethod):
         qb, nkb = rows.qblock, -(-max(view.batch.ctx_lens) // b)
         args = (q, lo_pool, hi_pool, view.kv.page_table, view.kv.seqlens, view.cu_q_dev, rows.seq, qb, b, p, nkb)
         # [h_kv, R, nkb], -inf past each row's diagonal: those blocks are excluded.
-        score = quest_prefill_scores(*args) if triton_wanted(q, lo_pool) else quest_prefill_scores_torch(*args)
+        score = quest_prefill_scores(*args)
         return view.packed(self.packed_lists(score, qb, nkb, *self.layer_plan(view.cache, view.batch).widths), b)
 
     def packed_lists(self, score: torch.Tensor, qb: torch.Tensor, nkb: int, k_max: int, width: int) -> torch.Tensor:
