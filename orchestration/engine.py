@@ -3,7 +3,8 @@
 ``Engine.start`` joins Ray (or starts a local instance), builds ``replicas`` groups of ``tp`` shard actors
 (each group pinned to one node, the groups spread over the nodes: ``engine_replicas``) and one loop thread
 per group (``runner.ReplicaRunner``). ``submit`` validates a request completely before it is queued -
-method and parameters, sampling values, positions, KV capacity - so a bad request is refused with a typed
+method and parameters (each value of its config field's type: a bool is not a number, null is not a value),
+sampling values, positions, KV capacity - so a bad request is refused with a typed
 error (``engine_api``) and never reaches a shard. Requests go to the ready replica with the least queued work.
 
 Text prompts (``encode``) are measured in bytes before they are tokenized: a text longer than the model's
@@ -153,7 +154,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> str:
         """Raises InvalidRequestError for anything the engine would refuse; returns the method key."""
-        from raysparse.methods.registry import create_backend, method_capabilities
+        from raysparse.methods.registry import check_param_values, create_backend, method_capabilities
 
         assert self.model_cfg is not None
         limit = self.model_cfg.max_position_embeddings
@@ -163,6 +164,10 @@ class Engine:
         if max(req.prompt_ids) >= self.model_cfg.vocab_size:
             raise InvalidRequestError(f"token id {max(req.prompt_ids)} is outside the vocabulary "
                                       f"({self.model_cfg.vocab_size})")
+        try:  # every parameter's value has its field's type before it reaches a config (or a key)
+            check_param_values(req.method, dict(req.method_params))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         key = method_key(req.method, req.method_params)
         if key not in self._methods_ok:
             try:

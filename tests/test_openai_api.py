@@ -152,11 +152,16 @@ def test_per_request_method_and_its_density(server):
                                  extra_body={"ignore_eos": True})
     assert dense.raysparse["density"] == {"prefill": 1.0, "decode": 1.0}
     # the gRPC API's validation: unknown methods and bad parameters are 400s
+    # a parameter's value must have its config field's type: a bool is not a number, null is not a value
     for ext_body in ({"method": "no_such_method"}, {"method": "streaming", "bogus": 1},
-                     {"method": "streaming", "density": 2.0}):
+                     {"method": "streaming", "density": 2.0}, {"method": "quest", "density": True},
+                     {"method": "quest", "density": None}, {"method": "quest", "density": "0.1"},
+                     {"method": "quest", "density": [0.1]}, {"method": "quest", "params": {"page_size": True}},
+                     {"method": "streaming", "sink_tokens": None}):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"raysparse": ext_body})
-        assert e.value.status_code == 400 and e.value.body["message"]
+        assert e.value.status_code == 400 and e.value.body["message"], ext_body
+        assert "\n" not in e.value.body["message"] and "Error" not in e.value.body["message"], e.value.body
 
 
 def test_bad_requests_are_400_with_openai_error_bodies(server):

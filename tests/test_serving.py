@@ -100,17 +100,55 @@ def test_bad_inputs_get_their_status_codes(served):
         (dict(token_ids=[3], method="psaw", method_params={"density": 2.0}), grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3], method_params={"density": 0.2}), grpc.StatusCode.INVALID_ARGUMENT),  # dense has none
         (dict(token_ids=[10_000]), grpc.StatusCode.INVALID_ARGUMENT),  # outside the vocabulary
+        # a parameter's value must have its config field's type: a bool is not a number (it used to be served
+        # as 1.0), null is not a value (it used to fail in the shard with a Python message), nor a string or list
+        *[(dict(token_ids=[3], method="quest", method_params={"density": v}), grpc.StatusCode.INVALID_ARGUMENT)
+          for v in (True, None, "0.1", [0.1])],
+        (dict(token_ids=[3], method="streaming", method_params={"sink_tokens": False}),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids=[3], method="quest", method_params={"dense_layers": [0, True]}),
+         grpc.StatusCode.INVALID_ARGUMENT),
         (dict(token_ids=[3] * (KV_TOKENS - 8), max_new_tokens=40), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ]
     for kwargs, code in bad:
         with pytest.raises(grpc.RpcError) as e:
             client.generate(max_new_tokens=kwargs.pop("max_new_tokens", 4), timeout=30, **kwargs)
         assert e.value.code() == code, (kwargs, e.value.details())
-        assert e.value.details()
+        assert e.value.details() and "\n" not in e.value.details()
+        assert "Error" not in e.value.details(), e.value.details()  # the project's words, no Python exception
         ok = client.generate(token_ids=[5, 6, 7], max_new_tokens=3, ignore_eos=True, timeout=30)
         assert ok.finish_reason == "length" and len(ok.token_ids) == 3  # still serving
     assert client.health() == "SERVING"
     _wait_kv_free(client)
+
+
+def test_every_numeric_method_parameter_refuses_bools_nulls_strings_and_lists(served):
+    """At the engine's request check, which every front end submits through: each method's every number field."""
+    import dataclasses
+    import typing
+
+    from raysparse.methods.registry import get_method, method_names
+    from raysparse.orchestration.engine_api import EngineRequest, InvalidRequestError
+
+    eng = served[0].engine
+    checked = 0
+    for name in method_names():
+        spec = get_method(name)
+        if spec.config_cls is None:
+            continue
+        hints = typing.get_type_hints(spec.config_cls)
+        for f in dataclasses.fields(spec.config_cls):
+            kind = hints[f.name]
+            numeric = kind in (int, float) or set(typing.get_args(kind)) in ({int, type(None)}, {float, type(None)})
+            if f.name not in spec.params or not numeric:
+                continue
+            for value in (True, False, None, "1", [1]):
+                with pytest.raises(InvalidRequestError) as e:
+                    eng.validate(EngineRequest((3, 4), method=name, method_params={f.name: value}))
+                msg = str(e.value)
+                assert f.name in msg and name in msg and "\n" not in msg and "Error" not in msg, msg
+                checked += 1
+    assert checked > 100  # every method's numeric fields, five values each
 
 
 def test_prompt_bytes_are_checked_before_tokenizing_and_tokenizing_runs_on_its_own_thread(served, monkeypatch):

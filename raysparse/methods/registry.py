@@ -7,9 +7,14 @@ the scheduler and the engine read these by the method's name, so no generic code
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import json
+import math
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from functools import cache
+from typing import TYPE_CHECKING, Any, Union
 
 from raysparse.attention import AttentionBackend, DenseAttention
 from raysparse.config import ModelConfig
@@ -56,6 +61,7 @@ class MethodSpec:
     factory: Callable[..., AttentionBackend]  # (model config, **method params) -> backend
     capabilities: MethodCapabilities = MethodCapabilities()
     params: frozenset[str] = frozenset()
+    config_cls: type | None = None  # the config whose field types the parameters' values must have
 
     @property
     def takes_density(self) -> bool:
@@ -106,7 +112,7 @@ def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
             params = {**params, "dense_layers": ()}
         return cls(model_cfg, budgeted_config(cls, model_cfg, cls.config_cls(**params)))
 
-    return MethodSpec(cls.name, description, factory, params=fields,
+    return MethodSpec(cls.name, description, factory, params=fields, config_cls=cls.config_cls,
                       capabilities=MethodCapabilities(prefix_cache=cls.prefix_state != "none"))
 
 
@@ -172,6 +178,67 @@ def check_params(name: str, params: Iterable[str]) -> None:
         if key not in spec.params:
             takes = f"it takes {', '.join(sorted(spec.params))}" if spec.params else "it takes none"
             raise ValueError(f"method {name!r} has no parameter {key!r}; {takes}")
+
+
+@cache
+def _field_types(config_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(config_cls)
+
+
+def _spell(value: Any) -> str:
+    """A value as a client wrote it (JSON: ``true``, ``null``, ``"0.1"``), for a one-line refusal."""
+    try:
+        return json.dumps(list(value) if isinstance(value, tuple) else value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+_PLURALS = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
+
+
+def _type_error(kind: Any, value: Any) -> str | None:
+    """What is wrong with ``value`` for a field of type ``kind`` (None: nothing). A bool is not a number
+    (Python's bool is an int, and a config would take ``true`` as 1), and a float field takes integers."""
+    if kind is Any:
+        return None
+    if kind is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        return None if math.isfinite(value) else "must be a finite number"
+    if kind is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    if kind is str:
+        return None if isinstance(value, str) else "must be a string"
+    if typing.get_origin(kind) is tuple:  # tuple[int, ...]: a list of the element type
+        if not isinstance(value, (tuple, list)):
+            return "must be a list"
+        elem = (typing.get_args(kind) or (Any,))[0]
+        if any(_type_error(elem, v) is not None for v in value):
+            return f"must be a list of {_PLURALS.get(elem, 'values of its type')}"
+        return None
+    return None  # a type this check does not know: the config's own checks decide
+
+
+def check_param_values(name: str, params: Mapping[str, Any]) -> None:
+    """Raises ValueError, in one line naming the parameter, when a value of ``params`` does not have its config
+    field's type: null is not a value (leave the parameter out for its default), a bool is not a number, a
+    string or a list is not a number. The engine checks every request's parameters with it before it is queued,
+    so a value that a config would coerce (``true`` as 1) or fail on later (``null`` in arithmetic) is refused."""
+    check_params(name, params)
+    spec = get_method(name)
+    types_of = _field_types(spec.config_cls) if spec.config_cls is not None else {}
+    for key, value in params.items():
+        if value is None:
+            raise ValueError(f"method {name!r} parameter {key!r} is null: give it a value or leave it out")
+        kind = types_of.get(key, Any)
+        if typing.get_origin(kind) in (Union, types.UnionType):  # ``int | None``: None is refused above
+            options = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind = options[0] if len(options) == 1 else Any
+        err = _type_error(kind, value)
+        if err is not None:
+            raise ValueError(f"method {name!r} parameter {key!r} {err}, got {_spell(value)}")
 
 
 def create_backend(name: str, cfg: ModelConfig, **params: Any) -> AttentionBackend:

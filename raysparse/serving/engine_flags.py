@@ -137,8 +137,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 
 def method_params(args: argparse.Namespace) -> dict[str, Any]:
     """``--param`` and ``--density`` as the method's parameters. Raises ValueError (one line, before anything
-    loads) for an unknown ``--method`` or a parameter it does not take, e.g. ``--density`` with ``dense``."""
-    from raysparse.methods.registry import check_params
+    loads) for an unknown ``--method``, a parameter it does not take (e.g. ``--density`` with ``dense``) or a value
+    of the wrong type (``--param density=true``)."""
+    from raysparse.methods.registry import check_param_values
 
     out = dict(args.param)
     if args.density is not None:
@@ -146,7 +147,7 @@ def method_params(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError("give the density once: --density or --param density=..., not both")
         out["density"] = args.density
     try:
-        check_params(args.method, out)
+        check_param_values(args.method, out)  # the values' types too, as the engine checks a request's
     except ValueError as e:
         flag = "--density" if "'density'" in str(e) and args.density is not None else "--param"
         raise ValueError(f"{flag}: {e}" if "has no parameter" in str(e) else str(e)) from None
