@@ -114,3 +114,23 @@ def test_specattn_plans_a_verification_step_once():
     run.forward(model, torch.cat([ids[sid][c:] for sid, c in enumerate(ctx)]), batch, cache, all_logits=True)
     (_, rows), = run.calls
     assert rows is not None and rows[2].shape == (sum(new),)  # each position's row: its sequence
+
+
+def test_a_wrapped_base_plans_its_prefill_at_the_density_it_selects_at():
+    """Delta swaps its base's layer density for the base's share of the budget while the base selects a
+    prefill; the base's plan of that step is built under the same swap, so its widths are the ones its
+    selection needs (Quest's static list widths here)."""
+    model, cache = _model_and_cache(1024)
+    delta = create_backend("delta", model.cfg, base="quest", density=0.5, gamma=16, block_size=16,
+                           base_params={"block_size": 16, "page_size": 16})
+    quest = delta.base
+    assert delta.prefill_density is not None and delta.prefill_density < quest.layer_density
+    lens = [400, 250]
+    for sid, n in enumerate(lens):
+        cache.allocate(sid, n)
+    batch = cache.prepare([0, 1], lens, True)
+    model(torch.randint(0, 97, (sum(lens),)), batch, cache, delta)
+    with delta._prefill_budget():
+        want = quest.list_widths(batch.q_lens, batch.ctx_lens)
+    assert want != quest.list_widths(batch.q_lens, batch.ctx_lens)  # the swap matters at these lengths
+    assert quest.layer_plan(cache, batch).widths == want

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -122,6 +122,11 @@ class Delta(DeltaCorrection):
 
     def wrapped_backends(self) -> tuple[SparseMethod, ...]:
         return (self.base,)
+
+    def begin_step(self, cache: KVCache, batch: BatchMeta) -> None:
+        """A prefill step's plans at the base's share of the budget, the density its selection runs at."""
+        with self._prefill_budget() if batch.is_prefill else nullcontext():
+            super().begin_step(cache, batch)
 
     def check_request(self, prompt_len: int, total_len: int) -> None:
         base = self.base
