@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound  # noqa: F401 - re-exported
+from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import MethodConfig, SparseMethod
 from raysparse.methods.budget import host_row_budget, prefill_block_budget, row_budget
 from raysparse.methods.registry import method_spec, register
@@ -147,14 +148,15 @@ class Streaming(SparseMethod):
         sinks = min(self.config.sink_tokens, width)
         return int(self._local(torch.tensor([width]), sinks, 1)[0])
 
+    def plan_layers(self, cache: KVCache, batch: BatchMeta) -> torch.Tensor | None:
+        """A batched decode step's list, a function of the lengths alone and so the same at every sparse layer
+        (one density for all): built once before the layers, instead of a dozen small launches at each."""
+        if batch.is_prefill or self.tracer is not None or not self.sparse_layers():
+            return None
+        return self._step_list(DecodeView(cache.paged(0, batch)[0], batch, cache))
+
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
-        # The list is a function of the lengths alone, the same at every sparse layer (one density for all):
-        # the step's first layer builds it and the others reuse it, instead of a dozen small launches each.
-        key = ("streaming-step", id(self), view.width_tokens, view.kv.k.shape[1])
-        got = view.batch.extras.get(key)
-        if got is None:
-            got = view.batch.extras[key] = self._step_list(view)
-        return got
+        return self.layer_plan(view.cache, view.batch)
 
     def _step_list(self, view: DecodeView) -> torch.Tensor:
         width = view.width_tokens
