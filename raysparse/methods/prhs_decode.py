@@ -25,7 +25,7 @@ import torch
 from raysparse.attention import dense_attention
 from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.cis import cis_step, cis_step_consts
+from raysparse.methods.cis import CISStepConsts, cis_step, cis_step_consts
 from raysparse.methods.cis_batched import CISBatchedState, cis_batched_step
 from raysparse.methods.psaw import PrHSConfig, window_key_count, window_keys, window_lists, window_lo, window_start
 from raysparse.methods.psaw_window import PSAWWindow
@@ -93,6 +93,15 @@ class PrHSDecode(PSAWWindow):
         else:
             super().graph_prepare(rows, cache)
 
+    def plan_layers(self, cache: KVCache, batch: BatchMeta) -> CISStepConsts | None:
+        """CIS's per-step constants (``CISStepConsts``: the rows' lengths and budgets at the step's width), the
+        same at every CIS layer: built once before the layers. None off CIS's batched decode."""
+        if batch.is_prefill or not (self.use_cis and self.batched_decode and self.tracer is None):
+            return None
+        kv, _ = cache.paged(0, batch)
+        return cis_step_consts(self.config, kv.seqlens.long(), kv.page_table.shape[1] * cache.page_size,  # type: ignore
+                               cache.num_kv_heads)
+
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         eager = (self.use_cis and self.batched_decode and self.tracer is None and not batch.extras.get("graph")
                  and not self.dense_decode_layer(layer))
@@ -143,10 +152,7 @@ class PrHSDecode(PSAWWindow):
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         if self.use_cis:
             state, n, wt = self._cis_state(view.cache), view.seqlens.long(), view.width_tokens
-            key = ("cis-step", wt)  # built by the step's first CIS layer, read by the rest
-            consts = view.batch.extras.get(key)
-            if consts is None:
-                consts = view.batch.extras[key] = cis_step_consts(self.config, n, wt, view.kv.k.shape[1])  # type: ignore
+            consts = self.layer_plan(view.cache, view.batch)  # the step's, built before the layers
             return cis_batched_step(self.config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
                                     view.kv, wt, self._window_lo(layer, n) if self.use_psaw else None, consts)
         lists = window_lists(self.psaw_frac(layer), self.config.sink, view.seqlens, view.width_tokens)
