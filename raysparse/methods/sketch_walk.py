@@ -41,11 +41,11 @@ import torch
 from raysparse.attention import ShardContext, StepCollectives
 from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
-from raysparse.kv_cache import KVCache
+from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import SparseMethod
 from raysparse.methods.hadamard import SRHT, derive_seed
 from raysparse.methods.registry import method_spec, register
-from raysparse.methods.sketch_walk_batch import batched_mode, prefill_select_batched
+from raysparse.methods.sketch_walk_batch import StepRows, batched_mode, prefill_select_batched, step_rows
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_parts import PartsDecode
 from raysparse.methods.sketch_walk_reference import ReferenceSelection
@@ -178,6 +178,15 @@ class SketchWalk(ReferenceSelection, SparseMethod):
 
     # Tests set it to run the per-sequence reference where the batched selection would serve.
     prefill_reference = False
+
+    def plan_layers(self, cache: KVCache, batch: BatchMeta) -> StepRows | None:
+        """A batched prefill step's layout (``sketch_walk_batch.StepRows``: row and part indices, counts,
+        budgets, masks), from the lengths alone: built once, before the layers. None off that path."""
+        cfg = self.config
+        if (not batch.is_prefill or not batched_mode(cfg) or self.prefill_reference or self.tracer is not None
+                or cache.page_size != cfg.block_size or not self.sparse_layers()):
+            return None
+        return step_rows(self, cache, batch)
 
     def prefill_select(self, layer: int, q: torch.Tensor, view: PrefillView) -> PackedBlockSelection:
         """The batch's selection: ``sketch_walk_batch`` (launches that do not grow with the batch) for the modes

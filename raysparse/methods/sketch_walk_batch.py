@@ -23,7 +23,8 @@ are read back through its page table, padded to the batch's widest sequence. Sco
 ``head_reduce`` per layer under tensor parallelism, fp64 as the reference), the one-hop weights and the
 top-k run on [sequences, heads, query rows, key blocks] tensors with padded rows and columns masked; the
 per-step constants (row and part indices, counts, budgets, masks) are built on the host from the lengths
-once per step and moved to the device once (``batch.extras``), so a layer does no host sync and no copy.
+once per step, before the layers, and moved to the device once (``step_rows``, the method's plan), so a layer
+does no host sync and no copy.
 
 Exactness against the per-sequence reference: the block sums are the same additions in the same order, so
 the state is bit-identical. The scores are the same formulas on padded tensors; a matrix product of another
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from raysparse.kernels.formats import PackedBlockSelection
+from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.budget import prefill_block_budget
 from raysparse.methods.selection import SENTINEL
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
@@ -78,20 +80,11 @@ class StepRows:
     out_row: torch.Tensor  # [R] its padded row
 
 
-def step_rows(method: SketchWalkMethod, view: PrefillView) -> StepRows:
-    """The step's ``StepRows`` for ``method``'s block size and parts, built once and kept in ``batch.extras``."""
-    cfg = method.config
-    key = ("sketch_walk_batch", cfg.block_size, cfg.sub_blocks, cfg.token_query, cfg.local_blocks,
-           method.layer_density)
-    got = view.batch.extras.get(key)
-    if got is None:
-        got = view.batch.extras[key] = _build_rows(method, view)
-    return got
-
-
-def _build_rows(method: SketchWalkMethod, view: PrefillView) -> StepRows:
-    # Host arithmetic on the lengths and page lists (python ints: no device read), then one copy per tensor.
-    cfg, b, cache = method.config, view.batch, view.cache
+def step_rows(method: SketchWalkMethod, cache: KVCache, batch: BatchMeta) -> StepRows:
+    """The step's ``StepRows`` for ``method``'s block size, parts and density (``SketchWalk.plan_layers``: built
+    once, before the layers). Host arithmetic on the lengths and page lists (python ints: no device read), then
+    one copy per tensor."""
+    cfg, b = method.config, batch
     B, P = cfg.block_size, cfg.sub_blocks
     size = B // P
     S = len(b.seq_ids)
@@ -186,7 +179,7 @@ def prefill_select_batched(method: SketchWalkMethod, layer: int, q: torch.Tensor
     not grow with the batch."""
     cfg, srht = method.config, method.srht
     P, r = cfg.sub_blocks, srht.sketch_dim
-    rows = step_rows(method, view)
+    rows: StepRows = method.layer_plan(view.cache, view.batch)
     enter_step(method, view)
     method._cache = view.cache  # per-sequence readers find the pages there (a bound backend's own cache)
     k_new = view.new_keys()  # [T, h_kv, d]

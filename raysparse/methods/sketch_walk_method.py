@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from raysparse.config import ModelConfig
-from raysparse.kv_cache import KVCache
+from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.hadamard import SRHT
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
 
@@ -33,6 +33,8 @@ class SketchWalkMethod(Protocol):
     _cache: KVCache | None  # the bound cache: per-sequence readers find the per-page sums there
 
     def sparse_layers(self) -> tuple[int, ...]: ...
+
+    def layer_plan(self, cache: KVCache, batch: BatchMeta) -> Any: ...
 
     def _scores(self, q_rows: torch.Tensor, k_parts: torch.Tensor, filled: torch.Tensor, part_row: bool = False,
                 token_q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
