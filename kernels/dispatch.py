@@ -319,9 +319,49 @@ def update_quest_bounds(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pag
     hi[pages, :, sub] = torch.where(valid, keys, -math.inf).amax(1).to(hi.dtype)
 
 
-__all__ = ["ENV", "HAS_TRITON", "block_sparse_attention", "block_sparse_attention_varlen", "collision_scores",
-           "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen", "lsh_bucket_ids",
-           "paged_group_probs", "paged_quest_scores", "quest_page_bounds", "quest_page_scores",
-           "quest_prefill_scores", "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen",
-           "srht_apply", "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted",
+# ---- SOCKET: its keys' bucket ids into the page pools and its paged collision scores ------------------------
+
+def lsh_bucket_ids_into_slots(w: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor,
+                              ids_pool: torch.Tensor) -> None:
+    """Hashes the keys at cache page ``pages[i]``, slot ``offsets[i]`` of the layer's paged keys ``keys``
+    [num_pages, h_kv, page, d] by the hyperplanes ``w`` [h_kv, L, P, d] and writes their bucket ids into
+    ``ids_pool`` [num_pages + 1, h_kv, L, page] (``lsh_scorer.bucket_ids_into_slots``: one launch)."""
+    if triton_wanted(keys, ids_pool):
+        from .lsh_scorer import bucket_ids_into_slots
+
+        bucket_ids_into_slots(w, keys, pages, offsets, ids_pool)
+        return
+    ids = lsh_bucket_ids(w, keys[pages, :, offsets].transpose(0, 1))  # [h_kv, L, T]
+    ids_pool[pages, :, :, offsets] = ids.permute(2, 0, 1).to(ids_pool.dtype)
+
+
+def collision_bias(forced: tuple[torch.Tensor, torch.Tensor], seqlens: torch.Tensor, width: int,
+                   *tensors: torch.Tensor) -> torch.Tensor | None:
+    """The step's forced and past-the-length bias of ``paged_collision_scores`` over ``tensors`` (the scorer's
+    inputs' device), built once for every layer of a step: None where the Triton scorer folds it in."""
+    from .paged_collision import forced_bias
+
+    return None if triton_wanted(seqlens, *tensors) else forced_bias(forced, seqlens, width)
+
+
+def paged_collision_scores(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None,
+                           page_table: torch.Tensor, seqlens: torch.Tensor,
+                           forced: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SOCKET's decode scores of a batch straight from the page pools (``paged_collision``): fp32 [B, h_kv, W],
+    +inf at the ``forced`` tokens, -inf past each row's length. ``bias``: ``collision_bias``'s, read by the
+    PyTorch form only."""
+    from . import paged_collision
+
+    if triton_wanted(probs, ids):
+        return paged_collision.paged_collision(probs, ids, norms, page_table, seqlens, forced)
+    return paged_collision.paged_collision_torch(probs, ids, norms, page_table, seqlens, forced, bias=bias)
+
+
+__all__ = ["ENV", "HAS_TRITON", "block_sparse_attention", "block_sparse_attention_varlen", "collision_bias",
+           "collision_scores", "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen",
+           "lsh_bucket_ids", "lsh_bucket_ids_into_slots", "paged_collision_scores", "paged_group_probs",
+           "paged_quest_scores", "quest_page_bounds", "quest_page_scores", "quest_prefill_scores",
+           "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen", "srht_apply",
+           "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted",
            "update_quest_bounds", "use_triton"]
