@@ -69,10 +69,9 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
-from raysparse.kernels.dispatch import triton_wanted
+from raysparse.kernels.dispatch import collision_bias, lsh_bucket_ids_into_slots, paged_collision_scores, triton_wanted
 from raysparse.kernels.lsh_probs import MAX_PLANES, bucket_probs
-from raysparse.kernels.lsh_scorer import bucket_ids_into_slots
-from raysparse.kernels.paged_collision import forced_bias, forced_tokens, paged_collision, paged_collision_torch
+from raysparse.kernels.paged_collision import forced_tokens
 from raysparse.kernels.row_select import select_list
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
@@ -265,11 +264,7 @@ class Socket(SparseMethod):
         pages, offs = batch.slot_pages, batch.slot_offsets
         keys = cache.k[layer]
         w = self.planes_for(layer, keys.shape[1], keys.device)
-        if triton_wanted(keys, ids_pool):
-            bucket_ids_into_slots(w, keys, pages, offs, ids_pool)
-        else:
-            ids = lsh.bucket_ids(w, keys[pages, :, offs].transpose(0, 1))  # [h_kv, L, T]
-            ids_pool[pages, :, :, offs] = ids.permute(2, 0, 1).to(ids_pool.dtype)
+        lsh_bucket_ids_into_slots(w, keys, pages, offs, ids_pool)
         if norm_pool is not None:
             norm_pool[pages, :, offs] = torch.linalg.vector_norm(cache.v[layer][pages, :, offs].float(), dim=-1)
 
@@ -315,10 +310,9 @@ class Socket(SparseMethod):
         h_kv, width = cache.num_kv_heads, kv.page_table.shape[1] * cache.page_size
         sink, local, top = self._budget_rows(kv.seqlens.long()[:, None])
         sink, local, top = sink.flatten(), local.flatten(), top.expand(-1, h_kv).flatten()
-        bias = None
         k_max = self.budget(width)[2] if self.config.top_k is None else min(self.config.top_k, width)
-        if k_max > 0 and not triton_wanted(kv.seqlens, cache.k[0]):  # q and the pools live on the cache's device
-            bias = forced_bias((sink, local), kv.seqlens, width)
+        # q and the pools live on the cache's device
+        bias = collision_bias((sink, local), kv.seqlens, width, cache.k[0]) if k_max > 0 else None
         return SocketStep(sink, local, top, bias)
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
@@ -338,10 +332,8 @@ class Socket(SparseMethod):
             probs = self.batch_bucket_probs(layer, q, h_kv)
             # norm_pool is None unless the scorer uses value norms; the forced sinks and windows come back as +inf
             args = (probs, ids_pool, norm_pool, view.kv.page_table, view.seqlens, (sink, local))
-            if triton_wanted(q, ids_pool):
-                score = paged_collision(*args)
-            else:  # the forced and past-the-length tokens' bias is the step's (``plan_layers``)
-                score = paged_collision_torch(*args, bias=step.bias)
+            # the forced and past-the-length tokens' bias is the step's (``plan_layers``)
+            score = paged_collision_scores(*args, bias=step.bias)
         out_width = min(width, min(c.sink_tokens, width) + min(c.local_tokens, width) + k_max)
         return select_list(score.flatten(0, 1), top, k_max, max(out_width, 1)).view(*score.shape[:2], -1)
 
