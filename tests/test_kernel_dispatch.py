@@ -52,3 +52,31 @@ def test_quest_bounds_pytorch_form_recomputes_the_pages_listed(monkeypatch):
     untouched[page, :, slot // qp] = False
     assert (lo[..., 0][untouched] == 7.0).all() and (hi[..., 0][untouched] == 7.0).all()
     assert not math.isinf(float(lo.abs().max()))
+
+
+@pytest.mark.parametrize("mode", ["torch", "triton"])
+def test_socket_entry_points_choose_the_path(monkeypatch, mode):
+    from raysparse.kernels import lsh_scorer, paged_collision
+
+    monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
+    calls: list[str] = []
+    _recording(monkeypatch, paged_collision, "paged_collision", "triton", calls)
+    _recording(monkeypatch, paged_collision, "paged_collision_torch", "torch", calls)
+    _recording(monkeypatch, lsh_scorer, "bucket_ids_into_slots", "triton", calls)
+    probs, ids = torch.zeros(1, 2, 3, 4, device=DEV), torch.zeros(2, 2, 3, 16, dtype=torch.uint8, device=DEV)
+    seqlens, none = torch.tensor([5], device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
+    dispatch.paged_collision_scores(probs, ids, None, none, seqlens, (none, none), bias=None)
+    assert calls == [mode]
+    bias = dispatch.collision_bias((none, none), seqlens, 16, ids)
+    assert (bias is None) == (mode == "triton")  # the Triton scorer folds the bias in
+    if mode == "torch":
+        assert bias.shape == (1, 1, 16) and bool((bias[0, 0, 5:] == -math.inf).all())
+        assert bool((bias[0, 0, :5] == 0).all())  # no sink, no local window: nothing forced
+        w, keys = torch.randn(2, 3, 2, 16, device=DEV), torch.randn(2, 2, 16, 16, device=DEV)
+        pool = torch.zeros_like(ids)
+        dispatch.lsh_bucket_ids_into_slots(w, keys, none, seqlens - 1, pool)  # page 0, slot 4
+        want = dispatch.lsh_bucket_ids(w, keys[0, :, 4:5])[..., 0]  # [h_kv, L]
+        assert torch.equal(pool[0, :, :, 4], want.to(pool.dtype)) and not pool[1].any()
+    else:
+        dispatch.lsh_bucket_ids_into_slots(torch.zeros(1), ids, none, none, ids)
+        assert calls == [mode, mode]
