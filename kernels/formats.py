@@ -38,6 +38,9 @@ class PagedKV:
     v: torch.Tensor
     page_table: torch.Tensor  # int32 [batch, max_pages]
     seqlens: torch.Tensor  # int32 [batch]
+    # CPU kernels that loop over rows on the host: each row's (length, runs of consecutive pages as (first
+    # logical page, first physical page, count)), built once per step by the cache; None: read from the tensors
+    host_rows: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,14 @@ def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def host_rows(page_table: torch.Tensor, seqlens: torch.Tensor,
+              page: int) -> tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]:
+    """Each row's length and its pages' runs (``page_runs``), read to the host: ``PagedKV.host_rows``."""
+    lens = seqlens.tolist()
+    table = page_table.tolist()
+    return tuple((n, tuple(page_runs(table[i][: -(-n // page)]))) for i, n in enumerate(lens))
+
+
 def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV,
                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, h, d] (each row's newest position) over every key of its sequence, on the CPU, read in place.
@@ -108,14 +116,11 @@ def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV,
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     out = torch.zeros_like(q)
     lse = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
-    lens = kv.seqlens.tolist()
-    table = kv.page_table.tolist()
-    for i in range(b):
-        n = lens[i]
+    rows = kv.host_rows if kv.host_rows is not None else host_rows(kv.page_table, kv.seqlens, page)
+    for i, (n, runs) in enumerate(rows):
         if n <= 0:
             continue
         m = -(-n // page)
-        runs = page_runs(table[i][:m])
         if len(runs) > _MAX_RUNS:
             idx = kv.page_table[i, :m].long()
             tiles = [(kv.k.index_select(0, idx), kv.v.index_select(0, idx))]

@@ -267,6 +267,7 @@ class KVCache:
         per KV head ([batch, h_kv, max_pages] int32, -1 past a sequence's last page): dense attention as a
         block selection. Built once per step."""
         from raysparse.kernels.formats import PagedKV
+        from raysparse.kernels.paged_torch import host_rows
 
         if "paged" not in batch.extras:
             n_pages = [self.pages_needed(n) for n in batch.ctx_lens]
@@ -279,7 +280,12 @@ class KVCache:
             batch.extras["paged"] = (table.to(torch.int32), seqlens,
                                      blocks[:, None, :].expand(-1, self.num_kv_heads, -1).contiguous())
         table, seqlens, blocks = batch.extras["paged"]
-        return PagedKV(self.k[layer], self.v[layer], table, seqlens), blocks
+        rows = None
+        if self.device.type == "cpu":  # the CPU kernels' host loop reads each row's runs of pages: once a step
+            rows = batch.extras.get("paged_host")
+            if rows is None:
+                rows = batch.extras["paged_host"] = host_rows(table, seqlens, self.page_size)
+        return PagedKV(self.k[layer], self.v[layer], table, seqlens, rows), blocks
 
     def gather(self, layer: int, batch: BatchMeta, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K, V of sequence ``i`` of the batch: [num_kv_heads, ctx_len, head_dim]."""
