@@ -81,8 +81,7 @@ def local_gpu_index() -> int:
 # Every torch computation of the shard (setup, steps, ``__ray_call__`` work) runs on the actor's default
 # group, one thread; liveness and statistics run on the "control" group's thread, beside a step. On a CPU
 # shard, computations spread over two threads start two OpenMP teams, and the idle team's workers take the
-# cores from the running one: the sparse methods' decode steps cost up to 1.6x more that way, dense's 1.2x
-# (``BENCHMARKS.md``, 2026-11-27).
+# cores from the running one: the sparse methods' decode steps cost up to 1.6x more that way, dense's 1.2x.
 CONTROL_GROUP = "control"
 CONCURRENCY_GROUPS = {CONTROL_GROUP: 1}
 

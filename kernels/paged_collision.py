@@ -107,8 +107,8 @@ def paged_collision(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor 
                     seqlens: torch.Tensor, forced: tuple[torch.Tensor, torch.Tensor] | None = None,
                     num_warps: int = 2) -> torch.Tensor:
     """The Triton form: one program per (page of the row, KV head, row), one table's ids of its page per load
-    (loading several tables' at once measured slower on an H200: BENCHMARKS.md, "Decode scorers that fill the
-    GPU"). ``num_warps`` is a knob for ``benchmarks/bench_decode_scorers.py``."""
+    (loading several tables' at once measured slower on an H200). ``num_warps`` is a knob for
+    ``benchmarks/bench_decode_scorers.py``."""
     b, h, tables, _ = probs.shape
     page, width = ids.shape[-1], page_table.shape[1]
     if probs.dtype not in (torch.float32, torch.float16):

@@ -1,8 +1,8 @@
 """Decode steps replayed from CUDA graphs: one capture per (method key, batch bucket, page-width bucket).
 
 Why: a decode step issues ~40 kernels per layer, and eager PyTorch spends 20-50 us of host time on each,
-so at batch 1 a decode step is bound by the host, not the GPU (BENCHMARKS.md, "Why decode does not
-scale"); tensor parallelism then cannot help. A replay costs one launch.
+so at batch 1 a decode step is bound by the host, not the GPU; tensor parallelism then cannot help. A replay
+costs one launch.
 
 How (as vLLM and SGLang do): static input buffers sized for the largest bucket; each graph reads views of
 them. A batch of B sequences runs in the smallest bucket >= B; padded rows decode token 0 at position 0
