@@ -18,7 +18,7 @@ One launch (``sparse_decode``): after writing its partial, each program bumps an
 (sequence, KV head) in a small persistent workspace; the program that brings it to ``num_splits`` is the
 last, combines the group's partials into the output and sets the counter back to 0, so the next call (or
 graph replay) finds the workspace clean. With a single split the program writes the output directly. (A
-separate combine kernel after the splits measured 1.1-1.2x slower at batch 1, BENCHMARKS.md.) The split
+separate combine kernel after the splits measured 1.1-1.2x slower at batch 1.) The split
 count comes from shapes and the SM count only and nothing is read back to the host, so a call can be
 captured in a CUDA graph. Calls sharing a device must be stream-ordered (they share the counters).
 """
