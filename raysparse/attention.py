@@ -110,7 +110,8 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     # Decode steps are draft-then-verify rounds (SpecAttn): generators drive the backend with
-    # ``specattn.SpecAttnGenerator`` and the eval verifies in chunks, instead of one decode step per token.
+    # ``specattn.SpecAttnGenerator`` and the eval verifies in chunks, instead of one decode step per token; the
+    # shards verify an engine's rounds through ``verify_round``.
     speculative: bool = False
     # Decode reads lengths and pages from device tensors only, so ``raysparse.decode_graphs`` may capture and
     # replay its steps; such a backend prepares each replay (``graph_prepare``) and accounts its density
@@ -207,6 +208,14 @@ class AttentionBackend(ABC):
         the eval's fidelity metrics see what the method attended (None removes it). Returns False, installing
         nothing, where the backend makes no selection to trace (the default)."""
         return False
+
+    def verify_round(self, model: Any, cache: KVCache, seq_ids: list[int], tokens: list[list[int]],
+                     message: bytes, record_stats: bool) -> list[list[int]]:
+        """One draft-then-verify round on this shard (``ShardExecutor.verify``), for a backend with
+        ``speculative``: ``message`` is what the engine's draft actor proposed for ``seq_ids``; returns each
+        sequence's accepted tokens plus the verifier's own next one, ``record_stats`` on one rank of a group
+        only. A backend without verification rounds (the default) refuses."""
+        raise TypeError(f"method {self.name!r} has no verification rounds")
 
     def reset_stats(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Zeroes the method's own run-wide statistics (the eval does before each item)."""

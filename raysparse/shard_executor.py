@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -36,15 +36,6 @@ from raysparse.step_plan import StepPlan, parse_key
 # the executor's own entries in ``stats``; a method with one of these names reports as "method:<name>"
 _FIXED_STATS = frozenset({"coord_s", "kv_free_pages", "kv_pages", "density", "density_decode", "density_prefill",
                           "graphs"})
-
-
-@runtime_checkable
-class RoundVerifier(Protocol):
-    """A backend whose decode steps are rounds verified on the shards (``ShardExecutor.verify``): the
-    message is what the engine's draft actor proposed for the round."""
-
-    def verify_round(self, model: Any, cache: KVCache, seq_ids: list[int], tokens: list[list[int]],
-                     message: bytes, record_stats: bool) -> list[list[int]]: ...
 
 
 def bind_backend(backend: AttentionBackend, shard: ShardContext) -> None:
@@ -209,14 +200,14 @@ class ShardExecutor(MultiStepDecode):
         return tokens
 
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:
-        """One round of a method whose decode steps are draft-then-verify rounds (``RoundVerifier``): the
+        """One round of a method whose decode steps are draft-then-verify rounds (``speculative``): the
         draft actor's ``message`` verified over this shard's heads by the backend. Every rank computes the
         same acceptance; rank 0 alone records the round in the method's statistics."""
         t0 = time.perf_counter()
         self.free(plan.free)
         backend = self.backend(plan.key)
         try:
-            if not isinstance(backend, RoundVerifier):
+            if not backend.speculative:
                 raise TypeError(f"method {parse_key(plan.key)[0]!r} has no verification rounds")
             out = backend.verify_round(self.model, self.cache, plan.seq_ids, plan.tokens, message, self.rank == 0)
             self._sync()
@@ -233,7 +224,7 @@ class ShardExecutor(MultiStepDecode):
         def tracer(ctx: Any, q: Any, k: Any, v: Any, selection: Any, out: Any) -> None:
             self.selections.append((ctx.layer, ctx.seq_id, selection.indices.detach().cpu().clone()))
 
-        backend.tracer = tracer  # type: ignore[attr-defined]
+        backend.set_tracer(tracer)
 
     def warm_graphs(self, key: str, batch_sizes: list[int], context: int) -> int:
         """Captures the decode graphs of ``key`` for these batch sizes at ``context`` tokens ahead of use."""

@@ -55,6 +55,8 @@ def test_a_backend_without_hooks_gets_the_defaults(model):
     assert b.decode_collectives(4) is None
     assert b.takes_density() and backend_takes_density(b)
     assert b.set_tracer(lambda *args: None) is False
+    with pytest.raises(TypeError, match="'bare' has no verification rounds"):
+        b.verify_round(model, cache, [0], [[1]], b"", True)
     b.reset_stats()
     assert b.item_sums() == {} and b.wrapped_backends() == () and b.stats_dict() is None
     # the eval over it: no tracer installed, no method sums, not exact (it is no DenseAttention)
