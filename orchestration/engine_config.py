@@ -9,18 +9,15 @@ from raysparse.orchestration.prefix_cache import PrefixCacheConfig
 from raysparse.runtime_config import RuntimeConfig
 
 # Prompt tokens one prefill step may carry when ``max_prefill_tokens`` is left unset. Decode steps of other
-# requests run between two chunks, so a chunk's time is the longest a stream waits while a prompt prefills.
-# CPU: on the 2-core machine with the default model a 128-token chunk at 7000 tokens of context takes about
-# 1.3 s (256: 2.2 s; the whole 7000-token prompt in one step: 44 s; the prompt's total time is the same).
-# GPU: unchanged (whole prompts up to 64K tokens), not measured against a stall bound yet.
-PREFILL_CHUNK_CPU = 128
+# requests run between two chunks, so a chunk's time is the longest a stream waits while a prompt prefills; but
+# every chunk pays the layers' fixed work and re-reads the prompt's earlier K/V, so smaller chunks make the
+# prompt, and the streams waiting behind it, slower in all. CPU: 512 tokens at 4K of context is about half a
+# second on two cores. GPU: whole prompts up to 64K tokens.
+PREFILL_CHUNK_CPU = 512
 PREFILL_CHUNK_GPU = 65536
-# While no request decodes there is no stall to bound, so a CPU prompt takes this many tokens a step. The
-# 128-token chunks cost a sparse method its selection's fixed work in every chunk and layer: Quest's time to
-# first token at 4096 tokens was 1.34x dense's in the engine, and 0.61x with 1024-token steps, as with whole
-# prompts (0.68x; BENCHMARKS.md, "Every method against dense on the CPU after the idle prefill"). 1024, not a
-# whole prompt: a step is not interrupted, so a request cancelled or past its deadline mid-prompt holds the
-# engine until its step ends: 44 s for a whole 7000-token prompt on 2 cores, about 8 x 1.3 s in 1024-token steps.
+# While no request decodes there is no stall to bound, so a CPU prompt takes this many tokens a step (the fewer
+# chunks, the less each sparse method's per-chunk selection work costs). Not a whole prompt: a step is not
+# interrupted, so a request cancelled or past its deadline mid-prompt holds the engine until its step ends.
 IDLE_PREFILL_CPU = 1024
 
 
