@@ -280,7 +280,8 @@ def test_eval_reports_the_fitted_correction_and_its_fallback(tiny):
     the check rows' error ratio, per layer (None at the dense layers 0 and 1); the paper's mode fits nothing."""
     from test_eval import CharTokenizer
 
-    from raysparse.eval.harness import EvalConfig, run_eval
+    from raysparse.eval.config import EvalConfig
+    from raysparse.eval.harness import run_eval
     from raysparse.eval.report import method_columns, table
     from raysparse.eval.settings import parse_method_params
     from raysparse.workload import synthetic_haystack

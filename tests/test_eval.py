@@ -15,8 +15,9 @@ from helpers import random_state, tiny_hf_config
 
 from raysparse.attention import DenseAttention, dense_attention
 from raysparse.config import ModelConfig
+from raysparse.eval.config import EvalConfig
 from raysparse.eval.decode_ppl import decode_nll, scored_span
-from raysparse.eval.harness import EvalConfig, Harness, run_eval
+from raysparse.eval.harness import Harness, run_eval
 from raysparse.eval.metrics import (
     FidelityTracer,
     dense_rows_output,

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from raysparse.cli import build_parser, main
-from raysparse.eval.harness import EvalConfig, run_eval
+from raysparse.eval.config import EvalConfig
+from raysparse.eval.harness import run_eval
 from raysparse.eval.items import ItemResult, combine_shards, item_order, merge_items
 from raysparse.eval.settings import Setting
 from raysparse.specattn.map_command import main as map_main

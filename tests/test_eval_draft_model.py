@@ -19,8 +19,9 @@ import torch
 from helpers import random_state, tiny_hf_config
 from test_eval import CharTokenizer
 
+from raysparse.eval.config import EvalConfig
 from raysparse.eval.decode_ppl import decode_nll, scored_span
-from raysparse.eval.harness import EvalConfig, Harness, run_eval
+from raysparse.eval.harness import Harness, run_eval
 from raysparse.eval.report import method_columns, table
 from raysparse.eval.settings import parse_method_params
 from raysparse.kv_cache import KVCache

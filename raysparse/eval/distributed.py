@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from raysparse.eval.harness import EvalConfig, Harness, Workload, eval_settings, max_total_tokens
+from raysparse.eval.config import EvalConfig, Workload
+from raysparse.eval.harness import Harness, eval_settings, max_total_tokens
 from raysparse.eval.items import ItemResult, combine_shards, item_order, merge_items
 from raysparse.eval.report import build_report
 from raysparse.eval.settings import Setting

@@ -34,8 +34,8 @@ from rich.table import Table
 
 from raysparse.eval.tasks import PPL_SCORED_FRACTION
 
-if TYPE_CHECKING:  # harness.py imports this module for build_report
-    from raysparse.eval.harness import EvalConfig, Workload
+if TYPE_CHECKING:
+    from raysparse.eval.config import EvalConfig, Workload
     from raysparse.eval.settings import Setting
 
 SCHEMA = "raysparse.eval/1"
