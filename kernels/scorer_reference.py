@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-# SpecAttn's bisection steps (SPEC's fixed 10): the top-p set is exact to max(a) / 2**10.
+# SpecAttn's bisection steps (a fixed 10): the top-p set is exact to max(a) / 2**10.
 SEARCH_ITERS = 10
 
 

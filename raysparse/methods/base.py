@@ -38,8 +38,9 @@ from raysparse.methods.views import DecodeView, PrefillView, SeqContext
 class MethodConfig:
     """Fields every method shares. ``density``: each sparse layer's budget as a fraction of its causal pairs, forced
     units (sinks, local window, diagonal block) inside it. Users give the whole model's (``--density``), which the
-    registry's factory turns into this one (``budgeted_config``), spread over every layer (SPEC's ``dense_layers``
-    are this class's default only), keeping it as ``target_density``. Prefill and decode each meet it."""
+    registry's factory turns into this one (``budgeted_config``), spread over every layer (the paper's two dense
+    layers, ``dense_layers``, are this class's default only), keeping it as ``target_density``. Prefill and decode
+    each meet it."""
 
     density: float = 0.2
     dense_layers: tuple[int, ...] = (0, 1)

@@ -10,7 +10,7 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
 - Retrieval: the oracle top-k of the candidates by the exact attention probabilities (softmax over all n
   keys per query head) summed over the g query heads of the group; ties go to the lower index. The set
   attended on a retrieval step is sinks + S* + local (no dilation); the anchor stores S* and the +-r
-  neighbours of its top-m = floor(k / 3) entries (Eq. 13).
+  neighbours of its top-m = floor(k / 3) entries.
 - Sharing: sinks + local of the current step + the anchor's dilated set (clipped to [0, n)), deduplicated.
 - GQA: the group shares one selection, so similarity is per KV head: the cosine between the concatenated
   g query vectors of the group (for g = 1, the paper's per-head cosine).

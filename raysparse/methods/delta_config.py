@@ -14,7 +14,7 @@ from raysparse.methods.selection import BlockSelection
 
 MODES = ("far-merge", "delta-shrunk", "delta", "recompute", "sparse-only")
 FITTED = ("far-merge", "delta-shrunk")  # the modes whose correction is scaled by alpha
-SPEC_TAIL = 128  # SPEC's dense tail: the last n mod gamma + max(128, gamma) queries
+PAPER_TAIL = 128  # the paper's dense tail: the last n mod gamma + max(128, gamma) queries
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ class DeltaConfig(MethodConfig):
 
     @property
     def tail_len(self) -> int:
-        """The dense tail's ``tail`` in effect: SPEC's 128 without a density budget, none with one."""
+        """The dense tail's ``tail`` in effect: the paper's 128 without a density budget, none with one."""
         if self.tail is not None:
             return self.tail
-        return SPEC_TAIL if self.density is None else 0
+        return PAPER_TAIL if self.density is None else 0
 
     def tail_rows(self, n: int) -> int:
         return n % self.gamma + max(self.tail_len, self.gamma) if self.tail_len and self.mode != "sparse-only" else 0

@@ -69,13 +69,13 @@ def bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _scaled_corners(planes: int, dim: int, tau: float, device: torch.device) -> torch.Tensor:
-    """``corners(planes).T / (sqrt(dim) tau)``, fp32 ``[P, R]``: Algorithm 2's two scalings folded into the
-    corner matrix, made once per (P, d, tau, device) rather than in every decode layer."""
+    """``corners(planes).T / (sqrt(dim) tau)``, fp32 ``[P, R]``: the soft bucket probabilities' two scalings folded
+    into the corner matrix, made once per (P, d, tau, device) rather than in every decode layer."""
     return (corners(planes, device).T / (math.sqrt(dim) * tau)).contiguous()
 
 
 def soft_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float) -> torch.Tensor:
-    """SOCKET's Algorithm 2. w: ``[h, L, P, d]``, q: ``[h, g, d]`` (g query heads per KV head).
+    """SOCKET's soft bucket probabilities. w: ``[h, L, P, d]``, q: ``[h, g, d]`` (g query heads per KV head).
 
     u_l = tanh(W_l q) / sqrt(d), p_l(r) = softmax_r(u_l . c_r / tau): fp32 ``[h, g, L, R]``. The projections
     are one batched product per head over its L P hyperplanes (an einsum over the same shapes permuted copies

@@ -9,7 +9,7 @@ ratio are prhs_decode.py's ``PrHSDecode``, their base) and registers all four.
 - ``etf``: ETF in prefill (frozen rows skip attention and MLP; the rest attend densely); dense decode.
 - ``cpe``: prefill = ETF + PSAW (computed rows attend over their PSAW window); decode = CIS, and at
   layers >= l_s CIS inside the PSAW window: retrieval ranks only PSAW-visible candidates and the final
-  set (retrieved or shared) is intersected with the window, as in the paper's Fig. 6 ordering.
+  set (retrieved or shared) is intersected with the window (retrieve first, then window).
 
 Common choices: l_s = floor(3N / 4) over 0-based layer indices (``start_layer`` overrides it); a layer in
 ``dense_layers`` (default 0, 1) is dense for every selector, ETF included. Density accounting is exact:

@@ -68,7 +68,8 @@ def start_layer(cfg: PSAWConfig, num_layers: int) -> int:
 
 
 def depth_fraction(base: float, expo: float, layer: int, l_s: int, num_layers: int) -> float:
-    """1 - base ** (expo * (l - l_s) / (N - l_s)) for l >= l_s, else 0 (SPEC's P_l and E_l over t)."""
+    """1 - base ** (expo * (l - l_s) / (N - l_s)) for l >= l_s, else 0: the share of t in
+    PSAW's pruned prefix P_l(t) and ETF's frozen span E_l(t), floor(fraction * t)."""
     if layer < l_s:
         return 0.0
     return 1 - base ** (expo * (layer - l_s) / (num_layers - l_s))

@@ -105,10 +105,10 @@ def method_spec(cls: type[SparseMethod], description: str) -> MethodSpec:
         if unknown:
             raise ValueError(f"method {cls.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(fields)}")
         if "density" in fields and "dense_layers" in fields and "dense_layers" not in params:
-            # A whole-model density is spread over every layer: SPEC's two dense layers would take 2/30 of the
+            # A whole-model density is spread over every layer: two dense layers (the paper's) would take 2/30 of the
             # model's pairs and starve the rest (at 0.10 each sparse layer kept 3.6% of its keys), and every
             # method measured kept more of dense's accuracy with every layer sparse (BENCHMARKS.md, "Every
-            # layer sparse"). ``dense_layers=[0, 1]`` asks for SPEC's.
+            # layer sparse"). ``dense_layers=[0, 1]`` asks for the paper's.
             params = {**params, "dense_layers": ()}
         return cls(model_cfg, budgeted_config(cls, model_cfg, cls.config_cls(**params)))
 

@@ -82,7 +82,7 @@ class SketchWalk(ReferenceSelection, SparseMethod):
 
     # ---- the batched seam -----------------------------------------------------------------------
     # Two state layouts (docs/methods/sketch_walk.md): the paired scorings keep key part sums per KV page
-    # (``sketch_walk_parts``, shared by every instance with the same sketch); SPEC's head mean keeps a slot of
+    # (``sketch_walk_parts``, shared by every instance with the same sketch); the head-mean scoring keeps a slot of
     # sums and walk rows per running sequence (``sketch_walk_rows``: row state, placed by ``graph_prepare``).
     batch_decoder: Any = None
     _cache: KVCache | None = None

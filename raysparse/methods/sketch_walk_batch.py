@@ -4,7 +4,7 @@ number of launches, whatever the number of sequences.
 Which modes: ``walk="one-hop"`` with per-KV-head sketches (``heads`` pair-lse (default), pair or kv), any
 ``sub_blocks``, ``token_query`` and ``decode_unit``. A one-hop row reads only this layer's scores of its own
 query block, so no A_hat row of an earlier step is ever read, and the block sums are the whole state. The
-walks that chain layers (rollout, product) and SPEC's head mean (whose A_hat rows and sketch reduce the
+walks that chain layers (rollout, product) and the head mean (whose A_hat rows and sketch reduce the
 head-mean decode reads) stay on the per-sequence path, ``SketchWalk.prefill_select_per_sequence``, which is
 also this path's test oracle.
 

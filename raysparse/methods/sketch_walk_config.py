@@ -14,7 +14,8 @@ TOKEN_QUERIES = ("decode", "last", "never")
 HEADS = ("mean", "kv", "pair", "pair-lse")
 DECODE_UNITS = ("block", "part")
 DECODE_QUERIES = ("group", "heads")
-# SPEC's scoring, the one the head-mean batched graph decode (sketch_walk_rows) implements.
+# The paper's scoring (head-averaged sketches, whole blocks), the one the head-mean batched graph decode
+# (sketch_walk_rows) implements.
 GRAPH_DECODE = {"heads": "mean", "sub_blocks": 1, "decode_unit": "block"}
 
 
@@ -23,17 +24,17 @@ class SketchWalkConfig(MethodConfig):
     sketch_dim: int = 64  # r
     exponent: float = 8.0  # s, the sparsity exponent of W = P ** s
     seed: int = 0  # the SRHT draw (combined with head_dim)
-    walk: str = "one-hop"  # one-hop (W^k alone; default: measured best), rollout, product (SPEC's literal walk)
+    walk: str = "one-hop"  # one-hop (W^k alone; default: measured best), rollout, product (the paper's walk)
     residual: float = 0.5  # rollout: weight alpha of the identity (the residual stream) in each step
     local_blocks: int = 1  # trailing blocks always kept, the diagonal included (besides the sink block)
     # Whose query scores the last query block's selection row: "decode": in decode the new token's alone
-    # (Algorithm 2); "last" (default): also at the end of a prefill, its last token's; "never": the block mean.
+    # (the paper's decode); "last" (default): also at the end of a prefill, its last token's; "never": the block mean.
     token_query: str = "last"
-    # mean: SPEC's head-averaged sketches; kv: sketches, walk and selection per KV head; pair / pair-lse
+    # mean: the paper's head-averaged sketches; kv: sketches, walk and selection per KV head; pair / pair-lse
     # (default): per-KV-head scores (group query . that head's keys) combined by their mean / log-sum-exp,
     # one selection per layer
     heads: str = "pair-lse"
-    sub_blocks: int = 8  # key sketches per 1/sub_blocks of a block; a key block scores as its best part (SPEC: 1)
+    sub_blocks: int = 8  # key sketches per 1/sub_blocks of a block; a key block scores as its best part (paper: 1)
     decode_unit: str = "part"  # part (default; one-hop only): decode attends the top parts of B / sub_blocks tokens
     # Whose query scores a decode step's key parts (decode_unit="part", heads pair / pair-lse): "group": each KV
     # head's query group averaged, one query per KV head; "heads": every query head on its own, the scores

@@ -47,7 +47,7 @@ class ReferenceSelection:
 
     # ---- sketches and block scores --------------------------------------------------------------
     # Internally every tensor carries a leading score-head axis H: 1 for heads="mean" (whose state keeps
-    # SPEC's layout: qs, ks [b, r], a_hat [b, b], walk rows [rows, b]), h_kv for heads="kv" (qs, ks
+    # the paper's layout: qs, ks [b, r], a_hat [b, b], walk rows [rows, b]), h_kv for heads="kv" (qs, ks
     # [b, h_kv, r], a_hat [h_kv, b, b], walk rows [h_kv, rows, b]); the pair modes sketch per KV head (qs,
     # ks [b, h_kv, r]) and combine the scores to H = 1 (a_hat [b, b], walk rows [rows, b]). ks has
     # b * sub_blocks rows.

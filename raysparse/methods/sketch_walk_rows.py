@@ -1,5 +1,5 @@
 """Sketch&Walk's decode for a whole batch in fixed-shape tensors: the method's batched seam (``decode_select``,
-captured by ``decode_graphs``) for SPEC's head-mean scoring; ``SketchWalk.build_batched`` builds it.
+captured by ``decode_graphs``) for the head-mean scoring (``heads="mean"``); ``SketchWalk.build_batched`` builds it.
 
 The reference decode (``sketch_walk_reference``) keeps per-sequence state of growing size in the cache's metadata
 and runs one sequence at a time, which a captured graph cannot do. Here every running sequence owns a slot
@@ -10,7 +10,7 @@ of static buffers:
   only the current block's A_hat row (rounded to bf16 as the reference caches it) and its W row. As in
   the reference, the step's own walk uses the row scored by the new token's query (``token_query``) in
   place of the block mean's, which is what the state keeps. ``one-hop`` never reads W: it has none.
-Only SPEC's head-averaged sketches (``heads="mean"``) have this path; the paired scorings have theirs in
+Only the head-averaged sketches (``heads="mean"``) have this path; the paired scorings have theirs in
 ``sketch_walk_parts``.
 Lengths, slots and budgets are device tensors; the top-k is a stable sort of each row (ties toward lower
 blocks, as ``topk_mask``), so one step is the same kernels whatever the lengths. Tensors are cut to the
@@ -210,7 +210,7 @@ class RowsDecode:
         mean = torch.matmul(q_mean[:, None, :], k_mean.transpose(1, 2))  # [bsz, 1, w]
         if self.cfg.token_query == "never":
             mean_row = call_row = self._w_rows(mean, st)[:, 0]
-        else:  # Algorithm 2: this step's row scored by the new token's own query; the state keeps the mean's
+        else:  # this step's row scored by the new token's own query; the state keeps the mean's
             both = self._w_rows(torch.cat((mean, torch.einsum("br,bjr->bj", new[0], k_mean)[:, None]), 1), st)
             mean_row, call_row = both[:, 0], both[:, 1]
         if prev is None:

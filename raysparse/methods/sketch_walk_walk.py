@@ -1,5 +1,5 @@
-"""Sketch&Walk's walk across layers: the transition weights W^k from a layer's A_hat rows (SPEC's
-row-softmax(A_hat) ** s, or the rollout's residual step), the renormalised rows R^k = R^{k-1} W^k a sequence
+"""Sketch&Walk's walk across layers: the transition weights W^k from a layer's A_hat rows
+(row-softmax(A_hat) ** s, or the rollout's residual step), the renormalised rows R^k = R^{k-1} W^k a sequence
 carries from one sparse layer to the next (``walk_rows``, the per-sequence path's), and the token counts
 that turn block sums into means (``block_counts``). The batched decodes (``sketch_walk_rows``,
 ``sketch_walk_parts``) build their W rows from the same ``walk_weights`` / ``rollout_step``.

@@ -32,9 +32,9 @@ Choices the published method leaves open:
   scores: the soft-count estimate of the group's summed attention mass, the quantity the oracle baseline
   ranks by. "max" (sum_l max_g p_l) instead favours keys one head wants strongly; it upper-bounds every
   head's score but is not a sum of kernel estimates.
-- Hard LSH ablation (``socket_hard`` / ``hard=True``): the paper's eq. (3) baseline, the number of tables
-  in which the key's bucket equals the query's hard bucket sign(W_l q), NOT weighted by ||v|| (eq. 3 and
-  Fig. 2 have no value term). It runs as a one-hot p_l through the same scorer and group reduction (mean:
+- Hard LSH ablation (``socket_hard`` / ``hard=True``): the paper's hard-collision baseline, the number of
+  tables in which the key's bucket equals the query's hard bucket sign(W_l q), NOT weighted by ||v|| (the
+  baseline has no value term). It runs as a one-hot p_l through the same scorer and group reduction (mean:
   collisions averaged over the group's heads; max: tables where any head collides). Same budget rule.
 - Value-norm factor (``value_norm``): the published scorer multiplies the soft count by ||v_j||. On the default
   model it loses (docs/methods/socket.md), so the default leaves it out (``value_norm=True`` restores it): the
@@ -97,7 +97,7 @@ class SocketConfig(MethodConfig):
     forced_share: float = 0.25  # with a density: the most of the budget sink + local take (module docstring)
     group_reduce: str = "mean"
     hard: bool = False
-    value_norm: bool = False  # SPEC's ||v_j|| factor on the soft score: off by measurement (module docstring)
+    value_norm: bool = False  # the published ||v_j|| factor on the soft score: off by measurement (module docstring)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -243,7 +243,7 @@ class Socket(SparseMethod):
     # k) from ``_budget_rows``, the budget rule on device.
     @property
     def uses_value_norms(self) -> bool:
-        """Whether the scorer multiplies by ||v_j|| (SPEC's factor): only then are norms computed and kept."""
+        """Whether the scorer multiplies by ||v_j|| (the published factor): only then are norms computed and kept."""
         return self.config.value_norm and not self.config.hard
 
     def page_pools(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,4 +1,4 @@
-"""SpecAttn (papers/specattn.md, SPEC section 4): self-speculative decoding whose verifier attends only the
+"""SpecAttn (docs/methods/specattn.md): self-speculative decoding whose verifier attends only the
 context chunks the draft's attention points at.
 
 - ``draft``: the draft is the verifier with a subset of its layers, sharing its KV cache.

@@ -4,7 +4,7 @@ S[i, j] = -KL(A_verifier_j || A_draft_i), where A are attention distributions ov
 over each KV group's query heads (the draft and the verifier have the same KV heads: the draft is the
 verifier with a subset of its layers). KL is per KV head and per probed decode row, then averaged.
 
-``monotone_dtw`` is the paper's Algorithm 3: maximise sum_j S[f(j), j] over non-decreasing f, with draft
+``monotone_dtw``: maximise sum_j S[f(j), j] over non-decreasing f, with draft
 layers allowed to be skipped or repeated and no constraint on the first or last draft layer used. Ties go
 to the smaller draft layer. The similarities are sums over windows and KV heads divided once
 (``similarity_sums``), so the windows can be spread over replicas and the KV heads over tensor-parallel

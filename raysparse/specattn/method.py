@@ -226,7 +226,7 @@ class SpecAttn(VerificationPaths, SparseMethod):
 # Decode steps are draft-then-verify rounds (the engine's draft actor), accepted greedily in the engine
 # (SpecAttnGenerator also takes the speculative-sampling rule for sampled requests); the draft prefills
 # whole prompts, so a prompt is never split, and a round is one call to the shards.
-SPEC = register(replace(
+SPECATTN = register(replace(
     method_spec(SpecAttn, "SpecAttn: self-speculative decoding, verifier attends draft top-p chunks "
                           "(use SpecAttnGenerator)"),
     capabilities=MethodCapabilities(needs_draft=True, engine_greedy_only=True, chunked_prefill=False,
