@@ -12,7 +12,7 @@ j * batch + b), every part sum random (as stale sums of reused pages; the fresh 
 
 The whole selection (scores, heads' combine, part list; ``decode_unit="part"``): ``ms_sel_ref`` the PyTorch
 form (both switches off), ``ms_sel_mixed`` the part-score kernels + PyTorch's combine and choice
-(``RuntimeConfig(part_select=False)``), ``ms_sel_kernel`` ``part_combine`` + ``part_select`` (two launches: the
+(``SketchWalkConfig(part_select=False)``), ``ms_sel_kernel`` ``part_combine`` + ``part_select`` (two launches: the
 default on CUDA), of which ``ms_combine`` and ``ms_select`` alone; ``ms_select_one_program`` and
 ``ms_select_radix`` time ``part_select``'s two paths on the same rows (``paths_lists_diff``: rows whose lists
 differ between them, must be 0): which one ``part_select`` takes from which width is decided by these.

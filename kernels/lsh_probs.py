@@ -1,4 +1,4 @@
-"""SOCKET's bucket distributions of a decode batch in one launch (reference: ``socket_batched``'s PyTorch
+"""SOCKET's bucket distributions of a decode batch in one launch (reference: ``Socket.batch_bucket_probs``'s PyTorch
 form over ``lsh.soft_bucket_probs`` / ``lsh.hard_bucket_probs``).
 
 ``q [B, h, d]`` (h = h_kv g query heads, any float dtype), ``w [h_kv, L, P, d]`` fp32 hyperplanes ->
