@@ -82,7 +82,8 @@ def run_client(args: argparse.Namespace, base: str, model_dir: str, concurrency:
         cmd = [args.vllm, "bench", "serve", "--backend", "openai", "--base-url", base, "--model", args.served_name,
                "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts", str(n),
-               "--max-concurrency", str(concurrency), "--seed", str(args.seed), "--save-result",
+               "--max-concurrency", str(concurrency), "--seed", str(args.seed), "--num-warmups", str(args.warmups),
+               "--save-result",
                "--result-dir", str(work), "--result-filename", f"{tag}.json"]
         if extra:
             cmd += ["--extra-body", json.dumps({"raysparse": extra})]
@@ -93,7 +94,7 @@ def run_client(args: argparse.Namespace, base: str, model_dir: str, concurrency:
     cmd = [sys.executable, "-m", "raysparse.cli", "bench", "--backend", "openai", "--target", base,
            "--served-model-name", args.served_name, "--num-prompts", str(n), "--prompt-lens", str(args.input_len),
            "--output-len", str(args.output_len), "--max-concurrency", str(concurrency), "--seed", str(args.seed),
-           "--num-warmups", "0", "--tokenizer", model_dir, "--out", str(work / tag), "--no-plot"]
+           "--num-warmups", str(args.warmups), "--tokenizer", model_dir, "--out", str(work / tag), "--no-plot"]
     if extra:
         cmd += ["--method", extra["method"]] + (["--density", str(extra["density"])] if "density" in extra else [])
     subprocess.run(cmd, check=True, env={**os.environ, **ENV}, timeout=args.timeout)
@@ -114,7 +115,8 @@ def serve_raysparse(args: argparse.Namespace, model_dir: str, work: Path) -> lis
         wait_ready(f"http://127.0.0.1:{args.port}/health", proc, args.timeout)
         for entry in args.methods.split(","):
             label, body = method_body(entry)
-            for c in args.concurrency:
+            loads = args.concurrency if body["method"] == "dense" else (args.sparse_concurrency or args.concurrency)
+            for c in loads:
                 m = run_client(args, f"http://127.0.0.1:{args.port}", model_dir, c, body, work, f"rs_{label}_{c}")
                 rows.append({"engine": "raysparse", "method": label, "concurrency": c, **m})
                 print(json.dumps(rows[-1]), flush=True)
@@ -163,15 +165,19 @@ def main() -> int:
     ap.add_argument("--methods", default="dense,sketch_walk:0.1,quest:0.1,streaming:0.1",
                     help="raysparse methods, NAME or NAME:DENSITY")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--sparse-concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="the sparse methods' loads (default: --concurrency)")
     ap.add_argument("--num-prompts", type=int, default=2, help="prompts per request in flight")
     ap.add_argument("--input-len", type=int, default=4000)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmups", type=int, default=1, help="untimed requests before each load (first-use costs)")
     ap.add_argument("--port", type=int, default=8391, help="raysparse's HTTP port (vLLM's is the next one)")
     ap.add_argument("--served-name", default="smollm2")
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `raysparse serve` argument")
     ap.add_argument("--run", action="store_true", help="also time `raysparse run` at --input-len")
     ap.add_argument("--no-raysparse", action="store_true", help="vLLM alone")
+    ap.add_argument("--no-vllm-server", action="store_true", help="raysparse alone, with vLLM's client")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per server start or client run")
     ap.add_argument("--out", default="results/vs_vllm.json")
     args = ap.parse_args()
@@ -184,7 +190,7 @@ def main() -> int:
             if args.run:
                 rows.append(run_job(args, model_dir))
                 print(json.dumps(rows[-1]), flush=True)
-        if args.vllm:
+        if args.vllm and not args.no_vllm_server:
             rows += serve_vllm(args, model_dir, work)
     vllm = {r["concurrency"]: r for r in rows if r["engine"] == "vllm"}
     print(f"\n{'engine':<14} {'method':<16} {'in flight':>9} {'TTFT ms':>9} {'TPOT ms':>9} {'wall s':>8} "
