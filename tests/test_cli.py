@@ -83,9 +83,9 @@ def test_runtime_flag_reaches_the_engine_config():
     """``--runtime KEY=VALUE`` (repeatable, the last of a key wins) becomes the engine's RuntimeConfig,
     for every command built on the shared engine flags (serve, bench, the JSONL job)."""
     from raysparse.cli import build_parser
+    from raysparse.cli.engine_flags import engine_config
     from raysparse.jobs.longcontext import build_parser as job_parser
     from raysparse.runtime_config import RuntimeConfig
-    from raysparse.serving.engine_flags import engine_config
 
     want = RuntimeConfig(fused_ops="torch", compiled_graph="off", fused_allreduce=False, allreduce="nccl")
     flags = ["--runtime", "fused_ops=torch", "--runtime", "compiled-graph=off", "--runtime", "fused_allreduce=off",
@@ -146,7 +146,7 @@ def test_help_shows_every_default(monkeypatch):
         assert "(default: None)" not in text and "(default: False)" not in text
     job = job_parser().format_help()
     assert "(default: 3600.0)" in job and "(default: 64)" in job and "(default: 1.0)" in job
-    from raysparse.specattn.map_command import build_map_parser
+    from raysparse.cli.specattn_map import build_map_parser
 
     parsers = {**sub.choices, "job": job_parser(), "specattn-map": build_map_parser()}
     smap = parsers["specattn-map"].format_help()
@@ -172,7 +172,8 @@ def test_piped_output_is_not_wrapped(monkeypatch, capsys):
     the terminal's width."""
     import io
 
-    from raysparse import cli, cli_common
+    from raysparse import cli
+    from raysparse.cli import common as cli_common
     from raysparse.orchestration import local_job
 
     def fake_run(opts: local_job.RunOptions, console) -> dict:

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from raysparse.cli import build_parser, main
+from raysparse.cli.specattn_map import main as map_main
 from raysparse.eval.config import EvalConfig
 from raysparse.eval.harness import run_eval
 from raysparse.eval.items import ItemResult, combine_shards, item_order, merge_items
 from raysparse.eval.settings import Setting
-from raysparse.specattn.map_command import main as map_main
 
 METHODS = ("sketch_walk", "specattn", "cis")
 # 0.8 of the whole model: 0.6 at each of the 2 sparse layers of 4, which 384-token prompts' sink and diagonal
@@ -159,7 +159,7 @@ def test_tp2_same_outputs_and_numbers_and_replicas_same_rows(engine_2x2, tiny_di
 def test_specattn_map_over_shards_and_replicas_matches_the_one_process_map(engine_2x2, tiny_dir, text_file):
     from raysparse.loader import load_model, load_tokenizer, resolve_source
     from raysparse.specattn.draft import default_draft_layers
-    from raysparse.specattn.map_command import measure_on_engine
+    from raysparse.specattn.map_engine import measure_on_engine
     from raysparse.specattn.map_measure import compute_layer_map, map_from_sums, text_windows
 
     src = resolve_source(str(tiny_dir))
@@ -196,7 +196,7 @@ def test_draft_model_over_shards_matches_the_one_process_harness(engine_2x2, tin
     from raysparse.eval.distributed import ClusterOptions, run_eval_on_engine
     from raysparse.loader import load_model, load_tokenizer, resolve_source
     from raysparse.specattn.draft_model import draft_key
-    from raysparse.specattn.map_command import measure_on_engine
+    from raysparse.specattn.map_engine import measure_on_engine
     from raysparse.specattn.map_measure import compute_cross_layer_map, cross_map_from_sums, text_windows
     from raysparse.workload import load_haystack_text
 

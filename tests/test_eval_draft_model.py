@@ -197,7 +197,7 @@ def test_eval_refuses_a_draft_no_method_uses(dirs, capsys):
 
 @pytest.mark.parametrize("name", ["missing", "vocab", "tokenizer"])
 def test_specattn_map_bad_draft_model_is_one_line(dirs, capsys, name):
-    from raysparse.specattn.map_command import main
+    from raysparse.cli.specattn_map import main
 
     args, needle = _bad(name, dirs)
     assert main(args) == 1
@@ -206,7 +206,7 @@ def test_specattn_map_bad_draft_model_is_one_line(dirs, capsys, name):
 
 
 def test_specattn_map_refuses_draft_layers_with_a_draft_model(dirs, capsys):
-    from raysparse.specattn.map_command import main
+    from raysparse.cli.specattn_map import main
 
     assert main(["--model", str(dirs["verifier"]), "--draft-model", str(dirs["draft"]), "--draft-layers", "0,2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -215,8 +215,8 @@ def test_specattn_map_refuses_draft_layers_with_a_draft_model(dirs, capsys):
 
 def test_engine_commands_share_the_draft_flag_and_check_it(dirs):
     from raysparse.cli import build_parser
+    from raysparse.cli.engine_flags import engine_config
     from raysparse.jobs.longcontext import build_parser as job_parser
-    from raysparse.serving.engine_flags import engine_config
 
     parser = build_parser()
     base = ["--model", str(dirs["verifier"]), "--draft-model", str(dirs["draft"])]

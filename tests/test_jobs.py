@@ -117,9 +117,9 @@ def test_dumps_escapes_only_what_utf8_cannot_carry():
 @pytest.fixture(scope="class")
 def job_engine(tmp_path_factory):
     """One in-process engine over the tiny model for the job tests, and the job's parsed flags for it."""
+    from raysparse.cli.engine_flags import engine_config
     from raysparse.jobs.longcontext import build_parser
     from raysparse.orchestration.engine import Engine
-    from raysparse.serving.engine_flags import engine_config
     from raysparse.serving.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("job-tiny"))

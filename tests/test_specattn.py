@@ -16,6 +16,7 @@ import torch
 from helpers import fresh_cache, random_state, tiny_hf_config
 
 from raysparse.attention import DenseAttention, dense_attention
+from raysparse.cli.specattn_map import main as specattn_map_main
 from raysparse.config import ModelConfig
 from raysparse.generate import FinishEvent, GenerationRequest, Generator, TokenEvent
 from raysparse.kv_cache import KVCache
@@ -39,7 +40,6 @@ from raysparse.specattn import (
 from raysparse.specattn.draft import default_draft_layers
 from raysparse.specattn.dtw import kl_similarity
 from raysparse.specattn.layer_map import nearest_below_map
-from raysparse.specattn.map_command import main as specattn_map_main
 from raysparse.specattn.topp import union_topp
 from raysparse.specattn.verify import verify_attention
 

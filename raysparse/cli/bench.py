@@ -1,4 +1,5 @@
-"""``raysparse bench``: the parser and the handler (a running server, an in-process one, or the scaling mode).
+"""``raysparse bench``: the parser and the handler (a running server, an in-process one, or the scaling mode);
+the load generator, the metrics and the report are ``raysparse.bench``'s.
 
 Without ``--target`` the bench starts its own server on 127.0.0.1 over a local engine (or ``--address``), so
 one command measures a model end to end; ``--scaling 1,2,...`` restarts that engine once per replica count
@@ -13,11 +14,11 @@ import math
 import sys
 from typing import Any
 
-from raysparse.cli_common import EXIT_FAILURE, EXIT_USAGE, csv_of, output_console, positive_int, rate
-from raysparse.serving.engine_flags import add_engine_args, add_method_args, engine_config, method_params
+from raysparse.cli.common import EXIT_FAILURE, EXIT_USAGE, csv_of, output_console, positive_int, rate
+from raysparse.cli.engine_flags import add_engine_args, add_method_args, engine_config, method_params
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="load-test a raysparse server over gRPC (vLLM bench serve metrics)",
                        description="Sends prompts of exact token lengths cut from real text at a Poisson request "
                                    "rate or a fixed concurrency and reports TTFT, TPOT, ITL and E2EL (mean, median, "
@@ -98,7 +99,7 @@ def _model_name(args: argparse.Namespace) -> str:
     return resolve_source(args.model).name
 
 
-def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from raysparse.bench.loadgen import LoadConfig, PromptSampler
     from raysparse.bench.metrics import parse_slos
     from raysparse.workload import load_haystack_text

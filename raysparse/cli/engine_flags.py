@@ -13,7 +13,7 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from raysparse.cli_common import add_draft_model_arg, check_draft_model, non_negative_int, positive_int
+from raysparse.cli.common import add_draft_model_arg, check_draft_model, non_negative_int, positive_int
 from raysparse.runtime_config import RuntimeConfig
 
 _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from raysparse.cli_common import (
+from raysparse.cli.common import (
     DEVICES,
     EXIT_FAILURE,
     EXIT_USAGE,
@@ -24,7 +24,7 @@ from raysparse.cli_common import (
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from raysparse.eval.harness import DEFAULT_DENSITIES
+    from raysparse.eval.config import DEFAULT_DENSITIES
     from raysparse.eval.tasks import TASK_NAMES
     from raysparse.methods.registry import method_names
 
@@ -78,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Validates every flag before any model loads, then runs the harness on the shard actors (Ray)."""
-    from raysparse.eval.harness import EvalConfig
+    from raysparse.eval.config import EvalConfig
     from raysparse.eval.settings import parse_method_params
     from raysparse.eval.tasks import TASK_NAMES
     from raysparse.methods.registry import get_method, method_names
@@ -139,7 +139,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                              cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
     opts = EvalOptions(model=args.model, text=args.text, out=args.out, dtype=args.dtype, cluster=cluster)
     try:
-        run_job(cfg, opts, output_console())
+        run_job(cfg, opts, output_console(), output_console(stderr=True))  # progress on stderr, whole lines in a log
     except (ValueError, FileNotFoundError, OSError, RuntimeError, ConnectionError, TimeoutError) as e:
         print(f"raysparse: error: {e}".splitlines()[0], file=sys.stderr)
         return EXIT_FAILURE

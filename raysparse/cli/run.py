@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from raysparse.cli_common import (
+from raysparse.cli.common import (
     EXIT_FAILURE,
     EXIT_USAGE,
     add_cluster_args,
@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="weights and activations")
     add_draft_model_arg(run)
     add_cluster_args(run)
-    from raysparse.serving.engine_flags import add_prefix_cache_args, add_runtime_arg
+    from raysparse.cli.engine_flags import add_prefix_cache_args, add_runtime_arg
 
     add_runtime_arg(run)
     add_prefix_cache_args(run)
@@ -56,8 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Validates every flag before any model loads (exit 2, one line), then runs the job."""
+    from raysparse.cli.engine_flags import runtime_config
     from raysparse.methods.registry import check_params
-    from raysparse.serving.engine_flags import runtime_config
 
     try:
         try:
@@ -113,9 +113,9 @@ def _check_run_inputs(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace, runtime: RuntimeConfig) -> int:
     import json
 
+    from raysparse.cli.engine_flags import prefix_cache_config
     from raysparse.orchestration.local_job import JobError, RunOptions, run_retrieval
     from raysparse.orchestration.signals import Signalled
-    from raysparse.serving.engine_flags import prefix_cache_config
 
     console = output_console()
     method_params = (("density", args.density),) if args.density is not None else ()

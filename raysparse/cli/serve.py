@@ -1,8 +1,8 @@
-"""``raysparse serve``, ``raysparse generate`` and ``raysparse bench``: their parsers and handlers.
+"""``raysparse serve`` and ``raysparse generate``: their parsers and handlers.
 
-``cli.py`` calls ``add_parsers`` to register them and ``run`` to dispatch; ``bench`` lives in
-``raysparse.bench.command``, and the engine, ``--runtime`` and method flags these commands share with others
-in ``raysparse.serving.engine_flags``. Handlers return the exit status and print one clear line on bad input.
+``raysparse.cli`` calls ``add_parsers`` to register them and ``run`` to dispatch; the engine, ``--runtime`` and
+method flags these commands share with others are in ``engine_flags``, and the server and the client they run in
+``raysparse.serving``. Handlers return the exit status and print one clear line on bad input.
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ import signal
 import sys
 from typing import Any
 
-from raysparse.cli_common import EXIT_FAILURE, EXIT_USAGE, port, positive_int
-from raysparse.serving.engine_flags import add_engine_args, add_method_args, engine_config, method_params
+from raysparse.cli.common import EXIT_FAILURE, EXIT_USAGE, port, positive_int
+from raysparse.cli.engine_flags import add_engine_args, add_method_args, engine_config, method_params
 
-COMMANDS = ("serve", "generate", "bench")
+COMMANDS = ("serve", "generate")
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from raysparse.bench.command import add_bench_parser
-
     s = sub.add_parser("serve", help="serve the gRPC inference API (raysparse.v1) over the engine",
                        description="Starts the gRPC server (raysparse.v1.RaySparse, grpc.health.v1, reflection) "
                                    "and a Prometheus /metrics endpoint, then loads the engine on Ray.")
@@ -53,17 +51,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens even past the end token")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline of the call in seconds")
     g.add_argument("--json", action="store_true", help="print one JSON line instead of streaming text")
-    add_bench_parser(sub)
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "serve":
         return _serve(parser, args)
-    if args.command == "generate":
-        return _generate(parser, args)
-    from raysparse.bench.command import run_bench
-
-    return run_bench(parser, args)
+    return _generate(parser, args)
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -24,16 +24,14 @@ class EvalOptions:
     cluster: ClusterOptions = field(default_factory=ClusterOptions)  # tp, replicas, address, device, threads
 
 
-def run_job(cfg: Any, opts: EvalOptions, console: Console | None = None) -> dict[str, Any]:
+def run_job(cfg: Any, opts: EvalOptions, console: Console, err: Console) -> dict[str, Any]:
+    """Runs the harness on the shard actors; the report goes to ``console``, the progress to ``err``."""
     from transformers.utils import logging as hf_logging
 
-    from raysparse.cli_common import output_console
     from raysparse.eval.distributed import check_tp, running_engine
     from raysparse.eval.report import plot, print_table, write_json
     from raysparse.workload import load_haystack_text
 
-    console = console or output_console()
-    err = output_console(stderr=True)  # progress lines stay whole in a log file
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     text, source = load_haystack_text(opts.text)

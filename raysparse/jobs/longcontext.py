@@ -33,7 +33,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from raysparse.cli_common import HelpFormatter, positive_int
+from raysparse.cli.common import HelpFormatter, positive_int
+from raysparse.cli.engine_flags import add_engine_args, add_method_args, engine_config, method_params
 from raysparse.jobs.records import (
     Item,
     JobDefaults,
@@ -49,7 +50,6 @@ from raysparse.jobs.records import (
     split_lines,
 )
 from raysparse.orchestration.signals import Signalled, StopOnSignals
-from raysparse.serving.engine_flags import add_engine_args, add_method_args, engine_config, method_params
 
 
 def build_parser() -> argparse.ArgumentParser:
