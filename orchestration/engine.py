@@ -186,6 +186,9 @@ class Engine:
         caps = method_capabilities(req.method)
         if caps.greedy_only and not req.params.greedy:
             raise InvalidRequestError(f"{req.method} decodes greedily: temperature must be 0")
+        p = req.params
+        if caps.needs_draft and (p.logprobs is not None or p.prompt_logprobs is not None or p.penalized):
+            raise InvalidRequestError(f"{req.method}'s rounds report no log-probabilities and take no penalties")
         if caps.engine_greedy_only and not req.params.greedy:
             raise InvalidRequestError(f"{req.method} samples only in-process; the engine's rounds accept greedily: "
                                       "temperature must be 0")

@@ -152,20 +152,31 @@ class ReplicaRunner:
                 self.sched.prefill_succeeded(plan)  # its prompts' full pages may serve later prompts now
         if res.get("meter"):
             self.account_density(plan, res["meter"])
-        self.emit(plan, res["tokens"] if plan.steps > 1 else [[t] for t in res["tokens"]])
+        self.emit(plan, res["tokens"] if plan.steps > 1 else [[t] for t in res["tokens"]], res.get("logprobs"),
+                  res.get("prompt_logprobs"))
 
-    def emit(self, plan: StepPlan, new_tokens: list[list[int]]) -> None:
-        """Delivers each sequence's new tokens (one per step, several per SpecAttn round) in order."""
+    def emit(self, plan: StepPlan, new_tokens: list[list[int]], logprobs: dict[int, list[Any]] | None = None,
+             prompt_logprobs: dict[int, list[Any]] | None = None) -> None:
+        """Delivers each sequence's new tokens (one per step, several per SpecAttn round) in order, with their
+        log-probabilities where the request asked (the shards' ``logprobs``, one entry per token sampled; a
+        prompt chunk's ``prompt_logprobs`` are kept for the finish event)."""
         now = time.perf_counter()
         with self.cond:
             seqs = self._seqs(plan)
             for seq, toks in zip(seqs, new_tokens, strict=True):
-                if seq is None or toks == [None]:  # gone, or a prompt's non-final chunk
+                if seq is None:
+                    continue
+                if prompt_logprobs and seq.seq_id in prompt_logprobs:
+                    if not seq.prompt_logprobs:
+                        seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
+                    seq.prompt_logprobs.extend(prompt_logprobs[seq.seq_id])
+                if toks == [None]:  # a prompt's non-final chunk
                     continue
                 if plan.prefill:
                     seq.t_first = now
-                for tok in toks:
-                    if self._accept(seq, tok):
+                lps = (logprobs or {}).get(seq.seq_id) or [None] * len(toks)
+                for tok, lp in zip(toks, lps, strict=False):
+                    if self._accept(seq, tok, lp):
                         break
 
     def account_density(self, plan: StepPlan, counts: list[float]) -> None:
@@ -189,14 +200,16 @@ class ReplicaRunner:
         by_id = {s.seq_id: s for s in self.sched.running.get(plan.key, [])}
         return [by_id.get(sid) for sid in plan.seq_ids]
 
-    def _accept(self, seq: Sequence, token: int) -> bool:
-        """Records one token; returns True when the request finished."""
+    def _accept(self, seq: Sequence, token: int, logprob: Any = None) -> bool:
+        """Records one token (``logprob``: its (id, logprob, top alternatives), when asked for); returns True
+        when the request finished."""
         p = seq.request.params
         if token in seq.stops:
             self._finish(seq, "stop")
             return True
         seq.tokens.append(token)
-        seq.handle.put(TokenEvent(seq.request.request_id, token, self._detok(seq)))
+        lp, top = (float(logprob[1]), tuple(logprob[2])) if logprob is not None else (None, ())
+        seq.handle.put(TokenEvent(seq.request.request_id, token, self._detok(seq), lp, top))
         if len(seq.tokens) >= p.max_new_tokens:
             self._finish(seq, "length")
             return True
@@ -214,7 +227,8 @@ class ReplicaRunner:
             seq.request.request_id, reason, tuple(seq.tokens), seq.text, len(seq.request.prompt_ids), ttft,
             now - seq.t_first if seq.t_first else 0.0, plain(error),
             {"replica": self.index, "method": seq.request.method, "method_params": dict(seq.request.method_params),
-             "density": request_density(seq.meter), "cached_tokens": seq.cached}))
+             "density": request_density(seq.meter), "cached_tokens": seq.cached,
+             **({"prompt_logprobs": list(seq.prompt_logprobs)} if seq.prompt_logprobs else {})}))
 
     def _fail(self, plan: StepPlan, error: str) -> None:
         with self.cond:

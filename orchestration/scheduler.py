@@ -49,6 +49,8 @@ class Sequence:
     retried: bool = False  # already requeued once after its group died
     keys: list[bytes] = field(default_factory=list)  # chained digests of the prompt's full pages (prefix cache)
     cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
+    # with ``SamplingParams.prompt_logprobs``: each prompt token's (id, logprob, top alternatives), the first's None
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     @property
     def prompt_done(self) -> bool:
@@ -131,7 +133,8 @@ class Scheduler:
         if len(self.waiting) >= self.cfg.max_waiting:
             raise CapacityExceededError(f"{len(self.waiting)} requests are already waiting")
         seq = Sequence(handle, next(self._seq_ids), key, pages, stops, t_submit=now)
-        if self.cfg.prefix.enabled and self.prefix_reusable(key):
+        # a prompt whose log-probabilities are asked for is computed whole: a cached prefix has none
+        if self.cfg.prefix.enabled and self.prefix_reusable(key) and handle.request.params.prompt_logprobs is None:
             seq.keys = page_keys(key, handle.request.prompt_ids, self.cfg.page_size)
         return seq
 
@@ -160,6 +163,7 @@ class Scheduler:
             group.remove(seq)
             self.pool.free(seq.seq_id)
         seq.solo, seq.tokens, seq.text, seq.t_first, seq.prefilled, seq.cached = True, [], "", 0.0, 0, 0
+        seq.prompt_logprobs = []
         self.waiting.appendleft(seq)
 
     def requeue_lost(self, seqs: list[Sequence]) -> None:
@@ -171,7 +175,7 @@ class Scheduler:
                 group.remove(seq)
                 self.pool.free(seq.seq_id)
             seq.retried, seq.tokens, seq.text, seq.t_first, seq.prefilled, seq.cached = True, [], "", 0.0, 0, 0
-            seq.meter = [0.0, 0.0, 0.0, 0.0]
+            seq.meter, seq.prompt_logprobs = [0.0, 0.0, 0.0, 0.0], []
             self.waiting.appendleft(seq)
 
     def drop_waiting(self, seq: Sequence) -> bool:

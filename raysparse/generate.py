@@ -36,6 +36,9 @@ class TokenEvent:
     request_id: str
     token_id: int
     text: str  # the text this token completes (may be empty while a multi-byte character is pending)
+    # with ``SamplingParams.logprobs``: the token's log-probability and its most likely alternatives (id, logprob)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ class MultiStepDecode:
         if plan.steps == 1:
             return self._sample(plan, self._forward(plan, backend, plan.tokens))
         graphs = self._graphs_for(backend)
-        if graphs is not None and all(self._params[s].greedy for s in plan.seq_ids):
+        if graphs is not None and all(self._params[s].plain_greedy for s in plan.seq_ids):
             # greedy: the steps chain on the device, no round trip or token exchange between them
             chained = graphs.decode_greedy(plan.key, backend, plan.seq_ids, [t[-1] for t in plan.tokens],
                                                 plan.steps)

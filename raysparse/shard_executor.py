@@ -30,7 +30,7 @@ from raysparse.methods.registry import create_backend
 from raysparse.model import LlamaForCausalLM
 from raysparse.multistep_decode import MultiStepDecode
 from raysparse.runtime_config import RuntimeConfig
-from raysparse.sampling import Sampler, SamplingParams
+from raysparse.sampling import Logprob, Sampler, SamplingParams, logprob_rows
 from raysparse.step_plan import StepPlan, parse_key
 
 # the executor's own entries in ``stats``; a method with one of these names reports as "method:<name>"
@@ -81,6 +81,11 @@ class ShardExecutor(MultiStepDecode):
         self.backends: dict[str, AttentionBackend] = {}
         self._seq_key: dict[int, str] = {}
         self._params: dict[int, SamplingParams] = {}
+        # log-probabilities of the step in flight (rank 0), per sequence: its sampled tokens' and its prompt's
+        self._logprobs: dict[int, list[Logprob]] = {}
+        self._prompt_logprobs: dict[int, list[Logprob]] = {}
+        # a prompt part-way through its prefill: its last chunk's last row, the logits of its next chunk's first token
+        self._prompt_tail: dict[int, torch.Tensor] = {}
         self.coord_s = 0.0  # time inside the walk coordinator's all-reduces since the last stats()
         self._sync = sync or (lambda: None)
         self._reduce = self._timed(reduce) if reduce is not None else None
@@ -136,6 +141,7 @@ class ShardExecutor(MultiStepDecode):
                 self.backends[key].release(sid)
             self.sampler.remove(sid)
             self._params.pop(sid, None)
+            self._prompt_tail.pop(sid, None)
 
     def admit(self, rows: list[tuple], key: str) -> None:
         """``rows``: (seq id, reserved tokens, sampling params[, pages, cached prompt tokens]). With pages the
@@ -157,6 +163,7 @@ class ShardExecutor(MultiStepDecode):
         self.free(plan.free)
         if not plan.seq_ids:
             return {"tokens": [], "error": None, "forward_s": 0.0}
+        self._logprobs, self._prompt_logprobs = {}, {}
         try:
             self.admit(plan.admit, plan.key)
             backend = self.backend(plan.key)
@@ -167,6 +174,10 @@ class ShardExecutor(MultiStepDecode):
                 tokens = self._decode(plan, backend)
             self._sync()
             out = {"tokens": tokens, "error": None, "forward_s": time.perf_counter() - t0}
+            if self._logprobs:  # only for requests that asked: per sequence, one entry per token sampled
+                out["logprobs"] = self._logprobs
+            if self._prompt_logprobs:  # per sequence, one entry per prompt token of this step (the first: none)
+                out["prompt_logprobs"] = self._prompt_logprobs
             if before is not None:  # what this step added to the density meter, for per-request density
                 out["meter"] = [a - b for a, b in zip(_meter_counts(backend), before, strict=True)]
             return out
@@ -186,7 +197,29 @@ class ShardExecutor(MultiStepDecode):
         batch = self.cache.prepare(plan.seq_ids, [len(t) for t in tokens], plan.prefill)
         if plan.prefill:
             batch.prompt_ends = list(plan.sample)  # only a prompt's last chunk samples
+            # every rank alike: the head's vocabulary gather is a collective over the group
+            if any(self._params[s].prompt_logprobs is not None for s in plan.seq_ids):
+                logits = self.model(ids, batch, self.cache, backend, all_logits=True)
+                if self.rank == 0:
+                    self._record_prompt(plan, logits, batch.cu_q)
+                return logits[batch.last_token_rows()]
         return self.model(ids, batch, self.cache, backend)
+
+    def _record_prompt(self, plan: StepPlan, logits: torch.Tensor, cu_q: list[int]) -> None:
+        """Each asking prompt's log-probabilities in this chunk: a token's comes from the row before it (the
+        previous chunk's last row for the chunk's first token; none for the prompt's first)."""
+        for i, sid in enumerate(plan.seq_ids):
+            k = self._params[sid].prompt_logprobs
+            if k is None:
+                continue
+            rows = logits[cu_q[i]:cu_q[i + 1]]
+            toks = plan.tokens[i]
+            prev = self._prompt_tail.pop(sid, None)
+            before = rows[:-1] if prev is None else torch.cat([prev[None], rows[:-1]])
+            targets = toks[1:] if prev is None else toks
+            self._prompt_logprobs[sid] = logprob_rows(before, targets, k) if targets else []
+            if not plan.sample[i]:  # the prompt goes on in a later step
+                self._prompt_tail[sid] = rows[-1].clone()
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[int | None] | None:
         if self.rank != 0:
@@ -197,6 +230,10 @@ class ShardExecutor(MultiStepDecode):
         tokens: list[int | None] = [None] * len(plan.seq_ids)
         for i, t in zip(rows, drawn, strict=True):
             tokens[i] = t
+        asking = [(i, sid, t) for i, sid, t in zip(rows, sids, drawn, strict=True)
+                  if self._params[sid].logprobs is not None]
+        for i, sid, t in asking:
+            self._logprobs.setdefault(sid, []).extend(logprob_rows(logits[i:i + 1], [t], self._params[sid].logprobs))
         return tokens
 
     def verify(self, plan: StepPlan, message: bytes) -> dict[str, Any]:

@@ -167,6 +167,46 @@ def test_bad_requests_are_refused_up_front(engines):
     assert run(e1, "dense", prompts(1), new=3)[0]
 
 
+def test_logprobs_and_penalties_equal_across_shard_counts_and_a_plain_forward(engines, tiny_dir):
+    """Prompt and token log-probabilities through TP=1 and TP=2 (its vocabulary-sharded head gathered on every
+    rank, its decode steps three a call): every element against transformers' forward of the same tokens.
+    The prompt spans several prefill chunks; penalized greedy decoding gives the same tokens on both."""
+    from transformers import LlamaForCausalLM
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    prompt = tuple(torch.randint(0, 97, (int(torch.randint(600, 1100, (), generator=g)),), generator=g).tolist())
+    params = SamplingParams(max_new_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    for eng in engines:
+        # a request decoding meanwhile holds the prefill to CPU chunks (512 tokens; idle, the prompt goes whole)
+        background = eng.submit(EngineRequest((5, 6, 7), SamplingParams(max_new_tokens=200, ignore_eos=True)))
+        assert background.started.wait(120)
+        handle = eng.submit(EngineRequest(prompt, params))
+        events = list(handle)
+        background.abort()
+        fin, toks = events[-1], events[:-1]
+        assert fin.finish_reason == "length", fin
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([list(prompt) + list(fin.token_ids)])).logits[0].float(), -1)
+        plp = fin.stats["prompt_logprobs"]
+        assert len(plp) == len(prompt) and plp[0] is None, seed
+        for i in range(1, len(prompt)):
+            tid, lp, top = plp[i]
+            assert tid == prompt[i] and abs(lp - float(ref[i - 1, tid])) <= 1e-4, (seed, eng.cfg.tp, i, lp)
+            want = torch.topk(ref[i - 1], 2)
+            assert [t for t, _ in top] == want.indices.tolist(), (seed, eng.cfg.tp, i)
+            assert all(abs(v - w) <= 1e-4 for (_, v), w in zip(top, want.values.tolist(), strict=True)), seed
+        assert len(toks) == 5
+        for j, ev in enumerate(toks):
+            row = ref[len(prompt) - 1 + j]
+            assert abs(ev.logprob - float(row[ev.token_id])) <= 1e-4, (seed, eng.cfg.tp, j)
+            assert [t for t, _ in ev.top_logprobs] == torch.topk(row, 3).indices.tolist(), (seed, eng.cfg.tp, j)
+    penalized = SamplingParams(max_new_tokens=8, presence_penalty=0.5, frequency_penalty=1.5, ignore_eos=True)
+    outs = [eng.submit(EngineRequest(prompt[:150], penalized)).result(300).token_ids for eng in engines]
+    assert outs[0] == outs[1], seed
+
+
 def test_concurrent_requests_match_one_at_a_time(engines):
     e1, _ = engines
     ps = prompts(3)

@@ -175,8 +175,16 @@ def test_bad_requests_are_400_with_openai_error_bodies(server):
         dict(prompt=" \t\n ", max_tokens=4),
         dict(prompt="hi", max_tokens=4, temperature=-1.0),
         dict(prompt="hi", max_tokens=4, top_p=1.5),
-        dict(prompt="hi", max_tokens=4, n=2),
-        dict(prompt="hi", max_tokens=4, logprobs=2),
+        dict(prompt="hi", max_tokens=4, n=0),
+        dict(prompt="hi", max_tokens=4, n=17),
+        dict(prompt="hi", max_tokens=4, n=2, stream=True),
+        dict(prompt="hi", max_tokens=4, echo=True, stream=True),
+        dict(prompt="hi", max_tokens=4, best_of=3),
+        dict(prompt="hi", max_tokens=4, logprobs=21),
+        dict(prompt="hi", max_tokens=4, logprobs=-1),
+        dict(prompt="hi", max_tokens=0),  # 0 only with echo: the prompt scored
+        dict(prompt="hi", max_tokens=4, presence_penalty=2.5),
+        dict(prompt="hi", max_tokens=4, frequency_penalty=-3),
         dict(prompt=[3] * (MAX_POS - 10), max_tokens=20),  # past the model's positions
         dict(prompt=[10_000], max_tokens=4),  # outside the vocabulary
         dict(prompt=[3] * (KV_TOKENS - 8), max_tokens=40),  # can never fit a replica's KV cache
@@ -200,6 +208,213 @@ def test_bad_requests_are_400_with_openai_error_bodies(server):
         assert he.value.code == 400 and b'"error"' in he.value.read()
     ok = c.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 3  # still serving
+
+
+def _reference_logprobs(model_dir, ids: list[int]):
+    """The tiny model's log-softmax at every position of ``ids`` through transformers' own forward: [T, V]."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def _assert_close(got, want, what, seed, tol=1e-4):
+    assert got is not None and abs(got - want) <= tol, f"{what}: {got} != {want} (seed {seed})"
+
+
+def _assert_top(got: dict, row, chosen: int, k: int, text_of, what: str, seed: int) -> None:
+    """Completions' ``top_logprobs`` entry: the row's top k and the chosen token, keyed by text (tokens that
+    spell the same text share a key, the chosen one's last, as the server writes them)."""
+    import torch
+
+    top_v, top_i = torch.topk(row, k)
+    want = {**{text_of(int(i)): float(v) for i, v in zip(top_i, top_v, strict=True)},
+            text_of(chosen): float(row[chosen])}
+    assert set(got) == set(want), f"{what}: {sorted(got)} != {sorted(want)} (seed {seed})"
+    for key, v in want.items():
+        _assert_close(got[key], v, f"{what} alternative {key!r}", seed)
+
+
+def test_prompt_and_token_logprobs_equal_a_transformers_forward(server):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens 0 or 1) and sampling clients'
+    token logprobs: every element against the plain forward's log-softmax. A repeated prompt checks that the
+    prefix cache, which would skip its cached rows, is not used for it (``test_engine`` splits a prompt over
+    prefill chunks)."""
+    import random
+
+    import torch
+    from transformers import AutoTokenizer
+
+    c = server["client"]
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(server["model"])
+
+    def text_of(i: int) -> str:
+        return tokenizer.decode([i])
+
+    for plen in (rng.randrange(2, 40), rng.randrange(150, 300)):
+        ids = [rng.randrange(3, 98) for _ in range(plen)]
+        ref = _reference_logprobs(server["model"], ids)
+        for max_tokens in (0, 1, 1):  # the second max_tokens=1 finds the same prompt already prefilled once
+            out = c.completions.create(model="tiny", prompt=ids, max_tokens=max_tokens, echo=True, logprobs=3,
+                                       temperature=0, extra_body={"ignore_eos": True})
+            ch = out.choices[0]
+            lp = ch.logprobs
+            assert len(lp.token_logprobs) == plen + max_tokens, seed
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            for i in range(1, plen):
+                _assert_close(lp.token_logprobs[i], float(ref[i - 1, ids[i]]), f"prompt token {i} of {plen}", seed)
+                _assert_top(lp.top_logprobs[i], ref[i - 1], ids[i], 3, text_of, f"prompt token {i}", seed)
+            assert out.usage.prompt_tokens_details.cached_tokens == 0, seed
+            assert out.raysparse["prompt_logprobs"] == {"method": "dense", "prefill_density": 1.0}
+            if max_tokens == 0:
+                assert out.usage.completion_tokens == 0 and ch.text == _tiny_text(server["model"], ids)
+                assert ch.finish_reason == "length"
+            else:
+                t = int(ref[-1].argmax())  # greedy: the sampled token is the argmax
+                _assert_close(lp.token_logprobs[-1], float(ref[-1, t]), "the sampled token", seed)
+    # generated tokens' logprobs with their top 4 alternatives, over several decode steps (chat: a list each)
+    prompt = [rng.randrange(3, 98) for _ in range(rng.randrange(5, 60))]
+    out = c.completions.create(model="tiny", prompt=prompt, max_tokens=6, logprobs=4, temperature=0,
+                               extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6
+    g = server["grpc"].generate(token_ids=prompt, max_new_tokens=6, ignore_eos=True, timeout=60)
+    ref = _reference_logprobs(server["model"], prompt + list(g.token_ids))
+    for j, tok in enumerate(g.token_ids):
+        row = ref[len(prompt) - 1 + j]
+        _assert_close(lp.token_logprobs[j], float(row[tok]), f"generated token {j}", seed)
+        _assert_top(lp.top_logprobs[j], row, tok, 4, text_of, f"generated token {j}", seed)
+    text = "".join(chr(rng.randrange(97, 123)) for _ in range(rng.randrange(3, 30)))
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=5,
+                                     temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    g = server["grpc"].generate(text=text, chat=True, max_new_tokens=5, ignore_eos=True, timeout=60)
+    chat_ids = _chat_prompt_ids(server["model"], text)
+    ref = _reference_logprobs(server["model"], chat_ids + list(g.token_ids))
+    assert len(content) == 5
+    for j, (entry, tok) in enumerate(zip(content, g.token_ids, strict=True)):
+        row = ref[len(chat_ids) - 1 + j]
+        _assert_close(entry.logprob, float(row[tok]), f"chat token {j}", seed)
+        top = torch.topk(row, 3).values.tolist()
+        assert len(entry.top_logprobs) == 3
+        for k, alt in enumerate(entry.top_logprobs):
+            _assert_close(alt.logprob, top[k], f"chat token {j} alternative {k}", seed)
+    # a prefill-sparse method changes the prompt's logprobs, and the response says which method made them
+    long_ids = [rng.randrange(3, 98) for _ in range(285)]
+    sparse = c.completions.create(model="tiny", prompt=long_ids, max_tokens=0, echo=True, logprobs=1,
+                                  extra_body={"raysparse": SPARSE})
+    info = sparse.raysparse["prompt_logprobs"]
+    assert info["method"] == "streaming" and info["prefill_density"] < 1.0
+    _wait_kv_free(server["grpc"])
+
+
+def _chat_prompt_ids(model_dir, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=False)
+    return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_n_choices_share_the_prompt_and_are_seeded(server):
+    import random
+
+    c = server["client"]
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 98) for _ in range(150)]  # 150 tokens: 2 full pages of the default 64 tokens
+    kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=1234, n=4,
+              extra_body={"ignore_eos": True})
+    out = c.completions.create(**kw)
+    assert [ch.index for ch in out.choices] == [0, 1, 2, 3]
+    texts = [ch.text for ch in out.choices]
+    assert len(set(texts)) > 1, seed  # each choice its own seed
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == 32
+    # the prompt was prefilled once: the other three choices found its full pages in the prefix cache
+    assert out.usage.prompt_tokens_details.cached_tokens == 3 * 128, (out.usage, seed)
+    assert len(out.raysparse["request_ids"]) == 4 and out.id.startswith("cmpl-")
+    again = c.completions.create(**kw)
+    assert [ch.text for ch in again.choices] == texts  # seeded: the same four samples
+    greedy = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, n=2, extra_body={"ignore_eos": True})
+    assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+    _wait_kv_free(server["grpc"])
+
+
+def test_presence_and_frequency_penalties_equal_the_rule_on_a_plain_forward(server):
+    """OpenAI's rule: a token's logit less presence_penalty once it appeared in the output and frequency_penalty
+    per appearance; greedy over the penalized logits of transformers' forward is the oracle."""
+    import random
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    c = server["client"]
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 98) for _ in range(rng.randrange(3, 20))]
+    presence, frequency = rng.choice([0.0, 0.5, 1.5]), rng.choice([0.7, 2.0])
+    out = c.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                               presence_penalty=presence, frequency_penalty=frequency, logprobs=0,
+                               extra_body={"ignore_eos": True})
+    model = LlamaForCausalLM.from_pretrained(server["model"], dtype=torch.float32).eval()
+    ids, counts = list(prompt), {}
+    with torch.no_grad():
+        for _ in range(10):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            for t, n in counts.items():
+                logits[t] -= presence + frequency * n
+            t = int(logits.argmax())
+            counts[t] = counts.get(t, 0) + 1
+            ids.append(t)
+    want = _tiny_text(server["model"], ids[len(prompt):], skip_special=True)  # as the streamed text leaves them
+    assert out.choices[0].text == want, f"seed {seed}: presence {presence}, frequency {frequency}"
+    _wait_kv_free(server["grpc"])
+
+
+def _tiny_text(model_dir, ids: list[int], skip_special: bool = False) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=skip_special)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import json
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_detokenize_version_and_streamed_logprobs(server):
+    import json
+
+    c, http = server["client"], server["http"]
+    status, tok = _post(http + "/tokenize", {"prompt": "abc"})
+    assert status == 200 and tok == {"count": 3, "max_model_len": MAX_POS, "tokens": [12, 13, 14]}
+    status, chat = _post(http + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and chat["count"] == len("user: hi\nassistant: ")
+    assert _post(http + "/detokenize", {"tokens": [12, 13, 14]}) == (200, {"prompt": "abc"})
+    assert _post(http + "/detokenize", {"tokens": [10_000]})[0] == 400
+    assert _post(http + "/tokenize", {})[0] == 400
+    with urllib.request.urlopen(http + "/version", timeout=10) as r:
+        assert json.loads(r.read())["version"]
+    # a stream's chunks carry their tokens' logprobs: together, the same as the whole response's
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "stream me"}], max_tokens=6, temperature=0,
+              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [e for ch in c.chat.completions.create(stream=True, **kw)
+                for e in ((ch.choices[0].logprobs.content or []) if ch.choices and ch.choices[0].logprobs else [])]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in whole]
+    assert len(whole) == 6 and all(len(e.top_logprobs) == 2 for e in streamed)
 
 
 def test_stop_strings(server):

@@ -17,6 +17,8 @@ from raysparse.sampling import MIN_TEMPERATURE, MIN_TOP_P, Sampler, SamplingPara
 @pytest.mark.parametrize("bad", [
     {"max_new_tokens": 0}, {"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0},
     {"top_p": 1.5}, {"seed": -3}, {"stop_token_ids": (-1,)},
+    {"logprobs": -1}, {"logprobs": 21}, {"logprobs": True}, {"prompt_logprobs": 1.5},
+    {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"presence_penalty": True}, {"frequency_penalty": None},
 ])
 def test_bad_sampling_params_are_refused(bad):
     with pytest.raises(ValueError):
@@ -104,3 +106,24 @@ def test_the_smallest_accepted_values_sample_the_most_likely_token(kw):
         sampler.add(i, p)
     # Both limits leave a single plausible token: the sampler must agree with argmax, not fail.
     assert sampler.sample(logits, list(range(4)), params) == logits.argmax(-1).tolist()
+
+
+def test_penalties_follow_the_counts_of_generated_tokens_and_logprobs_are_the_raw_log_softmax():
+    """presence once per token that appeared, frequency per appearance, on the sampler's logits only: the
+    log-probabilities stay the model's own distribution."""
+    from raysparse.sampling import logprob_rows
+
+    logits = torch.tensor([[3.0, 2.9, 2.0, -1.0]])
+    s = Sampler()
+    p = SamplingParams(presence_penalty=0.05, frequency_penalty=0.5)
+    s.add(7, p)
+    drawn = [s.sample(logits, [7], [p])[0] for _ in range(5)]
+    # 0 (3.0); 1 (2.9 over 0's 3.0 - 0.55); 0 (2.45 over 1's 2.35); 1 (2.35 over 0's 1.95); 2 (2.0 over 1's 1.85)
+    assert drawn == [0, 1, 0, 1, 2]
+    plain = Sampler()
+    assert [plain.sample(logits, [1], [SamplingParams()])[0] for _ in range(3)] == [0, 0, 0]
+    (tid, lp, top), = logprob_rows(logits, [2], 2)
+    ref = torch.log_softmax(logits[0], -1)
+    assert tid == 2 and lp == pytest.approx(float(ref[2]))
+    assert [t for t, _ in top] == [0, 1] and [v for _, v in top] == pytest.approx(ref[:2].tolist())
+    assert logprob_rows(logits, [3], 0)[0][2] == ()

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over the engine: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+"""The OpenAI-compatible HTTP API over the engine: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+and vLLM's ``/tokenize``, ``/detokenize``, ``/health`` and ``/version``.
 
 One FastAPI application (``create_app``) serves it wherever the engine lives: beside the gRPC API in
 ``raysparse serve --http-port`` (``OpenAIHTTPServer``, uvicorn in a thread) and in every replica of the
@@ -12,6 +13,14 @@ What it takes beyond OpenAI's fields, as vLLM does: ``ignore_eos`` and ``stop_to
 and the attention method per request as ``{"raysparse": {"method": "sketch_walk", "density": 0.1, ...}}``
 (every key but ``method`` is a method parameter). Responses carry ``raysparse``: the method, the engine's
 request id, the replica, and the prefill and decode density measured for this request.
+
+For evaluation and sampling clients it serves what vLLM serves: ``logprobs`` on completions (each token's
+log-probability with its top alternatives) and ``logprobs``/``top_logprobs`` on chat, ``echo`` with the
+prompt's log-probabilities (``max_tokens=0`` scores the prompt alone: lm-evaluation-harness's loglikelihood
+requests), ``n`` choices (their prompt's full pages shared through the prefix cache), ``presence_penalty``
+and ``frequency_penalty``. The log-probabilities are the model's own distribution, before temperature,
+top_p and penalties; a method that prefills sparsely changes a prompt's, and ``raysparse.prompt_logprobs``
+names the method and the prefill density that made them.
 
 Streams are server-sent events ending with ``data: [DONE]``; the chat stream's first chunk (the role)
 comes with the first token, as vLLM's does, so a client's time to first token is the engine's. A client
@@ -37,7 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from raysparse.serving.openai_frontend import OpenAIFrontend
 from raysparse.serving.openai_responses import complete_response, stream_response
-from raysparse.serving.openai_schema import APIError, ChatBody, CompletionBody
+from raysparse.serving.openai_schema import APIError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 
 
 # ---- the application ---------------------------------------------------------------------------------
@@ -62,6 +71,20 @@ def create_app(get_frontend: Callable[[], OpenAIFrontend], metrics_registry: Any
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if get_frontend().ready() else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        from raysparse import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+        return await asyncio.to_thread(get_frontend().tokenize, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
+        return await asyncio.to_thread(get_frontend().detokenize, body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -96,8 +119,8 @@ async def _serve(fe: OpenAIFrontend, body: Any, request: Request, chat: bool) ->
     prepare = fe.prepare_chat if chat else fe.prepare_completion
     # tokenizing a long prompt (and validating a method's first request) must not stall the event loop
     prep = await asyncio.to_thread(prepare, body)
-    handle = await asyncio.to_thread(fe.submit, prep)  # a refusal is an error status, never a stream event
+    handles = await asyncio.to_thread(fe.submit_all, prep)  # a refusal is an error status, never a stream event
     if not prep.stream:
-        return await complete_response(handle, prep, request, chat)
-    return StreamingResponse(stream_response(prep, handle, chat), media_type="text/event-stream",
+        return await complete_response(handles, prep, request, chat)
+    return StreamingResponse(stream_response(prep, handles[0], chat), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

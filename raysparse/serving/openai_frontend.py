@@ -1,25 +1,46 @@
 """``OpenAIFrontend``: OpenAI requests into engine requests (``Prepared``), and the model list.
 
-It checks what the API does not offer (``n`` > 1, logprobs, penalties, tools, ``echo``), tokenizes the
-prompt (the chat template for chat; token-id prompts as they are), reads the ``raysparse`` extension field
-into the method and its parameters, builds the ``SamplingParams`` and ``EngineRequest`` the gRPC servicer
-would, and submits it: ``Engine.submit``'s typed errors become ``APIError``.
+It checks what the API does not offer (tools, ``logit_bias``, ``suffix``, ``best_of`` other than ``n``;
+``n`` > 1 and ``echo`` in a stream), tokenizes the prompt (the chat template for chat; token-id prompts as
+they are), reads the ``raysparse`` extension field into the method and its parameters, builds the
+``SamplingParams`` and ``EngineRequest`` the gRPC servicer would (one per choice: ``n`` requests, seeds
+``seed + i``, whose prompt pages the prefix cache shares), and submits them: ``Engine.submit``'s typed
+errors become ``APIError``. Log-probabilities are the model's own (``SamplingParams.logprobs``); ``echo``
+asks the engine for the prompt's too, and ``max_tokens=0`` with ``echo`` scores the prompt alone (the engine
+samples one token, which the response leaves out).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raysparse.orchestration.engine_api import EngineError, EngineRequest, RequestHandle
 from raysparse.sampling import SamplingParams
-from raysparse.serving.openai_schema import APIError, BaseBody, ChatBody, CompletionBody, engine_error
+from raysparse.serving.openai_schema import (
+    APIError,
+    BaseBody,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    engine_error,
+)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 CHAT_MAX_TOKENS_CAP = 1024  # chat's default: what fits the positions and a replica's KV cache, at most this
 MAX_STOP_STRINGS = 4
+MAX_N = 16  # choices per request
+
+
+def token_texts(tokenizer: Any) -> Callable[[int], str]:
+    """A token's text as the logprobs fields spell it (its own decoding; ``token_id:N`` without a tokenizer)."""
+    if tokenizer is None:
+        return lambda i: f"token_id:{i}"
+    return lambda i: tokenizer.decode([i])
 
 
 @dataclass
@@ -32,6 +53,11 @@ class Prepared:
     include_usage: bool
     model: str
     engine: str = ""  # the engine's name: which Serve replica (or server) answered
+    requests: list[EngineRequest] = field(default_factory=list)  # one per choice (``request`` is the first)
+    echo: str | None = None  # the prompt's text, put before each choice's text (completions' ``echo``)
+    prompt_only: bool = False  # ``max_tokens=0`` with ``echo``: the prompt scored, no generated token kept
+    top_logprobs: int | None = None  # alternatives per token in the response; None: no logprobs field
+    token_text: Callable[[int], str] = str
 
 
 @dataclass
@@ -80,16 +106,21 @@ class OpenAIFrontend:
         return max(1, min(left, CHAT_MAX_TOKENS_CAP))
 
     def _common(self, body: BaseBody, ids: list[int], default_max: int | None, max_tokens: int | None,
-                rid: str) -> Prepared:
-        for name, value, ok in (("n", body.n, (None, 1)), ("best_of", body.best_of, (None, 1)),
-                                ("presence_penalty", body.presence_penalty, (None, 0, 0.0)),
-                                ("frequency_penalty", body.frequency_penalty, (None, 0, 0.0))):
-            if value not in ok:
-                raise APIError(400, f"{name}={value!r} is not supported (only {ok[1]!r})", name)
+                rid: str, logprobs: int | None = None, echo: str | None = None) -> Prepared:
+        n_choices = 1 if body.n is None else body.n
+        if not 1 <= n_choices <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {n_choices}", "n")
+        if body.best_of not in (None, n_choices):
+            raise APIError(400, f"best_of={body.best_of!r} is not supported (only n's value, {n_choices})", "best_of")
+        if body.stream and (n_choices > 1 or echo is not None):
+            raise APIError(400, "n > 1 and echo are not supported with stream: true", "n" if n_choices > 1 else "echo")
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        prompt_only = echo is not None and max_tokens == 0  # scores the prompt: loglikelihood requests
+        if max_tokens is not None and max_tokens < 1 and not prompt_only:
+            raise APIError(400, f"max_tokens must be at least 1 (0 with echo), got {max_tokens}", "max_tokens")
+        if prompt_only:
+            max_tokens = 1
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
@@ -111,23 +142,26 @@ class OpenAIFrontend:
             sampling = SamplingParams(
                 max_new_tokens=n, temperature=1.0 if body.temperature is None else float(body.temperature),
                 top_p=1.0 if body.top_p is None else float(body.top_p), seed=body.seed,
-                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos))
-            req = EngineRequest(ids, sampling, method, params, request_id=rid)
+                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
+                logprobs=logprobs, prompt_logprobs=logprobs if echo is not None else None,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0)
+            # n choices: n requests, each its own seed (the same seed would draw the same sample n times)
+            reqs = [EngineRequest(ids, sampling if body.seed is None or n_choices == 1 else
+                                  replace(sampling, seed=(body.seed + i) % 2**63), method, params,
+                                  request_id=rid if n_choices == 1 else f"{rid}-{i}") for i in range(n_choices)]
         except EngineError as e:
             raise engine_error(e) from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         opts = body.stream_options or {}
-        return Prepared(req, [s for s in stops if s], bool(body.stream), bool(opts.get("include_usage")),
-                         self.model_name, str(getattr(self.engine, "name", "")))
+        return Prepared(reqs[0], [s for s in stops if s], bool(body.stream), bool(opts.get("include_usage")),
+                        self.model_name, str(getattr(self.engine, "name", "")), requests=reqs, echo=echo,
+                        prompt_only=prompt_only, top_logprobs=logprobs,
+                        token_text=token_texts(getattr(self.engine, "tokenizer", None)))
 
     def prepare_completion(self, body: CompletionBody) -> Prepared:
         self.check_ready()
         self.check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs")
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         p = body.prompt
@@ -150,18 +184,52 @@ class OpenAIFrontend:
             ids = list(p)
             if not ids:
                 raise APIError(400, "prompt is empty", "prompt")
-        return self._common(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS, body.max_tokens, f"cmpl-{uuid.uuid4().hex}")
+        echo = None
+        if body.echo:
+            tok = getattr(self.engine, "tokenizer", None)
+            echo = p if isinstance(p, str) else (tok.decode(ids) if tok is not None else "")
+        return self._common(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS, body.max_tokens, f"cmpl-{uuid.uuid4().hex}",
+                            body.logprobs, echo)
 
     def prepare_chat(self, body: ChatBody) -> Prepared:
         self.check_ready()
         self.check_model(body.model)
-        if body.logprobs or body.top_logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if body.tools:
             raise APIError(400, "tools are not supported", "tools")
         ids = self.chat_ids(body.messages)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return self._common(body, ids, None, limit, f"chatcmpl-{uuid.uuid4().hex}")
+        return self._common(body, ids, None, limit, f"chatcmpl-{uuid.uuid4().hex}",
+                            (body.top_logprobs or 0) if body.logprobs else None)
+
+    def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: the ids a prompt (or chat messages) becomes, their count and the model's length."""
+        self.check_ready()
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give prompt or messages (one of them)", "prompt")
+        if body.messages is not None:
+            ids = self.chat_ids(body.messages)
+        else:
+            tok = getattr(self.engine, "tokenizer", None)
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer", "prompt")
+            ids = list(tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": self.engine.model_cfg.max_position_embeddings, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        self.check_ready()
+        self.check_model(body.model)
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer", "tokens")
+        vocab = self.engine.model_cfg.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary ({vocab})", "tokens")
+        return {"prompt": tok.decode(body.tokens)}
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         tok = getattr(self.engine, "tokenizer", None)
@@ -199,7 +267,16 @@ class OpenAIFrontend:
         return list(ids)
 
     def submit(self, prep: Prepared) -> RequestHandle:
+        return self.submit_all(prep)[0]
+
+    def submit_all(self, prep: Prepared) -> list[RequestHandle]:
+        """One handle per choice; a refusal of any aborts those already submitted."""
+        handles: list[RequestHandle] = []
         try:
-            return self.engine.submit(prep.request)
+            for req in prep.requests or [prep.request]:
+                handles.append(self.engine.submit(req))
         except (EngineError, ValueError) as e:
+            for h in handles:
+                h.abort()
             raise engine_error(e) from None
+        return handles

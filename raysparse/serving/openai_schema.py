@@ -91,3 +91,21 @@ class ChatBody(BaseBody):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+
+
+class TokenizeBody(BaseModel):
+    """vLLM's ``/tokenize``: a text (``prompt``) or chat ``messages`` (through the chat template)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
