@@ -43,6 +43,7 @@ def start_ray(address: str | None, num_cpus: int | None = None, env: dict[str, s
             # `ray start` or RAY_ADDRESS, which plain ray.init() would join, or hang on if it is stale).
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                      runtime_env=runtime_env, log_to_driver=True)
+            _start_reaper()
             return True
         ray.init(address=address, logging_level=logging.WARNING, runtime_env=runtime_env)
         return False
@@ -76,9 +77,9 @@ def stop_ray(grace_s: float = 5.0) -> list[int]:
     agents, idle workers) only notice later, if at all. Every process of the instance names its session
     directory on its command line or descends from one that does: those are ended too (SIGTERM, then SIGKILL
     after ``grace_s``). Nothing outside this instance is touched: another Ray on the host has another session."""
-    import psutil
     import ray
 
+    _stop_reaper()  # this process ends the instance itself: its reaper is not needed (and not one of its own)
     node = getattr(ray._private.worker, "_global_node", None)
     session = node.get_session_dir_path() if node is not None and node.head else None
     before = session_processes(session) if session else []
@@ -87,19 +88,59 @@ def stop_ray(grace_s: float = 5.0) -> list[int]:
         return []
     seen = {p.pid for p in before}
     left = [p for p in before + [q for q in session_processes(session) if q.pid not in seen] if _running(p)]
-    for p in left:
+    end_processes(left, grace_s)
+    return [p.pid for p in left]
+
+
+def end_processes(procs: list, grace_s: float) -> None:
+    """SIGTERM to each of ``procs`` (``psutil.Process``), then SIGKILL to those alive after ``grace_s``."""
+    import psutil
+
+    for p in procs:
         try:
             p.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for p in alive:
         try:
             p.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
-    return [p.pid for p in left]
+
+
+# The local instance's reaper: a small process of its own (``ray_reaper``) that ends every process of the
+# instance's session when this process dies without ``stop_ray`` (SIGKILL, an out-of-memory kill). Ray's daemons
+# follow their driver out, but the agents they start (runtime-env, dashboard) and idle workers do not.
+_reaper: Any = None
+
+
+def _start_reaper() -> None:
+    import subprocess
+    import sys
+
+    import ray
+
+    global _reaper
+    _stop_reaper()  # an earlier instance's, shut down without ``stop_ray``
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or not node.head:
+        return
+    # a session of its own, so a terminal's Ctrl-C (the process group's SIGINT) does not end it before the job
+    _reaper = subprocess.Popen([sys.executable, "-m", "raysparse.orchestration.ray_reaper", str(os.getpid()),
+                                node.get_session_dir_path()], stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop_reaper() -> None:
+    global _reaper
+    if _reaper is not None and _reaper.poll() is None:
+        _reaper.terminate()
+        try:
+            _reaper.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - it ends at its next look at its parent anyway
+            pass
+    _reaper = None
 
 
 def session_processes(session: str) -> list:

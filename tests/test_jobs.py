@@ -366,6 +366,64 @@ def test_ray_job_submit_processes_a_jsonl_file(two_node_cluster, tmp_path):
     assert by_id["line-7"]["finish_reason"] == "error" and "not JSON" in by_id["line-7"]["error"]
 
 
+@pytest.mark.slow  # about 45 s on 2 cores
+def test_a_sigkilled_job_leaves_no_process_of_its_ray_10_s_later(tmp_path):
+    """The real command with its own Ray, SIGKILLed mid-file (no handler runs, nothing is cleaned up by the job):
+    the instance's reaper ends its daemons, agents and workers; none is left 10 s after the kill."""
+    import signal
+
+    import psutil
+
+    from raysparse.orchestration.ray_env import session_processes
+    from raysparse.serving.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt_ids": [5, 6, 7, 8] * 8}) + "\n" for i in range(2000)))
+    cmd = [sys.executable, "-m", "raysparse.jobs.longcontext", "--input", str(inp), "--output", str(out),
+           "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5", "--no-draft",
+           "--kv-cache-tokens", "2048", "--max-new-tokens", "40", "--ignore-eos", "--max-inflight", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    seen: dict[int, psutil.Process] = {}
+    session = None
+    try:
+        me = psutil.Process(job.pid)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and job.poll() is None:
+            try:
+                seen.update({c.pid: c for c in me.children(recursive=True)})
+            except psutil.Error:
+                pass
+            session = session or ray_session_in(seen.values())
+            if session and out.exists() and out.read_bytes().count(b"\n") >= 3:  # serving: every agent is up
+                break
+            time.sleep(0.1)
+        assert session and job.poll() is None, "the job's Ray daemons were never seen"
+        seen.update({p.pid: p for p in session_processes(session)})
+        names = " ".join(" ".join(p.cmdline()) for p in seen.values() if p.is_running())
+        assert "runtime_env" in names and "raylet" in names, names  # what used to be left is there to end
+        job.send_signal(signal.SIGKILL)
+        job.wait(30)
+        killed = time.monotonic()
+        left: list = [None]
+        while left and time.monotonic() - killed < 10:
+            left = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            left += [p for p in session_processes(session) if p.pid not in seen]
+            time.sleep(0.2)
+        assert not left, [(p.pid, p.cmdline()) for p in left if p.is_running()]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(30)
+        for p in seen.values():  # whatever a failed run left, ended here rather than left behind
+            try:
+                if p.is_running():
+                    p.kill()
+            except psutil.Error:
+                pass
+
+
 # SIGTERM (what `ray job stop` sends) in the default run; the other exits, ~30 s each on 2 cores, with `-m slow`
 @pytest.mark.parametrize("how", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow),
                                  pytest.param("end", marks=pytest.mark.slow)])
