@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .common import kth_key, next_pow2, take_at_threshold, tl, triton
-from .dispatch import triton_wanted
+from .kernel_path import triton_wanted
 from .row_select import SINGLE_MAX, select_list
 from .selection import SENTINEL
 

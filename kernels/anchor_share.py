@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .common import next_pow2, tl, triton
-from .dispatch import triton_wanted
+from .kernel_path import triton_wanted
 from .paged_torch import in_window
 
 _TINY = torch.finfo(torch.float32).tiny

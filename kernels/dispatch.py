@@ -19,6 +19,7 @@ tests, which must set TRITON_INTERPRET before Triton is imported) are unaffected
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ from .scorer_dispatch import (
     collision_scores,
     collision_scores_varlen,
     decode_sketches,
+    hard_bucket_probs,
     lsh_bucket_ids,
     paged_group_probs,
     quest_page_bounds,
@@ -45,6 +47,7 @@ from .scorer_dispatch import (
     srht_apply,
     topp_mask,
 )
+from .scorer_reference import soft_bucket_probs
 from .selection import BlockSelection, TokenSelection
 
 combine = ref.combine  # torch ops only: device-agnostic and sync-free already
@@ -301,6 +304,15 @@ def quest_prefill_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pa
     return fn(q, lo, hi, page_table, seqlens, cu_q, row_seq, row_qb, block, quest_page, nkb)
 
 
+def quest_block_scores(qmean: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block: int, quest_page: int,
+                       key_blocks: int) -> torch.Tensor:
+    """``quest_prefill.block_scores`` (PyTorch): query blocks' mean queries against each key block's Quest page
+    bounds, the per-sequence reference's scores (the batched prefill's kernel shares them)."""
+    from .quest_prefill import block_scores
+
+    return block_scores(qmean, lo, hi, block, quest_page, key_blocks)
+
+
 def update_quest_bounds(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pages: torch.Tensor,
                         offsets: torch.Tensor, quest_page: int) -> None:
     """Recomputes in place the bounds ``lo, hi [num_pages + 1, h_kv, S, d]`` of the Quest page each listed token
@@ -358,10 +370,154 @@ def paged_collision_scores(probs: torch.Tensor, ids: torch.Tensor, norms: torch.
     return paged_collision.paged_collision_torch(probs, ids, norms, page_table, seqlens, forced, bias=bias)
 
 
-__all__ = ["ENV", "HAS_TRITON", "block_sparse_attention", "block_sparse_attention_varlen", "collision_bias",
-           "collision_scores", "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen",
-           "lsh_bucket_ids", "lsh_bucket_ids_into_slots", "paged_collision_scores", "paged_group_probs",
-           "paged_quest_scores", "quest_page_bounds", "quest_page_scores", "quest_prefill_scores",
-           "sketch_block_sums", "sparse_decode_attention", "sparse_decode_attention_varlen", "srht_apply",
-           "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_wanted",
-           "update_quest_bounds", "use_triton"]
+
+def lsh_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool, reduce: str) -> torch.Tensor:
+    """SOCKET's bucket distributions of a decode batch: q [B, h, d], hyperplanes w [h_kv, L, P, d] -> fp32
+    [B, h_kv, L, R], each KV head's g = h / h_kv query heads reduced by ``reduce`` ("mean" or "max"); ``hard``:
+    one-hot on the query's own bucket. One launch (``lsh_probs``) where Triton runs and the planes fit it, else
+    the per-head PyTorch form (``soft_bucket_probs`` / ``hard_bucket_probs``) reduced here."""
+    if triton_wanted(q, w):
+        from .lsh_probs import MAX_PLANES, bucket_probs
+
+        if w.shape[2] <= MAX_PLANES:
+            return bucket_probs(w, q, tau, hard=hard, reduce=reduce)
+    b, h, d = q.shape
+    h_kv = w.shape[0]
+    qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)  # [h_kv, B * g, d]
+    p = hard_bucket_probs(w, qg) if hard else soft_bucket_probs(w, qg, tau)
+    p = p.view(h_kv, b, h // h_kv, *p.shape[2:])
+    p = p.mean(2) if reduce == "mean" else p.amax(2)
+    return p.transpose(0, 1)
+
+
+def forced_tokens(sink: torch.Tensor, local: torch.Tensor, seqlens: torch.Tensor, width: int) -> torch.Tensor:
+    """``paged_collision.forced_tokens``: the (sink, local) rows' forced token positions the paged scorers mark."""
+    from .paged_collision import forced_tokens as forced
+
+    return forced(sink, local, seqlens, width)
+
+
+# ---- row lists: forced + top-k columns of score rows (Quest, SOCKET, CIS) ---------------------------------
+
+def select_list(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_width: int) -> torch.Tensor:
+    """``row_select.select_list``: ascending forced (+inf) + top-``kk`` column lists [R, out_width] int32, -1
+    padded; Triton where it runs, the host form on CPU tensors, else the capturable PyTorch form."""
+    from .row_select import select_list as select
+
+    return select(score, kk, k_max, out_width)
+
+
+def select_list_on_triton(*tensors: torch.Tensor) -> bool:
+    """Whether ``select_list`` takes its Triton form for these tensors (a method whose list path pays only
+    there asks)."""
+    return triton_wanted(*tensors)
+
+
+# ---- CIS: anchor sharing, set marks, commits and anchor sets ----------------------------------------------
+
+def anchor_share(q: torch.Tensor, cq: torch.Tensor, valid: torch.Tensor, step: torch.Tensor,
+                 threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``anchor_share.share``: each (row, KV head)'s most recent anchor slot above the cosine ``threshold``."""
+    from .anchor_share import share
+
+    return share(q, cq, valid, step, threshold)
+
+
+def anchor_mark_shared(*args: Any) -> None:
+    """``anchor_share.mark_shared``: the shared pairs' anchor sets marked into the retrieval's score rows."""
+    from .anchor_share import mark_shared
+
+    mark_shared(*args)
+
+
+def anchor_commit(*args: Any) -> None:
+    """``anchor_share.commit``: the step's retrieved sets into the anchor slots."""
+    from .anchor_share import commit
+
+    commit(*args)
+
+
+def anchor_sets(*args: Any) -> torch.Tensor:
+    """``anchor_sets.anchor_sets``: the retrieving pairs' new anchor sets (their lists dilated and clipped)."""
+    from .anchor_sets import anchor_sets as sets
+
+    return sets(*args)
+
+
+def dilation_offsets(radius: int, device: torch.device) -> torch.Tensor:
+    """``anchor_sets.dilation_offsets``: the +-``radius`` offsets of an anchor's dilation."""
+    from .anchor_sets import dilation_offsets as offsets
+
+    return offsets(radius, device)
+
+
+# ---- Sketch&Walk: the graph decode's Triton selections ------------------------------------------------------
+
+def triton_chosen(enabled: bool, forced: bool | None, *tensors: torch.Tensor) -> bool:
+    """Whether a method's Triton path runs: ``forced`` where a test or benchmark sets it, else the method's own
+    config switch (``enabled``, e.g. ``SketchWalkConfig.part_select``) on tensors Triton takes."""
+    if forced is not None:
+        return forced
+    return enabled and triton_wanted(*tensors)
+
+
+def walk_select(*args: Any) -> torch.Tensor:
+    """``walk_select.walk_select``: Sketch&Walk's one-hop decode selection in two launches (Triton only: the
+    PyTorch form is the method's own walk, taken where ``triton_chosen`` says no)."""
+    from .walk_select import walk_select as select
+
+    return select(*args)
+
+
+def part_scores(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                size: int, parts: int, *, kernel: bool, consts: Any = None,
+                p_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Sketch&Walk's paired decode part scores [h_kv * G, bsz, w * P]: ``part_scores.part_scores`` (two Triton
+    launches) with ``kernel``, else ``part_scores_reference`` over the step's ``consts`` and ``p_rows``."""
+    if kernel:
+        from .part_scores import part_scores as scores
+
+        return scores(ks, table, n, q, k, size, parts)
+    from .part_scores import part_scores_reference
+
+    return part_scores_reference(ks, table, n, q, k, size, parts, consts, p_rows)
+
+
+def part_combine(*args: Any) -> torch.Tensor:
+    """``part_scores.part_combine``: the part scores with the heads' partial combine, one Triton launch."""
+    from .part_scores import part_combine as combine_parts
+
+    return combine_parts(*args)
+
+
+def part_select(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``part_select.part_select``: the finalised combine and the part list in one Triton launch."""
+    from .part_select import part_select as select
+
+    return select(*args, **kwargs)
+
+
+def part_constants(n: torch.Tensor, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``part_scores.part_constants``: each part's index, token count and filled mask for lengths ``n``."""
+    from .part_scores import part_constants as constants
+
+    return constants(n, size, width)
+
+
+def part_rows(table: torch.Tensor, parts: int) -> torch.Tensor:
+    """``part_scores.part_rows``: each part's state row from the page table."""
+    from .part_scores import part_rows as rows
+
+    return rows(table, parts)
+
+
+__all__ = ["ENV", "HAS_TRITON", "anchor_commit", "anchor_mark_shared", "anchor_sets", "anchor_share",
+           "block_sparse_attention", "block_sparse_attention_varlen", "collision_bias", "collision_scores",
+           "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen", "dilation_offsets",
+           "forced_tokens", "hard_bucket_probs", "lsh_bucket_ids", "lsh_bucket_ids_into_slots", "lsh_bucket_probs",
+           "paged_collision_scores", "paged_group_probs", "paged_quest_scores", "part_combine", "part_constants",
+           "part_rows", "part_scores", "part_select", "quest_block_scores", "quest_page_bounds", "quest_page_scores",
+           "quest_prefill_scores", "select_list", "select_list_on_triton", "sketch_block_sums", "soft_bucket_probs",
+           "sparse_decode_attention", "sparse_decode_attention_varlen", "srht_apply", "strided_dense_attention",
+           "strided_dense_attention_varlen", "topp_mask", "triton_chosen", "triton_wanted", "update_quest_bounds",
+           "use_triton", "walk_select"]

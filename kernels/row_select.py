@@ -40,7 +40,7 @@ import torch
 
 from . import row_select_kernels as kern
 from .common import next_pow2
-from .dispatch import triton_wanted
+from .kernel_path import triton_wanted
 from .row_select_kernels import CNT_W, STATE_W
 
 SINGLE_MAX = 8192  # largest row the one-program path holds in registers

@@ -87,6 +87,13 @@ def lsh_bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return ref.bucket_ids_reference(w, x)
 
 
+def hard_bucket_probs(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Hard LSH as a one-hot distribution on the query's own bucket: fp32 ``[h, g, L, R]``, so the same
+    scorer counts exact collisions (the tables in which a key's bucket is the query's)."""
+    b = lsh_bucket_ids(w, q)  # [h, L, g]
+    return torch.nn.functional.one_hot(b.long().transpose(1, 2), 1 << w.shape[2]).float()
+
+
 def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, norms: torch.Tensor | None = None,
                      chunk_elems: int = 1 << 23) -> torch.Tensor:
     """``lsh.collision_scores``: probs [h, L, R], buckets [h, L, n] -> fp32 [h, n], times norms [h, n] if

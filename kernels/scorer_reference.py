@@ -8,6 +8,7 @@ them); they live here because the kernels package must not import the methods. T
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -44,6 +45,31 @@ def srht_reference(x: torch.Tensor, signs: torch.Tensor, coords: torch.Tensor, s
 
 
 # ---- SOCKET ------------------------------------------------------------------------------------------
+
+def corners(planes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """All 2**P corners of {-1, +1}^P as fp32 ``[R, P]``; row r is the sign pattern of bucket id r."""
+    r = torch.arange(1 << planes, device=device)[:, None]
+    bits = (r >> torch.arange(planes, device=device)) & 1
+    return bits.float() * 2 - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_corners(planes: int, dim: int, tau: float, device: torch.device) -> torch.Tensor:
+    """``corners(planes).T / (sqrt(dim) tau)``, fp32 ``[P, R]``: the soft bucket probabilities' two scalings folded
+    into the corner matrix, made once per (P, d, tau, device) rather than in every decode layer."""
+    return (corners(planes, device).T / (math.sqrt(dim) * tau)).contiguous()
+
+
+def soft_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float) -> torch.Tensor:
+    """SOCKET's soft bucket probabilities. w: ``[h, L, P, d]``, q: ``[h, g, d]`` (g query heads per KV head).
+
+    u_l = tanh(W_l q) / sqrt(d), p_l(r) = softmax_r(u_l . c_r / tau): fp32 ``[h, g, L, R]``. The projections
+    are one batched product per head over its L P hyperplanes (an einsum over the same shapes permuted copies
+    on a CPU), and both scalings ride on the cached corner matrix."""
+    h, tables, planes, d = w.shape
+    u = torch.tanh(torch.bmm(q.float(), w.reshape(h, tables * planes, d).transpose(1, 2)))
+    return torch.softmax(u.view(h, -1, tables, planes) @ _scaled_corners(planes, d, float(tau), q.device), dim=-1)
+
 
 def bucket_ids_reference(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``bucket_ids`` in plain PyTorch: one batched GEMM of the keys against every table's planes, the sign

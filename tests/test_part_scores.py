@@ -21,6 +21,7 @@ from helpers import DEVICES, tiny_model, whole_model_density
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 import raysparse.kernels.part_scores as ps
+from raysparse.kernels import dispatch
 from raysparse.kernels.common import interpreting
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_parts import PartsDecode
@@ -133,11 +134,11 @@ def test_switch_picks_the_kernel(monkeypatch, flag):
     cpu = torch.zeros(1)
     monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
     for on in (True, False):
-        assert PartsDecode._wanted(cpu, getattr(SketchWalkConfig(**{flag: on}), flag), None) is on
-    assert PartsDecode._wanted(cpu, getattr(SketchWalkConfig(), flag), None)  # on by default
-    assert PartsDecode._wanted(cpu, False, True)  # a forced kernel wins over the config
+        assert dispatch.triton_chosen(getattr(SketchWalkConfig(**{flag: on}), flag), None, cpu) is on
+    assert dispatch.triton_chosen(getattr(SketchWalkConfig(), flag), None, cpu)  # on by default
+    assert dispatch.triton_chosen(False, True, cpu)  # a forced kernel wins over the config
     monkeypatch.setenv("RAYSPARSE_KERNELS", "auto")
-    assert not PartsDecode._wanted(cpu, True, None)  # CPU tensors keep PyTorch
+    assert not dispatch.triton_chosen(True, None, cpu)  # CPU tensors keep PyTorch
     with pytest.raises(ValueError, match=flag):
         SketchWalkConfig(**{flag: "maybe"})
 

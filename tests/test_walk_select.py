@@ -22,6 +22,7 @@ from helpers import tiny_hf_config, tiny_model, whole_model_density
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
 from raysparse.config import ModelConfig
+from raysparse.kernels import dispatch
 from raysparse.kernels.walk_select import ZERO_Y, walk_select
 from raysparse.kv_cache import KVCache
 from raysparse.methods.registry import create_backend
@@ -162,8 +163,8 @@ def test_one_hop_state_has_no_w(monkeypatch):
     assert RowsDecode.state_bytes(roll.m, 16) == layers * (4 * 16**2 + 8 * 16 * r)
     q = torch.zeros(1, 4, 16, device=DEV)
     monkeypatch.setenv("RAYSPARSE_KERNELS", "triton")  # as if the tensors were on CUDA
-    assert hop.cfg.walk_select and hop._wanted(q, hop.cfg.walk_select, hop.select)  # on by default
+    assert hop.cfg.walk_select and dispatch.triton_chosen(hop.cfg.walk_select, hop.select, q)  # on by default
     off = _path({"walk_select": False}, 16)
-    assert not off._wanted(q, off.cfg.walk_select, off.select)
+    assert not dispatch.triton_chosen(off.cfg.walk_select, off.select, q)
     with pytest.raises(ValueError, match="walk_select"):
         SketchWalkConfig(walk_select="yes")

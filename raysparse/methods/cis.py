@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from raysparse.kernels.anchor_sets import dilation_offsets
+from raysparse.kernels.dispatch import dilation_offsets
 from raysparse.methods.budget import host_row_budget, row_budget
 from raysparse.methods.psaw import PrHSConfig
 from raysparse.methods.selection import SENTINEL, mask_from_indices

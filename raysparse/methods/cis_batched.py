@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from raysparse.kernels import dispatch
-from raysparse.kernels.anchor_share import commit, share
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import in_window, stable_top
 from raysparse.kv_cache import KVCache
@@ -146,13 +145,13 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     rows, heads = c.rows, c.heads
     # Share: the most recent anchor slot of this block with cosine > threshold, per (row, KV head); -1: none,
     # the pair retrieves (``kernels.anchor_share``: one launch on GPUs, as the set marks and the commit below).
-    qn, chosen = share(q, cq, valid, step, cfg.threshold)
+    qn, chosen = dispatch.anchor_share(q, cq, valid, step, cfg.threshold)
     here = chosen < 0
     width = buf.sets.shape[-1]
 
     out_width = max(min(wt, cfg.sink + cfg.local + max(c.k_w, min(set_width(cfg, wt), width))), 1)
     if listed is None:
-        listed = dispatch.triton_wanted(q)
+        listed = dispatch.select_list_on_triton(q)
     listed = listed and cfg.limited_sets and cfg.top_m is None
     retrieve = q.is_cuda or bool(here.any())
     if listed and retrieve:  # index lists and the candidate row only: no [B, W] masks
@@ -167,7 +166,7 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
                                           out_width)
         else:
             out = compact((forced[:, None, :] | _as_mask(shared, n, wt)) & visible[:, None, :], out_width)
-    commit(cq, sets, valid, step, buf.counts[li], qn, new_set if retrieve else None, chosen, out)
+    dispatch.anchor_commit(cq, sets, valid, step, buf.counts[li], qn, new_set if retrieve else None, chosen, out)
     return out
 
 

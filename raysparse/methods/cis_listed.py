@@ -35,10 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from raysparse.kernels import dispatch
-from raysparse.kernels.anchor_sets import anchor_sets
-from raysparse.kernels.anchor_share import mark_shared
 from raysparse.kernels.formats import PagedKV
-from raysparse.kernels.row_select import select_list
 
 if TYPE_CHECKING:
     from raysparse.methods.cis import CISConfig, CISStepConsts
@@ -61,10 +58,11 @@ def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV
     # pairs' candidates 0 (none taken: their count is 0) with their set's visible keys raised to +inf
     # (``kernels.anchor_share.mark_shared``).
     final = dispatch.paged_group_probs(q, kv, wt, here, (lo, hi), keep=cfg.sink).view(b * h_kv, wt)
-    mark_shared(final, sets, chosen, n, lo, cfg.sink)
-    out = select_list(final, torch.where(here.flatten(), c.pair_k, 0), c.k_w, out_width)
+    dispatch.anchor_mark_shared(final, sets, chosen, n, lo, cfg.sink)
+    out = dispatch.select_list(final, torch.where(here.flatten(), c.pair_k, 0), c.k_w, out_width)
     # The anchors' sets: the top-m from the step's list (its candidates are the top-k), their +-r
     # neighbours in [0, n) as N, then the k - |N| best others, all from the list's own entries
     # (``kernels.anchor_sets``: one launch on GPUs).
-    new_set = anchor_sets(out, final, lo, hi, here, c.pair_m, c.pair_k, c.pair_n, c.m_w, c.k_w, cfg.radius, width)
+    new_set = dispatch.anchor_sets(out, final, lo, hi, here, c.pair_m, c.pair_k, c.pair_n, c.m_w, c.k_w, cfg.radius,
+                                   width)
     return new_set.view(b, h_kv, width), out.view(b, h_kv, -1)

@@ -10,18 +10,23 @@ Conventions shared by every function here (and relied on by SOCKET's stored buck
 
 ``bucket_ids`` and ``collision_scores`` go through ``raysparse.kernels.dispatch`` (Triton kernels on CUDA
 tensors); the ``*_reference`` functions, the plain PyTorch paths and the kernels' oracles, live in
-``raysparse.kernels.scorer_reference`` (the dispatch's CPU fallback) and are re-exported here.
+``raysparse.kernels.scorer_reference`` (the dispatch's CPU fallback) and are re-exported here, as are the
+soft and hard bucket distributions (``corners``, ``soft_bucket_probs``, ``hard_bucket_probs``), which the
+batched decode's dispatch entry (``dispatch.lsh_bucket_probs``) takes as its PyTorch form.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from raysparse.kernels import dispatch
-from raysparse.kernels.scorer_reference import bucket_ids_reference, collision_scores_reference  # noqa: F401 - re-exported
+from raysparse.kernels.dispatch import hard_bucket_probs  # noqa: F401 - re-exported
+from raysparse.kernels.scorer_reference import (  # noqa: F401 - re-exported
+    bucket_ids_reference,
+    collision_scores_reference,
+    corners,
+    soft_bucket_probs,
+)
 
 MAX_PLANES = 15  # bucket ids of up to 15 bits fit int16; 2**P probabilities per table and head past that
 
@@ -55,41 +60,9 @@ def hyperplanes(seed: int, layer: int, kv_heads: range, tables: int, planes: int
     return torch.stack(out)
 
 
-def corners(planes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """All 2**P corners of {-1, +1}^P as fp32 ``[R, P]``; row r is the sign pattern of bucket id r."""
-    r = torch.arange(1 << planes, device=device)[:, None]
-    bits = (r >> torch.arange(planes, device=device)) & 1
-    return bits.float() * 2 - 1
-
-
 def bucket_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """w: ``[h, L, P, d]``, x: ``[h, m, d]`` -> int32 bucket ids ``[h, L, m]`` (fp32 projections)."""
     return dispatch.lsh_bucket_ids(w, x)
-
-
-@functools.lru_cache(maxsize=64)
-def _scaled_corners(planes: int, dim: int, tau: float, device: torch.device) -> torch.Tensor:
-    """``corners(planes).T / (sqrt(dim) tau)``, fp32 ``[P, R]``: the soft bucket probabilities' two scalings folded
-    into the corner matrix, made once per (P, d, tau, device) rather than in every decode layer."""
-    return (corners(planes, device).T / (math.sqrt(dim) * tau)).contiguous()
-
-
-def soft_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float) -> torch.Tensor:
-    """SOCKET's soft bucket probabilities. w: ``[h, L, P, d]``, q: ``[h, g, d]`` (g query heads per KV head).
-
-    u_l = tanh(W_l q) / sqrt(d), p_l(r) = softmax_r(u_l . c_r / tau): fp32 ``[h, g, L, R]``. The projections
-    are one batched product per head over its L P hyperplanes (an einsum over the same shapes permuted copies
-    on a CPU), and both scalings ride on the cached corner matrix."""
-    h, tables, planes, d = w.shape
-    u = torch.tanh(torch.bmm(q.float(), w.reshape(h, tables * planes, d).transpose(1, 2)))
-    return torch.softmax(u.view(h, -1, tables, planes) @ _scaled_corners(planes, d, float(tau), q.device), dim=-1)
-
-
-def hard_bucket_probs(w: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Hard LSH as a one-hot distribution on the query's own bucket: fp32 ``[h, g, L, R]``, so the same
-    scorer counts exact collisions (eq. 3 of the paper)."""
-    b = bucket_ids(w, q)  # [h, L, g]
-    return torch.nn.functional.one_hot(b.long().transpose(1, 2), 1 << w.shape[2]).float()
 
 
 def collision_scores(probs: torch.Tensor, buckets: torch.Tensor, chunk_elems: int = 1 << 23,

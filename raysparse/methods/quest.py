@@ -25,10 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from raysparse.kernels.dispatch import paged_quest_scores, quest_prefill_scores, update_quest_bounds
+from raysparse.kernels.dispatch import (
+    paged_quest_scores,
+    quest_block_scores,
+    quest_prefill_scores,
+    select_list,
+    update_quest_bounds,
+)
 from raysparse.kernels.formats import PackedBlockSelection
-from raysparse.kernels.quest_prefill import block_scores
-from raysparse.kernels.row_select import select_list
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import MethodConfig, SparseMethod
@@ -226,7 +230,7 @@ class Quest(SparseMethod):
         qf, valid, qb = query_blocks(q, ctx, b)
         qmean = (qf * valid[..., None, None]).sum(1) / valid.sum(1).clamp(min=1)[:, None, None]  # [nqb, h, d]
         qmean = qmean.view(len(qb), h_kv, -1, d).permute(1, 2, 0, 3)  # [h_kv, g, nqb, d]
-        return block_scores(qmean, lo, hi, b, self.config.page_size, -(-ctx.n // b)), qb
+        return quest_block_scores(qmean, lo, hi, b, self.config.page_size, -(-ctx.n // b)), qb
 
     def _block_mask(self, score: torch.Tensor, qb: torch.Tensor, last_row: int) -> torch.Tensor:
         """The sink block and the diagonal, plus each row's top causal blocks by ``score`` to its budget."""

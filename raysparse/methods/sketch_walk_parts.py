@@ -52,7 +52,15 @@ from typing import Any
 
 import torch
 
-from raysparse.kernels.dispatch import decode_sketches
+from raysparse.kernels.dispatch import (
+    decode_sketches,
+    part_combine,
+    part_constants,
+    part_rows,
+    part_scores,
+    part_select,
+    triton_chosen,
+)
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.budget import host_row_budget, row_budget
 from raysparse.methods.sketch_walk_config import SketchWalkConfig
@@ -181,10 +189,10 @@ class PartsDecode(RowsDecode):
         st = self._step
         ks = self.ks[li]  # a view: writes reach the state
         r = new.shape[-1]
-        kernel = (r & (r - 1)) == 0 and self._wanted(q, cfg.part_scores, self.part_kernel)
+        kernel = (r & (r - 1)) == 0 and triton_chosen(cfg.part_scores, self.part_kernel, q)
         if cfg.decode_query == "heads":  # every query head's own sketch [bsz, h, r] instead of its group's mean
             new = (m.srht.apply(q.float()), new[1])
-        if cfg.decode_unit == "part" and self._wanted(q, cfg.part_select, self.select_kernel):
+        if cfg.decode_unit == "part" and triton_chosen(cfg.part_select, self.select_kernel, q):
             return self._select_parts(ks, table, n, new, st, kernel), cfg.block_size // P
         s = self._part_scores(ks, table, n, new, st, kernel)  # [h_kv * G, bsz, w * P]
         if cfg.decode_unit == "part":
@@ -208,25 +216,17 @@ class PartsDecode(RowsDecode):
         (query sketches [bsz, h_kv * G, r], key sketches [bsz, h_kv, r])."""
         size = self.cfg.block_size // self.parts
         if kernel:
-            from raysparse.kernels.part_scores import part_scores
-
-            return part_scores(ks, table, n, new[0], new[1], size, self.parts)
-        from raysparse.kernels.part_scores import part_scores_reference
-
-        return part_scores_reference(ks, table, n, new[0], new[1], size, self.parts,
-                                     (st["part"], st["cnt"], st["filled"][0]), st["p_rows"])
+            return part_scores(ks, table, n, new[0], new[1], size, self.parts, kernel=True)
+        return part_scores(ks, table, n, new[0], new[1], size, self.parts, kernel=False,
+                           consts=(st["part"], st["cnt"], st["filled"][0]), p_rows=st["p_rows"])
 
     def _select_parts(self, ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, new: Any,
                       st: dict[str, Any], kernel: bool) -> torch.Tensor:
         """``decode_unit="part"``'s list through ``kernels/part_select.py``: the heads' partial combine
         (fused into the scores with ``kernel``: one launch), ``head_reduce``, then one launch that finalises
         it and selects; ``_combine_heads`` + ``_choose_parts``'s list on the same fp32 scores."""
-        from raysparse.kernels.part_select import part_select
-
         cfg, m = self.cfg, self.m
         if kernel:
-            from raysparse.kernels.part_scores import part_combine
-
             x = part_combine(ks, table, n, new[0], new[1], cfg.block_size // self.parts, self.parts, cfg.heads)
         else:  # _combine_heads' partial, before its reduce
             x = m.head_partial(self._part_scores(ks, table, n, new, st, False))[0]
@@ -242,8 +242,6 @@ class PartsDecode(RowsDecode):
         cfg, P, dev = self.cfg, self.parts, n.device
         st = self.step_constants(n, w)
         size = cfg.block_size // P
-        from raysparse.kernels.part_scores import part_constants, part_rows  # triton on first use only
-
         held = (n + size - 1) // size  # parts holding a token
         cols = torch.arange(w * P, device=dev)
         part, cnt, filled = part_constants(n, size, w * P)

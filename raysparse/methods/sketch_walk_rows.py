@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from raysparse.kernels.dispatch import triton_chosen, walk_select
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.budget import host_row_budget
 from raysparse.methods.sketch_walk_method import SketchWalkMethod
@@ -144,9 +145,7 @@ class RowsDecode:
         if m.head_reduce is not None:
             new = m.head_reduce(new)
         r = new.shape[-1]
-        if cfg.walk == "one-hop" and (r & (r - 1)) == 0 and self._wanted(q, cfg.walk_select, self.select):
-            from raysparse.kernels.walk_select import walk_select
-
+        if cfg.walk == "one-hop" and (r & (r - 1)) == 0 and triton_chosen(cfg.walk_select, self.select, q):
             return walk_select(self.qs[:, li], self.ks[:, li], slots, n, new, cfg.block_size, cfg.density,
                                cfg.local_blocks, cfg.exponent, cfg.token_query != "never", w,
                                1 + cfg.local_blocks + self.top_width(w))
@@ -183,15 +182,6 @@ class RowsDecode:
     def top_width(self, w: int) -> int:
         """Static top-k width of a bucket: at least any row's budget beyond its forced blocks."""
         return min(w, int(round(self.cfg.density * w)) + 1)
-
-    @staticmethod
-    def _wanted(q: torch.Tensor, enabled: bool, forced: bool | None) -> bool:
-        """A Triton path's switch: ``forced`` if set, else its config switch and CUDA tensors."""
-        from raysparse.kernels.dispatch import triton_wanted
-
-        if forced is not None:
-            return forced
-        return enabled and triton_wanted(q)
 
     def rows_reference(self, li: int, slots: torch.Tensor, n: torch.Tensor, new: torch.Tensor, w: int,
                        prev: torch.Tensor | None, st: dict[str, Any] | None = None) -> torch.Tensor:

@@ -69,10 +69,14 @@ import torch
 
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.config import ModelConfig
-from raysparse.kernels.dispatch import collision_bias, lsh_bucket_ids_into_slots, paged_collision_scores, triton_wanted
-from raysparse.kernels.lsh_probs import MAX_PLANES, bucket_probs
-from raysparse.kernels.paged_collision import forced_tokens
-from raysparse.kernels.row_select import select_list
+from raysparse.kernels.dispatch import (
+    collision_bias,
+    forced_tokens,
+    lsh_bucket_ids_into_slots,
+    lsh_bucket_probs,
+    paged_collision_scores,
+    select_list,
+)
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods import lsh
 from raysparse.methods.base import MethodConfig, SparseMethod
@@ -269,18 +273,11 @@ class Socket(SparseMethod):
             norm_pool[pages, :, offs] = torch.linalg.vector_norm(cache.v[layer][pages, :, offs].float(), dim=-1)
 
     def batch_bucket_probs(self, layer: int, q: torch.Tensor, h_kv: int) -> torch.Tensor:
-        """``Socket.bucket_probs`` of every row at once: q [B, h, d] -> [B, h_kv, L, R] (on GPUs one launch,
-        ``kernels/lsh_probs.py``)."""
+        """``Socket.bucket_probs`` of every row at once: q [B, h, d] -> [B, h_kv, L, R] (``dispatch.lsh_bucket_probs``:
+        on GPUs one launch)."""
         c = self.config
-        b, h, d = q.shape
         w = self.planes_for(layer, h_kv, q.device)
-        if triton_wanted(q, w) and c.planes <= MAX_PLANES:
-            return bucket_probs(w, q, c.tau, hard=c.hard, reduce=c.group_reduce)
-        qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)  # [h_kv, B * g, d]
-        p = lsh.hard_bucket_probs(w, qg) if c.hard else lsh.soft_bucket_probs(w, qg, c.tau)
-        p = p.view(h_kv, b, h // h_kv, *p.shape[2:])
-        p = p.mean(2) if c.group_reduce == "mean" else p.amax(2)
-        return p.transpose(0, 1)
+        return lsh_bucket_probs(w, q, c.tau, hard=c.hard, reduce=c.group_reduce)
 
     def _budget_rows(self, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``Socket.budget`` on device for lengths n [B, 1]: (sink, local, k)."""
