@@ -195,13 +195,14 @@ def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     return paged_decode_torch(q, kv, indices, unit)
 
 
-def paged_dense_decode(q: torch.Tensor, kv: PagedKV, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_dense_decode(q: torch.Tensor, kv: PagedKV, blocks: torch.Tensor) -> torch.Tensor:
     """q [B, h, d] over every key of each sequence (``blocks``: every page of each row, the dense decode as a
-    block selection): the split-K decode over the block lists where the kernels run, elsewhere each sequence's
-    pages read in place as runs of consecutive pages (``paged_dense_decode_cpu``, no copy of the keys)."""
+    block selection), the attention's output alone: the split-K decode over the block lists where the kernels
+    run, elsewhere each sequence's pages read in place as runs of consecutive pages (``paged_dense_decode_cpu``,
+    no copy of the keys)."""
     if q.is_cuda or use_triton(q, kv.k, blocks, head_dim=q.shape[-1]):
-        return paged_decode_attention(q, kv, blocks, unit=kv.k.shape[2])
-    return paged_dense_decode_cpu(q, kv)
+        return paged_decode_attention(q, kv, blocks, unit=kv.k.shape[2])[0]
+    return paged_dense_decode_cpu(q, kv, want_lse=False)[0]
 
 
 def paged_rows_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, unit: int, row_seq: torch.Tensor,

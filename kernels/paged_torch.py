@@ -101,21 +101,23 @@ def host_rows(page_table: torch.Tensor, seqlens: torch.Tensor,
     return tuple((n, tuple(page_runs(table[i][: -(-n // page)]))) for i, n in enumerate(lens))
 
 
-def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV,
-                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV, scale: float | None = None,
+                           want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [B, h, d] (each row's newest position) over every key of its sequence, on the CPU, read in place.
 
     Each sequence's pages are read as views of runs of consecutive physical pages (the allocators hand a
     sequence its pages in order, so a run is usually the whole sequence): one product of the group's query
     heads with the run's [pages, h_kv, page, d] tiles, the scores' softmax over the whole sequence, one product
     with the value tiles. Gathering the tiles first copies every key and value of the layer at every step and
-    costs more than attending them. Returns (out, lse) as ``paged_decode_torch``."""
+    costs more than attending them. Returns (out, lse) as ``paged_decode_torch``; lse is None unless
+    ``want_lse`` (dense decode needs none, and a plain softmax is fewer operators a layer)."""
     b, h, d = q.shape
     h_kv, page = kv.k.shape[1], kv.k.shape[2]
     g = h // h_kv
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    qs = (q * scale).view(b, h_kv, g, d)
     out = torch.zeros_like(q)
-    lse = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device) if want_lse else None
     rows = kv.host_rows if kv.host_rows is not None else host_rows(kv.page_table, kv.seqlens, page)
     for i, (n, runs) in enumerate(rows):
         if n <= 0:
@@ -126,26 +128,23 @@ def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV,
             tiles = [(kv.k.index_select(0, idx), kv.v.index_select(0, idx))]
         else:
             tiles = [(kv.k[p: p + c], kv.v[p: p + c]) for _, p, c in runs]
-        qi = q[i].view(1, h_kv, g, d)
+        qi = qs[i][None]
         scores = [torch.matmul(qi, kt.transpose(-1, -2).to(q.dtype)) for kt, _ in tiles]  # [c, h_kv, g, page]
-        s = (scores[0] if len(scores) == 1 else torch.cat(scores)).float()
-        s = s.permute(1, 2, 0, 3).reshape(h_kv, g, m * page).mul_(scale)
+        s = (scores[0] if len(scores) == 1 else torch.cat(scores)).permute(1, 2, 0, 3).reshape(h_kv, g, m * page)
         if n < m * page:
             s[..., n:] = -math.inf
-        top = s.amax(dim=-1, keepdim=True)
-        e = torch.exp(s - top)  # one exponential pass for both the weights and the log-sum-exp
-        total = e.sum(dim=-1, keepdim=True)
-        row_lse = (top + total.log()).squeeze(-1)
-        p = (e / total).to(q.dtype).view(h_kv, g, m, page).permute(2, 0, 1, 3)
-        o = None
-        start = 0
-        for _, vt in tiles:
-            c = vt.shape[0]
-            part = torch.matmul(p[start: start + c], vt.to(q.dtype)).sum(0)  # [h_kv, g, d]
-            o = part if o is None else o + part
-            start += c
+        if lse is not None:
+            lse[i] = torch.logsumexp(s.float(), dim=-1).reshape(h)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(h_kv, g, m, page).permute(2, 0, 1, 3)
+        if len(tiles) == 1:
+            o = torch.matmul(p, tiles[0][1].to(q.dtype)).sum(0)  # [h_kv, g, d]
+        else:
+            starts = [0]
+            for _, vt in tiles:
+                starts.append(starts[-1] + vt.shape[0])
+            o = sum(torch.matmul(p[a:z], vt.to(q.dtype)).sum(0)
+                    for (_, vt), a, z in zip(tiles, starts, starts[1:], strict=False))
         out[i] = o.reshape(h, d)
-        lse[i] = row_lse.reshape(h)
     return out, lse
 
 

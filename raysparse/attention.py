@@ -154,6 +154,13 @@ class AttentionBackend(ABC):
             batch.extras[key] = self.plan_layers(cache, batch)
         return batch.extras[key]
 
+    def planned(self, batch: BatchMeta) -> tuple[bool, Any]:
+        """(Whether this step was planned for this backend, by ``begin_step`` or ``layer_plan``; the plan): a hook
+        without the cache (``frozen_rows``) reads the plan this way, and a layer driven on its own, unplanned,
+        does the plan's work itself."""
+        key = ("plan", id(self))
+        return key in batch.extras, batch.extras.get(key)
+
     def release(self, seq_id: int) -> None:  # noqa: B027 - an optional hook, not abstract
         """Drops any per-sequence state the backend keeps outside the cache."""
 
@@ -315,7 +322,7 @@ class DenseAttention(AttentionBackend):
         from raysparse.kernels.dispatch import paged_dense_decode
 
         kv, blocks = cache.paged(layer, batch)
-        out, _ = paged_dense_decode(q, kv, blocks)
+        out = paged_dense_decode(q, kv, blocks)
         for n in batch.ctx_lens:
             self.meter.add(layer, n * cache.num_kv_heads, n * cache.num_kv_heads, decode=True)
         return out

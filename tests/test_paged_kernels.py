@@ -252,6 +252,8 @@ def test_dense_decode_in_place_matches_the_gathered_form(scatter: str):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
     assert (got[0] == 0).all() and torch.isneginf(lse[0]).all(), f"seed {seed}"
+    alone, none = paged_dense_decode_cpu(q, kv, want_lse=False)  # the output alone, as the dense decode asks
+    assert none is None and torch.equal(alone, got), f"seed {seed}"
 
 
 def test_page_runs():
