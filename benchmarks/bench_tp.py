@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=8.0, help="with --batch: seconds of steady decode counted")
     ap.add_argument("--sw-scoring", choices=("graph", "default"), default="default",
                     help="Sketch&Walk's scoring: 'default' = the method's defaults (paired heads, key parts); "
-                         "'graph' = SPEC's head-mean block scoring (GRAPH_DECODE), which the GPU runs recorded "
+                         "'graph' = the paper's head-mean block scoring (GRAPH_DECODE), which the GPU runs recorded "
                          "before the paired graph path used")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: the default model, 512 tokens")
     args = ap.parse_args()

@@ -30,7 +30,7 @@ CASES = [
     ("socket", {"density": 0.2, "sink_tokens": 8, "local_tokens": 16, "tables": 12}),
     ("socket_hard", {"density": 0.2, "sink_tokens": 8, "local_tokens": 16, "tables": 6, "planes": 4}),
     ("delta", {"base": "quest", "density": 0.2}),
-    ("socket", {"top_k": 24, "sink_tokens": 4, "local_tokens": 4, "tables": 8, "value_norm": True}),  # SPEC's
+    ("socket", {"top_k": 24, "sink_tokens": 4, "local_tokens": 4, "tables": 8, "value_norm": True}),  # the paper's
     # a budget within the sinks and the local window at every length: no token scored, no collision computed
     ("socket", {"density": 0.05, "sink_tokens": 8, "local_tokens": 16, "tables": 12}),
     ("cis", {"density": 0.15, "sink": 4, "local": 8, "share_block": 4, "threshold": 0.1}),

@@ -24,7 +24,7 @@ BASE = {"sink_tokens": 16, "window": 48}
 def delta(mode: str = "delta", base: str = "streaming", tail: int = 128, **base_params) -> Delta:
     params = base_params or dict(BASE) if base == "streaming" else dict(base_params)
     if "density" in params:  # the tests give the base's per-layer budget: the whole model's that yields it (a
-        # config built directly keeps SPEC's dense layers 0 and 1, which Delta hands its base)
+        # config built directly keeps the paper's dense layers 0 and 1, which Delta hands its base)
         params["density"] = whole_model_density(params["density"], model_cfg().num_layers, 2)
     return Delta(model_cfg(), DeltaConfig(block_size=16, gamma=GAMMA, mode=mode, tail=tail, base=base,
                                           base_params=params))

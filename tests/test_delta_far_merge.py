@@ -227,7 +227,7 @@ def test_config_defaults_and_validation():
     for bad in ({"alpha": 1.5}, {"check_every": -1}, {"tail": -1}, {"density": 0.9, "tail": 64}):
         with pytest.raises(ValueError):
             create_backend("delta", cfg, **bad)
-    spec = {"dense_layers": [0, 1]}  # SPEC's dense layers 0 and 1 of 3: layer 2 alone takes the budget
+    spec = {"dense_layers": [0, 1]}  # the paper's dense layers 0 and 1 of 3: layer 2 alone takes the budget
     tight = create_backend("delta", cfg, density=0.7, block_size=16, **spec)  # layer 2: 0.1, the base's prefill 0.085
     with pytest.raises(ValueError, match=r"with Delta's dense rows, 0\.0166 of a layer's pairs"):
         tight.check_request(100, 110)  # the sink and diagonal blocks alone are more

@@ -80,7 +80,7 @@ def test_dense_layers_count_inside_the_budget():
     cfg = model_from_state(tiny_hf_config(layers=LAYERS), random_state(tiny_hf_config(layers=LAYERS)).state_dict()).cfg
     for name in ("sketch_walk", "quest", "oracle", "streaming", "socket", "cis"):
         with pytest.raises(ValueError, match=r"dense layers alone attend: 2 of 4 layers .* at least 0\.5000"):
-            create_backend(name, cfg, density=0.5, dense_layers=[0, 1])  # SPEC's two dense layers, asked for
+            create_backend(name, cfg, density=0.5, dense_layers=[0, 1])  # the paper's two dense layers, asked for
         assert create_backend(name, cfg, density=0.75, dense_layers=[0, 1]).config.density == pytest.approx(0.5)
         # by default the registry spreads the whole-model density over every layer
         spread = create_backend(name, cfg, density=0.5)
@@ -91,7 +91,7 @@ def test_dense_layers_count_inside_the_budget():
     for bad in (1, "0,1", [0, -1], [0.5]):  # one line, not a TypeError, for a --param that is not a list
         with pytest.raises(ValueError, match="dense_layers must be"):
             create_backend("socket", cfg, dense_layers=bad)
-    for name in ("psaw", "etf"):  # no density budget: their depth schedule, SPEC's dense layers
+    for name in ("psaw", "etf"):  # no density budget: their depth schedule, the paper's dense layers
         assert create_backend(name, cfg).config.dense_layers == (0, 1)
 
 

@@ -123,7 +123,7 @@ def test_tp2_matches_tp1_on_the_batched_seam(engines, method, extra):
 def test_batched_seam_tokens_equal_the_reference_path(engines, method, extra):
     """Through one engine (TP=1): the batched seam's greedy tokens equal the per-sequence reference path's.
     The two method keys select alike (the second spells out the registry's default dense layers: none for a
-    method with a density budget, SPEC's 0 and 1 for PSAW and ETF) but are two backends:
+    method with a density budget, the paper's 0 and 1 for PSAW and ETF) but are two backends:
     the first records selections, which sends it down the reference path."""
     e1, _ = engines
     spelled = [] if get_method(method).takes_density else [0, 1]

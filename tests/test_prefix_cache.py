@@ -187,7 +187,7 @@ METHODS = [m for m in method_names() if m != "specattn"]  # specattn (draft acto
 CASES = [(m, {"density": 0.5} | ({"forced_share": 1.0} if m == "socket_hard" else {}) if get_method(m).takes_density
           else {}) for m in METHODS] + [
     ("delta", {"density": 0.5, "base": "sketch_walk"}),
-    # walks that read the prefix's A_hat rows (rebuilt from the per-page query sums), and SPEC's head mean
+    # walks that read the prefix's A_hat rows (rebuilt from the per-page query sums), and the paper's head mean
     ("sketch_walk", {"density": 0.5, "walk": "rollout", "decode_unit": "block"}),
     ("sketch_walk", {"density": 0.5, "walk": "product", "heads": "mean", "sub_blocks": 1, "decode_unit": "block",
                      "token_query": "never"})]

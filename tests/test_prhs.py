@@ -37,7 +37,7 @@ def gen(seed: int | None = None) -> torch.Generator:
 
 
 def boundary(base: float, expo: float, layer: int, l_s: int, t: int) -> int:
-    """SPEC's P_l(t) / E_l(t), written out independently."""
+    """the paper's P_l(t) / E_l(t), written out independently."""
     if layer < l_s:
         return 0
     return math.floor((1 - base ** (expo * (layer - l_s) / (N_LAYERS - l_s))) * t)

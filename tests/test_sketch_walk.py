@@ -49,7 +49,7 @@ def model_cfg(layers: int = 4, heads: int = 4, kv_heads: int = 2, head_dim: int 
 
 
 def method(cfg: ModelConfig, **kw) -> SketchWalk:
-    """SPEC's scoring (head means, whole blocks) unless the test asks for another."""
+    """the paper's scoring (head means, whole blocks) unless the test asks for another."""
     kw = {"block_size": 8, "sketch_dim": 16, "dense_layers": (0,), "seed": rand_int(0, 2**31), **GRAPH_DECODE, **kw}
     return SketchWalk(cfg, SketchWalkConfig(**kw))
 

@@ -67,7 +67,7 @@ def explicit_bucket(w: list[list[float]], x: list[float]) -> int:
 
 
 def brute_scores(m: Socket, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[list[float]]:
-    """SPEC's formula, loop by loop: explicit corners, softmax, bucket lookup; float64 Python."""
+    """the paper's formula, loop by loop: explicit corners, softmax, bucket lookup; float64 Python."""
     c = m.config
     w = m.planes_for(layer, H_KV, torch.device("cpu")).double().tolist()  # [h, L, P, d]
     corners = [[1.0 if (r >> p) & 1 else -1.0 for p in range(c.planes)] for r in range(1 << c.planes)]
@@ -243,7 +243,7 @@ def test_selection_is_deduplicated_ascending_keeps_sink_local_and_respects_budge
 
 def test_density_budget_counts_sink_and_local():
     m = Socket(model_cfg(), SocketConfig())  # defaults: density 0.1, sink 128, local 128, forced share 0.25
-    assert m.budget(12000) == (128, 128, 944)  # a budget of 1200: SPEC's forced tokens whole
+    assert m.budget(12000) == (128, 128, 944)  # a budget of 1200: the paper's forced tokens whole
     assert m.budget(6000) == (75, 75, 450)  # they would take more than a quarter: they shrink to a quarter
     assert m.budget(3000) == (37, 38, 225)  # in proportion to their sizes, the rounding to the local window
     assert m.budget(200) == (2, 3, 15)
@@ -355,7 +355,7 @@ def test_config_registry_and_metadata_bytes():
     assert isinstance(hard, SocketHard) and hard.config.hard and hard.name == "socket_hard"
     with pytest.raises(ValueError):
         get_method("socket").factory(model_cfg(), bogus=1)
-    m = Socket(model_cfg(layers=5), SocketConfig(value_norm=True))  # 3 sparse layers; SPEC's scorer keeps norms
+    m = Socket(model_cfg(layers=5), SocketConfig(value_norm=True))  # 3 sparse layers; the paper's scorer keeps norms
     assert m.metadata_bytes_per_token_per_layer() == H_KV * (60 + 4)
     assert m.metadata_bytes_per_token() == 3 * H_KV * 64
     assert m.metadata_bytes_per_token_per_layer(num_kv_heads=1) == 64
