@@ -63,7 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=positive_int, default=16384, help="KV cache per replica, in tokens")
     p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="N",
-                   help="prompt tokens per prefill step; other streams decode between two chunks (default: 128 on "
+                   help="prompt tokens per prefill step; other streams decode between two chunks (default: 512 on "
                         "CPU shards, 1024 while nothing decodes; 65536 on GPUs; a value "
                         "given here holds at every step)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

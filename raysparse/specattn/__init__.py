@@ -3,7 +3,8 @@ context chunks the draft's attention points at.
 
 - ``draft``: the draft is the verifier with a subset of its layers, sharing its KV cache.
 - ``layer_map``: the map verifier layer -> draft layer (``LayerMap``) and its fallbacks.
-- ``map_command``: the ``raysparse specattn-map`` command (not imported here: it starts an engine).
+- ``map_engine``: the layer map measured on the engine's shard actors, for ``raysparse specattn-map``
+  (``raysparse/cli/specattn_map.py``; not imported here: it starts an engine).
 - ``dtw``: monotone DTW over -KL similarities of attention rows.
 - ``map_measure``: the map measured on real text (probed attention rows, similarity sums, DTW).
 - ``map_store``: the map's JSON next to the model (or in the cache) and its serve-time lookup.

@@ -4,7 +4,7 @@ This module holds the map itself (``LayerMap`` and its JSON form), the fallbacks
 (``nearest_below_map``, ``proportional_map``): data a command, the draft actor and the verifier read. The
 map is measured in ``map_measure.py`` (both models' attention rows on real text, their -KL similarities from ``dtw.py``,
 aligned by ``dtw.monotone_dtw``), saved, loaded and resolved at serve time in ``map_store.py``, and
-``raysparse specattn-map`` is ``map_command.py``.
+``raysparse specattn-map`` is ``raysparse/cli/specattn_map.py``.
 """
 
 from __future__ import annotations

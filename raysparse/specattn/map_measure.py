@@ -9,8 +9,8 @@ So the similarities are measured on the same kind of rows the draft produces at 
 
 The similarities are sums over windows and KV heads divided once (``dtw.similarity_sums``), so the windows
 can be spread over replicas (``map_from_sums`` adds them in window order) and the KV heads over
-tensor-parallel shards (all-reduced); ``raysparse specattn-map`` (``map_command.py``) does so on the
-engine's shard actors.
+tensor-parallel shards (all-reduced); ``raysparse specattn-map`` (``map_engine.py``) does so on the engine's
+shard actors.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The map is saved as a small JSON file (``specattn_layer_map.json``) in the model directory, or, when that
 is not writable, under the raysparse cache directory keyed by the model directory's path; a separate draft's
-map sits beside it under the draft's key. ``raysparse specattn-map`` (``map_command.py``) measures and saves
-it on the engine's shard actors; ``resolve_layer_map`` and ``resolve_draft_layer_map`` load it at serve time,
+map sits beside it under the draft's key. ``raysparse specattn-map`` (``map_engine.py``) measures and saves it
+on the engine's shard actors; ``resolve_layer_map`` and ``resolve_draft_layer_map`` load it at serve time,
 or measure and save it, or fall back to a map of ``layer_map.py``.
 """
 
