@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from raysparse.cli.common import (
     DEVICES,
@@ -45,6 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"densities in (0, 1] (default: {','.join(map(str, DEFAULT_DENSITIES))})")
     ev.add_argument("--tasks", type=csv_of(str), default=TASK_NAMES, metavar="T,T",
                     help=f"tasks (default: all of {','.join(TASK_NAMES)})")
+    ev.add_argument("--ruler", type=csv_of(str), default=None, metavar="T,T",
+                    help="run official RULER tasks (e.g. niah_single_1,vt,cwe,fwe,qa_1) in place of --tasks: "
+                         "NVIDIA's generators (the ruler extra) write --samples of each for the model's tokenizer at "
+                         "--context-tokens (prompt plus RULER's generation room), scored by RULER's own rule")
     ev.add_argument("--samples", type=positive_int, default=1,
                     help="samples per task, and perplexity windows (default: 1)")
     ev.add_argument("--context-tokens", type=positive_int, default=2048,
@@ -94,6 +98,14 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except ValueError as e:
             usage(str(e))
     bad = [t for t in args.tasks if t not in TASK_NAMES]
+    if args.ruler is not None:
+        from raysparse.eval.ruler import check_tasks
+
+        try:
+            check_tasks(args.ruler)
+        except ValueError as e:
+            usage(str(e))
+        args.tasks, bad = args.ruler, []
     if bad:
         usage(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(TASK_NAMES)}")
     if args.device not in DEVICES:
@@ -125,7 +137,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                          decode_ppl_tokens=min(args.decode_ppl_tokens, max(args.context_tokens - 2, 0)),
                          # absolute: the shard actors resolve it from another working directory
                          draft_model=None if args.draft_model is None
-                         else str(Path(args.draft_model).expanduser().resolve()))
+                         else str(Path(args.draft_model).expanduser().resolve()),
+                         ruler_data=None if args.ruler is None else "")
     except ValueError as e:
         usage(str(e))
     if args.context_tokens < MIN_CONTEXT_TOKENS:
@@ -135,6 +148,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from raysparse.eval.job import EvalOptions, run_job
     from raysparse.orchestration.signals import Signalled
 
+    if args.ruler is not None:
+        try:
+            cfg = _with_ruler_data(cfg, args)
+        except (ValueError, RuntimeError, OSError) as e:
+            print(f"raysparse: error: {e}".splitlines()[0], file=sys.stderr)
+            return EXIT_FAILURE
     cluster = ClusterOptions(tp=args.tp, replicas=args.replicas, address=args.address,
                              cpus_per_shard=args.cpus_per_shard, device=args.device, threads=args.threads)
     opts = EvalOptions(model=args.model, text=args.text, out=args.out, dtype=args.dtype, cluster=cluster)
@@ -150,3 +169,18 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(Signalled(2).message("raysparse"), file=sys.stderr)
         return 130
     return 0
+
+
+def _with_ruler_data(cfg: Any, args: argparse.Namespace) -> Any:
+    """``cfg`` reading RULER's samples, generated (once) under ``--out`` for the model's tokenizer."""
+    import dataclasses
+
+    from raysparse.eval.distributed import check_tp
+    from raysparse.eval.ruler import data_dir, generate
+
+    model_dir, _ = check_tp(args.model, args.tp)
+    out = data_dir(args.out if args.out is not None else "results/eval", args.context_tokens, args.samples)
+    print(f"generating RULER's {', '.join(args.ruler)} at {args.context_tokens} tokens in {out}", file=sys.stderr)
+    # absolute: the shard actors read it from another working directory
+    path = generate(tuple(args.ruler), model_dir, args.context_tokens, args.samples, out).resolve()
+    return dataclasses.replace(cfg, ruler_data=str(path))

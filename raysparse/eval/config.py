@@ -34,11 +34,13 @@ class EvalConfig:
     method_params: tuple[ParamSweep, ...] = ()  # (method, key, values): settings.parse_method_params
     decode_ppl_tokens: int = DECODE_PPL_TOKENS  # scored by teacher-forced decode steps; 0: no decode perplexity
     draft_model: str | None = None  # SpecAttn's separate draft checkpoint (None: the self-speculative draft)
+    # RULER's generated samples (``ruler.generate``): when set, ``tasks`` are RULER's task names, read from there
+    ruler_data: str | None = None
 
     def __post_init__(self) -> None:
         if not self.densities or any(not 0.0 < d <= 1.0 for d in self.densities):
             raise ValueError(f"densities must be numbers in (0, 1], got {self.densities}")
-        bad = [t for t in self.tasks if t not in TASK_NAMES]
+        bad = [t for t in self.tasks if t not in TASK_NAMES and self.ruler_data is None]
         if bad:
             raise ValueError(f"unknown task(s) {bad}; choose from {', '.join(TASK_NAMES)}")
         for name in ("samples", "context_tokens", "max_new_tokens"):
@@ -71,7 +73,13 @@ class Workload:
 
     @classmethod
     def build(cls, cfg: EvalConfig, tokenizer: Any, text: str, source: str) -> Workload:
-        tasks = build_tasks(cfg.tasks, tokenizer, text, source, cfg.context_tokens, cfg.samples, cfg.seed)
+        if cfg.ruler_data is not None:
+            from raysparse.eval.ruler import load_tasks
+
+            tasks: list[EvalTask] = list(load_tasks(cfg.tasks, cfg.ruler_data, tokenizer, cfg.samples,
+                                                    cfg.context_tokens))
+        else:
+            tasks = build_tasks(cfg.tasks, tokenizer, text, source, cfg.context_tokens, cfg.samples, cfg.seed)
         windows = perplexity_windows(tokenizer, text, cfg.context_tokens, cfg.samples, cfg.seed) \
             if cfg.perplexity else []
         return cls(tasks, windows, source)
