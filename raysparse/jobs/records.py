@@ -144,7 +144,12 @@ def parse_line(raw: str, line: int, defaults: JobDefaults, encode: Callable[[str
     obj = loads(raw)
     if not isinstance(obj, dict):
         raise BadLine("a line must be a JSON object")
-    rid = line_id(obj, line) if rid is None else rid
+    return parse_object(obj, line, defaults, encode, line_id(obj, line) if rid is None else rid)
+
+
+def parse_object(obj: Mapping[str, Any], line: int, defaults: JobDefaults, encode: Callable[[str, bool], list[int]],
+                 rid: str) -> Item:
+    """One record (a parsed line, or a dataset's row: ``raysparse.data``) -> Item; raises BadLine."""
     chat = bool(obj.get("chat", defaults.chat))
     kinds = [k for k in ("prompt", "prompt_ids", "document") if obj.get(k) is not None]
     if len(kinds) != 1:

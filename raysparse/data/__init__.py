@@ -1,0 +1,1 @@
+"""raysparse.data: Ray Data batch inference through raysparse engines (``processor``)."""
