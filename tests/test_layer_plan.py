@@ -1,10 +1,12 @@
 """A method's per-step state is built once per step, by the declared plan (``AttentionBackend.plan_layers``)
 before the model's layers run, and every layer reads that plan: one method per family (block prefill: Quest;
-token decode: SOCKET; speculative verification: SpecAttn). No layer call of the method writes per-step state of
-its own into the batch."""
+token decode: SOCKET; speculative verification: SpecAttn; and ETF's frozen rows, which the model asks of the
+method at every layer). No layer call of the method writes per-step state of its own into the batch: the plan
+step alone does (the plan, a batched prefill's packed geometry, an eager batched decode's placed rows)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -16,14 +18,15 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.registry import create_backend
 from raysparse.specattn import SpecAttn, SpecAttnConfig
 
-# What the cache and the generic seams keep per step (the page table and its host rows, the graph flag, the
-# packed query blocks), not a method.
-GENERIC = {"paged", "paged_host", "graph", "cu_q_dev"}
+# What the cache and the graph runner keep per step (the page table and its host rows, the graph flag), not a
+# method.
+GENERIC = {"paged", "paged_host", "graph"}
 
 
 class Counting:
     """Counts ``backend.plan_layers`` calls per batch, and checks after each forward that the layers left only
-    the plan and the generic seams' entries in the batch."""
+    what the plan step wrote (the plan; a batched prefill's ``PrefillStep``) and the cache's entries in the
+    batch."""
 
     def __init__(self, backend: AttentionBackend) -> None:
         self.backend, self.calls = backend, []
@@ -38,10 +41,23 @@ class Counting:
 
     def forward(self, model, ids: torch.Tensor, batch: BatchMeta, cache: KVCache, **kw: Any) -> torch.Tensor:
         before = len(self.calls)
-        out = model(ids, batch, cache, self.backend, **kw)
+        planned: list[set[Any]] = []
+        real = self.backend.begin_step
+
+        def begin_step(cache: KVCache, batch: BatchMeta) -> None:
+            real(cache, batch)
+            planned.append(set(batch.extras))
+
+        self.backend.begin_step = begin_step  # type: ignore[method-assign]
+        try:
+            out = model(ids, batch, cache, self.backend, **kw)
+        finally:
+            del self.backend.begin_step
         assert [b for b, _ in self.calls[before:]] == [batch], "the plan is built once per step"
-        own = {k for k in batch.extras if k not in GENERIC and not (isinstance(k, tuple) and k[0] == "qblocks")}
-        assert own == {("plan", id(self.backend))}, own
+        own = {k for k in batch.extras if k not in GENERIC}
+        assert ("plan", id(self.backend)) in own and own <= {("plan", id(self.backend)),
+                                                             ("prefill-step", id(self.backend))}, own
+        assert len(planned) == 1 and own <= planned[0], f"written by a layer call: {own - planned[0]}"
         return out
 
     def plans(self) -> list[Any]:
@@ -139,3 +155,31 @@ def test_a_wrapped_base_plans_its_prefill_at_the_density_it_selects_at():
         want = quest.list_widths(batch.q_lens, batch.ctx_lens)
     assert want != quest.list_widths(batch.q_lens, batch.ctx_lens)  # the swap matters at these lengths
     assert quest.layer_plan(cache, batch).widths == want
+
+
+def test_etf_plans_its_frozen_rows_once_per_step():
+    """ETF's frozen rows, asked by the model's every layer and by the batched selection, are the plan's masks
+    (one per freezing layer, built before the layers); the layers write nothing into the batch. A layer driven
+    with no plan builds the same mask itself."""
+    model, cache = _model_and_cache()
+    etf = create_backend("etf", model.cfg, block_size=16, start_layer=1, sink=4)  # layers 2 and 3 freeze
+    run = Counting(etf)
+    g = torch.Generator().manual_seed(4)
+    lens = [120, 90]
+    for sid, n in enumerate(lens):
+        cache.allocate(sid, n + 4)
+    batch = cache.prepare([0, 1], lens, True)
+    run.forward(model, torch.randint(0, 97, (sum(lens),), generator=g), batch, cache)
+    (plan,) = run.plans()
+    freezing = [layer for layer in range(model.cfg.num_layers) if etf.etf_frac(layer) > 0]
+    assert freezing and sorted(plan) == freezing
+    assert any(plan[layer] is not None and plan[layer].any() for layer in freezing), "no row frozen: a weak test"
+    for layer in freezing:
+        assert etf.frozen_rows(layer, batch) is plan[layer]
+        alone = etf.frozen_rows(layer, dataclasses.replace(batch, extras={}))  # no plan: built on the spot
+        assert (alone is None) == (plan[layer] is None)
+        if alone is not None:
+            assert torch.equal(alone, plan[layer])
+    for _ in range(2):  # decode steps freeze nothing and plan nothing of ETF's
+        run.forward(model, torch.randint(0, 97, (2,), generator=g), cache.prepare([0, 1], [1, 1], False), cache)
+        assert run.plans()[-1] is None

@@ -31,7 +31,7 @@ from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.budget import host_row_budget, prefill_floor
 from raysparse.methods.selection import BlockSelection, TokenSelection, block_pairs, packed_block_pairs
-from raysparse.methods.views import DecodeView, PrefillView, SeqContext
+from raysparse.methods.views import DecodeView, PrefillStep, PrefillView, SeqContext
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ class SparseMethod(AttentionBackend):
         return per_seq.index_add_(0, sel.qblock_seq.long(), pairs)
 
     def _prefill_batched(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
-        view = PrefillView.of(layer, batch, cache)
+        view = self.prefill_view(layer, batch, cache)
         sel = self.prefill_select(layer, q, view)
         out, _ = block_sparse_attention_varlen(q, view.kv, sel, view.cu_q_dev)
         h_kv = cache.num_kv_heads
@@ -305,10 +305,31 @@ class SparseMethod(AttentionBackend):
             return self._prefill_batched(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=False)
 
+    def begin_step(self, cache: KVCache, batch: BatchMeta) -> None:
+        """The step's plans; for a batched prefill step the packed geometry its views share (``PrefillStep``);
+        for an eager batched decode step (no graph runner placed the rows) the rows' per-row state placed
+        (``graph_prepare``), all before the layers read them."""
+        super().begin_step(cache, batch)
+        if batch.is_prefill and self.batched_prefill and self.tracer is None:
+            step = PrefillStep.of(batch, cache.device, (self.config.block_size,))
+            batch.extras[("prefill-step", id(self))] = step
+        if self._places_rows(batch):
+            self.graph_prepare(list(batch.seq_ids), cache)
+
+    def prefill_view(self, layer: int, batch: BatchMeta, cache: KVCache) -> PrefillView:
+        """This layer's ``PrefillView`` over the step's geometry built by ``begin_step`` (a layer driven on its
+        own builds its own)."""
+        return PrefillView.of(layer, batch, cache, batch.extras.get(("prefill-step", id(self))))
+
+    def _places_rows(self, batch: BatchMeta) -> bool:
+        """An eager batched decode step with a selecting layer: its rows are placed before the layers."""
+        return (not batch.is_prefill and self.batched_decode and self.tracer is None
+                and not batch.extras.get("graph") and self._first_selecting() >= 0)
+
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         if self.batched_decode and self.tracer is None:
-            if not batch.extras.get("graph") and layer == self._first_selecting():
-                self.graph_prepare(list(batch.seq_ids), cache)  # no graph runner placed the rows: place them
+            if layer == self._first_selecting() and not self.planned(batch)[0] and self._places_rows(batch):
+                self.graph_prepare(list(batch.seq_ids), cache)  # a layer driven on its own: no plan placed them
             return self._decode_batched(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=True)
 

@@ -55,7 +55,7 @@ from raysparse.methods.delta_correction import DeltaCorrection
 from raysparse.methods.delta_rows import PackedRows, SeqRows, row_indices
 from raysparse.methods.registry import create_backend, method_spec, register
 from raysparse.methods.selection import BlockSelection, block_pairs
-from raysparse.methods.views import DecodeView, PrefillView, SeqContext
+from raysparse.methods.views import DecodeView, SeqContext
 
 
 class Delta(DeltaCorrection):
@@ -214,7 +214,7 @@ class Delta(DeltaCorrection):
         over the paged cache in place, with the lse the far part merges against. The dense rows of every
         sequence (anchors with their far part, check rows, tail) then come from one paged launch each
         (``PackedRows``), and each sequence is corrected from them as ``prefill_seq`` does."""
-        view = PrefillView.of(layer, batch, cache)
+        view = self.prefill_view(layer, batch, cache)
         with self._prefill_budget():
             sel = self.base.prefill_select(layer, q, view)
         o_sparse, lse_s = dispatch.block_sparse_attention_varlen(q, view.kv, sel, view.cu_q_dev)

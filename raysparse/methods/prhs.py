@@ -33,7 +33,7 @@ import torch
 from raysparse.attention import causal_pairs, dense_attention
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import BatchMeta, KVCache
-from raysparse.methods.cis import CISConfig
+from raysparse.methods.cis import CISConfig, CISStepConsts
 from raysparse.methods.etf import ETFConfig, etf_fraction, frozen_mask, frozen_span
 from raysparse.methods.prhs_decode import PrHSDecode
 from raysparse.methods.psaw import (
@@ -86,15 +86,24 @@ class PrHSMethod(PrHSDecode):
             return 0.0
         return etf_fraction(self.config, layer, self.start_layer, self.model_cfg.num_layers)  # type: ignore
 
+    def plan_layers(self, cache: KVCache, batch: BatchMeta) -> dict[int, torch.Tensor | None] | CISStepConsts | None:
+        """A prefill step's ETF masks, {layer: ``frozen_mask``} at every layer ETF freezes at (asked by the model
+        and by the batched selection: built once, before the layers); a decode step's, CIS's (``PrHSDecode``)."""
+        if not batch.is_prefill:
+            return super().plan_layers(cache, batch)
+        if not self.use_etf:
+            return None
+        fracs = {layer: self.etf_frac(layer) for layer in range(self.model_cfg.num_layers)}
+        return {layer: frozen_mask(frac, self.config.sink, batch) for layer, frac in fracs.items() if frac > 0}
+
     def frozen_rows(self, layer: int, batch: BatchMeta) -> torch.Tensor | None:
-        """The model's ETF hook: bool [T] of the rows frozen at this layer, or None."""
+        """The model's ETF hook: bool [T] of the rows frozen at this layer, or None: the step's plan's mask (a
+        layer driven on its own, with no plan, builds it)."""
         frac = self.etf_frac(layer)
         if not batch.is_prefill or frac <= 0:
             return None
-        key = ("etf-frozen", layer)  # asked by the model and by the batched selection: built once
-        if key not in batch.extras:
-            batch.extras[key] = frozen_mask(frac, self.config.sink, batch)
-        return batch.extras[key]
+        done, plan = self.planned(batch)
+        return plan[layer] if done else frozen_mask(frac, self.config.sink, batch)
 
     # ---- prefill -------------------------------------------------------------------------------
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
@@ -103,7 +112,7 @@ class PrHSMethod(PrHSDecode):
                 self._cis.forget(sid)
         if self.use_etf and self.config.etf_kv == "copy":  # type: ignore[attr-defined]
             frozen = self.frozen_rows(layer, batch)
-            if frozen is not None:  # Appendix G: frozen tokens keep the previous layer's K/V
+            if frozen is not None:  # etf_kv="copy": frozen tokens keep the previous layer's K/V
                 rows = frozen.nonzero().squeeze(1)
                 pg, off = batch.slot_pages[rows], batch.slot_offsets[rows]
                 cache.k[layer][pg, :, off] = cache.k[layer - 1][pg, :, off]

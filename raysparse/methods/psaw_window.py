@@ -36,7 +36,6 @@ from raysparse.kernels.paged_torch import in_window, paged_tiles
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import SparseMethod
 from raysparse.methods.psaw import PrHSConfig, widest_window, window_lo, window_start
-from raysparse.methods.views import PrefillView
 
 _ROWS_PER_CALL = 512  # query rows per fused call of ``window_attention_cpu``
 
@@ -194,7 +193,7 @@ class PSAWWindow(SparseMethod):
         ``window_lo`` meters the step as on the block path."""
         if q.device.type != "cpu" or self.frozen_rows(layer, batch) is not None:
             return super()._prefill_batched(layer, q, cache, batch)
-        view, h_kv = PrefillView.of(layer, batch, cache), cache.num_kv_heads
+        view, h_kv = self.prefill_view(layer, batch, cache), cache.num_kv_heads
         pairs = self.prefill_pairs(view, self.prefill_select(layer, q, view)).tolist()  # one host read
         for n_q, n, p in zip(batch.q_lens, batch.ctx_lens, pairs, strict=True):
             self.meter.add(layer, float(p), float(causal_pairs(n_q, n) * h_kv), decode=False)

@@ -68,29 +68,62 @@ class QueryBlocks:
     start: torch.Tensor
 
 
+@dataclass
+class PrefillStep:
+    """A prefill step's packed geometry on the device, shared by its layers: ``cu_q`` [batch + 1] int32 and the
+    packed query blocks per block size. The method's plan step builds it before the layers
+    (``SparseMethod.begin_step``, at the method's block size); a view driven on its own builds its own."""
+
+    cu_q_dev: torch.Tensor
+    blocks: dict[int, QueryBlocks]
+
+    @classmethod
+    def of(cls, batch: BatchMeta, device: torch.device, block_sizes: tuple[int, ...] = ()) -> PrefillStep:
+        step = cls(torch.tensor(batch.cu_q, dtype=torch.int32, device=device), {})
+        for b in block_sizes:
+            step.qblocks(batch, device, b)
+        return step
+
+    def qblocks(self, batch: BatchMeta, device: torch.device, block_size: int) -> QueryBlocks:
+        """The step's packed query blocks of ``block_size`` tokens (host arithmetic once per step and size: a
+        size the plan did not build, a wrapped base's, is built at its first use)."""
+        rows = self.blocks.get(block_size)
+        if rows is None:
+            seq, qb, q0, nn, start = [], [], [], [], [0]
+            for i, (n_q, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
+                first, last = (n - n_q) // block_size, (n - 1) // block_size
+                seq += [i] * (last - first + 1)
+                qb += range(first, last + 1)
+                q0 += [n - n_q] * (last - first + 1)
+                nn += [n] * (last - first + 1)
+                start.append(len(qb))
+            t = torch.tensor([seq, qb, q0, nn], dtype=torch.int64).to(device)
+            rows = self.blocks[block_size] = QueryBlocks(t[0], t[1], t[2], t[3],
+                                                         torch.tensor(start, dtype=torch.int32).to(device))
+        return rows
+
+
 @dataclass(frozen=True)
 class PrefillView:
     """What a batched prefill selection reads: this layer's paged K/V (with every sequence's page table and
-    full length), the step's batch and cache (per-page pools, per-sequence metadata), and per-step constants
-    built once and shared by the layers (``batch.extras``)."""
+    full length), the step's batch and cache (per-page pools, per-sequence metadata), and the step's packed
+    geometry (``PrefillStep``), built once by the method's plan and shared by the layers."""
 
     layer: int
     kv: PagedKV
     batch: BatchMeta
     cache: KVCache
+    step: PrefillStep
 
     @classmethod
-    def of(cls, layer: int, batch: BatchMeta, cache: KVCache) -> PrefillView:
+    def of(cls, layer: int, batch: BatchMeta, cache: KVCache, step: PrefillStep | None = None) -> PrefillView:
+        """``step``: the plan's (None: this view's own, for a layer driven outside a planned step)."""
         kv, _ = cache.paged(layer, batch)
-        return cls(layer, kv, batch, cache)
+        return cls(layer, kv, batch, cache, step if step is not None else PrefillStep.of(batch, cache.device))
 
     @property
     def cu_q_dev(self) -> torch.Tensor:
-        cu = self.batch.extras.get("cu_q_dev")
-        if cu is None:
-            cu = self.batch.extras["cu_q_dev"] = torch.tensor(self.batch.cu_q, dtype=torch.int32,
-                                                              device=self.cache.device)
-        return cu
+        return self.step.cu_q_dev
 
     def new_keys(self) -> torch.Tensor:
         """This layer's keys of the step's new tokens, packed as q: [T, h_kv, d] (from their slots)."""
@@ -104,23 +137,8 @@ class PrefillView:
                           state.setdefault(sid, {}), b.prompt_end(i))
 
     def qblocks(self, block_size: int) -> QueryBlocks:
-        """The step's packed query blocks of ``block_size`` tokens (host arithmetic once per step and size)."""
-        key = ("qblocks", block_size)
-        rows = self.batch.extras.get(key)
-        if rows is None:
-            seq, qb, q0, nn, start = [], [], [], [], [0]
-            for i, (n_q, n) in enumerate(zip(self.batch.q_lens, self.batch.ctx_lens, strict=True)):
-                first, last = (n - n_q) // block_size, (n - 1) // block_size
-                seq += [i] * (last - first + 1)
-                qb += range(first, last + 1)
-                q0 += [n - n_q] * (last - first + 1)
-                nn += [n] * (last - first + 1)
-                start.append(len(qb))
-            dev = self.cache.device
-            t = torch.tensor([seq, qb, q0, nn], dtype=torch.int64).to(dev)
-            rows = self.batch.extras[key] = QueryBlocks(t[0], t[1], t[2], t[3],
-                                                        torch.tensor(start, dtype=torch.int32).to(dev))
-        return rows
+        """The step's packed query blocks of ``block_size`` tokens (``PrefillStep.qblocks``)."""
+        return self.step.qblocks(self.batch, self.cache.device, block_size)
 
     def packed(self, indices: torch.Tensor, block_size: int) -> PackedBlockSelection:
         """Rows [h_kv, R, W] in this step's query-block order as the kernels' packed selection."""
