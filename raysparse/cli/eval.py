@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--ruler", type=csv_of(str), default=None, metavar="T,T",
                     help="run official RULER tasks (e.g. niah_single_1,vt,cwe,fwe,qa_1) in place of --tasks: "
                          "NVIDIA's generators (the ruler extra) write --samples of each for the model's tokenizer at "
-                         "--context-tokens (prompt plus RULER's generation room), scored by RULER's own rule")
+                         "--context-tokens (prompt plus RULER's generation room), scored by RULER's own rule "
+                         "(default: off, the --tasks run)")
     ev.add_argument("--samples", type=positive_int, default=1,
                     help="samples per task, and perplexity windows (default: 1)")
     ev.add_argument("--context-tokens", type=positive_int, default=2048,
@@ -138,6 +139,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                          # absolute: the shard actors resolve it from another working directory
                          draft_model=None if args.draft_model is None
                          else str(Path(args.draft_model).expanduser().resolve()),
+                         # "" takes RULER's task names; the samples' directory replaces it once they are written
                          ruler_data=None if args.ruler is None else "")
     except ValueError as e:
         usage(str(e))
