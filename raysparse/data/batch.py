@@ -8,17 +8,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
-
-def _param(s: str) -> tuple[str, Any]:
-    key, sep, value = s.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+from raysparse.cli.engine_flags import param
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas", type=int, default=None)
     p.add_argument("--method", default="dense")
     p.add_argument("--density", type=float, default=None)
-    p.add_argument("--param", type=_param, action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--param", type=param, action="append", default=[], metavar="KEY=VALUE",
                    help="another method parameter (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16)
