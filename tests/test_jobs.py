@@ -366,6 +366,41 @@ def test_ray_job_submit_processes_a_jsonl_file(two_node_cluster, tmp_path):
     assert by_id["line-7"]["finish_reason"] == "error" and "not JSON" in by_id["line-7"]["error"]
 
 
+def _own_ray_job(tmp_path: Path, n: int) -> tuple[list[str], Path, dict[str, str]]:
+    """The real command over ``n`` requests on the tiny model, starting a Ray instance of its own (no
+    RAY_ADDRESS): its command line, its output file and its environment."""
+    from raysparse.serving.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt_ids": [5, 6, 7, 8] * 8}) + "\n" for i in range(n)))
+    cmd = [sys.executable, "-m", "raysparse.jobs.longcontext", "--input", str(inp), "--output", str(out),
+           "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5", "--no-draft",
+           "--kv-cache-tokens", "2048", "--max-new-tokens", "40", "--ignore-eos", "--max-inflight", "2"]
+    return cmd, out, {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+
+def _watch_job(job: subprocess.Popen, out: Path, lines: int, seen: dict[int, Any]) -> str | None:
+    """Polls the running job (up to 240 s) until its Ray session shows among its processes and ``out`` holds
+    ``lines`` lines; every process of it seen goes into ``seen`` as it is found, so the caller can check or end
+    them even when this fails midway. Returns the session, None if it was never seen."""
+    import psutil
+
+    me = psutil.Process(job.pid)
+    session = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and job.poll() is None:
+        try:
+            seen.update({c.pid: c for c in me.children(recursive=True)})
+        except psutil.Error:
+            pass
+        session = session or ray_session_in(seen.values())
+        if session and out.exists() and out.read_bytes().count(b"\n") >= lines:
+            break
+        time.sleep(0.1)
+    return session
+
+
 @pytest.mark.slow  # about 45 s on 2 cores
 def test_a_sigkilled_job_leaves_no_process_of_its_ray_10_s_later(tmp_path):
     """The real command with its own Ray, SIGKILLed mid-file (no handler runs, nothing is cleaned up by the job):
@@ -375,30 +410,12 @@ def test_a_sigkilled_job_leaves_no_process_of_its_ray_10_s_later(tmp_path):
     import psutil
 
     from raysparse.orchestration.ray_env import session_processes
-    from raysparse.serving.tiny import write_tiny_model
 
-    model = write_tiny_model(tmp_path / "tiny")
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt_ids": [5, 6, 7, 8] * 8}) + "\n" for i in range(2000)))
-    cmd = [sys.executable, "-m", "raysparse.jobs.longcontext", "--input", str(inp), "--output", str(out),
-           "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5", "--no-draft",
-           "--kv-cache-tokens", "2048", "--max-new-tokens", "40", "--ignore-eos", "--max-inflight", "2"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd, out, env = _own_ray_job(tmp_path, 2000)
     job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     seen: dict[int, psutil.Process] = {}
-    session = None
     try:
-        me = psutil.Process(job.pid)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and job.poll() is None:
-            try:
-                seen.update({c.pid: c for c in me.children(recursive=True)})
-            except psutil.Error:
-                pass
-            session = session or ray_session_in(seen.values())
-            if session and out.exists() and out.read_bytes().count(b"\n") >= 3:  # serving: every agent is up
-                break
-            time.sleep(0.1)
+        session = _watch_job(job, out, 3, seen)  # 3 lines out: serving, so every agent is up
         assert session and job.poll() is None, "the job's Ray daemons were never seen"
         seen.update({p.pid: p for p in session_processes(session)})
         names = " ".join(" ".join(p.cmdline()) for p in seen.values() if p.is_running())
@@ -435,31 +452,13 @@ def test_the_job_stops_the_ray_it_started_on_any_exit(tmp_path, how):
     import psutil
 
     from raysparse.orchestration.ray_env import session_processes
-    from raysparse.serving.tiny import write_tiny_model
 
-    model = write_tiny_model(tmp_path / "tiny")
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     n = 3 if how == "end" else 2000
-    inp.write_text("".join(json.dumps({"id": f"q{i}", "prompt_ids": [5, 6, 7, 8] * 8}) + "\n" for i in range(n)))
-    cmd = [sys.executable, "-m", "raysparse.jobs.longcontext", "--input", str(inp), "--output", str(out),
-           "--model", str(model), "--num-cpus", "2", "--cpus-per-shard", "0.5", "--no-draft",
-           "--kv-cache-tokens", "2048", "--max-new-tokens", "40", "--ignore-eos", "--max-inflight", "2"]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd, out, env = _own_ray_job(tmp_path, n)
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        me = psutil.Process(job.pid)
         seen: dict[int, psutil.Process] = {}
-        session = None
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and job.poll() is None:
-            try:
-                seen.update({c.pid: c for c in me.children(recursive=True)})
-            except psutil.Error:
-                pass
-            session = session or ray_session_in(seen.values())
-            if session and out.exists() and out.read_bytes().count(b"\n") >= (n if how == "end" else 3):
-                break
-            time.sleep(0.1)
+        session = _watch_job(job, out, n if how == "end" else 3, seen)
         assert session, "the job's Ray daemons were never seen"
         seen.update({p.pid: p for p in session_processes(session)})  # the agents and workers, by their session
         assert len(seen) >= 4, [p.info for p in seen.values()]
