@@ -13,36 +13,29 @@ batched paths reuse its pieces (``_scores`` for the prefix cache's A_hat rows, `
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from raysparse.config import ModelConfig
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kv_cache import KVCache
 from raysparse.methods.budget import host_row_budget, prefill_block_budget, row_budget
-from raysparse.methods.hadamard import SRHT
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
-from raysparse.methods.sketch_walk_config import SketchWalkConfig
 from raysparse.methods.sketch_walk_prefix import adopt_prefix, store_prefix
 from raysparse.methods.sketch_walk_walk import block_counts, walk_rows
 from raysparse.methods.views import PrefillView, SeqContext
 
+if TYPE_CHECKING:  # what this path reads of the method (set by ``SketchWalk`` and ``SparseMethod``), declared once
+    from raysparse.methods.sketch_walk_method import SketchWalkMethod as _Method
+else:
+    _Method = object
 
-class ReferenceSelection:
+
+class ReferenceSelection(_Method):
     """Sketch&Walk's per-sequence sketches, scores and selection; mixed into ``SketchWalk`` (before
     ``SparseMethod``, whose ``select_prefill`` / ``select_decode`` it provides)."""
 
-    # Set by ``SketchWalk`` and ``SparseMethod``: what this path reads of the method.
-    config: SketchWalkConfig
-    model_cfg: ModelConfig
-    srht: SRHT
-    head_reduce: Callable[[torch.Tensor], torch.Tensor] | None  # tensor parallelism's SUM all-reduce
-    first_sparse: int | None
-    layer_density: float | None
-    _cache: KVCache | None
     _seq_state: dict[int, dict[str, Any]]
 
     # ---- sketches and block scores --------------------------------------------------------------
