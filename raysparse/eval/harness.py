@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from raysparse.attention import AttentionBackend
-from raysparse.eval.config import DEFAULT_DENSITIES as DEFAULT_DENSITIES  # the CLI's default, read from here
 from raysparse.eval.config import EvalConfig, Workload
 from raysparse.eval.decode_ppl import decode_nll
 from raysparse.eval.item_scoring import task_sample, window_nll
