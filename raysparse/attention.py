@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from raysparse.kernels import cpu_prefill
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.runtime_config import RuntimeConfig
 
@@ -242,8 +243,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     n_q, n_k = q.shape[0], k.shape[1]
     if n_q == 1 and q.is_cuda:
         return _decode_attention(q, k, v, scale)
-    if 1 < n_q < n_k and not q.is_cuda:
-        return _chunk_attention_cpu(q, k, v, scale)
+    if n_q > 1 and not q.is_cuda:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if cpu_prefill.supported(q, k, v):
+            return cpu_prefill.causal_attention_cpu(q, k, v, scale)
+        if n_q < n_k:
+            return _chunk_attention_cpu(q, k, v, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, n_q, d]
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)
     if n_q == 1:

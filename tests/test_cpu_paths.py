@@ -1,10 +1,12 @@
-"""The CPU's fast paths of the seam against the gathering references: the fused block-sparse prefill."""
+"""The CPU's fast paths of the seam against the gathering references: the fused block-sparse prefill, the
+dense causal prefill by GEMMs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from raysparse.kernels import cpu_prefill
 from raysparse.kernels.paged_torch import block_sparse_prefill_torch
 from raysparse.kernels.reference import block_sparse_attention
 from raysparse.kernels.selection import BlockSelection, indices_from_mask
@@ -28,6 +30,25 @@ def test_cpu_block_sparse_prefill_matches_reference(n_q, n):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
 
+
+
+@pytest.mark.parametrize("n_q,n,block", [(700, 1500, 128), (1, 77, 128), (130, 130, 128), (300, 300, 64),
+                                         (129, 1000, 128), (5, 9, 4)])
+def test_cpu_causal_prefill_matches_reference(n_q, n, block, monkeypatch):
+    """Every output element of the GEMM prefill against an fp64 masked softmax, with K/V strided as the cache's
+    gather hands them (a slice of a longer page run) and query blocks that do not divide the chunk."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setattr(cpu_prefill, "BLOCK", block)
+    h, h_kv, d = 6, 2, 16
+    q = torch.randn(n_q, h, d, generator=g) * 2
+    k, v = (torch.randn(h_kv, n + 7, d, generator=g)[:, :n] for _ in range(2))
+    assert cpu_prefill.supported(q, k, v)
+    got = cpu_prefill.causal_attention_cpu(q, k, v, 0.3)
+    s = torch.einsum("qhd,hkd->hqk", q.double(), k.double().repeat_interleave(h // h_kv, 0)) * 0.3
+    s = s.masked_fill(torch.arange(n - n_q, n)[:, None] < torch.arange(n)[None], float("-inf"))
+    want = torch.einsum("hqk,hkd->qhd", s.softmax(-1), v.double().repeat_interleave(h // h_kv, 0)).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
 
 def _seed() -> int:
     seed = int(torch.randint(0, 2**31 - 1, ()))
