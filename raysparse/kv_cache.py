@@ -10,6 +10,11 @@ that does not fit is refused up front instead of running out of memory halfway t
 Pages come from the cache's own free list (``allocate``: one process on its own), or from the engine
 (``attach``: the engine's ``PagePool`` decides for every shard of a group, and a sequence may start from
 pages that already hold its prompt's cached prefix, shared read-only with other sequences).
+
+With ``enable_tiers`` (``--kv-offload``) these pages are the host tier and a smaller device pool caches the pages
+decode steps read (``kv_tiers``): ``prepare`` moves the running sequences' pins, ``write`` writes through to
+resident pages and leaves a finished prompt's pinned pages on the device, ``attach`` / ``allocate`` drop the stale
+device copies of a new sequence's pages.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from raysparse.config import ModelConfig
+from raysparse.kv_tiers import KVOffloadConfig, KVTiers
 
 
 class CapacityError(RuntimeError):
@@ -104,6 +110,14 @@ class KVCache:
         self._reserved: dict[int, int] = {}
         self._lens: dict[int, int] = {}
         self._attached: set[int] = set()  # sequences whose pages the engine owns (``attach``)
+        self.tiers: KVTiers | None = None  # the device pool over these pages (``enable_tiers``); None: one tier
+
+    def enable_tiers(self, cfg: KVOffloadConfig) -> KVTiers:
+        """Makes these pages the host tier of a device pool sized by ``cfg`` (before any sequence is admitted)."""
+        if self._pages:
+            raise ValueError("the K/V tiers are enabled before any sequence is admitted")
+        self.tiers = KVTiers(cfg, self.k, self.v, self.page_size)
+        return self.tiers
 
     def page_pool(self, key: Any, per_page: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """A method's per-page state: ``[num_pages + 1, *per_page]`` indexed by physical page id (the scratch
@@ -164,6 +178,8 @@ class KVCache:
         self._pages[seq_id] = [self._free.pop() for _ in range(need)]
         self._reserved[seq_id] = max_tokens
         self._lens[seq_id] = 0
+        if self.tiers is not None:
+            self.tiers.invalidate(self._pages[seq_id])
 
     def attach(self, seq_id: int, pages: Sequence[int], max_tokens: int, cached_tokens: int = 0) -> None:
         """A sequence on pages the engine chose. Its first ``cached_tokens`` tokens are already in them (a
@@ -181,6 +197,8 @@ class KVCache:
         self._reserved[seq_id] = max_tokens
         self._lens[seq_id] = cached_tokens
         self._attached.add(seq_id)
+        if self.tiers is not None:  # a cached prefix's pages are never written: their device copies stay good
+            self.tiers.invalidate(pages[cached_tokens // self.page_size:])
 
     def free(self, seq_id: int) -> None:
         pages = self._pages.pop(seq_id, None)
@@ -192,6 +210,8 @@ class KVCache:
             self._free.extend(reversed(pages))
         self._reserved.pop(seq_id, None)
         self._lens.pop(seq_id, None)
+        if self.tiers is not None:
+            self.tiers.forget(seq_id)
         for layer_meta in self.metadata:
             layer_meta.pop(seq_id, None)
 
@@ -246,6 +266,9 @@ class KVCache:
             ctx_lens.append(end)
             tables.append(table)
             self._lens[sid] = end
+        if self.tiers is not None:
+            self.tiers.begin_step([(sid, self._pages[sid], n) for sid, n in zip(seq_ids, ctx_lens, strict=True)],
+                                  decode=not is_prefill)
         return BatchMeta(
             seq_ids=list(seq_ids),
             q_lens=list(q_lens),
@@ -261,6 +284,12 @@ class KVCache:
         """k, v: [T, num_kv_heads, head_dim] for the step's new tokens."""
         self.k[layer][batch.slot_pages, :, batch.slot_offsets, :] = k.to(self.dtype)
         self.v[layer][batch.slot_pages, :, batch.slot_offsets, :] = v.to(self.dtype)
+        if self.tiers is not None:
+            self.tiers.write_through(layer, k, v, batch.slot_pages, batch.slot_offsets)
+            if batch.is_prefill:
+                self.tiers.keep_after_prefill(layer, [(sid, self._pages[sid], n) for i, (sid, n) in
+                                                      enumerate(zip(batch.seq_ids, batch.ctx_lens, strict=True))
+                                                      if batch.prompt_end(i)])
 
     def paged(self, layer: int, batch: BatchMeta) -> tuple[Any, torch.Tensor]:
         """This layer's cache as the kernels' ``PagedKV`` for the batch, and every sequence's full block list

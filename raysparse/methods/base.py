@@ -200,9 +200,21 @@ class SparseMethod(AttentionBackend):
             idx, unit = blocks, cache.page_size
         else:
             idx, unit = self.decode_select(layer, q, DecodeView(kv, batch, cache)), self.decode_unit
-        out, _ = paged_decode_attention(q, kv, idx, unit)
+        if cache.tiers is not None and not self.dense_decode_layer(layer):
+            # The selection named its keys over the host tier (per-page state by host page); the pages it needs are
+            # brought into the device pool and the attend reads them there (``KVTiers.decode_attention``). A dense
+            # layer of a sparse method reads every page: it keeps its K/V on the device (docs/kv_offload.md).
+            out = cache.tiers.decode_attention(layer, q, kv, idx, unit)
+        else:
+            out, _ = paged_decode_attention(q, kv, idx, unit)
         self._meter_decode(layer, batch.ctx_lens, cache.num_kv_heads)  # thrown away under a capture
         return out
+
+    @property
+    def decodes_through_tiers(self) -> bool:
+        """Whether this method's decode can read K/V through the device pool (``--kv-offload``): a batched decode
+        selection names the keys a step reads before it reads them. The per-sequence path gathers every key."""
+        return self.batched_decode
 
     # ---- the batched prefill seam (implement for the fast path) -----------------------------------
     @property
@@ -330,6 +342,8 @@ class SparseMethod(AttentionBackend):
         if self.batched_decode and self.tracer is None:
             if layer == self._first_selecting() and not self.planned(batch)[0] and self._places_rows(batch):
                 self.graph_prepare(list(batch.seq_ids), cache)  # a layer driven on its own: no plan placed them
+            if cache.tiers is not None:  # this class's own path, whose attend the tier serves (not a subclass's)
+                return SparseMethod._decode_batched(self, layer, q, cache, batch)
             return self._decode_batched(layer, q, cache, batch)
         return self._run(layer, q, cache, batch, decode=True)
 

@@ -1,0 +1,193 @@
+"""The K/V tiers: the device pool's accounting against a plain reference model under random pressure, and the decode
+attend through the pool against the attend over the host tier, for page and token selections."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from raysparse.kernels.formats import PagedKV
+from raysparse.kernels.paged_torch import paged_decode_torch
+from raysparse.kv_tiers import KVOffloadConfig, KVTiers, PoolFullError, SlotPool
+
+
+class ReferencePool:
+    """The pool as plainly as it can be said: a list of resident pages, least recently used first."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots, self.order, self.pins, self.in_use = slots, [], Counter(), set()
+
+    def acquire(self, pages: list[int], use: bool) -> tuple[list[int], list[int]] | None:
+        want = list(dict.fromkeys(pages))
+        missing = [p for p in want if p not in self.order]
+        evictable = [p for p in self.order if p not in self.pins and p not in self.in_use and p not in want]
+        if len(missing) > self.slots - len(self.order) + len(evictable):
+            return None
+        misses, evicted = [], []
+        for p in want:
+            if p in self.order:
+                self.order.remove(p)
+            else:
+                if len(self.order) == self.slots:
+                    victim = next(v for v in self.order
+                                  if v not in self.pins and v not in self.in_use and v not in want)
+                    self.order.remove(victim)
+                    evicted.append(victim)
+                misses.append(p)
+            self.order.append(p)
+        if use:
+            self.in_use |= set(want)
+        return misses, evicted
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_pool_accounting_under_random_pressure_matches_the_reference(trial):
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    slots, host_pages = rng.randint(2, 12), rng.randint(8, 40)
+    pool, ref = SlotPool(slots), ReferencePool(slots)
+    copies = 0
+    for step in range(600):
+        op = rng.random()
+        msg = f"seed {seed}, step {step}"
+        if op < 0.55:
+            pages = [rng.randrange(host_pages) for _ in range(rng.randint(1, slots + 2))]
+            use = rng.random() < 0.7
+            before = set(pool.resident())
+            protected = (pool.pinned() | pool.in_use()) & before
+            expect = ref.acquire(pages, use)
+            if expect is None:
+                assert not pool.room(pages), msg
+                with pytest.raises(PoolFullError):
+                    pool.acquire(pages, use)
+                assert set(pool.resident()) == before, msg  # a refused acquire changes nothing
+                continue
+            assert pool.room(pages), msg
+            misses, evicted = pool.acquire(pages, use)
+            assert [p for p, _ in misses] == expect[0] and evicted == expect[1], msg
+            assert not protected & set(evicted), f"{msg}: a pinned or in-use page was evicted"
+            assert {p for p, _ in misses} == set(pages) - before, f"{msg}: copies are exactly the missing pages"
+            copies += len(misses)
+        elif op < 0.7:
+            p = rng.randrange(host_pages)
+            pool.pin(p)
+            ref.pins[p] += 1
+        elif op < 0.8 and ref.pins:
+            p = rng.choice(sorted(ref.pins))
+            pool.unpin(p)
+            ref.pins[p] -= 1
+            if not ref.pins[p]:
+                del ref.pins[p]
+        elif op < 0.9:
+            pool.release()
+            ref.in_use.clear()
+        else:
+            p = rng.randrange(host_pages)
+            if p in ref.pins or p in ref.in_use:
+                if p in ref.order:
+                    with pytest.raises(ValueError):
+                        pool.drop(p)
+            else:
+                assert (pool.drop(p) is not None) == (p in ref.order), msg
+                if p in ref.order:
+                    ref.order.remove(p)
+        assert pool.resident() == ref.order, msg
+        assert pool.pinned() == set(ref.pins) and pool.in_use() == ref.in_use, msg
+        taken = [pool.slot(p) for p in pool.resident()]
+        assert len(set(taken)) == len(taken) and all(0 <= s < slots for s in taken), f"{msg}: slots collide"
+        assert pool.free_slots == slots - len(taken), msg
+    assert copies > 0
+
+
+def _host(pages: int, h_kv: int, page: int, d: int, g: torch.Generator) -> tuple[list, list]:
+    shape = (pages + 1, h_kv, page, d)
+    return [torch.randn(*shape, generator=g)], [torch.randn(*shape, generator=g)]
+
+
+def _selection(lens: list[int], h_kv: int, unit: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """Random ascending entries per (row, KV head), SENTINEL-padded: a decode selection of ``unit``-token entries."""
+    rows = []
+    for n in lens:
+        heads = []
+        for _ in range(h_kv):
+            units = -(-n // unit)
+            k = int(torch.randint(1, min(width, units) + 1, (), generator=g))
+            picked = torch.randperm(units, generator=g)[:k].sort().values
+            heads.append(torch.nn.functional.pad(picked, (0, width - k), value=-1))
+        rows.append(torch.stack(heads))
+    return torch.stack(rows).to(torch.int32)
+
+
+@pytest.mark.parametrize("unit", [1, 4, 16])
+def test_decode_through_the_pool_equals_the_attend_over_the_host_tier(unit):
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    page, h_kv, d, host_pages = 16, 2, 8, 40
+    k, v = _host(host_pages, h_kv, page, d, g)
+    tiers = KVTiers(KVOffloadConfig(device_tokens=page * 6, sink_pages=1, window_pages=1), k, v, page)
+    perm = torch.randperm(host_pages, generator=g).tolist()
+    lens = [150, 37, 96, 5]  # ragged; 10 pages > the pool's 6 slots for the first row
+    tables, at = [], 0
+    for n in lens:
+        m = -(-n // page)
+        tables.append(perm[at:at + m] + [0] * (10 - m))
+        at += m
+    table = torch.tensor(tables, dtype=torch.int32)
+    kv = PagedKV(k[0], v[0], table, torch.tensor(lens, dtype=torch.int32))
+    for step in range(12):
+        tiers.begin_step([(i, tables[i], n) for i, n in enumerate(lens)], decode=True)
+        width = int(torch.randint(1, 40 // unit + 2, (), generator=g))
+        idx = _selection(lens, h_kv, unit, width, g)
+        q = torch.randn(len(lens), h_kv * 3, d, generator=g)
+        want, _ = paged_decode_torch(q, kv, idx, unit)
+        got = tiers.decode_attention(0, q, kv, idx, unit)
+        assert torch.equal(got, want), f"seed {seed}, step {step}: {(got - want).abs().max()}"
+        pool = tiers.pools[0]
+        for p in pool.resident():  # every resident slot holds its host page's K/V
+            s = pool.slot(p)
+            assert torch.equal(tiers.dev_k[0][s], k[0][p]) and torch.equal(tiers.dev_v[0][s], v[0][p]), f"seed {seed}"
+            assert int(tiers.slot_map[0][p]) == s
+        assert int((tiers.slot_map[0] >= 0).sum()) == len(pool.resident())
+    st = tiers.stats
+    assert st.page_copies * tiers.page_bytes + st.row_copies * tiers.row_bytes == st.bytes_copied
+    assert st.pages_needed == st.page_hits + st.page_copies and st.rows_needed == st.row_hits + st.row_copies
+    assert st.decode_steps == 12 and st.layer_steps == 12
+    assert st.page_copies > 0 and st.staged_layer_rows > 0, f"seed {seed}: both paths ran"
+
+
+def test_pins_follow_the_window_and_writes_go_through():
+    g = torch.Generator().manual_seed(0)
+    page, h_kv, d = 4, 1, 2
+    k, v = _host(20, h_kv, page, d, g)
+    tiers = KVTiers(KVOffloadConfig(device_tokens=page * 5, sink_pages=1, window_pages=2), k, v, page)
+    pages = [7, 3, 9, 11, 2, 5]
+    assert tiers.pinned_pages(pages, 1) == {7}
+    assert tiers.pinned_pages(pages, 9) == {7, 3, 9}  # sink, and the window's last two pages
+    assert tiers.pinned_pages(pages, 24) == {7, 2, 5}
+    tiers.begin_step([(0, pages, 9)], decode=False)
+    tiers.keep_after_prefill(0, [(0, pages, 9)])
+    assert set(tiers.pools[0].resident()) == {7, 3, 9} and tiers.pools[0].pinned() == {7, 3, 9}
+    new_k, new_v = torch.randn(1, h_kv, d, generator=g), torch.randn(1, h_kv, d, generator=g)
+    k[0][9, :, 1], v[0][9, :, 1] = new_k[0], new_v[0]  # the cache's write to the host tier, then the tier's
+    tiers.write_through(0, new_k, new_v, torch.tensor([9]), torch.tensor([1]))
+    s = tiers.pools[0].slot(9)
+    assert torch.equal(tiers.dev_k[0][s], k[0][9]) and torch.equal(tiers.dev_v[0][s], v[0][9])
+    tiers.begin_step([(0, pages, 17)], decode=True)  # the window moved on: page 3 and 9 unpinned, 2 pinned
+    assert tiers.pools[0].pinned() == {7, 11, 2}
+    tiers.forget(0)
+    assert tiers.pools[0].pinned() == set()
+    tiers.invalidate([9])
+    assert tiers.pools[0].slot(9) is None and int(tiers.slot_map[0][9]) == -1
+
+
+def test_config_errors_are_one_line():
+    for bad in (dict(device_tokens=0), dict(device_tokens=True), dict(sink_pages=-1), dict(window_pages=0)):
+        with pytest.raises(ValueError) as e:
+            KVOffloadConfig(**bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="needs at least 4"):
+        KVOffloadConfig(device_tokens=128).device_pages(64)
+    assert KVOffloadConfig(device_tokens=256).device_pages(64) == 4
