@@ -26,6 +26,7 @@ import torch
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
 from .kernel_path import ENV, HAS_TRITON, triton_wanted, use_triton
+from .onednn import linear
 from .paged_rows import paged_rows_decode_cpu
 from .paged_torch import (
     block_sparse_prefill_torch,
@@ -51,26 +52,6 @@ from .scorer_reference import soft_bucket_probs
 from .selection import BlockSelection, TokenSelection
 
 combine = ref.combine  # torch ops only: device-agnostic and sync-free already
-
-
-def _onednn_linear() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-_ONEDNN_LINEAR = _onednn_linear()
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)``, on CPUs through oneDNN's GEMM: PyTorch's CPU linear takes MKL's sgemm, which
-    on AMD processors runs without AVX-512 at less than half the rate (a prefill chunk's projections 2.1x,
-    a decode step's 1.3x slower on the 2-core machine); oneDNN picks the processor's widest kernels. Same
-    products, fp32 accumulation either way. Inference only: with autograd recording, PyTorch's linear."""
-    if (_ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and w.dtype == x.dtype
-            and w.dim() == 2 and w.is_contiguous() and x.is_contiguous()
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    return torch.nn.functional.linear(x, w, b)
 
 
 def attend_rounding(t: torch.Tensor) -> float:
@@ -515,10 +496,10 @@ def part_rows(table: torch.Tensor, parts: int) -> torch.Tensor:
 __all__ = ["ENV", "HAS_TRITON", "anchor_commit", "anchor_mark_shared", "anchor_sets", "anchor_share",
            "block_sparse_attention", "block_sparse_attention_varlen", "collision_bias", "collision_scores",
            "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen", "dilation_offsets",
-           "forced_tokens", "hard_bucket_probs", "lsh_bucket_ids", "lsh_bucket_ids_into_slots", "lsh_bucket_probs",
-           "paged_collision_scores", "paged_group_probs", "paged_quest_scores", "part_combine", "part_constants",
-           "part_rows", "part_scores", "part_select", "quest_block_scores", "quest_page_bounds", "quest_page_scores",
-           "quest_prefill_scores", "select_list", "select_list_on_triton", "sketch_block_sums", "soft_bucket_probs",
-           "sparse_decode_attention", "sparse_decode_attention_varlen", "srht_apply", "strided_dense_attention",
-           "strided_dense_attention_varlen", "topp_mask", "triton_chosen", "triton_wanted", "update_quest_bounds",
-           "use_triton", "walk_select"]
+           "forced_tokens", "hard_bucket_probs", "linear", "lsh_bucket_ids", "lsh_bucket_ids_into_slots",
+           "lsh_bucket_probs", "paged_collision_scores", "paged_group_probs", "paged_quest_scores", "part_combine",
+           "part_constants", "part_rows", "part_scores", "part_select", "quest_block_scores", "quest_page_bounds",
+           "quest_page_scores", "quest_prefill_scores", "select_list", "select_list_on_triton", "sketch_block_sums",
+           "soft_bucket_probs", "sparse_decode_attention", "sparse_decode_attention_varlen", "srht_apply",
+           "strided_dense_attention", "strided_dense_attention_varlen", "topp_mask", "triton_chosen", "triton_wanted",
+           "update_quest_bounds", "use_triton", "walk_select"]

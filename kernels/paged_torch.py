@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from . import onednn
 from .formats import PagedKV
 
 SENTINEL = -1
@@ -106,16 +107,19 @@ def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV, scale: float | None = N
     """q [B, h, d] (each row's newest position) over every key of its sequence, on the CPU, read in place.
 
     Each sequence's pages are read as views of runs of consecutive physical pages (the allocators hand a
-    sequence its pages in order, so a run is usually the whole sequence): one product of the group's query
-    heads with the run's [pages, h_kv, page, d] tiles, the scores' softmax over the whole sequence, one product
-    with the value tiles. Gathering the tiles first copies every key and value of the layer at every step and
-    costs more than attending them. Returns (out, lse) as ``paged_decode_torch``; lse is None unless
-    ``want_lse`` (dense decode needs none, and a plain softmax is fewer operators a layer)."""
+    sequence its pages in order, so a run is usually the whole sequence). A run's keys, [pages * h_kv * page,
+    d] rows of the cache, take one oneDNN GEMM against all h query heads; the products of a query head with
+    another group's keys are thrown away (9 heads, 3 groups: 3x the multiply-adds of a decode row, which
+    are not what bounds it, in one streaming pass instead of pages * h_kv tiny products). Then the scores'
+    softmax over the whole sequence, and one batched product with the value tiles. Gathering the tiles
+    first copies every key and value of the layer at every step and costs more than attending them. Returns
+    (out, lse) as ``paged_decode_torch``; lse is None unless ``want_lse`` (dense decode needs none, and a
+    plain softmax is fewer operators a layer)."""
     b, h, d = q.shape
     h_kv, page = kv.k.shape[1], kv.k.shape[2]
     g = h // h_kv
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    qs = (q * scale).view(b, h_kv, g, d)
+    qs = (q * scale).contiguous()
     out = torch.zeros_like(q)
     lse = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device) if want_lse else None
     rows = kv.host_rows if kv.host_rows is not None else host_rows(kv.page_table, kv.seqlens, page)
@@ -128,9 +132,13 @@ def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV, scale: float | None = N
             tiles = [(kv.k.index_select(0, idx), kv.v.index_select(0, idx))]
         else:
             tiles = [(kv.k[p: p + c], kv.v[p: p + c]) for _, p, c in runs]
-        qi = qs[i][None]
-        scores = [torch.matmul(qi, kt.transpose(-1, -2).to(q.dtype)) for kt, _ in tiles]  # [c, h_kv, g, page]
-        s = (scores[0] if len(scores) == 1 else torch.cat(scores)).permute(1, 2, 0, 3).reshape(h_kv, g, m * page)
+        scores = []
+        for kt, _ in tiles:  # [c, h_kv, page, d] -> every key row against every query head
+            c = kt.shape[0]
+            s_all = onednn.linear(kt.to(q.dtype).reshape(-1, d), qs[i])  # [c * h_kv * page, h]
+            # each group's own query heads: [c, page, g, h_kv] -> [h_kv, g, c, page]
+            scores.append(s_all.view(c, h_kv, page, h_kv, g).diagonal(0, 1, 3).permute(3, 2, 0, 1))
+        s = (scores[0] if len(scores) == 1 else torch.cat(scores, dim=2)).reshape(h_kv, g, m * page)
         if n < m * page:
             s[..., n:] = -math.inf
         if lse is not None:
