@@ -8,10 +8,11 @@ import json
 import random
 
 import pytest
-import torch
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("pandas")  # Ray Data's own dependency
+
+from serving_helpers import reference_greedy  # noqa: E402
 
 N_NEW = 4
 
@@ -31,17 +32,6 @@ def cluster(tmp_path_factory):
     finally:
         ray.shutdown()
         c.shutdown()
-
-
-def _reference_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.mark.slow  # about 2.5 min on 2 cores
@@ -74,7 +64,7 @@ def test_jsonl_and_parquet_datasets_through_two_engine_actors(cluster, tmp_path)
                                            sampling={"max_new_tokens": N_NEW, "ignore_eos": True},
                                            engine={"cpus_per_shard": 0.5, "kv_cache_tokens": 1024, "draft": False,
                                                    "load_timeout_s": 120}))
-    want = {f"p{i}": _reference_greedy(model, p, N_NEW) for i, p in enumerate(prompts)}
+    want = {f"p{i}": reference_greedy(model, p, N_NEW) for i, p in enumerate(prompts)}
     # an engine loads for seconds: both actors up before the first block, or the first takes them all
     ray.data.DataContext.get_current().wait_for_min_actors_s = 300
     # a small file reads as one block, which one actor would take whole: eight blocks for the pool of two

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import ray_session_in
+from serving_helpers import reference_greedy
 
 from raysparse.jobs.records import (
     BadLine,
@@ -301,17 +302,6 @@ def two_node_cluster():
         cluster.shutdown()
 
 
-def _reference_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def test_ray_job_submit_processes_a_jsonl_file(two_node_cluster, tmp_path):
     from raysparse.serving.tiny import write_tiny_model
 
@@ -358,7 +348,7 @@ def test_ray_job_submit_processes_a_jsonl_file(two_node_cluster, tmp_path):
     for i, p in enumerate(ids):
         r = by_id[f"ids-{i}"]
         assert r["finish_reason"] == "length" and r["prompt_tokens"] == len(p)
-        assert r["token_ids"] == _reference_greedy(model, p, 6)
+        assert r["token_ids"] == reference_greedy(model, p, 6)
     doc = by_id["doc"]
     assert doc["error"] is None and doc["method"] == "psaw" and 1 <= doc["completion_tokens"] <= 4
     assert doc["prompt_tokens"] > len("The gate code is 4721.What is the gate code?")

@@ -4,19 +4,13 @@ tiny random Llama, and every loglikelihood it reports is the plain forward's (tr
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from raysparse.serving.client import RaySparseClient  # noqa: E402
+from serving_helpers import reference_logprobs, serve_process  # noqa: E402
 
 MAX_POS = 1024
 CHOICE_DOCS = [
@@ -29,35 +23,13 @@ GEN_DOCS = [{"prompt": "Say a word:", "target": "word"}, {"prompt": "Count: 1 2 
             {"prompt": "Colour of snow?", "target": "white"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from raysparse.serving.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", max_positions=MAX_POS)
-    port, mport, hport = _free_port(), _free_port(), _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "raysparse.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--metrics-port", str(mport), "--http-port", str(hport), "--num-cpus", "2",
-                             "--cpus-per-shard", "0.5", "--no-draft"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
-    grpc_client = RaySparseClient(f"127.0.0.1:{port}")
-    try:
-        grpc_client.wait_serving(120)
-        yield {"url": f"http://127.0.0.1:{hport}/v1", "model": model}
-    finally:
-        grpc_client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+    with serve_process(model) as served:
+        yield {"url": f"http://127.0.0.1:{served.http_port}/v1", "model": model}
 
 
 def _write_tasks(root) -> None:
@@ -74,23 +46,6 @@ def _write_tasks(root) -> None:
         + "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{target}}'\n"
           "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
           "metric_list:\n  - metric: exact_match\n")
-
-
-@functools.cache
-def _reference_model(model_dir):  # noqa: ANN202 - a transformers LlamaForCausalLM
-    import torch
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _reference_logprobs(model_dir, ids: list[int]):
-    """The tiny model's log-softmax at every position of ``ids`` through transformers' own forward: [T, V]."""
-    import torch
-
-    model = _reference_model(model_dir)
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
 
 def test_lm_eval_local_completions_on_local_tasks(server, tmp_path, monkeypatch):
@@ -121,7 +76,7 @@ def test_lm_eval_local_completions_on_local_tasks(server, tmp_path, monkeypatch)
         for (context, continuation), (ll, greedy) in zip(sample["arguments"], sample["filtered_resps"], strict=True):
             ctx, cont = lm._encode_pair(context, continuation)
             ids = ctx + cont
-            ref = _reference_logprobs(server["model"], ids)
+            ref = reference_logprobs(server["model"], ids)
             want = [float(ref[i - 1, ids[i]]) for i in range(len(ctx), len(ids))]
             assert abs(ll - sum(want)) <= 1e-4, (context, continuation, ll, sum(want))
             assert greedy == all(int(ref[i - 1].argmax()) == ids[i] for i in range(len(ctx), len(ids)))
@@ -138,7 +93,7 @@ def test_prompt_logprobs_alone_equal_a_plain_forward(server):
     with openai.OpenAI(base_url=server["url"], api_key="unused", max_retries=0, timeout=60) as client:
         out = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1)
     got = out.choices[0].logprobs.token_logprobs
-    ref = _reference_logprobs(server["model"], ids)
+    ref = reference_logprobs(server["model"], ids)
     assert len(got) == len(ids) and got[0] is None
     for i in range(1, len(ids)):
         assert abs(got[i] - float(ref[i - 1, ids[i]])) <= 1e-4, (i, got[i], float(ref[i - 1, ids[i]]))

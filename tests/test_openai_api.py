@@ -3,21 +3,16 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from raysparse.serving.client import RaySparseClient  # noqa: E402
+from serving_helpers import reference_logprobs, serve_process, wait_kv_free  # noqa: E402
 
 MAX_POS = 1024
 KV_TOKENS = 768  # below the model's positions, so a request can fit the context but not the cache
@@ -27,48 +22,20 @@ SPARSE = {"method": "streaming", "density": 0.25, "sink_tokens": 16, "block_size
 SHORT = {**SPARSE, "density": 1.0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from raysparse.serving.tiny import CHAT_TEMPLATE, write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", max_positions=MAX_POS, chat_template=CHAT_TEMPLATE)
-    port, mport, hport = _free_port(), _free_port(), _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "raysparse.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--metrics-port", str(mport), "--http-port", str(hport), "--num-cpus", "2",
-                             "--cpus-per-shard", "0.5", "--no-draft", "--kv-cache-tokens", str(KV_TOKENS)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
-    grpc_client = RaySparseClient(f"127.0.0.1:{port}")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{hport}/v1", api_key="unused", max_retries=0, timeout=60)
-    try:
-        grpc_client.wait_serving(120)
-        yield {"proc": proc, "grpc": grpc_client, "client": client, "http": f"http://127.0.0.1:{hport}", "model": model,
-               "metrics": f"http://127.0.0.1:{mport}/metrics"}
-    finally:
-        client.close()
-        grpc_client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-
-
-def _wait_kv_free(grpc_client: RaySparseClient, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = grpc_client.server_info()
-        if info.kv_used_tokens == 0 and info.running == 0 and info.waiting == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"KV not freed: {grpc_client.server_info()}")
+    with serve_process(model, "--kv-cache-tokens", str(KV_TOKENS)) as served:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.http_port}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        try:
+            yield {"proc": served.proc, "grpc": served.grpc, "client": client, "model": model,
+                   "http": f"http://127.0.0.1:{served.http_port}",
+                   "metrics": f"http://127.0.0.1:{served.metrics_port}/metrics"}
+        finally:
+            client.close()
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -210,16 +177,6 @@ def test_bad_requests_are_400_with_openai_error_bodies(server):
     assert ok.usage.completion_tokens == 3  # still serving
 
 
-def _reference_logprobs(model_dir, ids: list[int]):
-    """The tiny model's log-softmax at every position of ``ids`` through transformers' own forward: [T, V]."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-
-
 def _assert_close(got, want, what, seed, tol=1e-4):
     assert got is not None and abs(got - want) <= tol, f"{what}: {got} != {want} (seed {seed})"
 
@@ -257,7 +214,7 @@ def test_prompt_and_token_logprobs_equal_a_transformers_forward(server):
 
     for plen in (rng.randrange(2, 40), rng.randrange(150, 300)):
         ids = [rng.randrange(3, 98) for _ in range(plen)]
-        ref = _reference_logprobs(server["model"], ids)
+        ref = reference_logprobs(server["model"], ids)
         for max_tokens in (0, 1, 1):  # the second max_tokens=1 finds the same prompt already prefilled once
             out = c.completions.create(model="tiny", prompt=ids, max_tokens=max_tokens, echo=True, logprobs=3,
                                        temperature=0, extra_body={"ignore_eos": True})
@@ -283,7 +240,7 @@ def test_prompt_and_token_logprobs_equal_a_transformers_forward(server):
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == 6
     g = server["grpc"].generate(token_ids=prompt, max_new_tokens=6, ignore_eos=True, timeout=60)
-    ref = _reference_logprobs(server["model"], prompt + list(g.token_ids))
+    ref = reference_logprobs(server["model"], prompt + list(g.token_ids))
     for j, tok in enumerate(g.token_ids):
         row = ref[len(prompt) - 1 + j]
         _assert_close(lp.token_logprobs[j], float(row[tok]), f"generated token {j}", seed)
@@ -294,7 +251,7 @@ def test_prompt_and_token_logprobs_equal_a_transformers_forward(server):
     content = chat.choices[0].logprobs.content
     g = server["grpc"].generate(text=text, chat=True, max_new_tokens=5, ignore_eos=True, timeout=60)
     chat_ids = _chat_prompt_ids(server["model"], text)
-    ref = _reference_logprobs(server["model"], chat_ids + list(g.token_ids))
+    ref = reference_logprobs(server["model"], chat_ids + list(g.token_ids))
     assert len(content) == 5
     for j, (entry, tok) in enumerate(zip(content, g.token_ids, strict=True)):
         row = ref[len(chat_ids) - 1 + j]
@@ -309,7 +266,7 @@ def test_prompt_and_token_logprobs_equal_a_transformers_forward(server):
                                   extra_body={"raysparse": SPARSE})
     info = sparse.raysparse["prompt_logprobs"]
     assert info["method"] == "streaming" and info["prefill_density"] < 1.0
-    _wait_kv_free(server["grpc"])
+    wait_kv_free(server["grpc"])
 
 
 def _chat_prompt_ids(model_dir, text: str) -> list[int]:
@@ -343,7 +300,7 @@ def test_n_choices_share_the_prompt_and_are_seeded(server):
     greedy = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0, n=2, extra_body={"ignore_eos": True})
     assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
-    _wait_kv_free(server["grpc"])
+    wait_kv_free(server["grpc"])
 
 
 def test_presence_and_frequency_penalties_equal_the_rule_on_a_plain_forward(server):
@@ -374,7 +331,7 @@ def test_presence_and_frequency_penalties_equal_the_rule_on_a_plain_forward(serv
             ids.append(t)
     want = _tiny_text(server["model"], ids[len(prompt):], skip_special=True)  # as the streamed text leaves them
     assert out.choices[0].text == want, f"seed {seed}: presence {presence}, frequency {frequency}"
-    _wait_kv_free(server["grpc"])
+    wait_kv_free(server["grpc"])
 
 
 def _tiny_text(model_dir, ids: list[int], skip_special: bool = False) -> str:
@@ -434,13 +391,13 @@ def test_stop_strings(server):
     chunks = list(streamed)
     assert "".join(ch.choices[0].text for ch in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
-    _wait_kv_free(server["grpc"])
+    wait_kv_free(server["grpc"])
     assert _metrics(server["metrics"])[stops] == before + 2  # counted as stops, though the engine aborted them
 
 
 def test_client_disconnect_mid_stream_frees_the_kv(server):
     c, g = server["client"], server["grpc"]
-    _wait_kv_free(g)
+    wait_kv_free(g)
     aborts = 'raysparse:request_success_total{finished_reason="abort",model_name="tiny"}'
     before = _metrics(server["metrics"]).get(aborts, 0.0)
     stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me a long story"}],
@@ -455,7 +412,7 @@ def test_client_disconnect_mid_stream_frees_the_kv(server):
     assert m['raysparse:num_requests_running{model_name="tiny"}'] == 1.0
     assert m['raysparse:kv_cache_usage_perc{model_name="tiny"}'] >= (KV_TOKENS - 64) / KV_TOKENS
     stream.close()  # the client goes away mid-stream
-    _wait_kv_free(g)
+    wait_kv_free(g)
     after = _metrics(server["metrics"])
     assert after[aborts] == before + 1
     assert after['raysparse:kv_cache_usage_perc{model_name="tiny"}'] == 0.0
@@ -465,7 +422,7 @@ def test_client_disconnect_mid_stream_frees_the_kv(server):
         slow.completions.create(model="tiny", prompt="a long wait", max_tokens=KV_TOKENS - 64,
                                 extra_body={"ignore_eos": True})
     slow.close()
-    _wait_kv_free(g, timeout=20)
+    wait_kv_free(g, timeout=20)
 
 
 def test_concurrent_streams_match_sequential_greedy(server):

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 from helpers import free_port
+from serving_helpers import reference_greedy, wait_kv_free
 
 from raysparse.serving.client import RaySparseClient
-from raysparse.serving.proto import raysparse_pb2 as pb
 
 KV_TOKENS = 768  # below the model's 1024 positions, so a request can fit the context but not the cache
 MAX_POS = 1024
@@ -40,28 +40,6 @@ def served(tmp_path_factory):
         srv.stop()
 
 
-def _reference_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
-    """Plain transformers forward passes, argmax, no cache: the oracle of the served tokens."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def _wait_kv_free(client: RaySparseClient, timeout: float = 15.0) -> pb.ServerInfo:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = client.server_info()
-        if info.kv_used_tokens == 0 and info.running == 0 and info.waiting == 0:
-            return info
-        time.sleep(0.05)
-    raise AssertionError(f"KV not freed: {client.server_info()}")
-
-
 def test_streaming_generate_matches_reference(served):
     srv, client, model_dir = served
     g = torch.Generator().manual_seed(int(time.time()))
@@ -74,7 +52,7 @@ def test_streaming_generate_matches_reference(served):
     ids = [t for c in deltas for t in c.token_ids]
     prompt = [ord(ch) - ord("a") + 12 for ch in text]  # the tiny tokenizer: 'a' is id 12, in order
     assert fin.usage.prompt_tokens == len(prompt)
-    assert ids == _reference_greedy(model_dir, prompt, n)
+    assert ids == reference_greedy(model_dir, prompt, n)
     assert fin.finish_reason == "length" and fin.usage.completion_tokens == n
     assert "".join(c.text for c in deltas) == fin.text
     assert fin.timings.ttft_s > 0 and fin.timings.e2e_s >= fin.timings.ttft_s
@@ -119,7 +97,7 @@ def test_bad_inputs_get_their_status_codes(served):
         ok = client.generate(token_ids=[5, 6, 7], max_new_tokens=3, ignore_eos=True, timeout=30)
         assert ok.finish_reason == "length" and len(ok.token_ids) == 3  # still serving
     assert client.health() == "SERVING"
-    _wait_kv_free(client)
+    wait_kv_free(client)
 
 
 def test_every_numeric_method_parameter_refuses_bools_nulls_strings_and_lists(served):
@@ -182,7 +160,7 @@ def test_prompt_bytes_are_checked_before_tokenizing_and_tokenizing_runs_on_its_o
 def test_one_request_id_is_in_flight_at_most_once(served):
     """Two clients with one request id: the second is refused and neither disturbs the other's request."""
     srv, client, _ = served
-    _wait_kv_free(client)
+    wait_kv_free(client)
     rid = f"shared-{time.time_ns()}"
     n = 60
     with RaySparseClient(f"127.0.0.1:{srv.port}") as other:
@@ -216,7 +194,7 @@ def test_one_request_id_is_in_flight_at_most_once(served):
         assert other.abort(rid)
         th.join(timeout=30)
         assert out["c"].finish_reason == "abort"
-    _wait_kv_free(client)
+    wait_kv_free(client)
 
 
 def test_unknown_method_names_add_no_metric_series(served):
@@ -308,12 +286,12 @@ def test_32_concurrent_streams_match_sequential_greedy(served):
         streamed = [t for c in chunks[:-1] for t in c.token_ids]
         assert fin.finish_reason == "length" and fin.usage.completion_tokens == n
         assert streamed == sequential[i], i  # nothing lost, duplicated or crossed between streams
-    _wait_kv_free(client)
+    wait_kv_free(client)
 
 
 def test_cancel_and_deadline_free_the_kv(served):
     _, client, _ = served
-    _wait_kv_free(client)
+    wait_kv_free(client)
     long = dict(token_ids=[7, 8, 9], max_new_tokens=KV_TOKENS - 16, ignore_eos=True)
     # cancel: the client stops reading after the first chunk (the client cancels the call)
     stream = client.stream(timeout=120, **long)
@@ -322,13 +300,13 @@ def test_cancel_and_deadline_free_the_kv(served):
     busy = client.server_info()
     assert busy.running == 1 and busy.kv_used_tokens >= KV_TOKENS - 16
     stream.close()
-    _wait_kv_free(client)
+    wait_kv_free(client)
     # deadline: the server aborts the request when the client's deadline passes
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         client.generate(timeout=0.5, **long)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 5
-    _wait_kv_free(client)
+    wait_kv_free(client)
     # Abort by id from a second call
     rid = f"abort-me-{time.time_ns()}"
     out: dict = {}
@@ -341,7 +319,7 @@ def test_cancel_and_deadline_free_the_kv(served):
     th.join(timeout=30)
     assert out["c"].finish_reason == "abort" and out["c"].request_id == rid
     assert len(out["c"].token_ids) < KV_TOKENS - 16
-    _wait_kv_free(client)
+    wait_kv_free(client)
     assert not client.abort(rid)  # finished: nothing to abort
 
 
@@ -391,7 +369,7 @@ def test_a_shard_killed_while_idle_turns_health_not_serving_within_5_s(served):
     import ray
 
     srv, client, _ = served
-    _wait_kv_free(client)
+    wait_kv_free(client)
     rebuilds = srv.engine.server_info()["replicas"][0]["rebuilds"]
     shard = srv.engine.server_info()["replicas"][0]["shards"][0]["name"]
     seen: list[str] = []
@@ -435,7 +413,7 @@ def test_a_shard_killed_mid_stream_fails_it_with_the_shards_name_and_retries_wha
     import ray
 
     srv, client, _ = served
-    _wait_kv_free(client)
+    wait_kv_free(client)
     shard = srv.engine.server_info()["replicas"][0]["shards"][0]["name"]
     out: dict = {}
     # The running one holds the whole KV cache, so the second waits for pages: it has not started.
@@ -456,7 +434,7 @@ def test_a_shard_killed_mid_stream_fails_it_with_the_shards_name_and_retries_wha
     th.join(timeout=180)
     assert out["w"].finish_reason == "length" and len(out["w"].token_ids) == 6
     client.wait_serving(180, poll_s=0.05)
-    _wait_kv_free(client)
+    wait_kv_free(client)
 
 
 def test_serve_and_generate_commands(tmp_path):
