@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raysparse.config import parse_dtype
+from raysparse.kv_tiers import KVOffloadConfig
 from raysparse.orchestration.prefix_cache import PrefixCacheConfig
 from raysparse.runtime_config import RuntimeConfig
 
@@ -50,6 +51,9 @@ class EngineConfig:
     placement: str = "own"
     liveness_s: float = 1.0  # an idle replica pings its actors this often, to find a dead one before a request
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()  # prompts share cached full pages of equal prefixes
+    # ``--kv-offload``: ``kv_cache_tokens`` is then the host tier (every sequence's whole K/V) and this the device pool
+    # of hot pages per layer each shard decodes through (raysparse/kv_tiers.py); None: all K/V in device memory
+    kv_offload: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -82,6 +86,16 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be a PrefixCacheConfig, got {type(self.prefix_cache).__name__}")
         if not isinstance(self.runtime, RuntimeConfig):
             raise ValueError(f"runtime must be a RuntimeConfig, got {type(self.runtime).__name__}")
+        if self.kv_offload is not None:
+            if not isinstance(self.kv_offload, KVOffloadConfig):
+                raise ValueError(f"kv_offload must be a KVOffloadConfig, got {type(self.kv_offload).__name__}")
+            self.kv_offload.device_pages(self.page_size)  # raises its one-line error for a pool too small
+            if self.device == "cuda":
+                raise ValueError("kv_offload runs on CPU shards in this version (device cpu or auto on a CPU cluster)")
+
+    def device_pages(self) -> int | None:
+        """The device pool's pages per layer under ``kv_offload`` (the scheduler's ``device_pages``); None without."""
+        return None if self.kv_offload is None else self.kv_offload.device_pages(self.page_size)
 
     def prefill_chunk(self, use_gpu: bool) -> int:
         """The prefill budget in force: ``max_prefill_tokens``, or the default for the shards' device."""

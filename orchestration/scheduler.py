@@ -9,6 +9,9 @@ is refused at submission (``CapacityExceededError``), never out of memory later.
 (chunked prefill, several decode steps per call, a cached prefix) comes from its registry entry
 (``MethodCapabilities``).
 
+With ``--kv-offload`` the pages are the host tier's and a device pool per shard caches the hot ones: admission
+also counts the device pool's pages, each running sequence holding its pinned sink and window pages there.
+
 Pages are the scheduler's (``PagePool``): it picks each admitted sequence's physical pages, and with the
 prefix cache a prompt whose leading full pages are cached starts after them, sharing those pages; only
 its new pages count against the free ones. Its prefilled full pages join the cache once a step succeeds.
@@ -73,6 +76,12 @@ class SchedulerConfig:
     # The head prompt's tokens in one step while nothing decodes (None: max_prefill_tokens): chunks exist to keep
     # decodes flowing; with none, a chunk only adds the method's per-step work (a sparse method's selection).
     idle_prefill_tokens: int | None = None
+    # With ``--kv-offload``: the device pool's pages per layer, and the pages each running sequence pins in it (its
+    # sinks and window). ``capacity_pages`` is then the host tier's, which holds every sequence's whole K/V; the
+    # device pool must hold the running sequences' pinned pages (what the rest of a step reads is fetched into what
+    # is left, or staged). None: one tier.
+    device_pages: int | None = None
+    pinned_pages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("capacity_pages", "page_size", "max_batch", "max_prefill_tokens", "max_waiting",
@@ -81,6 +90,15 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.idle_prefill_tokens is not None and not self.idle_prefill_tokens >= self.max_prefill_tokens > 0:
             raise ValueError(f"idle_prefill_tokens must be at least max_prefill_tokens, got {self.idle_prefill_tokens}")
+        if self.device_pages is not None and not self.device_pages > self.pinned_pages >= 0:
+            raise ValueError(f"device_pages ({self.device_pages}) must exceed one sequence's pinned pages "
+                             f"({self.pinned_pages})")
+
+    def device_seqs(self) -> int | None:
+        """Sequences whose pinned pages the device pool holds at once (None: no device pool, no such bound)."""
+        if self.device_pages is None:
+            return None
+        return self.device_pages // max(1, self.pinned_pages)
 
 
 class Scheduler:
@@ -203,7 +221,12 @@ class Scheduler:
             if seq is not None and seq.keys:
                 self.pool.register(sid, seq.keys, seq.prefilled)
 
-    def _admissible(self, seq: Sequence) -> bool:
+    def _admissible(self, seq: Sequence, admitting: int = 0) -> bool:
+        """Whether ``seq`` fits now, beside ``admitting`` others this step admits: its whole K/V in the (host)
+        pages, and with a device pool its pinned pages beside every running sequence's."""
+        held = self.cfg.device_seqs()
+        if held is not None and self.num_running() + admitting + 1 > held:
+            return False
         return self.pool.can_admit(seq.pages, seq.keys, len(seq.request.prompt_ids))
 
     def _ready(self, key: str) -> list[Sequence]:
@@ -274,7 +297,7 @@ class Scheduler:
                 continue
             if budget <= 0 or len(rows) >= self.cfg.max_batch or solo or (rows and seq.solo):
                 break
-            if not self._admissible(seq):
+            if not self._admissible(seq, len(admitted)):
                 break  # FIFO within the key: no overtaking a request that waits for pages
             left = plen - hit * page
             if not chunkable and rows and left > budget:

@@ -12,6 +12,11 @@ sequence. Each new backend is bound to the shard (``AttentionBackend.bind`` with
 cache, the graph runner's batch, the runtime config and the group's all-reduce) and takes what its method
 needs from it; this module names no method. A method's own statistics (``stats_dict``) are reported under
 its name.
+
+With ``--kv-offload`` (``KVOffloadConfig``) the cache's pages are the host tier of a device pool (``kv_tiers``):
+only a method whose batched decode selection names its keys before the attend reads them decodes through it
+(``SparseMethod.decodes_through_tiers``); any other (dense, SpecAttn, the per-sequence paths) is refused at its
+first step with one line, rather than reading every page past the pool.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 from raysparse.attention import AttentionBackend, ShardContext
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
+from raysparse.kv_tiers import KVOffloadConfig
+from raysparse.methods.base import SparseMethod
 from raysparse.methods.registry import create_backend
 from raysparse.model import LlamaForCausalLM
 from raysparse.multistep_decode import MultiStepDecode
@@ -35,7 +42,7 @@ from raysparse.step_plan import StepPlan, parse_key
 
 # the executor's own entries in ``stats``; a method with one of these names reports as "method:<name>"
 _FIXED_STATS = frozenset({"coord_s", "kv_free_pages", "kv_pages", "density", "density_decode", "density_prefill",
-                          "graphs"})
+                          "graphs", "kv_offload"})
 
 
 def bind_backend(backend: AttentionBackend, shard: ShardContext) -> None:
@@ -70,10 +77,17 @@ def _meter_counts(backend: AttentionBackend) -> list[float]:
 class ShardExecutor(MultiStepDecode):
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, rank: int = 0, world_size: int = 1,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, sync: Callable[[], None] | None = None,
-                 graphs: DecodeGraphs | None = None, runtime: RuntimeConfig | None = None):
+                 graphs: DecodeGraphs | None = None, runtime: RuntimeConfig | None = None,
+                 offload: KVOffloadConfig | None = None):
         self.model, self.cache, self.rank, self.world_size = model, cache, rank, world_size
         self.runtime = runtime or RuntimeConfig()
         model.set_fused_ops(self.runtime.fused_ops)
+        if offload is not None:
+            if cache.device.type != "cpu":
+                raise ValueError("--kv-offload runs on CPU shards in this version: the GPU host tier (pinned host "
+                                 "memory, copies on a side stream) is not built yet")
+            cache.enable_tiers(offload)
+            graphs = None  # a tiered step's copies follow its selection on the host: no captured decode
         self.graphs = graphs
         self.use_graphs = graphs is not None  # benchmarks compare eager and captured decode on one engine
         self._share_reduce = reduce
@@ -130,6 +144,10 @@ class ShardExecutor(MultiStepDecode):
                 cache=self.cache, max_batch=self.graphs.max_batch if self.graphs is not None else None,
                 runtime=self.runtime,
                 all_reduce=self._reduce if self._reduce is not None and self.world_size > 1 else None))
+            # after binding: a method may build its batched decode there (Sketch&Walk's state over the cache)
+            if self.cache.tiers is not None and not (isinstance(b, SparseMethod) and b.decodes_through_tiers):
+                raise ValueError(f"method {method!r} cannot decode with --kv-offload: its decode reads every key, not "
+                                 "a selection of pages fetched into the device pool; use a decode-sparse method")
             self.backends[key] = b
         return b
 
@@ -311,6 +329,10 @@ class ShardExecutor(MultiStepDecode):
             "density_decode": {k: b.meter.decode_overall() for k, b in self.backends.items()},
             "density_prefill": {k: b.meter.prefill_overall() for k, b in self.backends.items()},
             "graphs": self.graphs.stats() if self.graphs is not None else None}
+        if self.cache.tiers is not None:  # the device pool's hit rate, bytes copied and stall time
+            out["kv_offload"] = self.cache.tiers.stats_dict()
+            if reset:
+                self.cache.tiers.reset_stats()
         # A method's own statistics under its name, per key: {method: {key: stats}} (callers read e.g.
         # SpecAttn's acceptance as stats[name][key]); the fixed entries above are never overwritten.
         for k, b in self.backends.items():

@@ -60,7 +60,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel shards per replica")
     p.add_argument("--replicas", type=positive_int, default=1, help="data-parallel replicas over the nodes")
     p.add_argument("--address", help="an existing Ray cluster (default: a local instance)")
-    p.add_argument("--kv-cache-tokens", type=positive_int, default=16384, help="KV cache per replica, in tokens")
+    p.add_argument("--kv-cache-tokens", type=positive_int, default=16384,
+                   help="KV cache per replica, in tokens (with --kv-offload: the host tier, the whole K/V)")
+    p.add_argument("--kv-offload", action="store_true",
+                   help="K/V beyond device memory: every page in the host tier, a smaller device pool of hot pages per "
+                        "layer that decode-sparse methods fetch their selected pages into (dense is refused; "
+                        "docs/kv_offload.md)")
+    p.add_argument("--kv-device-tokens", type=positive_int, default=None, metavar="N",
+                   help="--kv-offload's device pool, in tokens per layer (default: 4096)")
     p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="N",
                    help="prompt tokens per prefill step; other streams decode between two chunks (default: 512 on "
@@ -112,7 +119,22 @@ def engine_config(args: argparse.Namespace, methods: list[str] | None = None) ->
                         num_cpus=args.num_cpus, cpus_per_shard=args.cpus_per_shard, draft=not args.no_draft,
                         draft_model=args.draft_model, random_weights=args.random_weights,
                         decode_steps=args.decode_steps, cuda_graphs=not args.no_cuda_graphs,
-                        runtime=runtime_config(args.runtime), prefix_cache=prefix_cache_config(args))
+                        runtime=runtime_config(args.runtime), prefix_cache=prefix_cache_config(args),
+                        kv_offload=kv_offload_config(args))
+
+
+def kv_offload_config(args: argparse.Namespace) -> Any:
+    """``--kv-offload`` and its pool size as a ``KVOffloadConfig`` (None: off); ValueError with one line for a size
+    given without the tier."""
+    from raysparse.kv_tiers import KVOffloadConfig
+
+    if not args.kv_offload:
+        if args.kv_device_tokens is not None:
+            raise ValueError("--kv-device-tokens sizes --kv-offload's device pool: give --kv-offload too")
+        return None
+    if args.kv_device_tokens is None:
+        return KVOffloadConfig()
+    return KVOffloadConfig(device_tokens=args.kv_device_tokens)
 
 
 def param(s: str) -> tuple[str, Any]:
