@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import cpu_decode
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
 from .kernel_path import ENV, HAS_TRITON, triton_wanted, use_triton
@@ -173,16 +174,20 @@ def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     per-sequence K/V copy and no host read."""
     if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
         return sparse_decode_attention_varlen(q, kv, indices, unit)
+    if unit == kv.k.shape[2] and cpu_decode.supported(q, kv):
+        return cpu_decode.paged_pages_decode(q, kv, indices)
     return paged_decode_torch(q, kv, indices, unit)
 
 
 def paged_dense_decode(q: torch.Tensor, kv: PagedKV, blocks: torch.Tensor) -> torch.Tensor:
     """q [B, h, d] over every key of each sequence (``blocks``: every page of each row, the dense decode as a
     block selection), the attention's output alone: the split-K decode over the block lists where the kernels
-    run, elsewhere each sequence's pages read in place as runs of consecutive pages (``paged_dense_decode_cpu``,
-    no copy of the keys)."""
+    run; on CPUs the C kernel over the pages in place (``cpu_decode``), or, without a compiler, each sequence's
+    pages read in place as runs of consecutive pages (``paged_dense_decode_cpu``, no copy of the keys)."""
     if q.is_cuda or use_triton(q, kv.k, blocks, head_dim=q.shape[-1]):
         return paged_decode_attention(q, kv, blocks, unit=kv.k.shape[2])[0]
+    if cpu_decode.supported(q, kv):
+        return cpu_decode.paged_pages_decode(q, kv, blocks, shared=True)[0]
     return paged_dense_decode_cpu(q, kv, want_lse=False)[0]
 
 

@@ -143,15 +143,16 @@ def paged_dense_decode_cpu(q: torch.Tensor, kv: PagedKV, scale: float | None = N
             s[..., n:] = -math.inf
         if lse is not None:
             lse[i] = torch.logsumexp(s.float(), dim=-1).reshape(h)
-        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(h_kv, g, m, page).permute(2, 0, 1, 3)
-        if len(tiles) == 1:
-            o = torch.matmul(p, tiles[0][1].to(q.dtype)).sum(0)  # [h_kv, g, d]
-        else:
-            starts = [0]
-            for _, vt in tiles:
-                starts.append(starts[-1] + vt.shape[0])
-            o = sum(torch.matmul(p[a:z], vt.to(q.dtype)).sum(0)
-                    for (_, vt), a, z in zip(tiles, starts, starts[1:], strict=False))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).view(h_kv, g, m, page)
+        # the values as the keys: all query heads against a run's [pages * h_kv * page, d] rows, the other
+        # groups' rows weighted zero, one GEMM a run
+        o, a = None, 0
+        for _, vt in tiles:
+            c = vt.shape[0]
+            wide = q.new_zeros(h_kv, g, c, h_kv, page)
+            wide.diagonal(0, 0, 3).copy_(p[:, :, a: a + c].permute(1, 2, 3, 0))
+            part = onednn.matmul(wide.view(h, -1), vt.to(q.dtype).reshape(-1, d))
+            o, a = part if o is None else o + part, a + c
         out[i] = o.reshape(h, d)
     return out, lse
 
