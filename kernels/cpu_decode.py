@@ -74,33 +74,38 @@ _SOURCE = r"""
         for (int64_t x = 0; x < (D); x++) ag[x] = r[x];                                                       \
     }
 
-/* One item: row b's list entries [e0, e1) for KV heads [j0, j1), page by page and, within a page, head by
-   head, so that a dense row reads each page's [h_kv, page, D] block of K and V once, in order. The listed
-   page after next is prefetched while this one is attended (a page's blocks lie past the hardware
-   prefetcher's reach; two ahead measured faster than one, and both than none).
+/* One item: row b's list entries [e0, e1) (units of ``unit`` keys, a page or a part of one) for KV heads
+   [j0, j1), entry by entry and, within an entry, head by head, so that a dense row reads each page's
+   [h_kv, page, D] block of K and V once, in order. The entry after next is prefetched while this one is
+   attended (a page's blocks lie past the hardware prefetcher's reach; two ahead measured faster than one,
+   and both than none).
    m, l, a are [h_kv, g], [h_kv, g], [h_kv, g, D]. */
 #define ITEM(NAME, D)                                                                                         \
 static void NAME(const float *qrow, const float *k, const float *v, const int32_t *table, const int32_t *list, \
                  int64_t lstride, int64_t e0, int64_t e1, int64_t j0, int64_t j1, int64_t n, int64_t h_kv,       \
-                 int64_t page, int64_t d, int64_t g, float scale, float *m0, float *l0, float *a0) {            \
+                 int64_t page, int64_t unit, int64_t d, int64_t g, float scale, float *m0, float *l0,            \
+                 float *a0) {                                                                                  \
     float s[G_MAX * PAGE_MAX];                                                                                \
     (void)d;                                                                                                  \
     for (int64_t e = e0; e < e1; e++) {                                                                       \
         for (int64_t j = j0; j < j1; j++) {                                                                   \
             int64_t lp = list[j * lstride + e];                                                               \
             if (lp < 0) continue;                                                                             \
-            int64_t t_n = n - lp * page;                                                                      \
+            int64_t tok = lp * unit, t_n = n - tok;                                                           \
             if (t_n <= 0) continue;                                                                           \
-            if (t_n > page) t_n = page;                                                                       \
-            int64_t phys = table[lp];                                                                         \
-            const float *kp = k + ((phys * h_kv + j) * page) * (D);                                           \
-            const float *vp = v + ((phys * h_kv + j) * page) * (D);                                           \
-            if (j == j1 - 1 && e + 2 < e1 && list[j0 * lstride + e + 2] >= 0) {                               \
-                int64_t pn = table[list[j0 * lstride + e + 2]];                                               \
-                const char *kn = (const char *)(k + ((pn * h_kv + j0) * page) * (D));                         \
-                const char *vn = (const char *)(v + ((pn * h_kv + j0) * page) * (D));                         \
-                for (int64_t o = 0; o < (j1 - j0) * page * (D) * 4; o += 64) {                                \
-                    __builtin_prefetch(kn + o); __builtin_prefetch(vn + o);                                   \
+            if (t_n > unit) t_n = unit;                                                                       \
+            int64_t row = (table[tok / page] * h_kv + j) * page + tok % page;                                 \
+            const float *kp = k + row * (D), *vp = v + row * (D);                                             \
+            if (j == j1 - 1 && e + 2 < e1) {                                                                  \
+                for (int64_t jn = j0; jn < j1; jn++) {                                                        \
+                    int64_t ln = list[jn * lstride + e + 2];                                                  \
+                    if (ln < 0) continue;                                                                     \
+                    int64_t tn = ln * unit;                                                                   \
+                    int64_t rn = (table[tn / page] * h_kv + jn) * page + tn % page;                           \
+                    const char *kn = (const char *)(k + rn * (D)), *vn = (const char *)(v + rn * (D));        \
+                    for (int64_t o = 0; o < unit * (D) * 4; o += 64) {                                        \
+                        __builtin_prefetch(kn + o); __builtin_prefetch(vn + o);                               \
+                    }                                                                                         \
                 }                                                                                             \
             }                                                                                                 \
             const float *q = qrow + j * g * (D);                                                              \
@@ -115,14 +120,14 @@ ITEM(item_128, 128)
 ITEM(item_any, d)
 
 /* q [B, h, d]; k, v [pages, h_kv, page, d]; table [B, table_stride] physical pages; indices [B, h_kv, W]
-   logical pages (-1: none); lens [B]; shared: every head's list is head 0's (a dense row), so an item takes
-   all heads of a span of pages. Work items: (row, span of ``span`` entries[, head]). Writes out [B, h, d]
-   and lse [B, h] of the rows with a key (others are left as the caller set them). Returns 0, or -1 where
-   scratch could not be had. */
+   entries of ``unit`` keys each (a divisor of the page; -1: none); lens [B]; shared: every head's list is
+   head 0's (a dense row), so an item takes all heads of a span of pages. Work items: (row, span of ``span``
+   entries[, head]). Writes out [B, h, d] and lse [B, h] of the rows with a key (others are left as the
+   caller set them). Returns 0, or -1 where scratch could not be had. */
 int paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *table, int64_t table_stride,
                      const int32_t *indices, int64_t width, const int32_t *lens, int64_t B, int64_t h, int64_t h_kv,
-                     int64_t page, int64_t d, float scale, int64_t span, int shared, float *out, float *lse,
-                     int threads) {
+                     int64_t page, int64_t unit, int64_t d, float scale, int64_t span, int shared, float *out,
+                     float *lse, int threads) {
     int64_t g = h / h_kv;
     int64_t spans = (width + span - 1) / span;
     int64_t groups = shared ? 1 : h_kv;
@@ -144,14 +149,14 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
         int64_t lstride = shared ? 0 : width;
         const float *qrow = q + b * h * d;
         if (d == 64)
-            item_64(qrow, k, v, table + b * table_stride, list, lstride, e0, e1, j0, j1, lens[b], h_kv, page, d, g,
-                    scale, m, l, a);
+            item_64(qrow, k, v, table + b * table_stride, list, lstride, e0, e1, j0, j1, lens[b], h_kv, page, unit,
+                    d, g, scale, m, l, a);
         else if (d == 128)
-            item_128(qrow, k, v, table + b * table_stride, list, lstride, e0, e1, j0, j1, lens[b], h_kv, page, d, g,
-                     scale, m, l, a);
+            item_128(qrow, k, v, table + b * table_stride, list, lstride, e0, e1, j0, j1, lens[b], h_kv, page, unit,
+                     d, g, scale, m, l, a);
         else
-            item_any(qrow, k, v, table + b * table_stride, list, lstride, e0, e1, j0, j1, lens[b], h_kv, page, d, g,
-                     scale, m, l, a);
+            item_any(qrow, k, v, table + b * table_stride, list, lstride, e0, e1, j0, j1, lens[b], h_kv, page, unit,
+                     d, g, scale, m, l, a);
     }
     for (int64_t b = 0; b < B; b++) {
         for (int64_t x = 0; x < h; x++) {
@@ -182,7 +187,7 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
 """
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
-_SPAN = 16  # list entries an item takes: 16 pages of 64 keys, so a 4K dense row is 4 items
+_SPAN_KEYS = 1024  # keys of list entries an item takes: a 4K dense row is 4 items
 _G_MAX, _PAGE_MAX = 16, 256
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -224,8 +229,8 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int,
-                   ptr, ptr, ctypes.c_int]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                   ctypes.c_int, ptr, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 
@@ -240,25 +245,30 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def supported(q: torch.Tensor, kv: PagedKV) -> bool:
+def supported(q: torch.Tensor, kv: PagedKV, unit: int | None = None) -> bool:
     """Whether the kernel serves this call: CPU fp32 tensors, a group of at most 16 query heads, pages of at
-    most 256 keys, no autograd, and the library built."""
+    most 256 keys, list entries of ``unit`` keys dividing the page (None: a page), no autograd, and the
+    library built."""
     h_kv, page = kv.k.shape[1], kv.k.shape[2]
+    unit = page if unit is None else unit
     return (q.device.type == "cpu" and q.dtype == kv.k.dtype == kv.v.dtype == torch.float32
+            and 0 < unit <= page and page % unit == 0
             and q.shape[1] % h_kv == 0 and q.shape[1] // h_kv <= _G_MAX and page <= _PAGE_MAX
             and not (torch.is_grad_enabled() and q.requires_grad) and library() is not None)
 
 
 def paged_pages_decode(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, scale: float | None = None,
-                       shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, h, d] (each row's newest position) over the keys of its listed logical pages, ``indices`` [B, h_kv,
-    W] (-1: none), keys past the row's length masked; ``shared``: every KV head's list is the first's (dense
-    decode), so a work item reads all heads of its pages in memory order. Returns out [B, h, d] and lse [B, h]
+                       shared: bool = False, unit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, h, d] (each row's newest position) over the keys of its listed entries, ``indices`` [B, h_kv, W]
+    (-1: none) of ``unit`` keys each (None: whole pages; tokens with 1), keys past the row's length masked;
+    ``shared``: every KV head's list is the first's (dense decode), so a work item reads all heads of its
+    pages in memory order. Returns out [B, h, d] and lse [B, h]
     (fp32, natural log); a row with no key gets zeros and -inf. Call where ``supported``."""
     lib = library()
     assert lib is not None
     b, h, d = q.shape
     h_kv, page = kv.k.shape[1], kv.k.shape[2]
+    unit = page if unit is None else unit
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     q = q.contiguous()
     k, v = kv.k.contiguous(), kv.v.contiguous()
@@ -269,7 +279,8 @@ def paged_pages_decode(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor, scal
     lse = torch.full((b, h), -math.inf, dtype=torch.float32)
     if b and idx.shape[-1]:
         rc = lib.paged_decode_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), table.stride(0),
-                                  idx.data_ptr(), idx.shape[-1], lens.data_ptr(), b, h, h_kv, page, d, scale, _SPAN,
+                                  idx.data_ptr(), idx.shape[-1], lens.data_ptr(), b, h, h_kv, page,
+                                  unit, d, scale, max(1, _SPAN_KEYS // unit),
                                   int(shared), out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("paged decode: no memory for the items' partial results")

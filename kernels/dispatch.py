@@ -174,8 +174,8 @@ def paged_decode_attention(q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
     per-sequence K/V copy and no host read."""
     if use_triton(q, kv.k, indices, head_dim=q.shape[-1]):
         return sparse_decode_attention_varlen(q, kv, indices, unit)
-    if unit == kv.k.shape[2] and cpu_decode.supported(q, kv):
-        return cpu_decode.paged_pages_decode(q, kv, indices)
+    if cpu_decode.supported(q, kv, unit):
+        return cpu_decode.paged_pages_decode(q, kv, indices, unit=unit)
     return paged_decode_torch(q, kv, indices, unit)
 
 

@@ -212,35 +212,37 @@ def test_paged_collision_torch_forced_bias_sets_forced_and_past_tokens_exactly()
         assert torch.equal(got[keep], plain[keep]) and torch.isfinite(got[keep]).all(), f"seed {seed}"
 
 
-@pytest.mark.parametrize("d,page,g,shared", [(64, 64, 3, True), (64, 16, 3, False), (128, 16, 4, False),
-                                             (32, 8, 1, True), (64, 64, 8, False)])
-def test_cpu_decode_kernel_matches_gathered_oracle(d, page, g, shared):
+@pytest.mark.parametrize("d,page,unit,g,shared", [(64, 64, 64, 3, True), (64, 16, 16, 3, False),
+                                                  (128, 16, 16, 4, False), (32, 8, 8, 1, True), (64, 64, 64, 8, False),
+                                                  (64, 16, 4, 3, False), (64, 16, 1, 3, False)])
+def test_cpu_decode_kernel_matches_gathered_oracle(d, page, unit, g, shared):
     """The C kernel's every output and lse element against the gathered fp32 oracle: pages scattered through
-    the cache, ragged lengths (an empty row, one key, a part page), and per-head lists with holes; spans of
-    the list split across items (more pages than one item's span)."""
+    the cache, ragged lengths (an empty row, one key, a part page), per-head lists with holes, entries of a
+    page or of a part of one (tokens too), in shuffled order; spans of the list split across items."""
     from raysparse.kernels import cpu_decode
     from raysparse.kernels.formats import PagedKV
     from raysparse.kernels.paged_torch import paged_decode_fp32
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    h_kv, width = 2, 40
-    lens = torch.tensor([0, 1, page + 3, 17 * page + 5, width * page], dtype=torch.int32)
-    b = lens.numel()
-    cache_pages = b * width + 7
+    h_kv, pages = 2, 40
+    lens = torch.tensor([0, 1, page + 3, 17 * page + 5, pages * page], dtype=torch.int32)
+    b, width = lens.numel(), pages * page // unit
+    cache_pages = b * pages + 7
     k, v = (torch.randn(cache_pages, h_kv, page, d, generator=gen) for _ in range(2))
-    table = torch.randperm(cache_pages, generator=gen)[: b * width].view(b, width).int()
-    used = -(-lens.long() // page)
+    table = torch.randperm(cache_pages, generator=gen)[: b * pages].view(b, pages).int()
+    used = -(-lens.long() // unit)
     cols = torch.arange(width)
     idx = torch.where(cols[None] < used[:, None], cols[None], -1)[:, None, :].expand(b, h_kv, width)
     if not shared:
         idx = torch.where(torch.rand(b, h_kv, width, generator=gen) < 0.4, -1, idx)
+        idx = idx.gather(2, torch.argsort(torch.rand(b, h_kv, width, generator=gen), dim=2))
     idx = idx.int().contiguous()
     q = torch.randn(b, g * h_kv, d, generator=gen) * 2
     kv = PagedKV(k, v, table, lens, None)
-    assert cpu_decode.supported(q, kv), "no C compiler: the kernel is not built"
-    got, lse = cpu_decode.paged_pages_decode(q, kv, idx, 0.2, shared=shared)
-    want, want_lse = paged_decode_fp32(q, kv, idx, page, 0.2)
+    assert cpu_decode.supported(q, kv, unit), "no C compiler: the kernel is not built"
+    got, lse = cpu_decode.paged_pages_decode(q, kv, idx, 0.2, shared=shared, unit=unit)
+    want, want_lse = paged_decode_fp32(q, kv, idx, unit, 0.2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), seed
     finite = torch.isfinite(want_lse)
