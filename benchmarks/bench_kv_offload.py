@@ -81,7 +81,7 @@ def run(model: Any, req: EngineRequest, offload: KVOffloadConfig | None, host_to
 PCIE_BPS, HBM_BPS, HBM_BYTES, WEIGHTS_BYTES = 50e9, 4.3e12, 141e9, 16.1e9  # H200; Llama-3.1-8B in bf16
 
 
-def gpu_model(record: dict[str, Any], tokens: int = 131072, density: float = 0.1, dense_layers: int = 2,
+def gpu_model(record: dict[str, Any], tokens: int = 131072, density: float = 0.1, dense_layers: int = 0,
               device_share: float = 0.25) -> list[dict[str, float]]:
     """Per method of ``record``: what one decode step of one 128K-token sequence moves on a GPU with the tier on, at
     ``density`` of the sparse layers' K/V selected and the method's measured hit rate, and the batch the device

@@ -351,12 +351,11 @@ class KVTiers:
         if not staged_rows:  # the whole batch through the translated table: the untiered call, on the slots
             return paged_decode_attention(q, self._translated(layer, kv), indices, unit)[0]
         # Some rows stage their keys: every row goes through the staging buffer, so the attend stays one call over
-        # the whole batch, as the untiered step's (the fused CPU attention's rows are not bit-identical across
-        # batch shapes). The rows whose pages were fetched read theirs from the slots.
+        # the whole batch, as the untiered step's (a CPU attend's rows are not bit-identical across batch shapes).
+        # The rows whose pages were fetched read theirs from the slots.
         staged = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
         staged[torch.tensor(staged_rows, device=q.device)] = True
-        skv, sidx = self._stage(layer, tok, ok, host_page, staged)
-        return paged_decode_attention(q, skv, sidx, 1)[0]
+        return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged), indices, unit)[0]
 
     def _translated(self, layer: int, kv: PagedKV) -> PagedKV:
         """``kv`` on the device pool: its page table's host pages as their slots (unread pages: the scratch slot)."""
@@ -364,32 +363,39 @@ class KVTiers:
         table = torch.where(slots >= 0, slots, self.slots).to(torch.int32)
         return PagedKV(self.dev_k[layer], self.dev_v[layer], table, kv.seqlens)
 
-    def _stage(self, layer: int, tok: torch.Tensor, ok: torch.Tensor, host_page: torch.Tensor,
-               counted: torch.Tensor) -> tuple[PagedKV, torch.Tensor]:
-        """Rows' selected keys (token ids ``tok`` [R, h_kv, T], ``ok`` where valid, on ``host_page``) gathered into a
-        staging buffer laid out as pages: row r's entry t at its position t, so the token list 0..T-1 over it reads
-        the selection's keys in the selection's order. Keys on resident pages come from their slots, the others
-        from the host tier (the copies). ``counted`` [R]: the rows whose keys are staged rows in the statistics (the
-        others' pages were counted when they were fetched)."""
+    def _stage(self, layer: int, kv: PagedKV, tok: torch.Tensor, ok: torch.Tensor, host_page: torch.Tensor,
+               counted: torch.Tensor) -> PagedKV:
+        """``kv`` over a staging buffer: every logical page a row's selection touches (token ids ``tok`` [B, h_kv, T],
+        ``ok`` where valid, on ``host_page``) gets a staging page, and only the selected keys' rows of each KV head
+        are copied into it. Keys on resident pages come from their slots, the others from the host tier (the
+        copies). The page table is the only thing that changes: the attend reads the same list, lengths and unit,
+        so its output is the untiered one's whatever the kernel's order of work. ``counted`` [B]: the rows whose
+        keys count as staged rows in the statistics (the others' pages were counted when they were fetched)."""
         st, page = self.stats, self.page_size
-        r, h_kv, t = tok.shape
+        b, h_kv, _ = tok.shape
         d = self.host_k[layer].shape[-1]
+        width = kv.page_table.shape[1]
+        logical = tok // page
+        touched = torch.zeros(b, width, dtype=torch.bool, device=tok.device)
+        touched.view(-1).index_fill_(0, (logical + torch.arange(b, device=tok.device)[:, None, None] * width)[ok], True)
+        n_pages = int(touched.sum())
+        ids = torch.cumsum(touched.view(-1), 0).view(b, width) - 1
+        table = torch.where(touched, ids, n_pages)  # the last staging page: never read (scratch)
         slots = self.slot_map[layer][host_page.clamp(min=0)]
         hit = ok & (slots >= 0)
         miss = ok & ~hit
         heads = torch.arange(h_kv, device=tok.device)[None, :, None]
         off = tok % page
-        host_row = (host_page.clamp(min=0) * h_kv + heads) * page + off
-        dev_row = (slots.clamp(min=0) * h_kv + heads) * page + off
+        dst = (table.gather(1, logical.flatten(1)).view_as(tok) * h_kv + heads) * page + off
         t0 = time.perf_counter()
-        vals_k = torch.zeros(r, h_kv, t, d, dtype=self.dev_k[layer].dtype, device=tok.device)
-        vals_v = torch.zeros_like(vals_k)
-        for src_k, src_v, rows, sel in ((self.dev_k[layer], self.dev_v[layer], dev_row, hit),
-                                        (self.host_k[layer], self.host_v[layer], host_row, miss)):
+        sk = torch.zeros(n_pages + 1, h_kv, page, d, dtype=self.dev_k[layer].dtype, device=tok.device)
+        sv = torch.zeros_like(sk)
+        for src_k, src_v, base, sel in ((self.dev_k[layer], self.dev_v[layer], slots, hit),
+                                        (self.host_k[layer], self.host_v[layer], host_page, miss)):
             if bool(sel.any()):
-                idx = rows[sel]
-                vals_k[sel] = src_k.reshape(-1, d).index_select(0, idx)
-                vals_v[sel] = src_v.reshape(-1, d).index_select(0, idx)
+                src = ((base.clamp(min=0) * h_kv + heads) * page + off)[sel]
+                sk.view(-1, d).index_copy_(0, dst[sel], src_k.reshape(-1, d).index_select(0, src))
+                sv.view(-1, d).index_copy_(0, dst[sel], src_v.reshape(-1, d).index_select(0, src))
         st.stall_s += time.perf_counter() - t0
         n_hit, n_miss = int(hit[counted].sum()), int(miss[counted].sum())
         st.staged_layer_rows += int(counted.sum())
@@ -398,18 +404,7 @@ class KVTiers:
         st.row_copies += n_miss
         st.bytes_copied += n_miss * self.row_bytes
         st.hit_bytes += n_hit * self.row_bytes
-        pages = -(-t // page)
-        pad = pages * page - t
-        if pad:
-            vals_k = torch.nn.functional.pad(vals_k, (0, 0, 0, pad))
-            vals_v = torch.nn.functional.pad(vals_v, (0, 0, 0, pad))
-        as_pages = (r * pages, h_kv, page, d)
-        sk = vals_k.view(r, h_kv, pages, page, d).transpose(1, 2).reshape(as_pages)
-        sv = vals_v.view(r, h_kv, pages, page, d).transpose(1, 2).reshape(as_pages)
-        table = torch.arange(r * pages, dtype=torch.int32, device=tok.device).view(r, pages)
-        seqlens = torch.full((r,), t, dtype=torch.int32, device=tok.device)
-        cols = torch.arange(t, dtype=torch.int32, device=tok.device).expand(r, h_kv, t)
-        return PagedKV(sk, sv, table, seqlens), torch.where(ok, cols, SENTINEL).to(torch.int32)
+        return PagedKV(sk, sv, table.to(torch.int32), kv.seqlens)
 
     # ---- statistics --------------------------------------------------------------------------------
     def stats_dict(self) -> dict[str, float]:

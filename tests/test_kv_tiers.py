@@ -9,8 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from raysparse.kernels.dispatch import paged_decode_attention
 from raysparse.kernels.formats import PagedKV
-from raysparse.kernels.paged_torch import paged_decode_torch
+from raysparse.kernels.paged_torch import paged_decode_fp32
 from raysparse.kv_tiers import KVOffloadConfig, KVTiers, PoolFullError, SlotPool
 
 
@@ -142,9 +143,11 @@ def test_decode_through_the_pool_equals_the_attend_over_the_host_tier(unit):
         width = int(torch.randint(1, 40 // unit + 2, (), generator=g))
         idx = _selection(lens, h_kv, unit, width, g)
         q = torch.randn(len(lens), h_kv * 3, d, generator=g)
-        want, _ = paged_decode_torch(q, kv, idx, unit)
+        want, _ = paged_decode_attention(q, kv, idx, unit)  # the untiered attend over the host tier
         got = tiers.decode_attention(0, q, kv, idx, unit)
         assert torch.equal(got, want), f"seed {seed}, step {step}: {(got - want).abs().max()}"
+        oracle, _ = paged_decode_fp32(q, kv, idx, unit)  # the plain gathered fp32 form
+        assert torch.allclose(got, oracle, atol=1e-5, rtol=1e-5), f"seed {seed}, step {step}"
         pool = tiers.pools[0]
         for p in pool.resident():  # every resident slot holds its host page's K/V
             s = pool.slot(p)

@@ -101,6 +101,7 @@ def _check_stats(stats: dict, method: str) -> None:
     assert stats["device_slots"] * PAGE < min(LENS), "the pool is smaller than one sequence's K/V"
     assert stats["page_copies"] + stats["row_copies"] > 0 and stats["bytes_copied"] > 0, method
     assert stats["decode_steps"] > 0 and 0.0 <= stats["hit_rate"] <= 1.0
+    assert stats["prefill_kept_pages"] > 0, f"{method}: a finished prompt's pinned pages stay on the device"
 
 
 @pytest.mark.parametrize("method", METHODS)
