@@ -1,11 +1,11 @@
-"""Decode attention over whole pages of the paged cache on CPUs: a small C kernel, built on first use.
+"""Decode attention over a selection of the paged cache on CPUs: a small C kernel, built on first use.
 
-One query row per sequence over a list of its logical pages per KV head (``indices`` [B, h_kv, W], -1
-padded; every page for dense decode, a block selection for the sparse methods), read in place through the
-page table: no gather, no copy of K or V. Work items are (sequence, KV head, span of the list) and run on
-the PyTorch process's own OpenMP threads (the library links ``libgomp.so.1`` by soname, which resolves to
-the copy PyTorch already loaded, so one thread pool serves both); each item keeps an online softmax of its
-group's query heads over its pages, and the items of a row are merged by their log-sum-exp. The PyTorch
+One query row per sequence over a list of entries per KV head (``indices`` [B, h_kv, W], -1 padded; pages,
+parts of pages or tokens: every page for dense decode, a method's selection for the sparse ones), read in
+place through the page table: no gather, no copy of K or V. Work items are (sequence, KV head, span of the
+list), or (sequence, span) with every head where the heads share one list, and run on PyTorch's own OpenMP
+threads (``native``); each item keeps an online softmax of its group's query heads over its entries, and
+the items of a row are merged by their log-sum-exp. The PyTorch
 forms (``paged_torch``) stay the fallback where no C compiler is found, and ``paged_decode_fp32`` is the
 oracle the tests hold it to.
 
@@ -17,17 +17,11 @@ rate is what a decode step's attention costs, and a plain loop compiled for the 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import subprocess
-import sys
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
+from . import native
 from .formats import PagedKV
 
 _SOURCE = r"""
@@ -186,63 +180,16 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SPAN_KEYS = 1024  # keys of list entries an item takes: a 4K dense row is 4 items
 _G_MAX, _PAGE_MAX = 16, 256
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raysparse"
-
-
-def _host_isa() -> str:
-    """What ``-march=native`` compiles for: the processor's feature flags (a cache shared by nodes of different
-    processors must not hand one node another's build)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _build() -> ctypes.CDLL | None:
-    """The compiled kernel, from the cache or built into it (atomically, so concurrent processes agree);
-    None where no compiler works here."""
-    parts = [_SOURCE, *_FLAGS, sys.platform, os.uname().machine, _host_isa()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"cpu_decode-{key}.so"
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src = Path(tmp) / "cpu_decode.c"
-                src.write_text(_SOURCE)
-                obj = Path(tmp) / path.name
-                subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, str(src), "-o", str(obj), "-lm"],
-                               check=True, capture_output=True, timeout=120)
-                os.replace(obj, path)
-        except (OSError, subprocess.SubprocessError):
-            return None
-    lib = ctypes.CDLL(str(path))
-    fn = lib.paged_decode_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                   ctypes.c_int, ptr, ptr, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {"paged_decode_f32": ([_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                                     ctypes.c_float, _i64, ctypes.c_int, _ptr, _ptr, ctypes.c_int], ctypes.c_int)}
 
 
 def library() -> ctypes.CDLL | None:
     """The kernel's library, built once a process (None: no compiler; the PyTorch forms serve)."""
-    global _lib, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _lib, _tried = _build(), True
-    return _lib
+    return native.load("cpu_decode", _SOURCE, _SIGNATURES)
 
 
 def supported(q: torch.Tensor, kv: PagedKV, unit: int | None = None) -> bool:

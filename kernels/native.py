@@ -1,0 +1,72 @@
+"""The CPU's C kernels: each module's C source, compiled on first use with the host's compiler for its own
+processor (``-march=native``) into the user's cache, and loaded through ctypes.
+
+A library is keyed by its source, the flags and the processor's feature flags, so a change or another
+processor builds anew, and it is written atomically, so processes that build it at once agree. It links
+OpenMP by soname, which resolves to the ``libgomp.so.1`` PyTorch already loaded: its parallel loops run on
+PyTorch's own thread pool, sized by ``torch.get_num_threads()``. Where no compiler works, ``load`` gives None
+and the callers keep their PyTorch forms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401 - loaded first, so the library's libgomp.so.1 is PyTorch's
+
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raysparse"
+
+
+def _host_isa() -> str:
+    """What ``-march=native`` compiles for: the processor's feature flags (a cache shared by nodes of different
+    processors must not hand one node another's build)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _build(name: str, source: str) -> ctypes.CDLL | None:
+    parts = [source, *FLAGS, sys.platform, os.uname().machine, _host_isa()]
+    path = _cache_dir() / f"{name}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src = Path(tmp) / f"{name}.c"
+                src.write_text(source)
+                obj = Path(tmp) / path.name
+                subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(src), "-o", str(obj), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+                os.replace(obj, path)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return ctypes.CDLL(str(path))
+
+
+def load(name: str, source: str, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
+    """The library ``name`` built from ``source``, once a process, its functions typed by ``signatures``
+    (name: (argtypes, restype)); None where it cannot be built here."""
+    if name not in _libs:
+        with _lock:
+            if name not in _libs:
+                lib = _build(name, source)
+                if lib is not None:
+                    for fn, (args, res) in signatures.items():
+                        getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, res
+                _libs[name] = lib
+    return _libs[name]
