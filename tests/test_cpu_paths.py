@@ -32,14 +32,18 @@ def test_cpu_block_sparse_prefill_matches_reference(n_q, n):
 
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("n_q,n,block", [(700, 1500, 128), (1, 77, 128), (130, 130, 128), (300, 300, 64),
                                          (129, 1000, 128), (5, 9, 4)])
-def test_cpu_causal_prefill_matches_reference(n_q, n, block, monkeypatch):
+def test_cpu_causal_prefill_matches_reference(n_q, n, block, native, monkeypatch):
     """Every output element of the GEMM prefill against an fp64 masked softmax, with K/V strided as the cache's
-    gather hands them (a slice of a longer page run) and query blocks that do not divide the chunk."""
+    gather hands them (a slice of a longer page run) and query blocks that do not divide the chunk; with the
+    C kernel's softmax and with PyTorch's (no compiler)."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
     g = torch.Generator().manual_seed(seed)
     monkeypatch.setattr(cpu_prefill, "BLOCK", block)
+    if not native:
+        monkeypatch.setattr(cpu_prefill, "_softmax_rows", lambda *a: None)
     h, h_kv, d = 6, 2, 16
     q = torch.randn(n_q, h, d, generator=g) * 2
     k, v = (torch.randn(h_kv, n + 7, d, generator=g)[:, :n] for _ in range(2))
