@@ -9,9 +9,9 @@ The path is chosen by ``kernel_path`` (re-exported here). Single-sequence functi
 references of ``reference``; the method scorers (``scorer_dispatch``, re-exported here) mirror those of
 ``scorer_reference``; the ``*_varlen`` functions take the packed ragged formats of ``formats`` and fall back
 to a per-sequence loop (with host reads, so only for CPU use). The CPU's block-sparse prefill is
-``paged_torch.block_sparse_prefill_torch`` (one fused masked flash-attention call per chunk of query blocks,
-held to the reference by the tests), not the reference's einsum, so a sparse prefill costs less than dense
-SDPA there too. Importing this module does not import
+``cpu_block_prefill``'s C kernel (``paged_torch.block_sparse_prefill_torch``, one fused masked flash-attention
+call per chunk of query blocks, where it does not serve the call), held to the reference by the tests, not
+the reference's einsum, so a sparse prefill costs less than dense there too. Importing this module does not import
 Triton: the kernel modules load on the first Triton call, so CPU-only processes (and the interpreter
 tests, which must set TRITON_INTERPRET before Triton is imported) are unaffected by it.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_decode
+from . import cpu_block_prefill, cpu_decode
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
 from .kernel_path import ENV, HAS_TRITON, triton_wanted, use_triton
@@ -77,11 +77,20 @@ def _single(k: torch.Tensor, v: torch.Tensor) -> PackedKV:
     return PackedKV.single(*(t if t.stride(-1) == 1 else t.contiguous() for t in (k, v)))
 
 
+def _block_sparse_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, block: int,
+                      scale: float | None, window_lo: torch.Tensor | None = None,
+                      sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    # the C kernel where it serves the call; a per-row window (PSAW's) keeps the masked flash attention
+    if window_lo is None and cpu_block_prefill.supported(q, k, v, indices, block):
+        return cpu_block_prefill.block_sparse_prefill(q, k, v, indices, block, scale)
+    return block_sparse_prefill_torch(q, k, v, indices, block, scale, window_lo, sink)
+
+
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: BlockSelection,
                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [n_q, h, d], the last n_q of the n keys in k, v: [h_kv, n, d]. Returns out [n_q, h, d], lse [n_q, h]."""
     if not use_triton(q, k, v, sel.indices, head_dim=q.shape[-1], block=sel.block_size):
-        return block_sparse_prefill_torch(q, k, v, sel.indices, sel.block_size, scale)
+        return _block_sparse_cpu(q, k, v, sel.indices, sel.block_size, scale)
     from .block_sparse_prefill import block_sparse_prefill
 
     cu_q = torch.arange(2, device=q.device, dtype=torch.int32) * q.shape[0]
@@ -145,8 +154,8 @@ def block_sparse_attention_varlen(q: torch.Tensor, kv: KVSource, sel: PackedBloc
         k, v = _seq_kv(kv, i)
         one = BlockSelection(sel.indices[:, b0:b1], sel.block_size)
         win = None if sel.window_lo is None else sel.window_lo[lo:hi]
-        out[lo:hi], lse[lo:hi] = block_sparse_prefill_torch(q[lo:hi], k, v, one.indices, one.block_size, scale,
-                                                            win, sel.sink)
+        out[lo:hi], lse[lo:hi] = _block_sparse_cpu(q[lo:hi], k, v, one.indices, one.block_size, scale, win,
+                                                    sel.sink)
     return out, lse
 
 
