@@ -284,8 +284,15 @@ class KVCache:
         """k, v: [T, num_kv_heads, head_dim] for the step's new tokens."""
         self.k[layer][batch.slot_pages, :, batch.slot_offsets, :] = k.to(self.dtype)
         self.v[layer][batch.slot_pages, :, batch.slot_offsets, :] = v.to(self.dtype)
+        self.written(layer, batch)
+
+    def written(self, layer: int, batch: BatchMeta) -> None:
+        """The step's new K/V of ``layer`` are in the cache (stored by ``write``, or by a fused kernel that
+        rotates and stores them in one pass): the K/V tiers' device copies of those rows follow, and a finished
+        prompt's pinned pages stay on the device."""
         if self.tiers is not None:
-            self.tiers.write_through(layer, k, v, batch.slot_pages, batch.slot_offsets)
+            pages, offs = batch.slot_pages, batch.slot_offsets
+            self.tiers.write_through(layer, self.k[layer][pages, :, offs], self.v[layer][pages, :, offs], pages, offs)
             if batch.is_prefill:
                 self.tiers.keep_after_prefill(layer, [(sid, self._pages[sid], n) for i, (sid, n) in
                                                       enumerate(zip(batch.seq_ids, batch.ctx_lens, strict=True))

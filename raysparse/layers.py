@@ -2,12 +2,14 @@
 RMSNorm, attention (RoPE, the paged cache write, the backend's attend), the SwiGLU MLP, and the merged
 q/k/v and gate/up projections (``Merged``).
 
-On CUDA the decoder layer's small elementwise ops run as fused Triton kernels (``raysparse.kernels.fused_ops``):
-each residual add with the norm after it (``RMSNorm.add_forward``), RoPE with the paged cache write, SiLU * up.
-They round as the PyTorch code here does, which is their oracle and the path everywhere else. ``fused_ops``
-picks by each module's ``fused_mode`` (set for a whole model by ``LlamaForCausalLM.set_fused_ops``, the
-engine's ``RuntimeConfig.fused_ops``): ``auto`` (default: fused on CUDA tensors when Triton is installed),
-``triton`` (always, so the CPU tests run the kernels in Triton's interpreter) or ``torch`` (never).
+On CUDA the decoder layer's small elementwise ops run as fused Triton kernels (``raysparse.kernels.fused_ops``),
+on CPUs in fp32 as C ones with the same interface (``raysparse.kernels.cpu_fused``): each residual add with the
+norm after it (``RMSNorm.add_forward``), RoPE with the paged cache write, SiLU * up. They round as the PyTorch
+code here does (the C ones up to the order of a sum), which is their oracle and the path everywhere else.
+``fused_ops`` picks by each module's ``fused_mode`` (set for a whole model by ``LlamaForCausalLM.set_fused_ops``,
+the engine's ``RuntimeConfig.fused_ops``): ``auto`` (default: Triton on CUDA tensors when it is installed, C
+on fp32 CPU ones), ``triton`` (always, so the CPU tests run the kernels in Triton's interpreter) or ``torch``
+(never).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from raysparse.attention import AttentionBackend
 from raysparse.config import ModelConfig
+from raysparse.kernels import cpu_fused
 from raysparse.kernels.dispatch import linear
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.rope import apply_rope
@@ -30,11 +33,14 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def fused_ops(x: torch.Tensor, mode: str = "auto") -> ModuleType | None:
-    """The fused kernels' module when ``mode`` chooses them for ``x``'s device, else None. Imported on first
-    use: CPU processes never import Triton, and tests set TRITON_INTERPRET before it."""
+    """The fused kernels' module when ``mode`` chooses them for ``x``'s device, else None: in ``auto`` the
+    Triton kernels on CUDA, the C ones on CPUs for fp32 (``kernels.cpu_fused``, where a compiler built them).
+    Imported on first use: CPU processes never import Triton, and tests set TRITON_INTERPRET before it."""
     if mode not in FUSED_MODES:
         raise ValueError(f"fused ops mode must be auto, triton or torch, got {mode!r}")
-    if mode == "torch" or not _HAS_TRITON or (mode == "auto" and not x.is_cuda):
+    if mode == "auto" and not x.is_cuda:
+        return cpu_fused if cpu_fused.available(x) else None
+    if mode == "torch" or not _HAS_TRITON:
         return None
     from raysparse.kernels import fused_ops as ops
 
@@ -150,6 +156,7 @@ class Attention(nn.Module):
                 and q.dtype == k.dtype == cos.dtype):
             q = ops.rope_and_cache_write(q, k, v, cos, sin, cache.k[self.layer], cache.v[self.layer],
                                          batch.slot_pages, batch.slot_offsets)
+            cache.written(self.layer, batch)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             cache.write(self.layer, k, v, batch)
