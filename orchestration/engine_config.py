@@ -17,9 +17,10 @@ from raysparse.runtime_config import RuntimeConfig
 PREFILL_CHUNK_CPU = 512
 PREFILL_CHUNK_GPU = 65536
 # While no request decodes there is no stall to bound, so a CPU prompt takes this many tokens a step (the fewer
-# chunks, the less each sparse method's per-chunk selection work costs). Not a whole prompt: a step is not
-# interrupted, so a request cancelled or past its deadline mid-prompt holds the engine until its step ends.
-IDLE_PREFILL_CPU = 1024
+# chunks, the less each chunk's fixed work and each sparse method's per-chunk selection work cost). Not a
+# whole prompt: a step is not interrupted, so a request cancelled or past its deadline mid-prompt holds the
+# engine until its step ends.
+IDLE_PREFILL_CPU = 2048
 
 
 @dataclass(frozen=True)
