@@ -25,14 +25,35 @@ from typing import Any
 
 import torch
 
-GROUPS = {  # aten (and oneDNN) operators by what they do in a step
+GROUPS = {  # aten (and oneDNN) operators, and the CPU's C kernels (``label_c_kernels``), by what they do in a step
     "gemm": ("mm", "addmm", "_linear_pointwise"),
     "attention": ("_scaled_dot_product_flash_attention_for_cpu", "bmm", "logsumexp", "softmax", "_softmax", "exp",
-                  "exp_", "amax"),
+                  "exp_", "amax", "cpu_decode", "cpu_prefill_softmax", "cpu_block_prefill"),
     "kv_read_write": ("index_select", "index", "gather", "_index_put_impl_", "take"),
     "norm_rope_act": ("pow", "mean", "rsqrt", "silu", "neg", "cat", "mul", "mul_", "add", "add_", "sum", "div",
-                      "div_"),
+                      "div_", "cpu_fused"),
 }
+
+
+def label_c_kernels() -> None:
+    """The C kernels run outside PyTorch's operators, so the profiler would count them as Python: each entry
+    point is wrapped in a profiler range named for its group (``GROUPS``)."""
+    from torch.profiler import record_function
+
+    from raysparse.kernels import cpu_block_prefill, cpu_decode, cpu_fused, cpu_prefill
+
+    def labelled(fn: Any, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with record_function(f"raysparse::{name}"):
+                return fn(*args, **kwargs)
+        return call
+
+    for module, attr, name in ((cpu_decode, "paged_pages_decode", "cpu_decode"),
+                               (cpu_prefill, "_softmax_rows", "cpu_prefill_softmax"),
+                               (cpu_block_prefill, "block_sparse_prefill", "cpu_block_prefill"),
+                               (cpu_fused, "rms_norm", "cpu_fused"), (cpu_fused, "add_rms_norm", "cpu_fused"),
+                               (cpu_fused, "rope_and_cache_write", "cpu_fused"), (cpu_fused, "silu_mul", "cpu_fused")):
+        setattr(module, attr, labelled(getattr(module, attr), name))
 
 
 def group_of(name: str) -> str:
@@ -191,6 +212,7 @@ def main() -> int:
     ap.add_argument("--out", default="results/cpu_step.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    label_c_kernels()
     rows = in_process(args)
     if args.engine:
         rows.append(through_engine(args))
