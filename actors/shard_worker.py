@@ -23,6 +23,7 @@ import torch
 
 from raysparse.config import parse_dtype
 from raysparse.kv_cache import KVCache
+from raysparse.kv_tiers import KVOffloadConfig
 from raysparse.layers import merge_projections
 from raysparse.runtime_config import RuntimeConfig
 from raysparse.shard_executor import ShardExecutor
@@ -35,7 +36,8 @@ log = logging.getLogger("raysparse.shard")
 class ShardSpec:
     """What every shard of a group loads. ``random_weights``: the config only, weights drawn from
     ``seed`` (the same on every rank, so the shards slice one model) - for speed runs of big models.
-    ``runtime``: which kernels and collectives the shard runs (``EngineConfig.runtime``)."""
+    ``runtime``: which kernels and collectives the shard runs (``EngineConfig.runtime``); ``kv_offload``: the
+    K/V tiers' sizes (``EngineConfig.kv_offload``)."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -48,6 +50,7 @@ class ShardSpec:
     cuda_graphs: bool = True
     max_batch: int = 64  # the largest decode batch a captured graph must hold
     runtime: RuntimeConfig = RuntimeConfig()
+    kv_offload: KVOffloadConfig | None = None  # the K/V tiers (``--kv-offload``); None: one tier
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -162,7 +165,8 @@ class ShardWorker:
             from raysparse.decode_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(model, cache, spec.max_batch)
-        self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync, graphs, rt)
+        self.executor = ShardExecutor(model, cache, rank, world_size, reduce, sync, graphs, rt,
+                                      offload=spec.kv_offload)
         return {"rank": rank, "kv_heads": model.num_kv_heads, "kv_offset": getattr(model, "kv_head_offset", 0),
                 "kv_pages": pages, "page_size": spec.page_size, "device": self.device,
                 "all_reduce": reduce_path + ("+norm" if reduce_norm is not None else ""), "load": load.as_dict()}

@@ -105,7 +105,8 @@ class Engine:
             spec = ShardSpec(str(src.directory), self.cfg.dtype, self.cfg.kv_cache_tokens, self.cfg.page_size,
                              self.cfg.random_weights, self.cfg.seed,
                              num_threads=shard_threads(self.cfg, self.use_gpu, local_instance()),
-                             cuda_graphs=self.cfg.cuda_graphs, max_batch=self.cfg.max_batch, runtime=self.cfg.runtime)
+                             cuda_graphs=self.cfg.cuda_graphs, max_batch=self.cfg.max_batch, runtime=self.cfg.runtime,
+                             kv_offload=self.cfg.kv_offload)
             # appended one by one: a failure part way leaves the runners built so far to ``shutdown``
             for runner in replica_runners(self.cfg, spec, self.use_gpu, self.tokenizer, self.name):
                 self.runners.append(runner)

@@ -184,3 +184,41 @@ def test_tp2_tokens_through_the_tiers_equal_those_without_them(tmp_path):
         assert all(len(t) == NEW for t in results[method, "plain"][0]), msg
         assert results[method, "tiered"][0] == results[method, "plain"][0], msg
         _check_stats(results[method, "tiered"][1], method)
+
+
+@pytest.mark.slow
+def test_the_engine_decodes_through_the_tiers(tmp_path):
+    """``EngineConfig.kv_offload`` reaches the engine's Ray shards and its scheduler: greedy tokens through the
+    real engine with a pool smaller than one prompt's K/V equal the engine's tokens without it, the shards
+    report the pool's copies, and dense is refused with its one line."""
+    from raysparse.orchestration.engine import Engine, EngineConfig
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    cfg = tiny_hf_config(num_kv_heads=2, group=2, layers=LAYERS)
+    cfg.max_position_embeddings = 2048
+    random_state(cfg, seed=seed).save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(0, 97, (n,), generator=g).tolist()) for n in LENS[:2]]
+    method, params = "quest", params_of("quest")
+
+    def answers(offload: KVOffloadConfig | None) -> tuple[list[tuple[int, ...]], list[dict], str]:
+        eng = Engine(EngineConfig(model=str(tmp_path), kv_cache_tokens=HOST_TOKENS, page_size=PAGE, draft=False,
+                                  kv_offload=offload)).start()
+        try:
+            out = []
+            for p in prompts:
+                fin = eng.submit(EngineRequest(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method,
+                                               params)).result(300)
+                assert fin.finish_reason == "length", (fin.error, seed)
+                out.append(fin.token_ids)
+            dense = eng.submit(EngineRequest(prompts[0], SamplingParams(max_new_tokens=2, ignore_eos=True))).result(300)
+            return out, eng.runners[0].group.stats(), dense.error or ""
+        finally:
+            eng.shutdown()
+
+    plain, _, _ = answers(None)
+    tiered, stats, refused = answers(OFFLOAD)
+    assert tiered == plain, f"seed {seed}"
+    tiers = stats[0]["kv_offload"]
+    assert tiers["page_copies"] + tiers["row_copies"] > 0 and tiers["bytes_copied"] > 0, (tiers, seed)
+    assert "--kv-offload" in refused and "\n" not in refused, refused
