@@ -21,6 +21,11 @@ PREFILL_CHUNK_GPU = 65536
 # whole prompt: a step is not interrupted, so a request cancelled or past its deadline mid-prompt holds the
 # engine until its step ends.
 IDLE_PREFILL_CPU = 2048
+# Decode steps one call to the shards runs while no prompt waits (``decode_steps`` unset). A CPU step is tens of
+# milliseconds, so the call's Ray round trip and the scheduler's turn (a few milliseconds) are paid once for four
+# steps; a prompt that arrives waits at most that call. GPU steps replay as Ray compiled graphs, one per call.
+DECODE_STEPS_CPU = 4
+DECODE_STEPS_GPU = 1
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class EngineConfig:
     draft: bool = True  # start the SpecAttn draft actor (one per replica)
     draft_model: str | None = None  # SpecAttn's separate draft checkpoint (None: the self-speculative draft)
     cuda_graphs: bool = True  # GPUs: replay decode steps from captured CUDA graphs (methods that allow it)
-    decode_steps: int = 1  # decode steps per call to the shards while no prompt waits (multi-step decode)
+    decode_steps: int | None = None  # decode steps per call to the shards while no prompt waits; None: the device's
     runtime: RuntimeConfig = RuntimeConfig()  # which kernels and collectives the shards run (validated there)
     # "own": each replica makes its placement group; "current": the one replica's shards take bundles 1..tp of
     # the placement group this process runs in (a Ray Serve replica's, whose bundle 0 is the replica itself)
@@ -61,7 +66,7 @@ class EngineConfig:
         for name in ("tp", "replicas", "kv_cache_tokens", "page_size", "max_batch", "max_prefill_tokens",
                      "max_waiting", "decode_steps"):
             v = getattr(self, name)
-            if v is None and name == "max_prefill_tokens":
+            if v is None and name in ("max_prefill_tokens", "decode_steps"):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -103,6 +108,13 @@ class EngineConfig:
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return PREFILL_CHUNK_GPU if use_gpu else PREFILL_CHUNK_CPU
+
+    def decode_steps_for(self, use_gpu: bool) -> int:
+        """Decode steps per call to the shards while no prompt waits: ``decode_steps``, or the default for the
+        shards' device."""
+        if self.decode_steps is not None:
+            return self.decode_steps
+        return DECODE_STEPS_GPU if use_gpu else DECODE_STEPS_CPU
 
     def idle_prefill(self, use_gpu: bool) -> int | None:
         """The head prompt's budget while nothing decodes (None: ``prefill_chunk``'s). A ``max_prefill_tokens``

@@ -61,7 +61,7 @@ def replica_runners(cfg: EngineConfig, spec: ShardSpec, use_gpu: bool, tokenizer
                              placement_group=current, first_bundle=1 if current is not None else 0)
         pages = -(-cfg.kv_cache_tokens // cfg.page_size)
         sched = Scheduler(SchedulerConfig(pages, cfg.page_size, cfg.max_batch, cfg.prefill_chunk(use_gpu),
-                                          cfg.max_waiting, cfg.decode_steps, cfg.prefix_cache,
+                                          cfg.max_waiting, cfg.decode_steps_for(use_gpu), cfg.prefix_cache,
                                           idle_prefill_tokens=cfg.idle_prefill(use_gpu),
                                           device_pages=cfg.device_pages(),
                                           pinned_pages=cfg.kv_offload.pinned_pages if cfg.kv_offload else 0))

@@ -80,8 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus-per-shard", type=float, default=1.0, help="CPUs Ray reserves per shard actor")
     p.add_argument("--no-draft", action="store_true", help="no SpecAttn draft actor (specattn is then refused)")
     add_draft_model_arg(p)
-    p.add_argument("--decode-steps", type=positive_int, default=1,
-                   help="decode steps per shard call while no prompt waits (fewer round trips, burstier streams)")
+    p.add_argument("--decode-steps", type=positive_int, default=None,
+                   help="decode steps per shard call while no prompt waits (fewer round trips, burstier streams; "
+                        "default: 4 on CPU shards, 1 on GPUs)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="GPUs: run decode steps eagerly")
     add_prefix_cache_args(p)
     p.add_argument("--random-weights", action="store_true",
