@@ -6,8 +6,8 @@ fastest. The config is frozen and validated on construction, so a bad value fail
 configured, never inside a request; ``EngineConfig.runtime`` carries it to every shard (``ShardSpec``).
 
 - ``fused_ops``: the decoder layer's fused elementwise kernels (``raysparse.layers``): ``auto`` (on CUDA
-  tensors when Triton is installed), ``triton`` (always: the CPU tests run them in Triton's interpreter)
-  or ``torch`` (never).
+  tensors when Triton is installed), ``triton`` (always: the CPU tests run them in Triton's interpreter),
+  ``native`` (the C kernels on fp32 CPU tensors) or ``torch`` (never).
 - ``allreduce``: the tensor-parallel group's all-reduce (``raysparse.all_reduce``): ``auto`` (symmetric
   memory where it is available and verifies against NCCL at start-up, else NCCL), ``nccl`` or
   ``symm_mem`` (an error at start-up if it cannot be used).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-FUSED_OPS = ("auto", "triton", "torch")
+FUSED_OPS = ("auto", "triton", "torch", "native")
 ALLREDUCE = ("auto", "nccl", "symm_mem")
 COMPILED_GRAPH = ("auto", "on", "off")
 _CHOICES = {"fused_ops": FUSED_OPS, "allreduce": ALLREDUCE, "compiled_graph": COMPILED_GRAPH}

@@ -23,7 +23,7 @@ def _built():
     x = torch.zeros(1)
     if not cpu_fused.available(x):
         pytest.fail("no C compiler: the CPU's fused ops are not built")
-    assert fused_ops(x, "auto") is cpu_fused and fused_ops(x, "torch") is None
+    assert fused_ops(x, "native") is cpu_fused and fused_ops(x, "auto") is None and fused_ops(x, "torch") is None
 
 
 def _seed() -> int:
@@ -96,7 +96,7 @@ def test_model_steps_through_the_fused_ops_match_plain():
 
     model.set_fused_ops("torch")
     ref, ref_cache = run()
-    model.set_fused_ops("auto")
+    model.set_fused_ops("native")
     got, cache = run()
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), seed
     for layer in range(cfg.num_hidden_layers):
