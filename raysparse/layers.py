@@ -42,7 +42,7 @@ def fused_ops(x: torch.Tensor, mode: str = "auto") -> ModuleType | None:
         raise ValueError(f"fused ops mode must be auto, triton, torch or native, got {mode!r}")
     if mode == "native":
         return cpu_fused if not x.is_cuda and cpu_fused.available(x) else None
-    if mode == "torch" or not _HAS_TRITON:
+    if mode == "torch" or not _HAS_TRITON or (mode == "auto" and not x.is_cuda):
         return None
     from raysparse.kernels import fused_ops as ops
 
