@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch  # noqa: F401 - loaded first, so the library's libgomp.so.1 is PyTorch's
 
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# not -ffast-math: a library built with it flushes denormals to zero for the whole process when it loads
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 
