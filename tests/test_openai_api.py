@@ -417,7 +417,8 @@ def test_client_disconnect_mid_stream_frees_the_kv(server):
     assert after[aborts] == before + 1
     assert after['raysparse:kv_cache_usage_perc{model_name="tiny"}'] == 0.0
     # a non-streaming request whose client times out is aborted too
-    slow = openai.OpenAI(base_url=server["http"] + "/v1", api_key="x", max_retries=0, timeout=1.0)
+    # far shorter than the request (hundreds of tokens, four decode steps a call): the client gives up first
+    slow = openai.OpenAI(base_url=server["http"] + "/v1", api_key="x", max_retries=0, timeout=0.2)
     with pytest.raises(openai.APITimeoutError):
         slow.completions.create(model="tiny", prompt="a long wait", max_tokens=KV_TOKENS - 64,
                                 extra_body={"ignore_eos": True})
