@@ -3,14 +3,14 @@ RMSNorm, attention (RoPE, the paged cache write, the backend's attend), the SwiG
 q/k/v and gate/up projections (``Merged``).
 
 On CUDA the decoder layer's small elementwise ops run as fused Triton kernels (``raysparse.kernels.fused_ops``),
-on CPUs in fp32, with ``native``, as C ones with the same interface (``raysparse.kernels.cpu_fused``): each
+on CPUs in fp32 as C ones with the same interface (``raysparse.kernels.cpu_fused``): each
 residual add with the norm after it (``RMSNorm.add_forward``), RoPE with the paged cache write, SiLU * up. They
 round as the PyTorch code here does (the C ones up to the order of a sum), which is their oracle and the path
 everywhere else.
 ``fused_ops`` picks by each module's ``fused_mode`` (set for a whole model by ``LlamaForCausalLM.set_fused_ops``,
-the engine's ``RuntimeConfig.fused_ops``): ``auto`` (default: Triton on CUDA tensors when it is installed),
-``triton`` (always, so the CPU tests run the kernels in Triton's interpreter), ``native`` (C on fp32 CPU tensors)
-or ``torch`` (never).
+the engine's ``RuntimeConfig.fused_ops``): ``auto`` (default: Triton on CUDA tensors when it is installed, C on
+fp32 CPU tensors where a compiler built them), ``triton`` (always, so the CPU tests run the kernels in Triton's
+interpreter), ``native`` (C on fp32 CPU tensors, PyTorch on others) or ``torch`` (never).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 def fused_ops(x: torch.Tensor, mode: str = "auto") -> ModuleType | None:
     """The fused kernels' module when ``mode`` chooses them for ``x``'s device, else None: in ``auto`` the
-    Triton kernels on CUDA; ``native``, the C ones on CPUs for fp32 (``kernels.cpu_fused``, where a compiler
-    built them; not yet the default: a tensor-parallel eval's greedy outputs then differ from one process's).
-    Imported on first use: CPU processes never import Triton, and tests set TRITON_INTERPRET before it."""
+    Triton kernels on CUDA and the C ones on CPUs for fp32 (``kernels.cpu_fused``, where a compiler built them);
+    ``native`` the C ones only. Triton is imported on first use: CPU processes never import it, and tests set
+    TRITON_INTERPRET before it."""
     if mode not in FUSED_MODES:
         raise ValueError(f"fused ops mode must be auto, triton, torch or native, got {mode!r}")
-    if mode == "native":
+    if mode == "native" or (mode == "auto" and not x.is_cuda):
         return cpu_fused if not x.is_cuda and cpu_fused.available(x) else None
-    if mode == "torch" or not _HAS_TRITON or (mode == "auto" and not x.is_cuda):
+    if mode == "torch" or not _HAS_TRITON:
         return None
     from raysparse.kernels import fused_ops as ops
 

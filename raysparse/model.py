@@ -41,8 +41,8 @@ class DecoderLayer(nn.Module):
         # Replaced by an all-reduce over the tensor-parallel group; one per attention block and per MLP.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
         # Set by tensor parallelism where the group has it: all-reduce + residual add + norm in one launch,
-        # (partial, residual, norm) -> (norm(h), h). The MLP's output then stays a partial sum until the next
-        # norm (the next layer's, or the final one) reduces it (``finish``).
+        # (partial, residual, norm) -> (norm(h), h). ``forward_pending`` leaves the MLP's output a partial sum
+        # either way; the next norm (the next layer's, or the final one) reduces it (``add_norm``, ``finish``).
         self.reduce_norm: Callable[[torch.Tensor, torch.Tensor, RMSNorm], tuple[torch.Tensor, torch.Tensor]] | None \
             = None
 
@@ -53,8 +53,8 @@ class DecoderLayer(nn.Module):
         return norm.add_forward(self.reduce(x), h)
 
     def finish(self, mlp: torch.Tensor) -> torch.Tensor:
-        """The MLP output that ``forward_pending`` left pending, reduced where it is still a partial sum."""
-        return self.reduce(mlp) if self.reduce_norm is not None else mlp
+        """The MLP output that ``forward_pending`` left pending (a partial sum across the group), reduced."""
+        return self.reduce(mlp)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 batch: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
@@ -65,10 +65,9 @@ class DecoderLayer(nn.Module):
                         cache: KVCache, batch: BatchMeta,
                         backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer over the input ``h + pending`` (``pending``: the previous layer's MLP output not yet
-        added, or None). Returns (h, mlp) whose sum is the output: the MLP's residual add is left to the
-        next norm, which fuses it (``RMSNorm.add_forward``); mlp is None when the add was done here. With
-        ``reduce_norm`` the pending MLP output is a partial sum still to be reduced (every layer of a model
-        is set alike)."""
+        added, or None), both as partial sums across the tensor-parallel group. Returns (h, mlp) with
+        ``h + reduce(mlp)`` the output: the MLP's all-reduce and residual add are left to the next norm, which
+        fuses them (``add_norm``); mlp is None when the add was done here."""
         # Early token freezing (``AttentionBackend.frozen_rows``): the residual updates and the MLP run on the
         # other rows only.
         frozen = backend.frozen_rows(self.self_attn.layer, batch)
@@ -79,7 +78,7 @@ class DecoderLayer(nn.Module):
                 x, h = self.add_norm(pending, h, self.input_layernorm)
             x, h = self.add_norm(self.self_attn(x, cos, sin, cache, batch, backend), h, self.post_attention_layernorm)
             mlp = self.mlp(x)
-            return h, (mlp if self.reduce_norm is not None else self.reduce(mlp))
+            return h, mlp  # reduced once, by the norm that adds it (reducing here too summed it twice)
         if pending is not None:
             h = h + self.finish(pending)
         attn = self.reduce(self.self_attn(self.input_layernorm(h), cos, sin, cache, batch, backend))

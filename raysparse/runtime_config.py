@@ -5,9 +5,10 @@ symmetric-memory all-reduce, a compiled Ray graph or plain actor calls); the def
 fastest. The config is frozen and validated on construction, so a bad value fails where the engine is
 configured, never inside a request; ``EngineConfig.runtime`` carries it to every shard (``ShardSpec``).
 
-- ``fused_ops``: the decoder layer's fused elementwise kernels (``raysparse.layers``): ``auto`` (on CUDA
-  tensors when Triton is installed), ``triton`` (always: the CPU tests run them in Triton's interpreter),
-  ``native`` (the C kernels on fp32 CPU tensors) or ``torch`` (never).
+- ``fused_ops``: the decoder layer's fused elementwise kernels (``raysparse.layers``): ``auto`` (Triton on
+  CUDA tensors when it is installed, the C kernels on fp32 CPU tensors where a compiler built them),
+  ``triton`` (always: the CPU tests run them in Triton's interpreter), ``native`` (the C kernels only) or
+  ``torch`` (never).
 - ``allreduce``: the tensor-parallel group's all-reduce (``raysparse.all_reduce``): ``auto`` (symmetric
   memory where it is available and verifies against NCCL at start-up, else NCCL), ``nccl`` or
   ``symm_mem`` (an error at start-up if it cannot be used).

@@ -23,7 +23,8 @@ def _built():
     x = torch.zeros(1)
     if not cpu_fused.available(x):
         pytest.fail("no C compiler: the CPU's fused ops are not built")
-    assert fused_ops(x, "native") is cpu_fused and fused_ops(x, "auto") is None and fused_ops(x, "torch") is None
+    assert fused_ops(x, "native") is cpu_fused and fused_ops(x, "auto") is cpu_fused and fused_ops(x, "torch") is None
+    assert fused_ops(x.double(), "auto") is None  # fp64 keeps PyTorch's
 
 
 def _seed() -> int:

@@ -52,6 +52,18 @@ def test_tp2_gloo_smollm_matches_tp1_on_real_text(smollm, real_text, tmp_path):
     assert (tp2["logits"] - tp1).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("fused_ops", ["torch", "native"])
+def test_tp2_fused_layer_loop_without_reduce_norm_matches_tp1(fused_ops, tmp_path):
+    """The fused-ops layer loop leaves each MLP output pending for the next norm; without a fused reduce-norm
+    (gloo, NCCL) that norm's add reduces it, exactly once (a second reduce in the layer summed it twice)."""
+    cfg = tiny_hf_config(num_kv_heads=2, group=2, layers=3)
+    state = random_state(cfg, seed=int(torch.randint(0, 1000, ())))
+    ids = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (12, 7)]
+    tp1 = run_tp(1, cfg, state.state_dict(), ids, tmp_path, fused_ops=fused_ops)["logits"]
+    tp2 = run_tp(2, cfg, state.state_dict(), ids, tmp_path, fused_ops=fused_ops)
+    assert (tp2["logits"] - tp1).abs().max().item() < 1e-4
+
+
 # the Triton kernels under the interpreter take ~20 s on 2 cores: with `-m slow` (GPUs run them natively)
 @pytest.mark.parametrize("fused_ops", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_tp2_fused_reduce_norm_seam_matches_tp1(fused_ops, tmp_path, monkeypatch):
