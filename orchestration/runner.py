@@ -163,7 +163,7 @@ class ReplicaRunner:
         now = time.perf_counter()
         with self.cond:
             seqs = self._seqs(plan)
-            for seq, toks in zip(seqs, new_tokens, strict=True):
+            for i, (seq, toks) in enumerate(zip(seqs, new_tokens, strict=True)):
                 if seq is None:
                     continue
                 if prompt_logprobs and seq.seq_id in prompt_logprobs:
@@ -172,7 +172,7 @@ class ReplicaRunner:
                     seq.prompt_logprobs.extend(prompt_logprobs[seq.seq_id])
                 if toks == [None]:  # a prompt's non-final chunk
                     continue
-                if plan.prefill:
+                if plan.prefill and i >= plan.decode_rows:  # a prompt's first token (not a mixed step's decode)
                     seq.t_first = now
                 lps = (logprobs or {}).get(seq.seq_id) or [None] * len(toks)
                 for tok, lp in zip(toks, lps, strict=False):
@@ -186,8 +186,8 @@ class ReplicaRunner:
         with self.cond:
             rows = [(s, toks) for s, toks in zip(self._seqs(plan), plan.tokens, strict=True) if s is not None]
             weights = []
-            for seq, toks in rows:
-                if plan.prefill:  # this chunk's queries over the prompt up to its end
+            for i, (seq, toks) in enumerate(rows):
+                if plan.prefill and i >= plan.decode_rows:  # this chunk's queries over the prompt up to its end
                     weights.append(causal_pairs(len(toks), seq.prefilled))
                 else:
                     weights.append(len(seq.request.prompt_ids) + len(seq.tokens) + 1)
@@ -232,7 +232,8 @@ class ReplicaRunner:
 
     def _fail(self, plan: StepPlan, error: str) -> None:
         with self.cond:
-            seqs = [s for s in self._seqs(plan) if s is not None]
+            # a mixed step's decode rows were rolled back on the shards: they run again in a later step
+            seqs = [s for s in self._seqs(plan)[plan.decode_rows:] if s is not None]
             if plan.prefill and len(seqs) > 1:
                 # Which request broke the batch is unknown: each is retried alone, so only it fails.
                 for seq in reversed(seqs):

@@ -235,12 +235,23 @@ class Scheduler:
     def _partial(self) -> list[Sequence]:
         return [s for g in self.running.values() for s in g if not s.prompt_done]
 
+    def _prefill_key(self) -> str:
+        """The method key the next prefill step serves: the first part-way prompt's, else the head request's."""
+        partial = self._partial()
+        return partial[0].key if partial else self.waiting[0].key
+
     def next_plan(self) -> StepPlan | None:
         decode_keys = [k for k in self.running if self._ready(k)]
         admissible = bool(self.waiting) and self._admissible(self.waiting[0])
-        if (admissible or self._partial()) and not (self._last_prefill and decode_keys):
-            self._last_prefill = True
-            return self._prefill_plan()
+        if admissible or self._partial():
+            key = self._prefill_key()
+            mixed = self.capabilities(key).mixed_steps
+            # decodes the prefill step does not carry (another key's, or all of them without mixed steps) get
+            # every other step
+            behind = [k for k in decode_keys if not (mixed and k == key)]
+            if not (self._last_prefill and behind):
+                self._last_prefill = True
+                return self._prefill_plan(key, mixed)
         if decode_keys:
             self._last_prefill = False
             key = decode_keys[self._rr % len(decode_keys)]
@@ -259,14 +270,15 @@ class Scheduler:
         plan.free, self._to_free = self._to_free, []
         return plan
 
-    def _prefill_plan(self) -> StepPlan:
+    def _prefill_plan(self, key: str, mixed: bool) -> StepPlan:
         """Prompts (or their next chunks) up to ``max_prefill_tokens``: sequences part-way through their prompt
         first, then new admissions of the same method. A prompt longer than what is left of the step's budget
         is split (chunked prefill), so a long prompt never holds decodes up for more than one budget's worth;
         a method without ``chunked_prefill`` (e.g. one whose draft prefills whole prompts) is never split.
-        While nothing decodes, the head prompt alone may take ``idle_prefill_tokens`` (the rest wait a step)."""
+        While nothing decodes, the head prompt alone may take ``idle_prefill_tokens`` (the rest wait a step).
+        With ``mixed`` (the method's ``mixed_steps``) the key's running sequences decode in the same step, one
+        token each, first in the plan and counted in its budget; a prompt retried alone (``solo``) runs alone."""
         partial = self._partial()
-        key = partial[0].key if partial else self.waiting[0].key
         chunkable = self.capabilities(key).chunked_prefill
         budget = self.cfg.max_prefill_tokens
         idle = self.cfg.idle_prefill_tokens
@@ -276,8 +288,11 @@ class Scheduler:
             budget = max(budget, min(idle, plen - (head.prefilled if partial else
                                                    self.pool.hits(head.keys, plen) * self.cfg.page_size)))
         rows: list[tuple[Sequence, int]] = []  # (sequence, tokens of it in this step)
+        head = partial[0] if partial else self.waiting[0]
+        riding = self._ready(key)[: self.cfg.max_batch - 1] if mixed and not head.solo else []
+        budget = max(1, budget - len(riding))  # a prompt token at least: the step is a prefill step
         for seq in [s for s in partial if s.key == key]:
-            if budget <= 0 or len(rows) >= self.cfg.max_batch:
+            if budget <= 0 or len(riding) + len(rows) >= self.cfg.max_batch:
                 break
             n = min(len(seq.request.prompt_ids) - seq.prefilled, budget)
             rows.append((seq, n))
@@ -295,7 +310,7 @@ class Scheduler:
             hit = self.pool.hits(seq.keys, plen)
             if hit < min(len(seq.keys), (plen - 1) // page) and seq.keys[hit] in inflight:
                 continue
-            if budget <= 0 or len(rows) >= self.cfg.max_batch or solo or (rows and seq.solo):
+            if budget <= 0 or len(riding) + len(rows) >= self.cfg.max_batch or solo or (rows and seq.solo):
                 break
             if not self._admissible(seq, len(admitted)):
                 break  # FIFO within the key: no overtaking a request that waits for pages
@@ -314,6 +329,11 @@ class Scheduler:
         self.running.setdefault(key, []).extend(admitted)
         plan = StepPlan(key, True, admit=[(s.seq_id, s.request.max_tokens, _params_dict(s),
                                            self.pool.pages_of(s.seq_id), s.cached) for s in admitted])
+        if rows:  # a mixed step's decode rows ride only with a prompt's tokens
+            plan.decode_rows = len(riding)
+            plan.seq_ids = [s.seq_id for s in riding]
+            plan.tokens = [[s.tokens[-1]] for s in riding]
+            plan.sample = [True] * len(riding)
         for seq, n in rows:
             plan.seq_ids.append(seq.seq_id)
             plan.tokens.append(list(seq.request.prompt_ids[seq.prefilled: seq.prefilled + n]))

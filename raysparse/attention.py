@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from raysparse.kernels import cpu_prefill
+from raysparse.kernels.dispatch import paged_dense_decode
+from raysparse.kernels.formats import PagedKV
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.runtime_config import RuntimeConfig
 
@@ -313,10 +315,23 @@ class DenseAttention(AttentionBackend):
 
     def prefill(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         out = torch.empty_like(q)
+        ones = [i for i, n in enumerate(batch.q_lens) if n == 1]
+        if len(ones) > 1 or (ones and batch.ctx_lens[ones[0]] > 1):
+            # One-token rows (a mixed step's decode rows) are decode rows: the paged decode over their pages in
+            # place, all at once, instead of a gather of each one's whole K/V for a one-row attend.
+            kv, blocks = cache.paged(layer, batch)
+            rows = torch.tensor(ones, device=q.device)
+            sub = PagedKV(kv.k, kv.v, kv.page_table[rows], kv.seqlens[rows],
+                          None if kv.host_rows is None else tuple(kv.host_rows[i] for i in ones))
+            out[[batch.cu_q[i] for i in ones]] = paged_dense_decode(q[[batch.cu_q[i] for i in ones]], sub,
+                                                                    blocks[rows])
+        else:
+            ones = []
         for i in range(batch.num_seqs):
-            k, v = cache.gather(layer, batch, i)
-            lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
-            out[lo:hi] = dense_attention(q[lo:hi], k, v)
+            if not ones or batch.q_lens[i] != 1:
+                k, v = cache.gather(layer, batch, i)
+                lo, hi = batch.cu_q[i], batch.cu_q[i + 1]
+                out[lo:hi] = dense_attention(q[lo:hi], k, v)
             pairs = causal_pairs(batch.q_lens[i], batch.ctx_lens[i]) * cache.num_kv_heads
             self.meter.add(layer, pairs, pairs, decode=not batch.is_prefill)
         return out
@@ -324,8 +339,6 @@ class DenseAttention(AttentionBackend):
     def decode(self, layer: int, q: torch.Tensor, cache: KVCache, batch: BatchMeta) -> torch.Tensor:
         # Every sequence's whole block list over its pages, read in place: one split-K kernel on GPUs (a decode
         # step's host time is what bounds it), each sequence's runs of consecutive pages as views on CPUs.
-        from raysparse.kernels.dispatch import paged_dense_decode
-
         kv, blocks = cache.paged(layer, batch)
         out = paged_dense_decode(q, kv, blocks)
         for n in batch.ctx_lens:

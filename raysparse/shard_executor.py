@@ -176,13 +176,16 @@ class ShardExecutor(MultiStepDecode):
     def execute(self, plan: StepPlan) -> dict[str, Any]:
         """Runs one step (``plan.steps`` decode steps). Returns ``tokens`` (rank 0; None elsewhere): one per
         sequence, or a list per sequence when ``steps > 1``; ``error`` (the step's sequences failed; the
-        shard stays usable) and the shard's forward time."""
+        shard stays usable) and the shard's forward time. A failed mixed step fails its prompts alone: its
+        decode rows (``plan.decode_rows``) are rolled back to their length before it, to run again."""
         t0 = time.perf_counter()
         self.free(plan.free)
         if not plan.seq_ids:
             return {"tokens": [], "error": None, "forward_s": 0.0}
         self._logprobs, self._prompt_logprobs = {}, {}
+        riding, lens = plan.seq_ids[:plan.decode_rows], []
         try:
+            lens = [self.cache.seq_len(sid) for sid in riding]
             self.admit(plan.admit, plan.key)
             backend = self.backend(plan.key)
             before = _meter_counts(backend) if self.rank == 0 else None
@@ -200,7 +203,9 @@ class ShardExecutor(MultiStepDecode):
                 out["meter"] = [a - b for a, b in zip(_meter_counts(backend), before, strict=True)]
             return out
         except Exception as e:  # the engine fails these sequences and frees them; other work goes on
-            self.free(plan.seq_ids)
+            for sid, n in zip(riding, lens, strict=False):
+                self.cache.truncate(sid, min(n, self.cache.seq_len(sid)))
+            self.free(plan.seq_ids[plan.decode_rows:])
             return {"tokens": None, "error": f"{type(e).__name__}: {e}", "forward_s": time.perf_counter() - t0}
 
     def _graphs_for(self, backend: AttentionBackend) -> DecodeGraphs | None:
@@ -216,7 +221,7 @@ class ShardExecutor(MultiStepDecode):
         if plan.prefill:
             batch.prompt_ends = list(plan.sample)  # only a prompt's last chunk samples
             # every rank alike: the head's vocabulary gather is a collective over the group
-            if any(self._params[s].prompt_logprobs is not None for s in plan.seq_ids):
+            if any(self._params[s].prompt_logprobs is not None for s in plan.seq_ids[plan.decode_rows:]):
                 logits = self.model(ids, batch, self.cache, backend, all_logits=True)
                 if self.rank == 0:
                     self._record_prompt(plan, logits, batch.cu_q)
@@ -228,7 +233,7 @@ class ShardExecutor(MultiStepDecode):
         previous chunk's last row for the chunk's first token; none for the prompt's first)."""
         for i, sid in enumerate(plan.seq_ids):
             k = self._params[sid].prompt_logprobs
-            if k is None:
+            if k is None or i < plan.decode_rows:  # a decode row's token is no prompt token
                 continue
             rows = logits[cu_q[i]:cu_q[i + 1]]
             toks = plan.tokens[i]

@@ -35,3 +35,6 @@ class StepPlan:
     free: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)  # per sequence; empty = all (a non-final prefill chunk: no)
     steps: int = 1  # decode: consecutive steps in one call, each feeding back the tokens it sampled
+    # prefill: its first ``decode_rows`` sequences are running ones decoding their last sampled token in the step,
+    # a one-token row each (a mixed step, for a method whose capabilities allow ``mixed_steps``)
+    decode_rows: int = 0

@@ -20,10 +20,18 @@ from raysparse.step_plan import StepPlan, method_key
 POISON = 13  # a prompt holding this token id makes the fake shard fail its whole step
 
 
+def _poison(module, args) -> None:
+    if bool((args[0] == POISON).any()):
+        raise ValueError("poisoned prompt")
+
+
 class LocalGroup:
-    """One in-process shard with ReplicaGroup's step interface; steps holding a poisoned prompt fail."""
+    """One in-process shard with ReplicaGroup's step interface; a step holding a poisoned prompt fails inside
+    the shard's forward, as a real step's error does."""
 
     def __init__(self, model, pages: int) -> None:
+        if not model.model.embed_tokens._forward_pre_hooks:
+            model.model.embed_tokens.register_forward_pre_hook(_poison)
         self.executor = ShardExecutor(model, KVCache(model.cfg, pages, 64))
         self.pages = pages
         self.info: list[dict] = []
@@ -31,9 +39,6 @@ class LocalGroup:
 
     def execute(self, plan: StepPlan) -> dict:
         self.plans.append(plan)
-        if plan.prefill and any(POISON in t for t in plan.tokens):
-            self.executor.free(plan.seq_ids)
-            return {"tokens": None, "error": "ValueError: poisoned prompt", "forward_s": 0.0}
         return self.executor.execute(plan)
 
     def stop(self) -> None:
@@ -119,11 +124,13 @@ def test_chunked_prefill_gives_the_same_tokens_and_lets_decodes_through():
             second = submit(runner, long_prompt, new=4)
             outs[budget] = (first.result(60).token_ids, second.result(60).token_ids)
             prefills = [p for p in group.plans if p.prefill][1:]  # the first one is the short prompt's
-            if budget == 64:  # 300 tokens in chunks of at most 64, decode steps of the short one in between
-                assert [len(p.tokens[0]) for p in prefills][:5] == [64, 64, 64, 64, 44]
-                assert [p.sample for p in prefills][:5] == [[False]] * 4 + [[True]]
-                i0, i1 = group.plans.index(prefills[0]), group.plans.index(prefills[-1])
-                assert any(not p.prefill and p.seq_ids for p in group.plans[i0:i1])
+            if budget == 64:
+                # 300 tokens in chunks of at most 64 with the short one decoding in the same steps (dense's mixed
+                # steps: its one-token row first, counted in the budget)
+                assert [p.decode_rows for p in prefills][:5] == [1] * 5
+                assert all(p.seq_ids[0] == prefills[0].seq_ids[0] and len(p.tokens[0]) == 1 for p in prefills[:5])
+                assert [len(p.tokens[1]) for p in prefills][:5] == [63, 63, 63, 63, 48]
+                assert [p.sample for p in prefills][:5] == [[True, False]] * 4 + [[True, True]]
         finally:
             runner.stop()
     assert outs[64] == outs[4096]
@@ -221,8 +228,8 @@ def test_a_request_that_had_not_started_when_its_group_died_is_retried_once():
     try:
         decoding = submit(runner, (20, 21, 22), new=400)
         decoding.get(30)  # its first token is out
-        state["kill"] = lambda plan: plan.prefill and len(plan.tokens) == 1 and len(plan.tokens[0]) == 32 and \
-            state["kills"] == 0
+        # a step with a chunk of the prompt (the decoding request's token rides in it: a mixed step)
+        state["kill"] = lambda plan: plan.prefill and any(len(t) > 1 for t in plan.tokens) and state["kills"] == 0
         fresh = submit(runner, tuple(range(POISON + 1, 97)) * 2, new=5)  # 166 tokens: several chunks
         lost = decoding.result(30)
         assert lost.finish_reason == "error" and "shard actor rs-replica0-shard0-g1" in lost.error
@@ -231,7 +238,7 @@ def test_a_request_that_had_not_started_when_its_group_died_is_retried_once():
         assert fin.finish_reason == "length" and len(fin.token_ids) == 5 and state["kills"] == 1
         assert runner.rebuilds == 1 and runner.state == "ready" and "\x1b" not in runner.last_error
         # once only: a request whose retry loses its group again fails with the error
-        state["kill"] = lambda plan: plan.prefill and plan.tokens and len(plan.tokens[0]) == 32
+        state["kill"] = lambda plan: plan.prefill and any(len(t) > 1 for t in plan.tokens)
         twice = submit(runner, tuple(range(POISON + 1, 97)) * 2, new=5).result(30)
         assert twice.finish_reason == "error" and "died" in twice.error
         deadline = time.time() + 10
@@ -242,28 +249,37 @@ def test_a_request_that_had_not_started_when_its_group_died_is_retried_once():
         runner.stop()
 
 
-def test_idle_prefill_gives_the_head_prompt_the_idle_budget_while_nothing_decodes():
+@pytest.mark.parametrize("method", ["dense", "streaming"])
+def test_idle_prefill_gives_the_head_prompt_the_idle_budget_while_nothing_decodes(method):
     """With no sequence decoding, the head prompt takes up to ``idle_prefill_tokens`` in one step and the
     prompts behind it wait for the next step; once a sequence decodes, prompts go in ``max_prefill_tokens``
-    chunks again, with decode steps between them."""
+    chunks again: with dense's mixed steps the decoding sequence's token rides in each chunk's step (first,
+    counted in the budget), otherwise decode steps run between the chunks."""
     sched = Scheduler(SchedulerConfig(32, 64, max_batch=8, max_prefill_tokens=100, idle_prefill_tokens=300))
     seqs = []
     for n in (250, 230):
         h = RequestHandle(EngineRequest(tuple(range(1, n + 1)), SamplingParams(max_new_tokens=8, ignore_eos=True),
-                                        "dense"), lambda _rid: False)
-        seqs.append(sched.make_sequence(h, method_key("dense"), frozenset(), 0.0))
+                                        method), lambda _rid: False)
+        seqs.append(sched.make_sequence(h, method_key(method), frozenset(), 0.0))
         sched.add(seqs[-1])
     plan = sched.next_plan()
     assert plan.prefill and plan.seq_ids == [seqs[0].seq_id] and [len(t) for t in plan.tokens] == [250]
-    assert plan.sample == [True]
+    assert plan.sample == [True] and plan.decode_rows == 0
     seqs[0].tokens.append(1)  # the first prompt's token: it decodes from now on
     kinds = []
     while not seqs[1].prompt_done:
         plan = sched.next_plan()
-        kinds.append(len(plan.tokens[0]) if plan.prefill else "decode")
-        if not plan.prefill:
-            seqs[0].tokens.append(1)
-    assert kinds == ["decode", 100, "decode", 100, "decode", 30]
+        if plan.prefill:
+            assert plan.seq_ids[:plan.decode_rows] == [seqs[0].seq_id] * plan.decode_rows
+            assert plan.tokens[:plan.decode_rows] == [[seqs[0].tokens[-1]]] * plan.decode_rows
+            kinds.append((plan.decode_rows, len(plan.tokens[plan.decode_rows])))
+        else:
+            kinds.append("decode")
+        seqs[0].tokens.append(1)
+    if method == "dense":
+        assert kinds == [(1, 99), (1, 99), (1, 32)]
+    else:
+        assert kinds == ["decode", (0, 100), "decode", (0, 100), "decode", (0, 30)]
     with pytest.raises(ValueError, match="idle_prefill_tokens"):
         SchedulerConfig(32, 64, max_prefill_tokens=100, idle_prefill_tokens=50)
     # a longer head prompt than the idle budget: that budget per step
@@ -276,3 +292,32 @@ def test_idle_prefill_gives_the_head_prompt_the_idle_budget_while_nothing_decode
     while not seq.prompt_done:
         chunks.append(len(sched.next_plan().tokens[0]))
     assert chunks == [200, 200, 50]
+
+
+def test_a_bad_prompt_in_a_mixed_step_fails_alone_and_the_decodes_riding_in_it_go_on():
+    """A prompt's chunk whose step fails while a running sequence decodes in the same (mixed) step: the prompt
+    fails, and the decoding sequence is rolled back on the shard and goes on, its tokens those of a run
+    without the bad prompt."""
+    cfg = tiny_hf_config(layers=2)
+    model = model_from_state(cfg, random_state(cfg, seed=int(torch.randint(0, 2**31 - 1, ()))).state_dict())
+    prompt = tuple(range(20, 40))
+    outs = []
+    for bad in (False, True):
+        runner, group = make_runner(model=model, max_prefill_tokens=64)
+        try:
+            first = RequestHandle(EngineRequest(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                                       logprobs=0)), runner.abort)
+            runner.add(runner.sched.make_sequence(first, method_key("dense"), frozenset(), time.perf_counter()))
+            first.get(30)  # decoding
+            if bad:
+                fin = submit(runner, (POISON,) + tuple(range(50, 149)), new=4).result(30)
+                assert fin.finish_reason == "error" and "poisoned" in fin.error
+                assert any(p.prefill and p.decode_rows == 1 and POISON in p.tokens[1] for p in group.plans)
+            first.result(60)
+            outs.append([ev for ev in first])  # its log-probabilities tell a shifted position apart too
+        finally:
+            runner.stop()
+    fin = [evs[-1] for evs in outs]
+    assert fin[1].finish_reason == "length" and fin[1].token_ids == fin[0].token_ids
+    lps = [torch.tensor([ev.logprob for ev in evs[:-1]]) for evs in outs]
+    assert len(lps[0]) == 39 and torch.allclose(lps[1], lps[0], atol=1e-5), (lps[1] - lps[0]).abs().max()

@@ -40,6 +40,9 @@ class MethodCapabilities:
       method's state of those pages is per page, or the method rebuilds its per-sequence part from them);
       a method whose prefix state cannot be reused recomputes the whole prompt (``SparseMethod.prefix_state``
       says which kind of state a method has, and why).
+    - ``mixed_steps``: running sequences' decode tokens may ride in a prefill step as one-token rows (a mixed
+      step, as vLLM's scheduler builds them): the method's prefill of a one-token row is its decode of that
+      token. Its decodes then advance at every prefill step instead of waiting for a step of their own.
     """
 
     needs_draft: bool = False
@@ -48,6 +51,7 @@ class MethodCapabilities:
     chunked_prefill: bool = True
     multi_step_decode: bool = True
     prefix_cache: bool = True
+    mixed_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,4 +255,5 @@ def _dense(cfg: ModelConfig, **params: Any) -> AttentionBackend:
     return DenseAttention(cfg.num_layers)
 
 
-register(MethodSpec("dense", "exact causal attention (SDPA)", _dense))
+register(MethodSpec("dense", "exact causal attention (SDPA)", _dense,
+                    capabilities=MethodCapabilities(mixed_steps=True)))
