@@ -96,8 +96,9 @@ class EngineConfig:
             if not isinstance(self.kv_offload, KVOffloadConfig):
                 raise ValueError(f"kv_offload must be a KVOffloadConfig, got {type(self.kv_offload).__name__}")
             self.kv_offload.device_pages(self.page_size)  # raises its one-line error for a pool too small
-            if self.device == "cuda":
-                raise ValueError("kv_offload runs on CPU shards in this version (device cpu or auto on a CPU cluster)")
+            # Every device: on GPUs the host tier is pinned host memory. The shards then decode eagerly whatever
+            # ``cuda_graphs`` says (the copies follow each layer's selection on the host); a method the tier cannot
+            # serve is refused by the shard at its first step, with one line (docs/kv_offload.md).
 
     def device_pages(self) -> int | None:
         """The device pool's pages per layer under ``kv_offload`` (the scheduler's ``device_pages``); None without."""

@@ -11,10 +11,13 @@ Pages come from the cache's own free list (``allocate``: one process on its own)
 (``attach``: the engine's ``PagePool`` decides for every shard of a group, and a sequence may start from
 pages that already hold its prompt's cached prefix, shared read-only with other sequences).
 
-With ``enable_tiers`` (``--kv-offload``) these pages are the host tier and a smaller device pool caches the pages
-decode steps read (``kv_tiers``): ``prepare`` moves the running sequences' pins, ``write`` writes through to
-resident pages and leaves a finished prompt's pinned pages on the device, ``attach`` / ``allocate`` drop the stale
-device copies of a new sequence's pages.
+With ``offload`` (``--kv-offload``) these pages are the host tier and a smaller device pool caches the pages
+decode steps read (``kv_tiers``), for every layer but ``KVOffloadConfig.device_layers``: ``prepare`` moves the
+running sequences' pins, ``written`` keeps the tiers' copies right and leaves a finished prompt's pinned pages on
+the device, ``attach`` / ``allocate`` drop the stale device copies of a new sequence's pages. On a CPU the host
+tier is ``k`` / ``v`` themselves (the shared layout); on a GPU it is pinned host memory and a tiered layer's
+``k`` / ``v`` is the tiers' working layer on the device (the separate layout, ``kv_tiers``), which a CPU cache
+takes too with ``separate_host=True``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from raysparse.config import ModelConfig
-from raysparse.kv_tiers import KVOffloadConfig, KVTiers
+from raysparse.kv_tiers import KVOffloadConfig, KVTiers, host_tier
 
 
 class CapacityError(RuntimeError):
@@ -85,6 +88,8 @@ class KVCache:
         device: torch.device | str = "cpu",
         num_kv_heads: int | None = None,
         metadata_bytes_per_token: int = 0,
+        offload: KVOffloadConfig | None = None,
+        separate_host: bool | None = None,
     ) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError("num_pages and page_size must be positive")
@@ -97,9 +102,16 @@ class KVCache:
         # One physical page more than the pool: a scratch page that padded rows of a captured decode step
         # write to and read from, so padding never touches a sequence's pages.
         self.scratch_page = num_pages
-        shape = (num_pages + 1, self.num_kv_heads, page_size, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.shape = (num_pages + 1, self.num_kv_heads, page_size, cfg.head_dim)
+        # With the tiers in the separate layout a tiered layer's pages are allocated in host memory instead
+        # (``_enable``): never the whole cache on the device first.
+        separate = offload is not None and self._separate(separate_host)
+        tiered = set(offload.tiered_layers(cfg.num_layers)) if offload is not None and separate else set()
+        none = torch.empty(0, dtype=dtype, device=self.device)  # a tiered layer's, until ``_enable`` sets it
+        self.k = [none if i in tiered else torch.zeros(self.shape, dtype=dtype, device=self.device)
+                  for i in range(cfg.num_layers)]
+        self.v = [none if i in tiered else torch.zeros(self.shape, dtype=dtype, device=self.device)
+                  for i in range(cfg.num_layers)]
         self.metadata_bytes_per_token = metadata_bytes_per_token
         # Per layer, per sequence: whatever a sparse method keeps (sketches, hash tables, walk state).
         self.metadata: list[dict[int, dict[str, Any]]] = [{} for _ in range(cfg.num_layers)]
@@ -110,14 +122,50 @@ class KVCache:
         self._reserved: dict[int, int] = {}
         self._lens: dict[int, int] = {}
         self._attached: set[int] = set()  # sequences whose pages the engine owns (``attach``)
-        self.tiers: KVTiers | None = None  # the device pool over these pages (``enable_tiers``); None: one tier
+        self.tiers: KVTiers | None = None  # the device pool over these pages (``offload``); None: one tier
+        if offload is not None:
+            self._enable(offload, separate)
 
-    def enable_tiers(self, cfg: KVOffloadConfig) -> KVTiers:
-        """Makes these pages the host tier of a device pool sized by ``cfg`` (before any sequence is admitted)."""
+    def enable_tiers(self, cfg: KVOffloadConfig, separate_host: bool | None = None) -> KVTiers:
+        """Makes these pages the host tier of a device pool sized by ``cfg`` (before any sequence is admitted), for a
+        cache built without ``offload``; in the separate layout the tiered layers' device pages are given back."""
         if self._pages:
             raise ValueError("the K/V tiers are enabled before any sequence is admitted")
-        self.tiers = KVTiers(cfg, self.k, self.v, self.page_size)
+        if self.tiers is not None:
+            raise ValueError("the K/V tiers are already enabled")
+        return self._enable(cfg, self._separate(separate_host))
+
+    def _separate(self, separate_host: bool | None) -> bool:
+        """The tiers' layout: separate host memory on a GPU (pinned), shared on a CPU, unless asked."""
+        return self.device.type == "cuda" if separate_host is None else separate_host
+
+    def _enable(self, cfg: KVOffloadConfig, separate: bool) -> KVTiers:
+        layers = cfg.tiered_layers(self.cfg.num_layers)
+        if not layers:
+            raise ValueError(f"kv offload device_layers {cfg.device_layers} keep every layer of "
+                             f"{self.cfg.num_layers} on the device: nothing is left to tier")
+        if not separate:
+            host_k = [self.k[i] if i in layers else None for i in range(self.cfg.num_layers)]
+            host_v = [self.v[i] if i in layers else None for i in range(self.cfg.num_layers)]
+            self.tiers = KVTiers(cfg, host_k, host_v, self.page_size)
+            return self.tiers
+        hk, hv, slab = host_tier(self.shape, len(layers), self.dtype, pinned=self.device.type == "cuda")
+        work = (torch.zeros(self.shape, dtype=self.dtype, device=self.device),
+                torch.zeros(self.shape, dtype=self.dtype, device=self.device))
+        host_k: list[torch.Tensor | None] = [None] * self.cfg.num_layers
+        host_v: list[torch.Tensor | None] = [None] * self.cfg.num_layers
+        for i, layer in enumerate(layers):
+            host_k[layer], host_v[layer] = hk[i], hv[i]
+            # what the step's kernels read and write at this layer: the working layer (kv_tiers)
+            self.k[layer], self.v[layer] = work
+        self.tiers = KVTiers(cfg, host_k, host_v, self.page_size, work, self.device)
+        self.tiers.host_slab = slab
         return self.tiers
+
+    def device_whole(self, layer: int) -> bool:
+        """Whether every page of ``layer`` can be read from ``k`` / ``v`` at any step: false only for a tiered layer
+        in the separate layout, whose pages are in host memory (a decode that reads every key refuses it)."""
+        return self.tiers is None or not self.tiers.separate or not self.tiers.covers(layer)
 
     def page_pool(self, key: Any, per_page: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """A method's per-page state: ``[num_pages + 1, *per_page]`` indexed by physical page id (the scratch
@@ -269,16 +317,20 @@ class KVCache:
         if self.tiers is not None:
             self.tiers.begin_step([(sid, self._pages[sid], n) for sid, n in zip(seq_ids, ctx_lens, strict=True)],
                                   decode=not is_prefill)
-        return BatchMeta(
+        slot_pages, slot_offsets = torch.cat(pages), torch.cat(offsets)
+        batch = BatchMeta(
             seq_ids=list(seq_ids),
             q_lens=list(q_lens),
             ctx_lens=ctx_lens,
             positions=torch.cat(positions).to(self.device),
-            slot_pages=torch.cat(pages).to(self.device),
-            slot_offsets=torch.cat(offsets).to(self.device),
+            slot_pages=slot_pages.to(self.device),
+            slot_offsets=slot_offsets.to(self.device),
             page_tables=tables,
             is_prefill=is_prefill,
         )
+        if self.tiers is not None:  # the new tokens' places on the host, for the tiers' accounting (no device read)
+            batch.extras["tier_slots"] = (slot_pages, slot_offsets)
+        return batch
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, batch: BatchMeta) -> None:
         """k, v: [T, num_kv_heads, head_dim] for the step's new tokens."""
@@ -290,13 +342,23 @@ class KVCache:
         """The step's new K/V of ``layer`` are in the cache (stored by ``write``, or by a fused kernel that
         rotates and stores them in one pass): the K/V tiers' device copies of those rows follow, and a finished
         prompt's pinned pages stay on the device."""
-        if self.tiers is not None:
-            pages, offs = batch.slot_pages, batch.slot_offsets
-            self.tiers.write_through(layer, self.k[layer][pages, :, offs], self.v[layer][pages, :, offs], pages, offs)
+        t = self.tiers
+        if t is None or not t.covers(layer):
+            return
+        ended = [(sid, self._pages[sid], n) for i, (sid, n) in enumerate(zip(batch.seq_ids, batch.ctx_lens,
+                                                                              strict=True)) if batch.prompt_end(i)]
+        pages, offs = batch.slot_pages, batch.slot_offsets
+        if not t.separate:
+            t.write_through(layer, self.k[layer][pages, :, offs], self.v[layer][pages, :, offs], pages, offs)
             if batch.is_prefill:
-                self.tiers.keep_after_prefill(layer, [(sid, self._pages[sid], n) for i, (sid, n) in
-                                                      enumerate(zip(batch.seq_ids, batch.ctx_lens, strict=True))
-                                                      if batch.prompt_end(i)])
+                t.keep_after_prefill(layer, ended)
+        elif batch.is_prefill:
+            t.prefill_written(layer, [(self._pages[sid], n - q, n) for sid, q, n in
+                                      zip(batch.seq_ids, batch.q_lens, batch.ctx_lens, strict=True)], ended)
+        else:
+            host = batch.extras.get("tier_slots")
+            pages_h, offs_h = host if host is not None else (pages.cpu(), offs.cpu())
+            t.decode_written(layer, pages_h, offs_h, pages, offs)
 
     def paged(self, layer: int, batch: BatchMeta) -> tuple[Any, torch.Tensor]:
         """This layer's cache as the kernels' ``PagedKV`` for the batch, and every sequence's full block list

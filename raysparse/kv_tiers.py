@@ -1,24 +1,39 @@
 """Two tiers of K/V pages per shard: every page in the host tier, a smaller device pool of hot page slots.
 
-The host tier is the paged cache itself (``KVCache.k`` / ``.v``, indexed by physical page): prefill writes every
-token there, the methods' per-page state (Quest's bounds, SOCKET's bucket ids, Sketch&Walk's part sums, ...) stays
+The host tier holds every page of every sequence, indexed by physical page: prefill writes every token there, the
+methods' per-page state (Quest's bounds, SOCKET's bucket ids, Sketch&Walk's part sums, ...) stays on the device,
 indexed by that same page for every page, and the prefix cache shares those pages. The device pool holds, per
-layer, ``KVOffloadConfig.device_tokens`` tokens as page slots that cache the host pages decode steps read:
-least recently used out, the sink and local-window pages of running sequences pinned, the pages a step uses held
-until the next step begins.
+layer, ``KVOffloadConfig.device_tokens`` tokens as page slots that cache the host pages decode steps read: least
+recently used out, the sink and local-window pages of running sequences pinned, the pages a step uses held until
+the next step begins.
 
-A decode step's selection (``SparseMethod.decode_select``) names its entries; ``KVTiers.decode_attention`` turns
-them into pages and tokens, copies what is missing, and runs the shared paged attend:
+Two layouts (``KVCache`` picks one):
+
+- **shared** (CPU shards by default): the host tier is the paged cache itself (``KVCache.k`` / ``.v``), which the
+  step's kernels read and write. A write goes to the host tier and through to its page's slot where resident.
+- **separate** (CUDA shards; on CPUs on request, to test the same logic there): the host tier is its own memory
+  (pinned host memory on a GPU) and the step's kernels read one **working layer** on the device, shared by the
+  tiered layers, indexed by host page like the cache. Before a layer's attention runs it holds what that layer's
+  step reads besides the pool: in prefill every earlier row of the step's sequences (copied host to device), in
+  decode each sequence's last page (from its pinned slot). Prefill rows go to the host tier (device to host) and
+  decode rows to their sequence's pinned last page's slot, which becomes **dirty**: its host copy is written back
+  only when the slot is evicted (one page copy rather than one row per token), so a page is read from the host
+  only where it is clean.
+
+A decode step's selection (``SparseMethod.decode_select``) names its entries; ``KVTiers.decode_attention`` reads it
+on the host once per layer, turns it into pages and tokens, copies what is missing, and runs the shared paged
+attend:
 
 - rows whose pages fit the pool together (whole pages, misses copied host to device): the attend reads them
   through the page table translated from host page to device slot, with the selection unchanged;
 - the other rows (a token-level selection spread over more pages than the pool has): the selected keys' rows
-  are gathered into a staging buffer (those in resident pages from their slots, the rest copied from the host),
-  laid out as pages, and attended as a token list over it, as HiSparse copies rows.
+  are gathered into a staging buffer (those in resident pages from their slots, the rest from the host), laid
+  out as pages, and attended as a token list over it, as HiSparse copies rows.
 
 Both read exactly the keys the selection names, in its order, so a step's output is the untiered one's. On CPUs
-the two tiers are two pools in the same memory: the accounting and the copies are those a GPU would run, and the
-copies' time is stall time (nothing overlaps them). ``SlotPool`` is the pool's plain accounting, one per layer.
+the copies' time is stall time (nothing overlaps them); on GPUs the copies run on the compute stream right after
+the selection is read (the attend needs them next: nothing is left to overlap) and their span is timed by CUDA
+events. ``SlotPool`` is the pool's plain accounting, one per layer.
 """
 
 from __future__ import annotations
@@ -43,11 +58,14 @@ class PoolFullError(RuntimeError):
 class KVOffloadConfig:
     """The K/V tier's sizes (``--kv-offload``). The host tier is the KV cache's capacity (``kv_cache_tokens``);
     ``device_tokens``: tokens of K/V per layer the device pool holds (``device_tokens // page_size`` slots);
-    ``sink_pages`` / ``window_pages``: each running sequence's first and last pages, pinned in the pool."""
+    ``sink_pages`` / ``window_pages``: each running sequence's first and last pages, pinned in the pool;
+    ``device_layers``: layers whose K/V stay whole in device memory, outside the tier (a sparse method's dense
+    layers read every page at every step: the default is the methods' default dense layers)."""
 
     device_tokens: int = 4096
     sink_pages: int = 1
     window_pages: int = 2
+    device_layers: tuple[int, ...] = (0, 1)
 
     def __post_init__(self) -> None:
         if isinstance(self.device_tokens, bool) or not isinstance(self.device_tokens, int) or self.device_tokens < 1:
@@ -58,6 +76,12 @@ class KVOffloadConfig:
                 raise ValueError(f"kv offload {name} must be a non-negative integer, got {v!r}")
         if self.window_pages < 1:
             raise ValueError("kv offload window_pages must be at least 1 (the page a decode step writes)")
+        layers = self.device_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+            raise ValueError(f"kv offload device_layers must be a list of layer indices, got {layers!r}")
+        object.__setattr__(self, "device_layers", tuple(layers))  # a list from a caller stays hashable
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.device_layers):
+            raise ValueError(f"kv offload device_layers must be non-negative layer indices, got {self.device_layers}")
 
     @property
     def pinned_pages(self) -> int:
@@ -73,6 +97,10 @@ class KVOffloadConfig:
                              f"{page_size}: it needs at least {self.pinned_pages + 1} (a sequence's "
                              f"{self.pinned_pages} pinned pages and one more)")
         return pages
+
+    def tiered_layers(self, num_layers: int) -> list[int]:
+        """The layers the tier covers: every layer not kept whole on the device."""
+        return [i for i in range(num_layers) if i not in self.device_layers]
 
 
 class SlotPool:
@@ -215,29 +243,97 @@ def selected_token_ids(indices: torch.Tensor, unit: int, seqlens: torch.Tensor) 
     return torch.where(ok, tok, 0), ok
 
 
-class KVTiers:
-    """A shard's device pools over its KV cache's pages (the host tier): one ``SlotPool`` and one device K/V pair
-    ``[slots + 1, h_kv, page, d]`` per layer (the last slot a scratch page the translated tables point unread
-    entries at), the running sequences' pins, the decode attend through the pools and their statistics."""
 
-    def __init__(self, cfg: KVOffloadConfig, host_k: list[torch.Tensor], host_v: list[torch.Tensor],
-                 page_size: int) -> None:
+def page_runs(dst: Sequence[int], src: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(destination, source) page pairs as runs (first destination, first source, count) where both go up by one:
+    one copy per run rather than one per page."""
+    runs: list[list[int]] = []
+    for d, s in zip(dst, src, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
+            runs[-1][2] += 1
+        else:
+            runs.append([d, s, 1])
+    return [(a, b, n) for a, b, n in runs]
+
+
+def host_tier(shape: tuple[int, ...], layers: int, dtype: torch.dtype,
+              pinned: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """The host tier's K and V pages of ``layers`` layers (``shape`` each) as views of one zeroed slab of host memory,
+    page-locked where ``pinned`` (host-to-device copies from it are asynchronous DMA). The slab is registered with
+    the driver as it is, rather than allocated by the pinned allocator, which rounds a block up to a power of two
+    (up to twice the host memory for a tier that nearly fills it). Returns (K per layer, V per layer, the slab)."""
+    slab = torch.zeros((2 * layers, *shape), dtype=dtype)
+    if pinned:
+        nbytes = slab.numel() * slab.element_size()
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
+            ok = int(err) == 0 and slab.is_pinned()
+        except (AttributeError, RuntimeError):
+            ok = False
+        if ok:
+            import weakref
+
+            weakref.finalize(slab, _unregister, slab.data_ptr())
+        else:  # the pinned allocator's own block, rounded up
+            del slab
+            slab = torch.zeros((2 * layers, *shape), dtype=dtype, pin_memory=True)
+    return [slab[i] for i in range(layers)], [slab[layers + i] for i in range(layers)], slab
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class KVTiers:
+    """A shard's device pools over its KV cache's pages (the host tier): per tiered layer (``host_k[layer]`` not None)
+    one ``SlotPool`` and one device K/V pair ``[slots + 1, h_kv, page, d]`` (the last slot a scratch page the
+    translated tables point unread entries at), the running sequences' pins, the decode attend through the pools
+    and their statistics. ``work``: the separate layout's working layer (K, V on the device, indexed by host page,
+    shared by the tiered layers); None: the shared layout, where the host tier is what the step's kernels read.
+    ``device``: the pools' device (the host tier's where None)."""
+
+    def __init__(self, cfg: KVOffloadConfig, host_k: Sequence[torch.Tensor | None],
+                 host_v: Sequence[torch.Tensor | None], page_size: int,
+                 work: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 device: torch.device | str | None = None) -> None:
         self.cfg = cfg
         self.page_size = page_size
         self.slots = cfg.device_pages(page_size)
-        self.host_k, self.host_v = host_k, host_v
-        shape = (self.slots + 1, *host_k[0].shape[1:])
-        self.dev_k = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t in host_k]
-        self.dev_v = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t in host_v]
-        self.pools = [SlotPool(self.slots) for _ in host_k]
-        # per layer, host page -> slot (-1: not resident): the page tables' translation, one gather a step
-        self.slot_map = [torch.full((t.shape[0],), -1, dtype=torch.int64, device=t.device) for t in host_k]
+        self.host_k, self.host_v = list(host_k), list(host_v)
+        self.layers = [i for i, t in enumerate(self.host_k) if t is not None]
+        if not self.layers:
+            raise ValueError("the K/V tiers need at least one tiered layer")
+        ref = self.host_k[self.layers[0]]
+        assert ref is not None
+        self.device = torch.device(device) if device is not None else ref.device
+        self.work = work
+        self.separate = work is not None
+        self.host_slab: torch.Tensor | None = None  # the separate layout's host memory, kept alive with the tiers
+        shape = (self.slots + 1, *ref.shape[1:])
+        self.dev_k = [None if t is None else torch.zeros(shape, dtype=t.dtype, device=self.device) for t in self.host_k]
+        self.dev_v = [None if t is None else torch.zeros(shape, dtype=t.dtype, device=self.device) for t in self.host_v]
+        self.pools = [None if t is None else SlotPool(self.slots) for t in self.host_k]
+        # per layer, host page -> slot (-1: not resident), on the host: the accounting's mirror of the pools, and the
+        # page tables' translation (one gather a step)
+        self.slot_map = [None if t is None else torch.full((t.shape[0],), -1, dtype=torch.int64) for t in self.host_k]
+        # per layer, the resident pages a decode step wrote on the device alone (separate layout): page -> slot
+        self.dirty: list[dict[int, int]] = [{} for _ in self.host_k]
         self._pins: dict[int, set[int]] = {}  # sequence -> its pinned host pages
         self.stats = TierStats()
-        _, h_kv, page, d = host_k[0].shape
-        elt = host_k[0].element_size()
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # the copies' spans on a GPU
+        self._step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._d2h_pending = False  # a device-to-host copy may still be in flight: sync before the host reads the tier
+        _, h_kv, page, d = ref.shape
+        elt = ref.element_size()
         self.row_bytes = 2 * d * elt  # K and V of one token of one KV head
         self.page_bytes = h_kv * page * self.row_bytes
+
+    def covers(self, layer: int) -> bool:
+        """Whether ``layer``'s decode reads its K/V through the device pool."""
+        return 0 <= layer < len(self.pools) and self.pools[layer] is not None
+
+    def _live(self) -> list[SlotPool]:
+        return [p for p in self.pools if p is not None]
 
     # ---- sequences ---------------------------------------------------------------------------------
     def pinned_pages(self, pages: Sequence[int], n: int) -> set[int]:
@@ -249,16 +345,17 @@ class KVTiers:
     def begin_step(self, seqs: Sequence[tuple[int, Sequence[int], int]], decode: bool) -> None:
         """A step starts over ``seqs`` (sequence, its pages, its length after the step): the last step's pages may
         be evicted again, and each sequence's pins follow its window."""
-        for pool in self.pools:
+        for pool in self._live():
             pool.release()
         for sid, pages, n in seqs:
             self._set_pins(sid, self.pinned_pages(pages, n))
         if decode:
             self.stats.decode_steps += 1
+        self._step_meta = None
 
     def _set_pins(self, sid: int, pins: set[int]) -> None:
         old = self._pins.get(sid, set())
-        for pool in self.pools:
+        for pool in self._live():
             for p in pins - old:
                 pool.pin(p)
             for p in old - pins:
@@ -271,64 +368,209 @@ class KVTiers:
         self._pins.pop(sid, None)
 
     def invalidate(self, pages: Iterable[int]) -> None:
-        """Host pages a new sequence will write: their device copies (an earlier owner's) are dropped. Sequences are
-        admitted between steps, so no step holds pages in use."""
-        for layer, pool in enumerate(self.pools):
+        """Host pages a new sequence will write: their device copies (an earlier owner's) are dropped, dirty or not.
+        Sequences are admitted between steps, so no step holds pages in use."""
+        pages = [int(p) for p in pages]
+        for layer in self.layers:
+            pool, smap, dirty = self.pools[layer], self.slot_map[layer], self.dirty[layer]
+            assert pool is not None and smap is not None
             pool.release()
             for p in pages:
-                if pool.drop(int(p)) is not None:
-                    self.slot_map[layer][int(p)] = -1
+                if pool.drop(p) is not None:
+                    smap[p] = -1
+                    dirty.pop(p, None)
 
-    # ---- writes ------------------------------------------------------------------------------------
-    def write_through(self, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
-                      offsets: torch.Tensor) -> None:
-        """New tokens' K/V (already in the host tier) also into the slots of their pages that are resident: a
-        decode step's token lands in its sequence's pinned last page, so the device copy stays whole."""
-        slots = self.slot_map[layer][pages.long()]
-        hit = slots >= 0
-        if bool(hit.any()):
-            self.dev_k[layer][slots[hit], :, offsets[hit]] = k[hit].to(self.dev_k[layer].dtype)
-            self.dev_v[layer][slots[hit], :, offsets[hit]] = v[hit].to(self.dev_v[layer].dtype)
-
-    def keep_after_prefill(self, layer: int, seqs: Sequence[tuple[int, Sequence[int], int]]) -> None:
-        """Sequences whose prompt ended in this prefill step: their pinned pages (what the next decode step reads
-        whatever it selects) stay on the device. On a GPU the prefill computed them there; on a CPU they are
-        placed from the host tier."""
-        pool = self.pools[layer]
-        want = [p for sid, pages, n in seqs for p in sorted(self.pinned_pages(pages, n))]
-        if not want or not pool.room(want):
+    # ---- copies ------------------------------------------------------------------------------------
+    def _pages_into(self, dst: torch.Tensor, dst_pages: Sequence[int], src: torch.Tensor,
+                    src_pages: Sequence[int]) -> None:
+        """Copies whole pages ``src[src_pages]`` into ``dst[dst_pages]``: one gather and scatter in one memory, one
+        asynchronous copy per run of consecutive pages across the host and the device."""
+        if not dst_pages:
             return
-        misses, evicted = pool.acquire(want, use=False)
-        self._copy(layer, misses, evicted)
-        if layer == 0:
-            self.stats.prefill_kept_pages += len(misses)
+        if dst.device == src.device:
+            dst.index_copy_(0, torch.tensor(list(dst_pages), dtype=torch.int64, device=dst.device),
+                            src.index_select(0, torch.tensor(list(src_pages), dtype=torch.int64, device=src.device)))
+            return
+        for d0, s0, n in page_runs(dst_pages, src_pages):
+            dst[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=True)
+        if dst.device.type == "cpu":
+            self._d2h_pending = True
 
-    def _copy(self, layer: int, misses: list[tuple[int, int]], evicted: list[int]) -> None:
+    def _host_reads(self) -> None:
+        """The host is about to read the host tier itself: the device-to-host copies queued before finish first."""
+        if self._d2h_pending and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._d2h_pending = False
+
+    def _write_back(self, layer: int, pages: Sequence[int]) -> None:
+        """Dirty pages among ``pages`` (resident, written by decode on the device alone) copied to the host tier."""
+        dirty = self.dirty[layer]
+        back = [(p, dirty.pop(p)) for p in pages if p in dirty]
+        if back:
+            hk, hv = self.host_k[layer], self.host_v[layer]
+            assert hk is not None and hv is not None
+            self._pages_into(hk, [p for p, _ in back], self.dev_k[layer], [s for _, s in back])
+            self._pages_into(hv, [p for p, _ in back], self.dev_v[layer], [s for _, s in back])
+
+    def _copy(self, layer: int, misses: list[tuple[int, int]], evicted: list[int],
+              src: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The pool's moves of one ``acquire``: the evicted pages' dirty slots written back first (their slots are
+        reused next, on the same stream), then the missing pages copied into their slots from the host tier (or
+        from ``src``, K and V indexed by host page)."""
         smap = self.slot_map[layer]
+        assert smap is not None
+        self._write_back(layer, evicted)
         for p in evicted:
             smap[p] = -1
         if not misses:
             return
-        pages = torch.tensor([p for p, _ in misses], dtype=torch.int64, device=smap.device)
-        slots = torch.tensor([s for _, s in misses], dtype=torch.int64, device=smap.device)
-        self.dev_k[layer].index_copy_(0, slots, self.host_k[layer].index_select(0, pages))
-        self.dev_v[layer].index_copy_(0, slots, self.host_v[layer].index_select(0, pages))
-        smap[pages] = slots
+        src_k, src_v = src if src is not None else (self.host_k[layer], self.host_v[layer])
+        assert src_k is not None and src_v is not None
+        pages, slots = [p for p, _ in misses], [s for _, s in misses]
+        self._pages_into(self.dev_k[layer], slots, src_k, pages)
+        self._pages_into(self.dev_v[layer], slots, src_v, pages)
+        smap[torch.tensor(pages, dtype=torch.int64)] = torch.tensor(slots, dtype=torch.int64)
         self.stats.evictions += len(evicted)
 
+    def _clock(self) -> object:
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def _stall(self, t0: object) -> None:
+        """Adds the time since ``_clock`` to the stall: wall time on a CPU; on a GPU the span of the copies on the
+        stream (the attend that follows waits for them), read at ``stats_dict``."""
+        if isinstance(t0, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((t0, end))
+            if len(self._events) >= 4096:
+                self._fold_events()
+        else:
+            assert isinstance(t0, float)
+            self.stats.stall_s += time.perf_counter() - t0
+
+    def _fold_events(self) -> None:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.stats.stall_s += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+
+    # ---- writes: the shared layout -----------------------------------------------------------------
+    def write_through(self, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
+                      offsets: torch.Tensor) -> None:
+        """New tokens' K/V (already in the host tier) also into the slots of their pages that are resident: a
+        decode step's token lands in its sequence's pinned last page, so the device copy stays whole."""
+        dk, dv, smap = self.dev_k[layer], self.dev_v[layer], self.slot_map[layer]
+        assert dk is not None and dv is not None and smap is not None
+        slots = smap[pages.long().cpu()].to(dk.device)
+        hit = slots >= 0
+        if bool(hit.any()):
+            dk[slots[hit], :, offsets[hit]] = k[hit].to(dk.dtype)
+            dv[slots[hit], :, offsets[hit]] = v[hit].to(dv.dtype)
+
+    def keep_after_prefill(self, layer: int, seqs: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """Sequences whose prompt ended in this prefill step: their pinned pages (what the next decode step reads
+        whatever it selects) stay on the device. In the separate layout the prefill computed them in the working
+        layer, whence they are copied (device to device); in the shared one they are placed from the host tier."""
+        pool = self.pools[layer]
+        assert pool is not None
+        want = [p for sid, pages, n in seqs for p in sorted(self.pinned_pages(pages, n))]
+        if not want or not pool.room(want):
+            return
+        misses, evicted = pool.acquire(want, use=False)
+        self._copy(layer, misses, evicted, self.work)
+        if layer == self.layers[0]:
+            self.stats.prefill_kept_pages += len(misses)
+
+    # ---- writes: the separate layout ---------------------------------------------------------------
+    def prefill_written(self, layer: int, spans: Sequence[tuple[Sequence[int], int, int]],
+                        ended: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """A prefill step's new K/V of ``layer`` are in the working layer; ``spans``: each sequence's pages and the
+        step's first and end positions. Brings the sequences' earlier rows into the working layer (host to
+        device: the attention reads them), copies the pages the step wrote to the host tier (device to host,
+        whole: the earlier rows of a page it began in are in place by then) and to their slots where resident,
+        and keeps the ``ended`` prompts' pinned pages on the device."""
+        assert self.work is not None
+        wk, wv = self.work
+        hk, hv, pool = self.host_k[layer], self.host_v[layer], self.pools[layer]
+        assert hk is not None and hv is not None and pool is not None
+        page = self.page_size
+        stage: list[int] = []
+        part: list[tuple[int, int]] = []  # a page the step began in: (page, its earlier rows)
+        wrote: list[int] = []
+        for pages, start, end in spans:
+            full = start // page
+            stage.extend(pages[:full])
+            if start % page:
+                part.append((pages[full], start % page))
+            wrote.extend(pages[full:-(-end // page)])
+        self._write_back(layer, stage + [p for p, _ in part])  # a cached page a decode wrote: its host copy first
+        self._pages_into(wk, stage, hk, stage)
+        self._pages_into(wv, stage, hv, stage)
+        for p, rows in part:
+            for w, h in ((wk, hk), (wv, hv)):
+                w[p, :, :rows] = h[p].to(w.device, non_blocking=True)[:, :rows]
+        self._pages_into(hk, wrote, wk, wrote)
+        self._pages_into(hv, wrote, wv, wrote)
+        res = [(p, s) for p in wrote if (s := pool.slot(p)) is not None]
+        if res:
+            self._pages_into(self.dev_k[layer], [s for _, s in res], wk, [p for p, _ in res])
+            self._pages_into(self.dev_v[layer], [s for _, s in res], wv, [p for p, _ in res])
+        self.keep_after_prefill(layer, ended)
+
+    def decode_written(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, pages_dev: torch.Tensor,
+                       offsets_dev: torch.Tensor) -> None:
+        """A decode step's new K/V of ``layer`` are in the working layer at ``pages`` / ``offsets`` (on the host;
+        ``*_dev``: the same on the device). Each token's page (its sequence's pinned last page) is made resident
+        (from the host tier if the prefill could not keep it), the rows are written to its slot, which becomes
+        dirty, and the slot's whole page is copied back to the working layer: the method's state update reads the
+        page's earlier rows there (Quest's bounds). Raises PoolFullError when the pages do not fit the pool, which
+        the scheduler's admission rules out (the running sequences' pins fit it)."""
+        assert self.work is not None
+        wk, wv = self.work
+        pool, smap, dirty = self.pools[layer], self.slot_map[layer], self.dirty[layer]
+        assert pool is not None and smap is not None
+        host_pages = [int(p) for p in pages.tolist()]
+        misses, evicted = pool.acquire(list(dict.fromkeys(host_pages)), use=False)
+        self._copy(layer, misses, evicted)
+        slots = smap[pages.long()]
+        slots_dev = slots.to(wk.device, non_blocking=True)
+        for w, d in ((wk, self.dev_k[layer]), (wv, self.dev_v[layer])):
+            assert d is not None
+            d[slots_dev, :, offsets_dev] = w[pages_dev, :, offsets_dev]
+            w.index_copy_(0, pages_dev.long(), d.index_select(0, slots_dev))
+        for p, s in zip(host_pages, slots.tolist(), strict=True):
+            dirty[p] = s
+
     # ---- decode ------------------------------------------------------------------------------------
+    def _host_meta(self, kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's page table and lengths on the host, read once per step (every layer shares them)."""
+        if self._step_meta is None or self._step_meta[0] is not kv.page_table:
+            self._step_meta = (kv.page_table, kv.page_table.cpu(), kv.seqlens.cpu())
+        return self._step_meta[1], self._step_meta[2]
+
     def decode_attention(self, layer: int, q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
                          unit: int) -> torch.Tensor:
         """The shared paged attend of a decode selection ``indices`` [B, h_kv, W] (entries of ``unit`` tokens) over
-        the host tier's ``kv``, read from the device pool: whole pages where a row's fit beside the rows before it,
-        staged token rows otherwise. Returns the attention output [B, h, d]."""
+        the host tier's pages (``kv``: their page table and lengths), read from the device pool: whole pages where
+        a row's fit beside the rows before it, staged token rows otherwise. The selection is read on the host (one
+        sync per layer on a GPU), where the pool's accounting runs. Returns the attention output [B, h, d]."""
         from raysparse.kernels.dispatch import paged_decode_attention
 
         st, pool, page = self.stats, self.pools[layer], self.page_size
+        assert pool is not None
         st.layer_steps += 1
-        tok, ok = selected_token_ids(indices, unit, kv.seqlens)
-        table = kv.page_table.long()
-        host_page = table.gather(1, (tok // page).flatten(1)).view_as(tok)
+        if indices.device.type != "cpu":
+            idx = indices.cpu()
+            self._d2h_pending = False  # the read waited for everything queued before it
+        else:
+            idx = indices
+        table_h, seqlens_h = self._host_meta(kv)
+        tok, ok = selected_token_ids(idx, unit, seqlens_h)
+        host_page = table_h.long().gather(1, (tok // page).flatten(1)).view_as(tok)
         host_page = torch.where(ok, host_page, -1)
         staged_rows: list[int] = []
         chosen: set[int] = set()
@@ -339,64 +581,83 @@ class KVTiers:
                 chosen = grown
             else:
                 staged_rows.append(b)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         misses, evicted = pool.acquire(sorted(chosen))
         self._copy(layer, misses, evicted)
-        st.stall_s += time.perf_counter() - t0
+        self._stall(t0)
         st.pages_needed += len(chosen)
         st.page_hits += len(chosen) - len(misses)
         st.page_copies += len(misses)
         st.bytes_copied += len(misses) * self.page_bytes
         st.hit_bytes += (len(chosen) - len(misses)) * self.page_bytes
         if not staged_rows:  # the whole batch through the translated table: the untiered call, on the slots
-            return paged_decode_attention(q, self._translated(layer, kv), indices, unit)[0]
+            return paged_decode_attention(q, self._translated(layer, kv, table_h), indices, unit)[0]
         # Some rows stage their keys: every row goes through the staging buffer, so the attend stays one call over
         # the whole batch, as the untiered step's (a CPU attend's rows are not bit-identical across batch shapes).
         # The rows whose pages were fetched read theirs from the slots.
-        staged = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
-        staged[torch.tensor(staged_rows, device=q.device)] = True
+        staged = torch.zeros(q.shape[0], dtype=torch.bool)
+        staged[torch.tensor(staged_rows)] = True
         return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged), indices, unit)[0]
 
-    def _translated(self, layer: int, kv: PagedKV) -> PagedKV:
-        """``kv`` on the device pool: its page table's host pages as their slots (unread pages: the scratch slot)."""
-        slots = self.slot_map[layer][kv.page_table.long()]
+    def _translated(self, layer: int, kv: PagedKV, table: torch.Tensor) -> PagedKV:
+        """``kv`` on the device pool: its page table's host pages (``table``, on the host) as their slots (unread
+        pages: the scratch slot)."""
+        smap, dk, dv = self.slot_map[layer], self.dev_k[layer], self.dev_v[layer]
+        assert smap is not None and dk is not None and dv is not None
+        slots = smap[table.long()]
         table = torch.where(slots >= 0, slots, self.slots).to(torch.int32)
-        return PagedKV(self.dev_k[layer], self.dev_v[layer], table, kv.seqlens)
+        return PagedKV(dk, dv, table.to(self.device, non_blocking=True), kv.seqlens)
+
+    def _gather_rows(self, src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` of the host tier's ``src`` viewed as [rows, d], gathered on the host: into pinned memory
+        where the pool is on a GPU, so the copy to it is asynchronous."""
+        flat = src.reshape(-1, src.shape[-1])
+        if self.device.type == "cpu":
+            return flat.index_select(0, rows)
+        out = torch.empty((rows.numel(), flat.shape[1]), dtype=flat.dtype, pin_memory=True)
+        return torch.index_select(flat, 0, rows, out=out)
 
     def _stage(self, layer: int, kv: PagedKV, tok: torch.Tensor, ok: torch.Tensor, host_page: torch.Tensor,
                counted: torch.Tensor) -> PagedKV:
         """``kv`` over a staging buffer: every logical page a row's selection touches (token ids ``tok`` [B, h_kv, T],
-        ``ok`` where valid, on ``host_page``) gets a staging page, and only the selected keys' rows of each KV head
-        are copied into it. Keys on resident pages come from their slots, the others from the host tier (the
-        copies). The page table is the only thing that changes: the attend reads the same list, lengths and unit,
-        so its output is the untiered one's whatever the kernel's order of work. ``counted`` [B]: the rows whose
-        keys count as staged rows in the statistics (the others' pages were counted when they were fetched)."""
-        st, page = self.stats, self.page_size
+        ``ok`` where valid, on ``host_page``; all on the host) gets a staging page, and only the selected keys'
+        rows of each KV head are copied into it. Keys on resident pages come from their slots, the others from the
+        host tier (the copies). The page table is the only thing that changes: the attend reads the same list,
+        lengths and unit, so its output is the untiered one's whatever the kernel's order of work. ``counted``
+        [B]: the rows whose keys count as staged rows in the statistics (the others' pages were counted when they
+        were fetched)."""
+        st, page, dev = self.stats, self.page_size, self.device
+        hk, hv, dk, dv, smap = self.host_k[layer], self.host_v[layer], self.dev_k[layer], self.dev_v[layer], \
+            self.slot_map[layer]
+        assert hk is not None and hv is not None and dk is not None and dv is not None and smap is not None
         b, h_kv, _ = tok.shape
-        d = self.host_k[layer].shape[-1]
+        d = hk.shape[-1]
         width = kv.page_table.shape[1]
         logical = tok // page
-        touched = torch.zeros(b, width, dtype=torch.bool, device=tok.device)
-        touched.view(-1).index_fill_(0, (logical + torch.arange(b, device=tok.device)[:, None, None] * width)[ok], True)
+        touched = torch.zeros(b, width, dtype=torch.bool)
+        touched.view(-1).index_fill_(0, (logical + torch.arange(b)[:, None, None] * width)[ok], True)
         n_pages = int(touched.sum())
         ids = torch.cumsum(touched.view(-1), 0).view(b, width) - 1
         table = torch.where(touched, ids, n_pages)  # the last staging page: never read (scratch)
-        slots = self.slot_map[layer][host_page.clamp(min=0)]
+        slots = smap[host_page.clamp(min=0)]
         hit = ok & (slots >= 0)
         miss = ok & ~hit
-        heads = torch.arange(h_kv, device=tok.device)[None, :, None]
+        heads = torch.arange(h_kv)[None, :, None]
         off = tok % page
         dst = (table.gather(1, logical.flatten(1)).view_as(tok) * h_kv + heads) * page + off
-        t0 = time.perf_counter()
-        sk = torch.zeros(n_pages + 1, h_kv, page, d, dtype=self.dev_k[layer].dtype, device=tok.device)
+        t0 = self._clock()
+        sk = torch.zeros(n_pages + 1, h_kv, page, d, dtype=dk.dtype, device=dev)
         sv = torch.zeros_like(sk)
-        for src_k, src_v, base, sel in ((self.dev_k[layer], self.dev_v[layer], slots, hit),
-                                        (self.host_k[layer], self.host_v[layer], host_page, miss)):
-            if bool(sel.any()):
-                src = ((base.clamp(min=0) * h_kv + heads) * page + off)[sel]
-                sk.view(-1, d).index_copy_(0, dst[sel], src_k.reshape(-1, d).index_select(0, src))
-                sv.view(-1, d).index_copy_(0, dst[sel], src_v.reshape(-1, d).index_select(0, src))
-        st.stall_s += time.perf_counter() - t0
+        if bool(hit.any()):  # from the slots, on the device
+            src, at = ((slots.clamp(min=0) * h_kv + heads) * page + off)[hit].to(dev), dst[hit].to(dev)
+            sk.view(-1, d).index_copy_(0, at, dk.reshape(-1, d).index_select(0, src))
+            sv.view(-1, d).index_copy_(0, at, dv.reshape(-1, d).index_select(0, src))
+        if bool(miss.any()):  # gathered from the host tier, then copied over
+            self._host_reads()
+            src, at = ((host_page.clamp(min=0) * h_kv + heads) * page + off)[miss], dst[miss].to(dev)
+            sk.view(-1, d).index_copy_(0, at, self._gather_rows(hk, src).to(dev, non_blocking=True))
+            sv.view(-1, d).index_copy_(0, at, self._gather_rows(hv, src).to(dev, non_blocking=True))
+        self._stall(t0)
         n_hit, n_miss = int(hit[counted].sum()), int(miss[counted].sum())
         st.staged_layer_rows += int(counted.sum())
         st.rows_needed += n_hit + n_miss
@@ -404,14 +665,16 @@ class KVTiers:
         st.row_copies += n_miss
         st.bytes_copied += n_miss * self.row_bytes
         st.hit_bytes += n_hit * self.row_bytes
-        return PagedKV(sk, sv, table.to(torch.int32), kv.seqlens)
+        return PagedKV(sk, sv, table.to(torch.int32).to(dev, non_blocking=True), kv.seqlens)
 
     # ---- statistics --------------------------------------------------------------------------------
     def stats_dict(self) -> dict[str, float]:
+        self._fold_events()
         out = self.stats.as_dict()
         out["device_slots"] = self.slots
-        out["device_bytes"] = self.slots * self.page_bytes * len(self.pools)
+        out["device_bytes"] = self.slots * self.page_bytes * len(self.layers)
         return out
 
     def reset_stats(self) -> None:
+        self._fold_events()
         self.stats = TierStats()

@@ -15,8 +15,9 @@ its name.
 
 With ``--kv-offload`` (``KVOffloadConfig``) the cache's pages are the host tier of a device pool (``kv_tiers``):
 only a method whose batched decode selection names its keys before the attend reads them decodes through it
-(``SparseMethod.decodes_through_tiers``); any other (dense, SpecAttn, the per-sequence paths) is refused at its
-first step with one line, rather than reading every page past the pool.
+(``SparseMethod.decodes_through_tiers``); any other (dense, SpecAttn, the per-sequence paths), and on a GPU one that
+decodes a tiered layer densely or whose selection reads every key (CIS), is refused at its first step with one
+line, rather than reading every page past the pool. Decode runs eagerly under the tier (no captured graphs).
 """
 
 from __future__ import annotations
@@ -83,11 +84,13 @@ class ShardExecutor(MultiStepDecode):
         self.runtime = runtime or RuntimeConfig()
         model.set_fused_ops(self.runtime.fused_ops)
         if offload is not None:
-            if cache.device.type != "cpu":
-                raise ValueError("--kv-offload runs on CPU shards in this version: the GPU host tier (pinned host "
-                                 "memory, copies on a side stream) is not built yet")
-            cache.enable_tiers(offload)
-            graphs = None  # a tiered step's copies follow its selection on the host: no captured decode
+            if cache.tiers is None:  # a cache built without its tiers (on a GPU: its tiered layers given back)
+                cache.enable_tiers(offload)
+            elif cache.tiers.cfg != offload:
+                raise ValueError(f"the cache's K/V tiers {cache.tiers.cfg} are not the shard's {offload}")
+            # Decode runs eagerly under the tier, on every device: a step's copies and the pool's accounting follow
+            # each layer's selection on the host, which a captured graph cannot replay.
+            graphs = None
         self.graphs = graphs
         self.use_graphs = graphs is not None  # benchmarks compare eager and captured decode on one engine
         self._share_reduce = reduce
@@ -145,11 +148,25 @@ class ShardExecutor(MultiStepDecode):
                 runtime=self.runtime,
                 all_reduce=self._reduce if self._reduce is not None and self.world_size > 1 else None))
             # after binding: a method may build its batched decode there (Sketch&Walk's state over the cache)
-            if self.cache.tiers is not None and not (isinstance(b, SparseMethod) and b.decodes_through_tiers):
-                raise ValueError(f"method {method!r} cannot decode with --kv-offload: its decode reads every key, not "
-                                 "a selection of pages fetched into the device pool; use a decode-sparse method")
+            if self.cache.tiers is not None:
+                self._check_tiers(method, b)
             self.backends[key] = b
         return b
+
+    def _check_tiers(self, method: str, b: AttentionBackend) -> None:
+        """Refuses, with one line, a method that cannot decode through this shard's K/V tiers."""
+        if not (isinstance(b, SparseMethod) and b.decodes_through_tiers):
+            raise ValueError(f"method {method!r} cannot decode with --kv-offload: its decode reads every key, not "
+                             "a selection of pages fetched into the device pool; use a decode-sparse method")
+        cache = self.cache
+        host = [i for i in range(self.model.cfg.num_layers) if b.dense_decode_layer(i) and not cache.device_whole(i)]
+        if host:
+            raise ValueError(f"method {method!r} decodes layers {host} densely, whose K/V --kv-offload keeps in host "
+                             f"memory here: keep them on the device (KVOffloadConfig.device_layers, now "
+                             f"{list(cache.tiers.cfg.device_layers) if cache.tiers else []})")
+        if b.selection_reads_keys and not all(cache.device_whole(i) for i in b.sparse_layers()):
+            raise ValueError(f"method {method!r} cannot decode with --kv-offload on this device: its selection reads "
+                             "every cached key, which the tier keeps in host memory here")
 
     def free(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:

@@ -194,3 +194,90 @@ def test_config_errors_are_one_line():
     with pytest.raises(ValueError, match="needs at least 4"):
         KVOffloadConfig(device_tokens=128).device_pages(64)
     assert KVOffloadConfig(device_tokens=256).device_pages(64) == 4
+
+
+def _model_cfg(layers: int, h_kv: int, d: int):
+    from raysparse.config import ModelConfig
+
+    return ModelConfig(vocab_size=97, hidden_size=h_kv * d, intermediate_size=8, num_layers=layers, num_heads=h_kv,
+                       num_kv_heads=h_kv, head_dim=d, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                       tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_the_separate_layout_keeps_every_copy_right(trial):
+    """The GPU's layout on the CPU (``separate_host=True``): the host tier in its own memory, a working layer the
+    step's kernels read, decode rows written back only at eviction. Against a one-tier cache fed the same K/V: at
+    every layer of every step the working layer holds what the step reads (prefill: every row of the step's
+    sequences; decode: their last pages), every clean page's host copy and every dirty page's slot equal the
+    reference, and the decode attend through the pool equals the one-tier attend."""
+    from raysparse.kv_cache import KVCache
+
+    seed = random.randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    layers, h_kv, d, page = 3, 2, 8, 16
+    cfg = _model_cfg(layers, h_kv, d)
+    # 5 slots: two sequences' 2 pinned pages and one more; the prompts span 4 to 9 pages
+    off = KVOffloadConfig(device_tokens=5 * page, sink_pages=1, window_pages=1, device_layers=(0,))
+    ref = KVCache(cfg, 64, page, torch.float32, "cpu")
+    tier = KVCache(cfg, 64, page, torch.float32, "cpu", offload=off, separate_host=True)
+    t = tier.tiers
+    assert t is not None and t.separate and t.layers == [1, 2] and tier.device_whole(0) and not tier.device_whole(1)
+    assert tier.k[1] is tier.k[2] is t.work[0], "one working layer for the tiered layers"
+    lens = [rng.randint(50, 140) for _ in range(2)]
+    for sid, n in enumerate(lens):
+        for c in (ref, tier):
+            c.allocate(sid, n + 40)
+
+    def step(q_lens: list[int], prefill: bool, chunk_end: list[bool]) -> None:
+        bs = [c.prepare([0, 1], q_lens, prefill) for c in (ref, tier)]
+        if prefill:
+            bs[0].prompt_ends = bs[1].prompt_ends = chunk_end
+        for layer in range(layers):
+            k = torch.randn(sum(q_lens), h_kv, d, generator=g)
+            v = torch.randn(sum(q_lens), h_kv, d, generator=g)
+            for c, b in zip((ref, tier), bs, strict=True):
+                c.write(layer, k, v, b)
+            if layer == 0:
+                continue
+            msg = f"seed {seed}, layer {layer}, prefill {prefill}"
+            rk, rv, wk, wv = ref.k[layer], ref.v[layer], tier.k[layer], tier.v[layer]
+            for i, n in enumerate(bs[0].ctx_lens):
+                pages = tier.page_list(i)
+                lo = 0 if prefill else (n - 1) // page * page  # decode: the last page's rows
+                for pos in range(lo, n):
+                    p, o = pages[pos // page], pos % page
+                    assert torch.equal(wk[p, :, o], rk[p, :, o]) and torch.equal(wv[p, :, o], rv[p, :, o]), msg
+            pool = t.pools[layer]
+            for i, n in enumerate(bs[0].ctx_lens):
+                for j, p in enumerate(tier.page_list(i)[: -(-n // page)]):
+                    rows = min(page, n - j * page)
+                    s = t.dirty[layer].get(p)
+                    src_k, src_v = (t.dev_k[layer][s], t.dev_v[layer][s]) if s is not None else \
+                        (t.host_k[layer][p], t.host_v[layer][p])
+                    if not prefill or s is not None:  # a prefill's pages reach the host at its end: checked
+                        assert torch.equal(src_k[:, :rows], rk[p, :, :rows]), f"{msg}: page {p} (dirty {s})"
+                        assert torch.equal(src_v[:, :rows], rv[p, :, :rows]), f"{msg}: page {p} (dirty {s})"
+                    slot = pool.slot(p)
+                    if slot is not None:  # a resident copy is whole
+                        assert torch.equal(t.dev_k[layer][slot][:, :rows], rk[p, :, :rows]), f"{msg}: slot of {p}"
+            if not prefill:
+                kv_ref, _ = ref.paged(layer, bs[0])
+                kv_t, _ = tier.paged(layer, bs[1])
+                unit = rng.choice([1, 4, 16])
+                width = rng.randint(1, 80 // unit + 2)
+                idx = _selection(bs[0].ctx_lens, h_kv, unit, width, g)
+                qq = torch.randn(2, h_kv * 2, d, generator=g)
+                want, _ = paged_decode_attention(qq, kv_ref, idx, unit)
+                got = t.decode_attention(layer, qq, kv_t, idx, unit)
+                assert torch.equal(got, want), msg
+
+    first = [min(n, 48) for n in lens]
+    step(first, True, [False, False])  # a first chunk, then the rest: the earlier rows come from the host
+    step([n - f for n, f in zip(lens, first, strict=True)], True, [True, True])
+    for _ in range(40):
+        step([1, 1], False, [])
+    st = t.stats
+    assert st.decode_steps == 40 and st.evictions > 0 and st.page_copies + st.row_copies > 0, f"seed {seed}"
+    assert st.prefill_kept_pages > 0, f"seed {seed}"

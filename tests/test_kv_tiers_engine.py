@@ -76,8 +76,10 @@ def scheduler_config(offload: KVOffloadConfig | None) -> SchedulerConfig:
 
 
 def run_method(model, method: str, seed: int, offload: KVOffloadConfig | None, rank: int = 0, world: int = 1,
-               reduce=None, share=None) -> tuple[list[list[int]], dict | None]:
-    cache = KVCache(model.cfg, HOST_TOKENS // PAGE, PAGE, torch.float32, "cpu", model.num_kv_heads)
+               reduce=None, share=None, separate: bool = False) -> tuple[list[list[int]], dict | None]:
+    """``separate``: the tiers in the GPU's layout (host tier in its own memory, a working layer, write-back)."""
+    cache = KVCache(model.cfg, HOST_TOKENS // PAGE, PAGE, torch.float32, "cpu", model.num_kv_heads,
+                    offload=offload if separate else None, separate_host=separate)
     ex = ShardExecutor(model, cache, rank, world, reduce, offload=offload)
     tokens = drive(ex, scheduler_config(offload), requests(method, seed), share)
     return tokens, ex.stats().get("kv_offload")
@@ -113,6 +115,36 @@ def test_tokens_through_the_tiers_equal_the_one_tier_tokens(model, method):
     assert none is None and all(len(t) == NEW for t in plain)
     assert tiered == plain, f"prompt seed {seed}"
     _check_stats(stats, method)
+
+
+SEPARATE = [m for m in METHODS if m != "cis"]
+
+
+@pytest.mark.parametrize("method", SEPARATE)
+def test_tokens_through_the_separate_layout_equal_the_one_tier_tokens(model, method):
+    """The GPU's layout of the tiers on the CPU: the same tokens as without the tier."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    with torch.no_grad():
+        plain, _ = run_method(model, method, seed, None)
+        tiered, stats = run_method(model, method, seed, OFFLOAD, separate=True)
+    assert tiered == plain, f"prompt seed {seed}"
+    _check_stats(stats, method)
+
+
+def test_the_separate_layout_refuses_what_it_cannot_serve(model):
+    """CIS's selection reads every key, and a dense decode of a tiered layer reads every page: neither is on the
+    device in the separate layout; each is refused with one line."""
+    for method, params, match in (("cis", {}, "reads every cached key"),
+                                  ("quest", {"dense_layers": [0, 1, 2], "density": 0.9}, "decodes layers [2] densely")):
+        cache = KVCache(model.cfg, HOST_TOKENS // PAGE, PAGE, torch.float32, "cpu", model.num_kv_heads,
+                        offload=OFFLOAD, separate_host=True)
+        ex = ShardExecutor(model, cache, offload=OFFLOAD)
+        sched = Scheduler(scheduler_config(OFFLOAD))
+        req = EngineRequest(tuple(range(90)), SamplingParams(max_new_tokens=2), method, params)
+        sched.add(sched.make_sequence(RequestHandle(req, lambda _: None), method_key(method, params), frozenset(),
+                                      0.0))
+        out = ex.execute(sched.next_plan())
+        assert out["tokens"] is None and match in out["error"] and "\n" not in out["error"], out["error"]
 
 
 def test_dense_is_refused_with_one_line(model):

@@ -200,10 +200,10 @@ class SparseMethod(AttentionBackend):
             idx, unit = blocks, cache.page_size
         else:
             idx, unit = self.decode_select(layer, q, DecodeView(kv, batch, cache)), self.decode_unit
-        if cache.tiers is not None and not self.dense_decode_layer(layer):
+        if cache.tiers is not None and cache.tiers.covers(layer) and not self.dense_decode_layer(layer):
             # The selection named its keys over the host tier (per-page state by host page); the pages it needs are
             # brought into the device pool and the attend reads them there (``KVTiers.decode_attention``). A dense
-            # layer of a sparse method reads every page: it keeps its K/V on the device (docs/kv_offload.md).
+            # layer of a sparse method reads every page: it keeps its K/V on the device (``device_layers``).
             out = cache.tiers.decode_attention(layer, q, kv, idx, unit)
         else:
             out, _ = paged_decode_attention(q, kv, idx, unit)
@@ -215,6 +215,12 @@ class SparseMethod(AttentionBackend):
         """Whether this method's decode can read K/V through the device pool (``--kv-offload``): a batched decode
         selection names the keys a step reads before it reads them. The per-sequence path gathers every key."""
         return self.batched_decode
+
+    @property
+    def selection_reads_keys(self) -> bool:
+        """Whether ``decode_select`` reads cached keys beyond the step's new ones (CIS's retrieval scores read every
+        key): with the K/V tiers in separate host memory (GPUs) those are not on the device."""
+        return False
 
     # ---- the batched prefill seam (implement for the fast path) -----------------------------------
     @property

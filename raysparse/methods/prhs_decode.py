@@ -79,6 +79,10 @@ class PrHSDecode(PSAWWindow):
     def row_state(self) -> bool:  # type: ignore[override]
         return self.use_cis
 
+    @property
+    def selection_reads_keys(self) -> bool:  # type: ignore[override]
+        return self.use_cis  # CIS's retrieval scores read every key
+
     def _cis_state(self, cache: KVCache) -> CISBatchedState:
         if self._cis is None:
             mc = self.model_cfg
