@@ -244,6 +244,21 @@ def selected_token_ids(indices: torch.Tensor, unit: int, seqlens: torch.Tensor) 
 
 
 
+def touched_pages(indices: torch.Tensor, unit: int, seqlens: torch.Tensor, page: int, width: int) -> torch.Tensor:
+    """The logical pages [B, width] bool a selection [B, h_kv, W] of ``unit``-token entries reads a valid key of (over
+    any KV head), from its entries rather than its tokens: an entry of a unit up to a page lies in one page, a
+    larger one covers ``unit // page`` pages. The pages of ``selected_token_ids``' valid tokens."""
+    per = max(1, unit // page)
+    first = indices.long() * unit // page  # the page of each entry's first token
+    lp = (first[..., None] + torch.arange(per, dtype=torch.int64)).flatten(-2)  # [B, h_kv, W * per]
+    valid = ((indices != SENTINEL)[..., None].expand(*indices.shape, per).flatten(-2)
+             & (lp * page < seqlens.long()[:, None, None]))
+    out = torch.zeros(indices.shape[0], width, dtype=torch.bool)
+    rows = torch.arange(indices.shape[0], dtype=torch.int64)[:, None, None] * width
+    out.view(-1).index_fill_(0, (lp + rows)[valid], True)
+    return out
+
+
 def page_runs(dst: Sequence[int], src: Sequence[int]) -> list[tuple[int, int, int]]:
     """(destination, source) page pairs as runs (first destination, first source, count) where both go up by one:
     one copy per run rather than one per page."""
@@ -264,6 +279,7 @@ def host_tier(shape: tuple[int, ...], layers: int, dtype: torch.dtype,
     (up to twice the host memory for a tier that nearly fills it). Returns (K per layer, V per layer, the slab)."""
     slab = torch.zeros((2 * layers, *shape), dtype=dtype)
     if pinned:
+        torch.cuda.init()
         nbytes = slab.numel() * slab.element_size()
         try:
             err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
@@ -271,7 +287,7 @@ def host_tier(shape: tuple[int, ...], layers: int, dtype: torch.dtype,
         except (AttributeError, RuntimeError):
             ok = False
         if ok:
-            import weakref
+            import weakref  # only here: the slab's registration ends with it
 
             weakref.finalize(slab, _unregister, slab.data_ptr())
         else:  # the pinned allocator's own block, rounded up
@@ -569,13 +585,11 @@ class KVTiers:
         else:
             idx = indices
         table_h, seqlens_h = self._host_meta(kv)
-        tok, ok = selected_token_ids(idx, unit, seqlens_h)
-        host_page = table_h.long().gather(1, (tok // page).flatten(1)).view_as(tok)
-        host_page = torch.where(ok, host_page, -1)
+        touched = touched_pages(idx, unit, seqlens_h, page, table_h.shape[1])
         staged_rows: list[int] = []
         chosen: set[int] = set()
         for b in range(q.shape[0]):
-            need = set(torch.unique(host_page[b]).tolist()) - {-1}
+            need = set(table_h[b][touched[b]].tolist())
             grown = chosen | need
             if pool.room(grown):
                 chosen = grown
@@ -595,6 +609,9 @@ class KVTiers:
         # Some rows stage their keys: every row goes through the staging buffer, so the attend stays one call over
         # the whole batch, as the untiered step's (a CPU attend's rows are not bit-identical across batch shapes).
         # The rows whose pages were fetched read theirs from the slots.
+        tok, ok = selected_token_ids(idx, unit, seqlens_h)
+        host_page = table_h.long().gather(1, (tok // page).flatten(1)).view_as(tok)
+        host_page = torch.where(ok, host_page, -1)
         staged = torch.zeros(q.shape[0], dtype=torch.bool)
         staged[torch.tensor(staged_rows)] = True
         return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged), indices, unit)[0]

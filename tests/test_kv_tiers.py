@@ -281,3 +281,20 @@ def test_the_separate_layout_keeps_every_copy_right(trial):
     st = t.stats
     assert st.decode_steps == 40 and st.evictions > 0 and st.page_copies + st.row_copies > 0, f"seed {seed}"
     assert st.prefill_kept_pages > 0, f"seed {seed}"
+
+
+@pytest.mark.parametrize("unit", [1, 4, 16, 64])
+def test_touched_pages_are_the_pages_of_the_selected_tokens(unit):
+    from raysparse.kv_tiers import selected_token_ids, touched_pages
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    page, h_kv, lens = 16, 3, [150, 37, 96, 5, 160]
+    width = 10
+    idx = _selection(lens, h_kv, unit, int(torch.randint(1, 200 // unit + 2, (), generator=g)), g)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    tok, ok = selected_token_ids(idx, unit, seqlens)
+    want = torch.zeros(len(lens), width, dtype=torch.bool)
+    for b in range(len(lens)):
+        want[b, (tok[b][ok[b]] // page).unique()] = True
+    assert torch.equal(touched_pages(idx, unit, seqlens, page, width), want), f"seed {seed}"
