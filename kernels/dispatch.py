@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_block_prefill, cpu_decode
+from . import cpu_block_prefill, cpu_decode, cpu_parts, cpu_quest
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
 from .kernel_path import ENV, HAS_TRITON, triton_wanted, use_triton
@@ -39,7 +39,6 @@ from .paged_torch import (
 from .scorer_dispatch import (
     collision_scores,
     collision_scores_varlen,
-    decode_sketches,
     hard_bucket_probs,
     lsh_bucket_ids,
     paged_group_probs,
@@ -49,6 +48,7 @@ from .scorer_dispatch import (
     srht_apply,
     topp_mask,
 )
+from .scorer_dispatch import decode_sketches as _decode_sketches
 from .scorer_reference import soft_bucket_probs
 from .selection import BlockSelection, TokenSelection
 
@@ -289,6 +289,17 @@ def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page
     return fn(q, lo, hi, page_table, seqlens, quest_page)
 
 
+def quest_decode_lists(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
+                       seqlens: torch.Tensor, quest_page: int, kk: torch.Tensor, k_max: int,
+                       width: int) -> torch.Tensor:
+    """Quest's decode lists [B, h_kv, width] int32: the page scores (``paged_quest_scores``) and each (row, KV
+    head)'s forced pages and top-``kk`` (``select_list``); on CPU tensors one C call for both (``cpu_quest``)."""
+    if not triton_wanted(q, lo) and cpu_quest.supported(q, lo, hi):
+        return cpu_quest.decode_lists(q, lo, hi, page_table, seqlens, quest_page, kk, k_max, width)
+    score = paged_quest_scores(q, lo, hi, page_table, seqlens, quest_page)
+    return select_list(score.flatten(0, 1), kk, k_max, width).view(*score.shape[:2], -1)
+
+
 def quest_prefill_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
                          seqlens: torch.Tensor, cu_q: torch.Tensor, row_seq: torch.Tensor, row_qb: torch.Tensor,
                          block: int, quest_page: int, nkb: int) -> torch.Tensor:
@@ -313,11 +324,15 @@ def update_quest_bounds(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pag
                         offsets: torch.Tensor, quest_page: int) -> None:
     """Recomputes in place the bounds ``lo, hi [num_pages + 1, h_kv, S, d]`` of the Quest page each listed token
     (cache page ``pages[i]``, slot ``offsets[i]``) lies in, from the layer's paged keys ``k`` up to that token
-    (``quest_bounds.update_page_bounds``: one launch; the PyTorch form here is its oracle and the CPU path)."""
+    (``quest_bounds.update_page_bounds``: one launch; on CPU tensors ``cpu_quest``'s C; the PyTorch form here is
+    their oracle and the CPU's fallback)."""
     if use_triton(lo, offsets, head_dim=lo.shape[-1]):
         from .quest_bounds import update_page_bounds
 
         update_page_bounds(k, lo, hi, pages, offsets, quest_page)
+        return
+    if cpu_quest.supported(k, lo, hi) and lo.is_contiguous() and hi.is_contiguous():
+        cpu_quest.update_bounds(k, lo, hi, pages, offsets, quest_page)
         return
     sub = offsets // quest_page
     cols = torch.arange(quest_page, device=offsets.device)
@@ -465,6 +480,33 @@ def walk_select(*args: Any) -> torch.Tensor:
     return select(*args)
 
 
+def decode_sketches(q: torch.Tensor, k_pages: torch.Tensor, slot_pages: torch.Tensor, slot_offsets: torch.Tensor,
+                    srht: Any) -> torch.Tensor:
+    """``scorer_dispatch.decode_sketches`` (one Triton launch on CUDA, else its PyTorch form); on fp32 CPU tensors
+    the C kernel (``cpu_parts``), the PyTorch form's operations and bits."""
+    if not triton_wanted(q, k_pages) and cpu_parts.supported(q, k_pages):
+        signs, coords, _ = srht.device_tensors(q.device)
+        return cpu_parts.decode_sketches(q, k_pages, slot_pages, slot_offsets, signs, coords, srht.scale)
+    return _decode_sketches(q, k_pages, slot_pages, slot_offsets, srht)
+
+
+def cpu_parts_chosen(enabled: bool, *tensors: torch.Tensor) -> bool:
+    """Whether the paired decode's CPU C kernels (``cpu_part_combine``, ``cpu_part_select``) run, the CPU's
+    counterpart of ``triton_chosen``: where the method wants them (``enabled``), on fp32 CPU tensors Triton is not
+    wanted for, with the kernels built."""
+    return enabled and not triton_wanted(*tensors) and cpu_parts.supported(*tensors)
+
+
+def cpu_part_combine(*args: Any) -> torch.Tensor:
+    """``cpu_parts.part_combine``: ``part_combine``'s state update, part scores and partial head combine in C."""
+    return cpu_parts.part_combine(*args)
+
+
+def cpu_part_select(*args: Any) -> torch.Tensor:
+    """``cpu_parts.part_select``: ``part_select``'s finalised combine and part list in C."""
+    return cpu_parts.part_select(*args)
+
+
 def part_scores(ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 size: int, parts: int, *, kernel: bool, consts: Any = None,
                 p_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -509,9 +551,11 @@ def part_rows(table: torch.Tensor, parts: int) -> torch.Tensor:
 
 __all__ = ["ENV", "HAS_TRITON", "anchor_commit", "anchor_mark_shared", "anchor_sets", "anchor_share",
            "block_sparse_attention", "block_sparse_attention_varlen", "collision_bias", "collision_scores",
-           "collision_scores_varlen", "combine", "decode_sketches", "dense_rows_attention_varlen", "dilation_offsets",
+           "collision_scores_varlen", "combine", "cpu_part_combine", "cpu_part_select",
+           "cpu_parts_chosen", "decode_sketches", "dense_rows_attention_varlen", "dilation_offsets",
            "forced_tokens", "hard_bucket_probs", "linear", "lsh_bucket_ids", "lsh_bucket_ids_into_slots",
            "lsh_bucket_probs", "paged_collision_scores", "paged_group_probs", "paged_quest_scores", "part_combine",
+           "quest_decode_lists",
            "part_constants", "part_rows", "part_scores", "part_select", "quest_block_scores", "quest_page_bounds",
            "quest_page_scores", "quest_prefill_scores", "select_list", "select_list_on_triton", "sketch_block_sums",
            "soft_bucket_probs", "sparse_decode_attention", "sparse_decode_attention_varlen", "srht_apply",

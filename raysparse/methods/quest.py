@@ -13,8 +13,9 @@ ranking heuristic, not a bound for every query of the block; ``block_size`` must
 
 The batched seams read the bounds per physical page (``page_pool``, kept by ``update_state``), so a prompt
 starting from cached pages finds them there: decode scores pages through the page table
-(``kernels/paged_quest.py``), prefill scores every packed query block against the key blocks straight from
-the pools (``kernels/quest_prefill.py``). ``select_prefill`` / ``select_decode`` over gathered keys are the
+(``kernels/paged_quest.py``; on CPU tensors the scores and the list are one C call, ``kernels/cpu_quest.py``, as
+is the bounds' update), prefill scores every packed query block against the key blocks straight from the pools
+(``kernels/quest_prefill.py``). ``select_prefill`` / ``select_decode`` over gathered keys are the
 per-sequence references.
 """
 
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from raysparse.kernels.dispatch import (
-    paged_quest_scores,
     quest_block_scores,
+    quest_decode_lists,
     quest_prefill_scores,
     select_list,
     update_quest_bounds,
@@ -166,15 +167,14 @@ class Quest(SparseMethod):
         return min(pages, max(scalar_budget(self.layer_density, pages), 2))
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
+        """The page scores (+inf: forced, the first and current page; -inf: past the row's pages) and each (row,
+        KV head)'s list, ``quest_decode_lists`` (one C call on CPU tensors)."""
         p = self.config.page_size
         lo_pool, hi_pool = self._pools(layer, view.cache)
-        args = (q, lo_pool, hi_pool, view.kv.page_table, view.seqlens, p)
-        # +inf: forced (the first and current page); -inf: past the row's pages.
-        score = paged_quest_scores(*args)
         kk = self.layer_plan(view.cache, view.batch).decode_k  # the lengths' alone: the step's (``plan_layers``)
-        pages = score.shape[-1]
-        k_max = max(self._static_width(pages) - 2, 0)
-        return select_list(score.flatten(0, 1), kk, k_max, self._static_width(pages)).view(*score.shape[:2], -1)
+        width = self._static_width(view.kv.page_table.shape[1] * (view.cache.page_size // p))
+        return quest_decode_lists(q, lo_pool, hi_pool, view.kv.page_table, view.seqlens, p, kk, max(width - 2, 0),
+                                  width)
 
     def decode_keys(self, layer: int, n: int) -> int:
         p = self.config.page_size

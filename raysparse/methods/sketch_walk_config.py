@@ -44,8 +44,9 @@ class SketchWalkConfig(MethodConfig):
     # the measured fastest. graph_paired: the paired scorings (heads pair / pair-lse) decode on the batched seam,
     # from CUDA graphs on GPUs (sketch_walk_parts); off, per sequence. part_scores / part_select: that path's
     # Triton part scores and its combine + part selection (kernels/part_scores.py, kernels/part_select.py) on CUDA
-    # tensors; off, their PyTorch forms. walk_select: one-hop's Triton selection (kernels/walk_select.py) on the
-    # head-mean graph path; off, its PyTorch form.
+    # tensors, their C kernels (kernels/cpu_parts.py) on fp32 CPU tensors with decode_unit="part"; off, their
+    # PyTorch forms. walk_select: one-hop's Triton selection (kernels/walk_select.py) on the head-mean graph path;
+    # off, its PyTorch form.
     graph_paired: bool = True
     part_scores: bool = True
     part_select: bool = True

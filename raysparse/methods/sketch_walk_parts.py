@@ -37,6 +37,13 @@ fp32 scores (``part_select`` False keeps ``_combine_heads`` + ``_choose_parts``;
 scores off the kernel selects from PyTorch's partial). ``decode_unit="block"`` keeps the PyTorch combine
 and choice.
 
+On fp32 CPU tensors (``decode_unit="part"``) the same steps are C kernels (``kernels/cpu_parts.py``): the sketches
+with the PyTorch form's bits, the state update with the part scores and the heads' partial combine in one call,
+then ``head_reduce`` and one call that finalises the combine and lists the parts, with no step constants (each
+row's counts, forced parts and budget come from its length); about three calls a sparse layer instead of ~70
+operators. The scores differ from the PyTorch form's only by fp32 rounding (the dot product's order), the lists
+are ``_choose_parts``' on the same scores; ``native`` False (or ``part_select`` False) keeps the PyTorch form.
+
 Top-k on int64 keys (the score's order-preserving int32 bits, then the reversed column): ties go to the
 lower part or block as the reference's stable sort. Lengths, budgets and forced entries are device tensors
 of each step; no host sync. Verified on the GPU machine (captured, the lists the PyTorch form's); built by
@@ -53,6 +60,9 @@ from typing import Any
 import torch
 
 from raysparse.kernels.dispatch import (
+    cpu_part_combine,
+    cpu_part_select,
+    cpu_parts_chosen,
     decode_sketches,
     part_combine,
     part_constants,
@@ -88,6 +98,10 @@ class PartsDecode(RowsDecode):
     # (kernels/part_select.py; with the part scores' kernel the combine rides in it). None: the config's ``part_select``
     # on CUDA tensors.
     select_kernel: bool | None = None
+    # With decode_unit="part" on fp32 CPU tensors, the state update, part scores, heads' combine and part list as
+    # C kernels (kernels/cpu_parts.py; the scores and combine in one call with ``part_scores``). None: the config's
+    # ``part_select`` where ``select_kernel`` is None; tests force it.
+    native: bool | None = None
 
     def __init__(self, method: SketchWalkMethod, cache: KVCache) -> None:
         cfg = method.config
@@ -184,14 +198,18 @@ class PartsDecode(RowsDecode):
         cfg, m, li, P = self.cfg, self.m, self.index[layer], self.parts
         # as the reference: each KV head's query group averaged, keys per head; a shard holds whole groups
         new = decode_sketches(q, cache.k[layer], batch.slot_pages, batch.slot_offsets, m.srht)  # [2, bsz, h_kv, r]
-        if layer == self.first or self._step is None:  # what depends on the lengths only: once per step
-            self._step = self.paired_constants(n, w, table)
-        st = self._step
         ks = self.ks[li]  # a view: writes reach the state
         r = new.shape[-1]
-        kernel = (r & (r - 1)) == 0 and triton_chosen(cfg.part_scores, self.part_kernel, q)
         if cfg.decode_query == "heads":  # every query head's own sketch [bsz, h, r] instead of its group's mean
             new = (m.srht.apply(q.float()), new[1])
+        if layer == self.first:  # what depends on the lengths only: built once per step, where a path reads it
+            self._step = None
+        if cfg.decode_unit == "part" and self._native(q, ks):
+            return self._native_parts(ks, table, n, new, w), cfg.block_size // P
+        if self._step is None:
+            self._step = self.paired_constants(n, w, table)
+        st = self._step
+        kernel = (r & (r - 1)) == 0 and triton_chosen(cfg.part_scores, self.part_kernel, q)
         if cfg.decode_unit == "part" and triton_chosen(cfg.part_select, self.select_kernel, q):
             return self._select_parts(ks, table, n, new, st, kernel), cfg.block_size // P
         s = self._part_scores(ks, table, n, new, st, kernel)  # [h_kv * G, bsz, w * P]
@@ -236,6 +254,38 @@ class PartsDecode(RowsDecode):
         return part_select(x.contiguous(), n, cfg.heads, heads, cfg.block_size, self.parts, cfg.local_blocks,
                            cfg.density, st["p_k"], st["p_width"])
 
+    def _native(self, q: torch.Tensor, ks: torch.Tensor) -> bool:
+        """Whether this layer's part list runs as the CPU's C kernels: ``native`` where a test sets it, else the
+        config's ``part_select`` where no test forces the Triton or PyTorch selection, on tensors they take."""
+        want = self.native if self.native is not None else self.select_kernel is None and self.cfg.part_select
+        return cpu_parts_chosen(want, q, ks)
+
+    def _native_parts(self, ks: torch.Tensor, table: torch.Tensor, n: torch.Tensor, new: Any, w: int) -> torch.Tensor:
+        """``decode_unit="part"``'s list through ``kernels/cpu_parts.py``: the state update, part scores and the
+        heads' partial combine in one call (with ``part_scores``; else ``_part_scores`` and ``head_partial``),
+        ``head_reduce``, then one call that finalises the combine and lists the parts: ``_select_parts``' steps,
+        with no step constants (the lengths are read per row)."""
+        cfg, m, P = self.cfg, self.m, self.parts
+        size = cfg.block_size // P
+        if cfg.part_scores and self.part_kernel is None:
+            x = cpu_part_combine(ks, table, n, new[0], new[1], size, P, cfg.heads)
+        else:
+            if self._step is None:
+                self._step = self.paired_constants(n, w, table)
+            x = m.head_partial(self._part_scores(ks, table, n, new, self._step, False))[0]
+        if m.head_reduce is not None:
+            x = m.head_reduce(x)
+        heads = (m.model_cfg.num_kv_heads if m.head_reduce is not None else new[1].shape[1]) * self._per_kv(new)
+        k, width = self.part_widths(w)
+        return cpu_part_select(x, n, cfg.heads, heads, cfg.block_size, P, cfg.local_blocks, cfg.density, k, width)
+
+    def part_widths(self, w: int) -> tuple[int, int]:
+        """A bucket of ``w`` pages' static part widths: the most candidates any row picks (``p_k``: any row's
+        budget in parts) and the list's width (``p_width``: that budget or the forced parts)."""
+        cfg, P = self.cfg, self.parts
+        top = P * host_row_budget(cfg.density, w)
+        return min(w * P, top), min(w * P, max(top, P * (1 + cfg.local_blocks)))
+
     def paired_constants(self, n: torch.Tensor, w: int, table: torch.Tensor | None = None) -> dict[str, Any]:
         """The head-mean path's block constants plus the parts': counts, filled and forced parts, budgets, and
         with the page table [bsz, w] each part's state row (``p_rows``)."""
@@ -255,14 +305,13 @@ class PartsDecode(RowsDecode):
         forced = ((blk == 0) | (blk >= nb[:, None] - cfg.local_blocks)) & filled
         budget = row_budget(cfg.density, nb) * P  # on the device
         extra = (budget - forced.sum(-1)).clamp(min=0)
-        top = P * host_row_budget(cfg.density, w)  # static: any row's budget in parts
-        k = min(w * P, top)
+        k, p_width = self.part_widths(w)  # static
         # the forced blocks (sink, local; out-of-range ones at w) as their parts, empty ones dropped
         fparts = st["forced"][:, :, None] * P + torch.arange(P, device=dev)
         fparts = torch.where(fparts < held[:, None, None], fparts, w * P).flatten(1)
         st.update(p_cand=filled & ~forced, p_low=w * P - 1 - cols, p_k=k, p_forced=fparts,
                   p_take=torch.arange(k, device=dev) < extra[:, None],
-                  p_width=min(w * P, max(top, P * (1 + cfg.local_blocks))))
+                  p_width=p_width)
         return st
 
     def _choose_parts(self, scores: torch.Tensor, st: dict[str, Any]) -> torch.Tensor:
