@@ -211,6 +211,11 @@ def test_the_separate_layout_keeps_every_copy_right(trial):
     every layer of every step the working layer holds what the step reads (prefill: every row of the step's
     sequences; decode: their last pages), every clean page's host copy and every dirty page's slot equal the
     reference, and the decode attend through the pool equals the one-tier attend."""
+    check_separate_layout("cpu")
+
+
+def check_separate_layout(device: str) -> None:
+    """``test_the_separate_layout_keeps_every_copy_right`` on ``device`` (the GPU tests run it on CUDA)."""
     from raysparse.kv_cache import KVCache
 
     seed = random.randrange(1 << 30)
@@ -220,8 +225,8 @@ def test_the_separate_layout_keeps_every_copy_right(trial):
     cfg = _model_cfg(layers, h_kv, d)
     # 5 slots: two sequences' 2 pinned pages and one more; the prompts span 4 to 9 pages
     off = KVOffloadConfig(device_tokens=5 * page, sink_pages=1, window_pages=1, device_layers=(0,))
-    ref = KVCache(cfg, 64, page, torch.float32, "cpu")
-    tier = KVCache(cfg, 64, page, torch.float32, "cpu", offload=off, separate_host=True)
+    ref = KVCache(cfg, 64, page, torch.float32, device)
+    tier = KVCache(cfg, 64, page, torch.float32, device, offload=off, separate_host=True)
     t = tier.tiers
     assert t is not None and t.separate and t.layers == [1, 2] and tier.device_whole(0) and not tier.device_whole(1)
     assert tier.k[1] is tier.k[2] is t.work[0], "one working layer for the tiered layers"
@@ -235,8 +240,8 @@ def test_the_separate_layout_keeps_every_copy_right(trial):
         if prefill:
             bs[0].prompt_ends = bs[1].prompt_ends = chunk_end
         for layer in range(layers):
-            k = torch.randn(sum(q_lens), h_kv, d, generator=g)
-            v = torch.randn(sum(q_lens), h_kv, d, generator=g)
+            k = torch.randn(sum(q_lens), h_kv, d, generator=g).to(device)
+            v = torch.randn(sum(q_lens), h_kv, d, generator=g).to(device)
             for c, b in zip((ref, tier), bs, strict=True):
                 c.write(layer, k, v, b)
             if layer == 0:
@@ -255,7 +260,7 @@ def test_the_separate_layout_keeps_every_copy_right(trial):
                     rows = min(page, n - j * page)
                     s = t.dirty[layer].get(p)
                     src_k, src_v = (t.dev_k[layer][s], t.dev_v[layer][s]) if s is not None else \
-                        (t.host_k[layer][p], t.host_v[layer][p])
+                        (t.host_k[layer][p].to(device), t.host_v[layer][p].to(device))
                     if not prefill or s is not None:  # a prefill's pages reach the host at its end: checked
                         assert torch.equal(src_k[:, :rows], rk[p, :, :rows]), f"{msg}: page {p} (dirty {s})"
                         assert torch.equal(src_v[:, :rows], rv[p, :, :rows]), f"{msg}: page {p} (dirty {s})"
@@ -267,8 +272,8 @@ def test_the_separate_layout_keeps_every_copy_right(trial):
                 kv_t, _ = tier.paged(layer, bs[1])
                 unit = rng.choice([1, 4, 16])
                 width = rng.randint(1, 80 // unit + 2)
-                idx = _selection(bs[0].ctx_lens, h_kv, unit, width, g)
-                qq = torch.randn(2, h_kv * 2, d, generator=g)
+                idx = _selection(bs[0].ctx_lens, h_kv, unit, width, g).to(device)
+                qq = torch.randn(2, h_kv * 2, d, generator=g).to(device)
                 want, _ = paged_decode_attention(qq, kv_ref, idx, unit)
                 got = t.decode_attention(layer, qq, kv_t, idx, unit)
                 assert torch.equal(got, want), msg

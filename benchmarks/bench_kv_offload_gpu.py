@@ -1,0 +1,291 @@
+"""The K/V tiers on a GPU: decode speed with the tier on and off, and the batch each fits at a long context.
+
+In-process, no Ray: the scheduler's plans run on one shard's executor, as a replica runs them, on the Llama-3.1-8B
+config (``configs/llama-3.1-8b``) with seeded random bf16 weights built on the GPU, random prompts.
+
+(a) One request of ``--context`` tokens (default 131072): decode tokens/s of dense (no tier) and of each method
+    (``--methods``, default quest, sketch_walk, socket) with the tier off and on, and the tier's hit rate, bytes
+    copied per step and stall time.
+(b) The largest batch at that context: dense without the tier (its whole K/V in device memory), each method with
+    the tier (bounded by the host tier's memory, ``--host-gib``, and by the device memory of what stays there: the
+    dense layers' K/V, the methods' per-page state, the working layer, the staging buffer and the pool). Computed
+    from free device memory and host RAM, then run at that batch where its estimated time fits ``--budget-s``
+    (else at the largest batch that does), with the decode throughput (generated tokens/s over the batch).
+
+Every decode runs eagerly (the tier cannot be captured in a CUDA graph, so the untiered runs are eager as well, for
+one comparison). Prints a table and writes JSON to ``$OUT/kv_offload_gpu.json`` (``--out``).
+
+    python benchmarks/bench_kv_offload_gpu.py --quick            # 32768 tokens, a first smoke run
+    python benchmarks/bench_kv_offload_gpu.py --parts a          # 131072 tokens, one request
+    python benchmarks/bench_kv_offload_gpu.py --parts b          # the largest batches
+
+Needs only torch, triton, transformers and msgpack (no Ray, no gRPC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_common import environment, out_dir
+
+from raysparse.kv_cache import KVCache
+from raysparse.kv_tiers import KVOffloadConfig
+from raysparse.loader import build_model, load_hf_config, resolve_source
+from raysparse.methods.registry import get_method
+from raysparse.orchestration.engine_api import EngineRequest, RequestHandle
+from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
+from raysparse.sampling import SamplingParams
+from raysparse.shard_executor import ShardExecutor
+from raysparse.step_plan import method_key
+
+PAGE = 64
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def host_ram() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) of this machine in bytes."""
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":", 1)
+        info[name] = int(value.split()[0]) * 1024
+    return info["MemTotal"], info["MemAvailable"]
+
+
+class Runner:
+    """One shard's cache and executor, reused by the runs of one configuration (tier on or off)."""
+
+    def __init__(self, model: Any, host_tokens: int, offload: KVOffloadConfig | None, prefill_tokens: int,
+                 device: str = "cuda") -> None:
+        self.model, self.offload, self.prefill_tokens = model, offload, prefill_tokens
+        self.pages = -(-host_tokens // PAGE)
+        t0 = time.perf_counter()
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(model.cfg, self.pages, PAGE, dtype, device, model.num_kv_heads, offload=offload)
+        self.alloc_s = time.perf_counter() - t0
+        sync = torch.cuda.synchronize if device == "cuda" else None
+        self.ex = ShardExecutor(model, self.cache, sync=sync, offload=offload)
+
+    def run(self, method: str, params: dict, prompts: list[list[int]], new: int) -> dict[str, Any]:
+        """The prompts through the scheduler's plans; the decode steps where every sequence decodes are timed
+        (the first two left out: they compile the kernels)."""
+        extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
+                                                     pinned_pages=self.offload.pinned_pages)
+        sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
+                                          max_prefill_tokens=self.prefill_tokens, decode_steps=1, **extra))
+        key = method_key(method, params)
+        seqs = [sched.make_sequence(RequestHandle(EngineRequest(tuple(p), SamplingParams(max_new_tokens=new,
+                                                                                      ignore_eos=True),
+                                                               method, params), lambda _: None), key, frozenset(), 0.0)
+                for p in prompts]
+        for s in seqs:
+            sched.add(s)
+        by_id = {s.seq_id: s for s in seqs}
+        prefill_s, steps, full = 0.0, [], 0
+        t_start = time.perf_counter()
+        while sched.has_work():
+            plan = sched.next_plan()
+            if plan is None:
+                break
+            if not plan.seq_ids:
+                self.ex.execute(plan)
+                continue
+            if not plan.prefill and len(plan.seq_ids) == len(prompts):
+                full += 1
+                if full == 3:
+                    self.ex.stats(reset=True)  # the tier's counts over the timed steps
+            t0 = time.perf_counter()
+            out = self.ex.execute(plan)
+            dt = time.perf_counter() - t0
+            if out["error"]:
+                raise RuntimeError(f"{method}: {out['error']}")
+            if plan.prefill:
+                prefill_s += dt
+                sched.prefill_succeeded(plan)
+            elif len(plan.seq_ids) == len(prompts) and full >= 3:
+                steps.append(dt)
+            for sid, t in zip(plan.seq_ids, out["tokens"], strict=True):
+                seq = by_id[sid]
+                if t is not None:
+                    seq.tokens.append(t)
+                if len(seq.tokens) >= new:
+                    sched.release(seq)
+        stats = self.ex.stats(reset=True)
+        state = sum(t.numel() * t.element_size() for t in self.cache.shared_state.values()
+                    if isinstance(t, torch.Tensor))
+        self.ex.free([s.seq_id for s in seqs])
+        # the next method starts from a clean device: this one's backends and per-page state go
+        self.ex.backends.clear()
+        self.cache.shared_state.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        tps = len(prompts) * len(steps) / sum(steps) if steps else float("nan")
+        return {"method": method, "batch": len(prompts), "tiered": self.offload is not None,
+                "prefill_s": prefill_s, "decode_steps_timed": len(steps),
+                "decode_ms_per_step": 1e3 * sum(steps) / len(steps) if steps else float("nan"),
+                "decode_tokens_per_s": tps, "wall_s": time.perf_counter() - t_start,
+                "kv_offload": stats.get("kv_offload"), "state_bytes_per_token": state / ((self.pages + 1) * PAGE)}
+
+    def close(self) -> None:
+        del self.ex, self.cache
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def kv_bytes_per_token_layer(cfg: Any) -> int:
+    return 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V in bf16
+
+
+def state_bytes_per_token(model: Any, method: str, params: dict) -> float:
+    """The method's per-page state on the device (``KVCache.page_pool``), all layers, per token of cache: measured
+    on a small cache by one short request (which also compiles the method's kernels)."""
+    run = Runner(model, 8192, None, 8192)
+    g = torch.Generator().manual_seed(1)
+    r = run.run(method, params, [torch.randint(0, model.cfg.vocab_size, (1024,), generator=g).tolist()], 4)
+    run.close()
+    return r["state_bytes_per_token"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(ROOT / "configs" / "llama-3.1-8b"))
+    p.add_argument("--methods", default="quest,sketch_walk,socket")
+    p.add_argument("--context", type=int, default=131072, help="prompt tokens of each request")
+    p.add_argument("--quick", action="store_true", help="32768 tokens and fewer decode steps: a smoke run")
+    p.add_argument("--new", type=int, default=12, help="tokens each request decodes (the first two are not timed)")
+    p.add_argument("--parts", default="a,b", help="a: one request, tier on and off; b: the largest batches")
+    p.add_argument("--device-share", type=float, default=0.2,
+                   help="the device pool per layer as a share of the running sequences' K/V")
+    p.add_argument("--host-gib", type=float, default=None,
+                   help="host memory for the host tier (default: the available RAM less 16 GiB, at most 80%% of it)")
+    p.add_argument("--reserve-gib", type=float, default=12.0, help="device memory left for activations")
+    p.add_argument("--budget-s", type=float, default=420.0, help="time for part (b)'s runs, estimated beforehand")
+    p.add_argument("--prefill-tokens", type=int, default=65536, help="prompt tokens per prefill step")
+    p.add_argument("--density", type=float, default=None, help="the whole model's density (default: each method's)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a GPU; benchmarks/bench_kv_offload.py is the CPU one")
+    context = 32768 if args.quick and args.context == 131072 else args.context
+    new = min(args.new, 6) if args.quick else args.new
+    parts = set(args.parts.split(","))
+    t_all = time.perf_counter()
+    hf = load_hf_config(resolve_source(args.model))
+    torch.manual_seed(0)
+    model = build_model(hf, dtype=torch.bfloat16, device="cuda")
+    cfg = model.cfg
+    methods = args.methods.split(",")
+    params = {m: ({"density": args.density} if args.density is not None and get_method(m).takes_density else {})
+              for m in methods}
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(n)]
+
+    total = context + new
+    seq_tokens = -(-total // PAGE) * PAGE + PAGE
+    kv_tl = kv_bytes_per_token_layer(cfg)
+    mem_total, mem_avail = host_ram()
+    host_budget = int(args.host_gib * GIB) if args.host_gib else int(min(mem_avail - 16 * GIB, 0.8 * mem_avail))
+    record: dict[str, Any] = {"env": environment(), "model": args.model, "context": context, "new_tokens": new,
+                              "host_ram_total_gib": mem_total / GIB, "host_ram_available_gib": mem_avail / GIB,
+                              "host_tier_budget_gib": host_budget / GIB, "device_share": args.device_share,
+                              "methods": methods, "params": params, "eager": True, "a": [], "b": []}
+    offload_cfg = KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * total / PAGE) * PAGE))
+    tiered_layers = len(offload_cfg.tiered_layers(cfg.num_layers))
+    print(f"Llama-3.1-8B config, random bf16 weights; context {context} + {new}; K/V "
+          f"{kv_tl * cfg.num_layers * total / 1e9:.2f} GB per sequence; host RAM {mem_total / GIB:.0f} GiB "
+          f"({mem_avail / GIB:.0f} available): host tier "
+          f"budget {host_budget / GIB:.0f} GiB = {host_budget // (kv_tl * tiered_layers * seq_tokens)} sequences of "
+          f"{tiered_layers} tiered layers", flush=True)
+
+    if "a" in parts:
+        plain = Runner(model, seq_tokens, None, args.prefill_tokens)
+        for m in ["dense", *methods]:
+            r = plain.run(m, params.get(m, {}), prompts(1), new)
+            record["a"].append(r)
+            print(f"(a) {m:12s} tier off  {r['decode_tokens_per_s']:8.2f} tok/s  "
+                  f"{r['decode_ms_per_step']:7.2f} ms/step  prefill {r['prefill_s']:6.1f} s", flush=True)
+        plain.close()
+        tier = Runner(model, seq_tokens, offload_cfg, args.prefill_tokens)
+        for m in methods:
+            r = tier.run(m, params[m], prompts(1), new)
+            off = next(x for x in record["a"] if x["method"] == m and not x["tiered"])
+            r["vs_tier_off"] = r["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+            record["a"].append(r)
+            st = r["kv_offload"] or {}
+            print(f"(a) {m:12s} tier on   {r['decode_tokens_per_s']:8.2f} tok/s  "
+                  f"{r['decode_ms_per_step']:7.2f} ms/step  x{r['vs_tier_off']:.2f} of tier off  hit "
+                  f"{st.get('hit_rate', float('nan')):.3f}  {st.get('bytes_per_step', 0) / 1e6:8.1f} MB/step  stall "
+                  f"{1e3 * st.get('stall_s_per_step', 0):6.2f} ms/step  (pool {offload_cfg.device_tokens} tokens/layer;"
+                  f" host tier allocated in {tier.alloc_s:.1f} s)", flush=True)
+        tier.close()
+
+    if "b" in parts:
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info()[0] - int(args.reserve_gib * GIB)
+        dense_seq = kv_tl * cfg.num_layers * seq_tokens
+        plans = [("dense", False, max(0, free // dense_seq), {"device_bytes_per_seq": dense_seq})]
+        for m in methods:
+            state = state_bytes_per_token(model, m, params[m]) * seq_tokens
+            dev_layers = len(offload_cfg.device_layers)
+            # on the device per sequence: the dense layers' K/V, the per-page state, its share of the working layer
+            # and of the staging buffer (one layer each), and its share of the pool
+            per_dev = seq_tokens * kv_tl * (dev_layers + 2 + args.device_share * tiered_layers) + state
+            per_host = seq_tokens * kv_tl * tiered_layers
+            b_dev, b_host = int(free // per_dev), int(host_budget // per_host)
+            plans.append((m, True, min(b_dev, b_host), {"device_bytes_per_seq": per_dev, "host_bytes_per_seq": per_host,
+                                                        "device_bound": b_dev, "host_bound": b_host,
+                                                        "state_bytes_per_seq": state}))
+        # prefill (dense attention at 400 TFLOP/s, the linear layers at 500) and decode, per sequence
+        flops = 2 * sum(x.numel() for x in model.parameters()) * context
+        attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * context / 2
+        per_seq_s = flops / 500e12 + attn / 400e12 + new * 0.05
+        share = args.budget_s / len(plans)  # part (b)'s budget, shared by its runs
+        for m, tiered, fit, info in plans:
+            run_b = max(0, min(fit, int(share // per_seq_s)))
+            row: dict[str, Any] = {"method": m, "tiered": tiered, "max_batch": fit, "estimated_s_per_seq": per_seq_s,
+                                   **info}
+            print(f"(b) {m:12s} tier {'on ' if tiered else 'off'} largest batch {fit} "
+                  + (f"(device {info['device_bound']}, host {info['host_bound']})" if tiered else "(device)")
+                  + f"; running {run_b}", flush=True)
+            if run_b >= 1:
+                off = KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * run_b * total
+                                                                           / PAGE) * PAGE)) if tiered else None
+                runner = None
+                try:
+                    runner = Runner(model, seq_tokens * run_b, off, args.prefill_tokens)
+                    r = runner.run(m, params.get(m, {}), prompts(run_b), new)
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # the row records it; the others go on
+                    r = {"error": f"batch {run_b}: {str(e).splitlines()[0][:300]}"}
+                if runner is not None:
+                    runner.close()
+                row.update(r)
+                row["ran_batch"] = run_b
+                print(f"    {r.get('decode_tokens_per_s', float('nan')):8.2f} tok/s over the batch "
+                      f"{r.get('decode_ms_per_step', float('nan')):7.2f} ms/step {r.get('error', '')}", flush=True)
+            record["b"].append(row)
+        dense_row = record["b"][0]
+        for row in record["b"][1:]:
+            if "decode_tokens_per_s" in row and "decode_tokens_per_s" in dense_row:
+                row["vs_dense"] = row["decode_tokens_per_s"] / dense_row["decode_tokens_per_s"]
+                print(f"(b) {row['method']:12s} x{row['vs_dense']:.2f} of dense's throughput at their batches")
+
+    record["wall_s"] = time.perf_counter() - t_all
+    path = args.out or out_dir() / "kv_offload_gpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=str))
+    print(f"wrote {path} ({record['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The K/V tiers on a GPU (skipped without one): the host tier in pinned host memory, the method state and the device
+pools on the GPU, and greedy tokens through the tiers equal to those without them for streaming, Quest,
+Sketch&Walk and SOCKET at TP=1, with a device pool smaller than one sequence's K/V, on ragged batches.
+
+Both runs take the same scheduler plans (the tiered run's admission, which the pool's pins bound), so the only
+difference is the tier: the same kernels read the same keys through another page table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU form of the K/V tiers needs CUDA")
+
+GPU_METHODS = ["streaming", "quest", "sketch_walk", "socket"]
+
+
+def _run(model, method: str, seed: int, tiered: bool, dtype: torch.dtype):
+    from test_kv_tiers_engine import HOST_TOKENS, OFFLOAD, PAGE, drive, requests, scheduler_config
+
+    from raysparse.kv_cache import KVCache
+    from raysparse.shard_executor import ShardExecutor
+
+    offload = OFFLOAD if tiered else None
+    cache = KVCache(model.cfg, HOST_TOKENS // PAGE, PAGE, dtype, "cuda", model.num_kv_heads, offload=offload)
+    ex = ShardExecutor(model, cache, offload=offload)
+    tokens = drive(ex, scheduler_config(OFFLOAD), requests(method, seed))  # the tiered admission for both
+    return tokens, ex.stats().get("kv_offload"), cache
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def gpu_model(request):
+    from test_kv_tiers_engine import tiny
+
+    from raysparse.loader import model_from_state
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    print(f"weights seed {seed}")
+    cfg, state = tiny(seed)
+    return model_from_state(cfg, state, dtype=request.param, device="cuda").eval(), request.param
+
+
+@pytest.mark.parametrize("method", GPU_METHODS)
+def test_gpu_tokens_through_the_tiers_equal_the_one_tier_tokens(gpu_model, method):
+    from test_kv_tiers_engine import LENS, NEW, PAGE
+
+    model, dtype = gpu_model
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    with torch.no_grad():
+        plain, none, _ = _run(model, method, seed, False, dtype)
+        tiered, stats, cache = _run(model, method, seed, True, dtype)
+    assert none is None and all(len(t) == NEW for t in plain)
+    assert tiered == plain, f"{method} {dtype}: prompt seed {seed}"
+    assert stats["device_slots"] * PAGE < min(LENS), "the pool is smaller than one sequence's K/V"
+    assert stats["page_copies"] + stats["row_copies"] > 0 and stats["bytes_copied"] > 0, stats
+    assert stats["prefill_kept_pages"] > 0 and stats["decode_steps"] > 0, stats
+    assert stats["stall_s"] >= 0.0
+    t = cache.tiers
+    assert t is not None and t.separate
+
+
+def test_the_gpu_host_tier_is_pinned_host_memory(gpu_model):
+    from test_kv_tiers_engine import HOST_TOKENS, OFFLOAD, PAGE
+
+    from raysparse.kv_cache import KVCache
+
+    model, dtype = gpu_model
+    cache = KVCache(model.cfg, HOST_TOKENS // PAGE, PAGE, dtype, "cuda", model.num_kv_heads, offload=OFFLOAD)
+    t = cache.tiers
+    assert t is not None and t.separate and t.layers == OFFLOAD.tiered_layers(model.cfg.num_layers)
+    for layer in range(model.cfg.num_layers):
+        if layer in t.layers:
+            for h in (t.host_k[layer], t.host_v[layer]):
+                assert h.device.type == "cpu" and h.is_pinned() and h.shape == cache.shape
+            assert t.dev_k[layer].is_cuda and t.dev_v[layer].is_cuda
+            assert cache.k[layer] is t.work[0] and cache.k[layer].is_cuda and cache.v[layer].is_cuda
+            assert not cache.device_whole(layer)
+        else:  # kept whole on the device
+            assert cache.k[layer].is_cuda and cache.k[layer].shape == cache.shape and cache.device_whole(layer)
+    pool = cache.page_pool(("test",), (2,), torch.float32)  # the methods' per-page state stays on the GPU
+    assert pool.is_cuda and pool.shape[0] == cache.num_pages + 1
+
+
+def test_the_separate_layout_keeps_every_copy_right_on_the_gpu():
+    from test_kv_tiers import check_separate_layout
+
+    for _ in range(3):
+        check_separate_layout("cuda")
