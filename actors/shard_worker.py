@@ -158,10 +158,12 @@ class ShardWorker:
         log.info("shard %d/%d of %s: %s", rank, world_size, src.name, load.summary())
         connect_group(model, reduce=reduce, reduce_norm=reduce_norm)
         pages = -(-spec.kv_cache_tokens // spec.page_size)
-        cache = KVCache(model.cfg, pages, spec.page_size, dtype, self.device, model.num_kv_heads)
+        # with the tiers: on a GPU the tiered layers' pages are allocated in pinned host memory, never on the device
+        cache = KVCache(model.cfg, pages, spec.page_size, dtype, self.device, model.num_kv_heads,
+                        offload=spec.kv_offload)
         sync = torch.cuda.synchronize if self.device == "cuda" else None
         graphs = None
-        if self.device == "cuda" and spec.cuda_graphs:
+        if self.device == "cuda" and spec.cuda_graphs and spec.kv_offload is None:  # the tier decodes eagerly
             from raysparse.decode_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(model, cache, spec.max_batch)
