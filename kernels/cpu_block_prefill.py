@@ -17,7 +17,7 @@ import torch
 
 from . import native
 
-_SOURCE = r"""
+_SOURCE = native.VEC_EXP + r"""
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -88,7 +88,7 @@ static void NAME(const float *q, const float *k, const float *v, int64_t hs, con
                 continue;                                                                                     \
             }                                                                                                 \
             _Pragma("omp simd reduction(+:sum)")                                                              \
-            for (int64_t c = 0; c < width; c++) { float p = sr[c] <= MASKED ? 0.0f : expf(sr[c] - mx);       \
+            for (int64_t c = 0; c < width; c++) { float p = sr[c] <= MASKED ? 0.0f : rs_expf(sr[c] - mx);       \
                                                   sr[c] = p; sum += p; }                                      \
             float acc[(D)];                                                                                   \
             for (int64_t x = 0; x < (D); x++) acc[x] = 0.0f;                                                  \

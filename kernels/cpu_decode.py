@@ -24,7 +24,7 @@ import torch
 from . import native
 from .formats import PagedKV
 
-_SOURCE = r"""
+_SOURCE = native.VEC_EXP + r"""
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -52,9 +52,9 @@ _SOURCE = r"""
         float *sg = s + gi * PAGE_MAX, *ag = a + gi * (D);                                                    \
         float mx = m[gi];                                                                                     \
         for (int64_t t = 0; t < t_n; t++) mx = sg[t] > mx ? sg[t] : mx;                                       \
-        float corr = expf(m[gi] - mx), sum = 0.0f;                                                            \
+        float corr = rs_expf(m[gi] - mx), sum = 0.0f;                                                            \
         _Pragma("omp simd reduction(+:sum)")                                                                  \
-        for (int64_t t = 0; t < t_n; t++) { sg[t] = expf(sg[t] - mx); sum += sg[t]; }                         \
+        for (int64_t t = 0; t < t_n; t++) { sg[t] = rs_expf(sg[t] - mx); sum += sg[t]; }                         \
         l[gi] = l[gi] * corr + sum;                                                                           \
         m[gi] = mx;                                                                                           \
         float r[(D)];                                                                                         \
@@ -166,7 +166,7 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int32
             for (int64_t sp = 0; sp < spans; sp++) {
                 float *p = part + (b * spans + sp) * stride;
                 if (p[h + x] <= 0.0f) continue;
-                float w = expf(p[x] - mm);
+                float w = rs_expf(p[x] - mm);
                 ll += p[h + x] * w;
                 float *ax = p + 2 * h + x * d;
                 for (int64_t y = 0; y < d; y++) o[y] += w * ax[y];

@@ -15,7 +15,7 @@ import torch
 
 from . import native
 
-_SOURCE = r"""
+_SOURCE = native.VEC_EXP + r"""
 #include <math.h>
 #include <stdint.h>
 
@@ -77,7 +77,7 @@ void silu_mul_f32(const float *g, int64_t gs, const float *u, int64_t us, float 
         const float *gi = g + i * gs, *ui = u + i * us;
         float *oi = out + i * n;
         #pragma omp simd
-        for (int64_t c = 0; c < n; c++) oi[c] = gi[c] / (1.0f + expf(-gi[c])) * ui[c];
+        for (int64_t c = 0; c < n; c++) oi[c] = gi[c] / (1.0f + rs_expf(-gi[c])) * ui[c];
     }
 }
 """

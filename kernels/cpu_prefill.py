@@ -27,7 +27,7 @@ BLOCK = 128  # query positions a GEMM takes: scores of 3 heads x 128 rows x 4K k
 _DTYPES = (torch.float32,)  # lower precisions keep the fused flash attention, whose softmax runs in fp32
 
 
-_SOURCE = r"""
+_SOURCE = native.VEC_EXP + r"""
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -47,7 +47,7 @@ void softmax_causal_rows(float *s, int64_t rows, int64_t cols, int64_t base, int
         #pragma omp simd reduction(max:mx)
         for (int64_t x = 0; x < n; x++) mx = r[x] > mx ? r[x] : mx;
         #pragma omp simd reduction(+:sum)
-        for (int64_t x = 0; x < n; x++) { r[x] = expf(r[x] - mx); sum += r[x]; }
+        for (int64_t x = 0; x < n; x++) { r[x] = rs_expf(r[x] - mx); sum += r[x]; }
         for (int64_t x = n; x < cols; x++) r[x] = 0.0f;
         sums[i] = sum;
     }

@@ -23,6 +23,33 @@ import torch  # noqa: F401 - loaded first, so the library's libgomp.so.1 is PyTo
 
 # not -ffast-math: a library built with it flushes denormals to zero for the whole process when it loads
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+# exp for the kernels' softmax loops, inlined into them so they vectorise: without -ffast-math glibc declares no
+# vector expf, and a scalar libm call per score cost three to four times the GEMMs around it. Cephes' expf (a
+# degree-7 polynomial on r in [-ln2/2, ln2/2] after the Cody-Waite reduction x = k ln2 + r), scaled by 2^k through
+# the exponent bits: within 2 ulp of expf; 0 below -87.3 (where expf is denormal or 0), -inf included.
+VEC_EXP = r"""
+#include <stdint.h>
+#include <string.h>
+static inline float rs_expf(float x) {
+    float c = x > 88.3762626647949f ? 88.3762626647949f : x;
+    c = c < -87.3365447504f ? -87.3365447504f : c;
+    float kf = c * 1.44269504088896341f + 12582912.0f;  /* round to nearest by the float's own rounding */
+    kf -= 12582912.0f;
+    float r = c - kf * 0.693359375f;
+    r = r + kf * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)kf + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.3365447504f ? 0.0f : p * scale;
+}
+"""
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 
