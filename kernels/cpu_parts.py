@@ -41,6 +41,7 @@ _SOURCE = cpu_topk.SOURCE + r"""
 #include <float.h>
 #include <stdlib.h>
 
+#define PF 2
 typedef float v8f __attribute__((vector_size(32)));
 static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
 static inline float hsum8(v8f v) {
@@ -134,6 +135,11 @@ int part_combine_f32(float *ks, const int32_t *table, int64_t tstride, int64_t W
         for (int64_t c = c0; c < c1; c++) {
             if (c >= held) { out[b * wp + c] = lse ? 0.0 : -INFINITY; continue; }  /* exp(-inf) summed: 0 */
             const float *row = ks + ((int64_t)table[b * tstride + c / P] * P + c % P) * hr;
+            if (c % P == 0 && c / P + PF < W && (c / P + PF) * P < held) {
+                /* the part sums PF pages ahead (pages are scattered, past the hardware prefetcher's reach) */
+                const char *nx = (const char *)(ks + (int64_t)table[b * tstride + c / P + PF] * P * hr);
+                for (int64_t o = 0; o < (int64_t)sizeof(float) * P * hr; o += 64) __builtin_prefetch(nx + o);
+            }
             int64_t left = nn - c * size;
             float cnt = (float)(left < 1 ? 1 : left > size ? size : left);
             double acc = 0.0;
@@ -165,7 +171,7 @@ int part_select_f64(const double *x, const int64_t *n, int64_t bsz, int64_t wp, 
                     int64_t size, int64_t P, int64_t local, float density, int64_t top, int64_t width, int32_t *out,
                     int threads) {
     int bad = 0;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (bsz > 1)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (bsz * wp > 8192)
     for (int64_t b = 0; b < bsz; b++) {
         float *sc = (float *)malloc(sizeof(float) * (wp > 0 ? wp : 1));
         uint64_t *keys = (uint64_t *)malloc(sizeof(uint64_t) * (wp > 0 ? wp : 1));

@@ -31,6 +31,7 @@ from . import cpu_topk, native
 _SOURCE = cpu_topk.SOURCE + r"""
 #include <stdlib.h>
 
+#define PF 2
 typedef float v8f __attribute__((vector_size(32)));
 static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
 static inline float hsum8(v8f v) {
@@ -124,8 +125,8 @@ int quest_decode_f32(const float *q, const float *lo, const float *hi, const int
         int64_t b = it / W, p = it % W, c0 = p * S;
         int64_t np = ((int64_t)lens[b] + qpage - 1) / qpage;
         if (np > cols) np = cols;
-        if (c0 < np && p + 1 < W && c0 + S < np) {
-            int64_t nx = (int64_t)table[b * tstride + p + 1] * block;
+        if (c0 < np && p + PF < W && c0 + PF * S < np) {
+            int64_t nx = (int64_t)table[b * tstride + p + PF] * block;
             for (int64_t o = 0; o < block; o += 16) {
                 __builtin_prefetch(lo + nx + o);
                 __builtin_prefetch(hi + nx + o);
@@ -145,9 +146,9 @@ int quest_decode_f32(const float *q, const float *lo, const float *hi, const int
         }
     }
     if (scores) memcpy(scores, sc, sizeof(float) * rows * cols);
-    /* the lists: cpu_topk's select over each row */
+    /* the lists: cpu_topk's select over each row (a few hundred keys a row are less than a thread's start) */
     int bad = 0;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols > 8192)
     for (int64_t r = 0; r < rows; r++) {
         const float *sr = sc + r * cols;
         uint64_t *keys = (uint64_t *)malloc(sizeof(uint64_t) * (cols > 0 ? cols : 1));

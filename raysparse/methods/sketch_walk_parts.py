@@ -54,6 +54,7 @@ Memory: 4 * L_s * (num_pages + 1) * P * h_kv * r bytes (h_kv: the KV heads this 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -78,6 +79,13 @@ from raysparse.methods.sketch_walk_method import SketchWalkMethod
 from raysparse.methods.sketch_walk_rows import RowsDecode
 
 _KEY_FLOOR = torch.iinfo(torch.int64).min  # below every candidate's key
+
+
+@functools.lru_cache(maxsize=256)
+def _part_widths(density: float, parts: int, local_blocks: int, w: int) -> tuple[int, int]:
+    """``PartsDecode.part_widths``: host arithmetic kept per bucket, which every sparse layer of a step asks."""
+    top = parts * host_row_budget(density, w)
+    return min(w * parts, top), min(w * parts, max(top, parts * (1 + local_blocks)))
 
 
 def order_keys(x: torch.Tensor) -> torch.Tensor:
@@ -282,9 +290,7 @@ class PartsDecode(RowsDecode):
     def part_widths(self, w: int) -> tuple[int, int]:
         """A bucket of ``w`` pages' static part widths: the most candidates any row picks (``p_k``: any row's
         budget in parts) and the list's width (``p_width``: that budget or the forced parts)."""
-        cfg, P = self.cfg, self.parts
-        top = P * host_row_budget(cfg.density, w)
-        return min(w * P, top), min(w * P, max(top, P * (1 + cfg.local_blocks)))
+        return _part_widths(self.cfg.density, self.parts, self.cfg.local_blocks, w)
 
     def paired_constants(self, n: torch.Tensor, w: int, table: torch.Tensor | None = None) -> dict[str, Any]:
         """The head-mean path's block constants plus the parts': counts, filled and forced parts, budgets, and
