@@ -74,8 +74,8 @@ class Runner:
         self.ex = ShardExecutor(model, self.cache, sync=sync, offload=offload)
 
     def run(self, method: str, params: dict, prompts: list[list[int]], new: int) -> dict[str, Any]:
-        """The prompts through the scheduler's plans; the decode steps where every sequence decodes are timed
-        (the first two left out: they compile the kernels)."""
+        """The prompts through the scheduler's plans; the decode steps are timed, the first two left out (they
+        compile the kernels): generated tokens over their time, and the mean batch they decoded."""
         extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
                                                      pinned_pages=self.offload.pinned_pages)
         sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
@@ -88,7 +88,7 @@ class Runner:
         for s in seqs:
             sched.add(s)
         by_id = {s.seq_id: s for s in seqs}
-        prefill_s, steps, full = 0.0, [], 0
+        prefill_s, steps, rows, seen = 0.0, [], 0, 0
         t_start = time.perf_counter()
         while sched.has_work():
             plan = sched.next_plan()
@@ -97,9 +97,9 @@ class Runner:
             if not plan.seq_ids:
                 self.ex.execute(plan)
                 continue
-            if not plan.prefill and len(plan.seq_ids) == len(prompts):
-                full += 1
-                if full == 3:
+            if not plan.prefill:
+                seen += 1
+                if seen == 3:
                     self.ex.stats(reset=True)  # the tier's counts over the timed steps
             t0 = time.perf_counter()
             out = self.ex.execute(plan)
@@ -109,8 +109,9 @@ class Runner:
             if plan.prefill:
                 prefill_s += dt
                 sched.prefill_succeeded(plan)
-            elif len(plan.seq_ids) == len(prompts) and full >= 3:
+            elif seen >= 3:
                 steps.append(dt)
+                rows += len(plan.seq_ids) * plan.steps
             for sid, t in zip(plan.seq_ids, out["tokens"], strict=True):
                 seq = by_id[sid]
                 if t is not None:
@@ -127,10 +128,11 @@ class Runner:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        tps = len(prompts) * len(steps) / sum(steps) if steps else float("nan")
+        tps = rows / sum(steps) if steps else float("nan")
         return {"method": method, "batch": len(prompts), "tiered": self.offload is not None,
                 "prefill_s": prefill_s, "decode_steps_timed": len(steps),
                 "decode_ms_per_step": 1e3 * sum(steps) / len(steps) if steps else float("nan"),
+                "mean_decode_batch": rows / len(steps) if steps else 0.0,
                 "decode_tokens_per_s": tps, "wall_s": time.perf_counter() - t_start,
                 "kv_offload": stats.get("kv_offload"), "state_bytes_per_token": state / ((self.pages + 1) * PAGE)}
 
@@ -159,7 +161,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(ROOT / "configs" / "llama-3.1-8b"))
     p.add_argument("--methods", default="quest,sketch_walk,socket")
-    p.add_argument("--context", type=int, default=131072, help="prompt tokens of each request")
+    p.add_argument("--context", type=int, default=131072,
+                   help="tokens of each request: its prompt and the tokens it decodes")
     p.add_argument("--quick", action="store_true", help="32768 tokens and fewer decode steps: a smoke run")
     p.add_argument("--new", type=int, default=12, help="tokens each request decodes (the first two are not timed)")
     p.add_argument("--parts", default="a,b", help="a: one request, tier on and off; b: the largest batches")
@@ -168,7 +171,8 @@ def main() -> None:
     p.add_argument("--host-gib", type=float, default=None,
                    help="host memory for the host tier (default: the available RAM less 16 GiB, at most 80%% of it)")
     p.add_argument("--reserve-gib", type=float, default=12.0, help="device memory left for activations")
-    p.add_argument("--budget-s", type=float, default=420.0, help="time for part (b)'s runs, estimated beforehand")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="time for part (b)'s runs, estimated beforehand (default 420 s alone, 240 s after part a)")
     p.add_argument("--prefill-tokens", type=int, default=65536, help="prompt tokens per prefill step")
     p.add_argument("--density", type=float, default=None, help="the whole model's density (default: each method's)")
     p.add_argument("--out", type=Path, default=None)
@@ -188,10 +192,10 @@ def main() -> None:
               for m in methods}
     g = torch.Generator().manual_seed(0)
 
-    def prompts(n: int) -> list[list[int]]:
-        return [torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist() for _ in range(n)]
+    def prompts(n: int) -> list[list[int]]:  # the decoded tokens end at ``context``: within the model's positions
+        return [torch.randint(0, cfg.vocab_size, (context - new,), generator=g).tolist() for _ in range(n)]
 
-    total = context + new
+    total = context
     seq_tokens = -(-total // PAGE) * PAGE + PAGE
     kv_tl = kv_bytes_per_token_layer(cfg)
     mem_total, mem_avail = host_ram()
@@ -202,7 +206,7 @@ def main() -> None:
                               "methods": methods, "params": params, "eager": True, "a": [], "b": []}
     offload_cfg = KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * total / PAGE) * PAGE))
     tiered_layers = len(offload_cfg.tiered_layers(cfg.num_layers))
-    print(f"Llama-3.1-8B config, random bf16 weights; context {context} + {new}; K/V "
+    print(f"Llama-3.1-8B config, random bf16 weights; context {context} ({new} decoded); K/V "
           f"{kv_tl * cfg.num_layers * total / 1e9:.2f} GB per sequence; host RAM {mem_total / GIB:.0f} GiB "
           f"({mem_avail / GIB:.0f} available): host tier "
           f"budget {host_budget / GIB:.0f} GiB = {host_budget // (kv_tl * tiered_layers * seq_tokens)} sequences of "
@@ -248,32 +252,44 @@ def main() -> None:
                                                         "state_bytes_per_seq": state}))
         # prefill (dense attention at 400 TFLOP/s, the linear layers at 500) and decode, per sequence
         flops = 2 * sum(x.numel() for x in model.parameters()) * context
-        attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * context / 2
+        attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * context / 2  # causal
         per_seq_s = flops / 500e12 + attn / 400e12 + new * 0.05
-        share = args.budget_s / len(plans)  # part (b)'s budget, shared by its runs
+        budget = args.budget_s if args.budget_s is not None else (420.0 if parts == {"b"} else 240.0)
+        share = budget / len(plans)  # part (b)'s budget, shared by its runs
+        runs = {m: max(0, min(fit, int(share // per_seq_s))) for m, _, fit, _ in plans}
+        # the tiered runs share one host tier (pinning it is slow), sized for the largest of them
+        tier_b = max([runs[m] for m, tiered, _, _ in plans if tiered] + [0])
+        shared: Runner | None = None
         for m, tiered, fit, info in plans:
-            run_b = max(0, min(fit, int(share // per_seq_s)))
+            run_b = runs[m]
             row: dict[str, Any] = {"method": m, "tiered": tiered, "max_batch": fit, "estimated_s_per_seq": per_seq_s,
                                    **info}
             print(f"(b) {m:12s} tier {'on ' if tiered else 'off'} largest batch {fit} "
                   + (f"(device {info['device_bound']}, host {info['host_bound']})" if tiered else "(device)")
                   + f"; running {run_b}", flush=True)
             if run_b >= 1:
-                off = KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * run_b * total
-                                                                           / PAGE) * PAGE)) if tiered else None
-                runner = None
+                runner = shared if tiered else None
                 try:
-                    runner = Runner(model, seq_tokens * run_b, off, args.prefill_tokens)
+                    if runner is None:
+                        b = tier_b if tiered else run_b
+                        off = KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * b * total
+                                                                                   / PAGE) * PAGE)) if tiered else None
+                        runner = Runner(model, seq_tokens * b, off, args.prefill_tokens)
+                        row["host_tier_alloc_s"] = runner.alloc_s
+                        if tiered:
+                            shared = runner
                     r = runner.run(m, params.get(m, {}), prompts(run_b), new)
                 except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # the row records it; the others go on
                     r = {"error": f"batch {run_b}: {str(e).splitlines()[0][:300]}"}
-                if runner is not None:
+                if runner is not None and runner is not shared:
                     runner.close()
                 row.update(r)
                 row["ran_batch"] = run_b
                 print(f"    {r.get('decode_tokens_per_s', float('nan')):8.2f} tok/s over the batch "
                       f"{r.get('decode_ms_per_step', float('nan')):7.2f} ms/step {r.get('error', '')}", flush=True)
             record["b"].append(row)
+        if shared is not None:
+            shared.close()
         dense_row = record["b"][0]
         for row in record["b"][1:]:
             if "decode_tokens_per_s" in row and "decode_tokens_per_s" in dense_row:
