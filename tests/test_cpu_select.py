@@ -181,7 +181,8 @@ def _parts_draw(g: torch.Generator, exact: bool, h_kv: int, r: int, parts: int, 
 @pytest.mark.parametrize("h_kv,r,parts,group", [(3, 64, 8, 1), (2, 16, 4, 3), (1, 24, 2, 1)])
 def test_part_combine_matches_the_pytorch_form(exact, heads, h_kv, r, parts, group):
     """The state update bit for bit, and the partial combine against ``part_scores_reference`` then
-    ``head_partial``: exactly on integer sums, to fp32 rounding on Gaussian ones (its zeros and -infs exactly)."""
+    ``head_partial``: on integer sums the same fp32 scores (exactly, or to the fp64 exp's last bit), to fp32
+    rounding on Gaussian ones (its zeros and -infs exactly)."""
     g, seed = _gen()
     block = 32
     ks, table, n, q, k, size = _parts_draw(g, exact, h_kv, r, parts, block, group)
@@ -192,8 +193,10 @@ def test_part_combine_matches_the_pytorch_form(exact, heads, h_kv, r, parts, gro
     got = cpu_parts.part_combine(got_state, table, n, q, k, size, parts, heads)
     assert torch.equal(got_state, want_state), f"seed {seed}"
     assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got == 0, want == 0), f"seed {seed}"
-    if exact:
+    if exact and heads == "pair":
         assert torch.equal(got, want), f"seed {seed}"
+    elif exact:  # the same fp32 scores; libm's fp64 exp and PyTorch's may differ in a last bit
+        torch.testing.assert_close(got, want, rtol=4 * torch.finfo(torch.float64).eps, atol=0, msg=f"seed {seed}")
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
 
