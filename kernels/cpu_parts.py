@@ -37,17 +37,10 @@ import torch
 
 from . import cpu_topk, native
 
-_SOURCE = cpu_topk.SOURCE + r"""
+_SOURCE = cpu_topk.SOURCE + native.VEC8 + r"""
 #include <float.h>
 #include <stdlib.h>
 
-#define PF 2
-typedef float v8f __attribute__((vector_size(32)));
-static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
-static inline float hsum8(v8f v) {
-    float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
-    return a + b;
-}
 
 /* srht_reference of one row x [d] (y: scratch [dp]): pad, signs, fwht's butterflies, / root, coords, * scale */
 static void srht_row(const float *x, int64_t d, float *y, int64_t dp, const float *signs, const int64_t *coords,

@@ -28,16 +28,9 @@ import torch
 
 from . import cpu_topk, native
 
-_SOURCE = cpu_topk.SOURCE + r"""
+_SOURCE = cpu_topk.SOURCE + native.VEC8 + r"""
 #include <stdlib.h>
 
-#define PF 2
-typedef float v8f __attribute__((vector_size(32)));
-static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
-static inline float hsum8(v8f v) {
-    float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
-    return a + b;
-}
 
 /* k [pages, h_kv, page, d]; lo, hi [pages + 1, h_kv, S, d] (S = page / qpage); tokens m: cache page pages[m],
    slot offs[m]. */
@@ -149,24 +142,8 @@ int quest_decode_f32(const float *q, const float *lo, const float *hi, const int
     /* the lists: cpu_topk's select over each row (a few hundred keys a row are less than a thread's start) */
     int bad = 0;
     #pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols > 8192)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *sr = sc + r * cols;
-        uint64_t *keys = (uint64_t *)malloc(sizeof(uint64_t) * (cols > 0 ? cols : 1));
-        if (!keys) { bad = 1; continue; }
-        int64_t nc = 0;
-        for (int64_t c = 0; c < cols; c++)
-            if (isfinite(sr[c])) keys[nc++] = rs_key(sr[c], c);
-        int64_t k = kk[r] < 0 ? 0 : kk[r];
-        if (k > k_max) k = k_max;
-        if (k > nc) k = nc;
-        uint64_t t = k > 0 ? rs_kth(keys, nc, k) : 0;
-        int32_t *o = out + r * width;
-        int64_t w = 0;
-        for (int64_t c = 0; c < cols && w < width; c++)
-            if (sr[c] == INFINITY || (k > 0 && isfinite(sr[c]) && rs_key(sr[c], c) >= t)) o[w++] = (int32_t)c;
-        for (; w < width; w++) o[w] = -1;
-        free(keys);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        if (rs_select_row(sc + r * cols, cols, kk[r], k_max, width, out + r * width)) bad = 1;
     free(sc);
     return bad ? -1 : 0;
 }

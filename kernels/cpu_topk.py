@@ -22,6 +22,7 @@ from . import native
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* A candidate's key: the larger key is the better candidate (the higher score, then the lower column).
@@ -57,6 +58,26 @@ static uint64_t rs_kth(uint64_t *a, int64_t n, int64_t k) {
     }
     return a[want];
 }
+
+/* One row's list: the columns of s [n] whose keys are among its k best finite ones (k clamped to [0, k_max]) or
+   whose score is +inf (forced), ascending, in o [width], -1 after. Returns -1 where scratch could not be had. */
+static int rs_select_row(const float *s, int64_t n, int64_t kr, int64_t k_max, int64_t width, int32_t *o) {
+    uint64_t *keys = (uint64_t *)malloc(sizeof(uint64_t) * (n > 0 ? n : 1));
+    if (!keys) return -1;
+    int64_t nc = 0;
+    for (int64_t c = 0; c < n; c++)
+        if (isfinite(s[c])) keys[nc++] = rs_key(s[c], c);
+    int64_t k = kr < 0 ? 0 : kr;
+    if (k > k_max) k = k_max;
+    if (k > nc) k = nc;
+    uint64_t t = k > 0 ? rs_kth(keys, nc, k) : 0;
+    int64_t w = 0;
+    for (int64_t c = 0; c < n && w < width; c++)
+        if (s[c] == INFINITY || (k > 0 && isfinite(s[c]) && rs_key(s[c], c) >= t)) o[w++] = (int32_t)c;
+    for (; w < width; w++) o[w] = -1;
+    free(keys);
+    return 0;
+}
 """
 
 _LIST = SOURCE + r"""
@@ -67,24 +88,8 @@ int select_list_f32(const float *score, const int64_t *kk, int64_t R, int64_t n,
                     int32_t *out, int threads) {
     int bad = 0;
     #pragma omp parallel for schedule(static) num_threads(threads) if (R > 1)
-    for (int64_t r = 0; r < R; r++) {
-        const float *s = score + r * n;
-        int32_t *o = out + r * width;
-        uint64_t *keys = (uint64_t *)malloc(sizeof(uint64_t) * (n > 0 ? n : 1));
-        if (!keys) { bad = 1; continue; }
-        int64_t nc = 0;
-        for (int64_t c = 0; c < n; c++)
-            if (isfinite(s[c])) keys[nc++] = rs_key(s[c], c);
-        int64_t k = kk[r] < 0 ? 0 : kk[r];
-        if (k > k_max) k = k_max;
-        if (k > nc) k = nc;
-        uint64_t t = k > 0 ? rs_kth(keys, nc, k) : 0;
-        int64_t w = 0;
-        for (int64_t c = 0; c < n && w < width; c++)
-            if (s[c] == INFINITY || (k > 0 && isfinite(s[c]) && rs_key(s[c], c) >= t)) o[w++] = (int32_t)c;
-        for (; w < width; w++) o[w] = -1;
-        free(keys);
-    }
+    for (int64_t r = 0; r < R; r++)
+        if (rs_select_row(score + r * n, n, kk[r], k_max, width, out + r * width)) bad = 1;
     return bad ? -1 : 0;
 }
 """

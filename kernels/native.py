@@ -50,6 +50,18 @@ static inline float rs_expf(float x) {
     return x < -87.3365447504f ? 0.0f : p * scale;
 }
 """
+# Eight-float vectors for dot-product loops over scattered rows (loaded unaligned), summed in a fixed order so a
+# result does not depend on the build's vector width; PF: how many entries ahead such loops prefetch.
+VEC8 = r"""
+#include <string.h>
+#define PF 2
+typedef float v8f __attribute__((vector_size(32)));
+static inline v8f ld8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline float hsum8(v8f v) {
+    float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
+    return a + b;
+}
+"""
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 
