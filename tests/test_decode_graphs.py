@@ -145,9 +145,8 @@ def test_scheduler_plans_several_steps_only_when_nothing_waits():
     assert sched.next_plan().prefill
     a.tokens.append(1)
     b = add(3, prompt_len=64 * 2)  # admissible (3 of 4 pages free): decode goes one step at a time
-    plan = sched.next_plan()
-    assert not plan.prefill and plan.steps == 1
-    assert sched.next_plan().prefill
+    plan = sched.next_plan()  # dense's mixed step: a's one-token row rides first in b's prefill
+    assert plan.prefill and plan.steps == 1 and plan.decode_rows == 1 and plan.seq_ids == [a.seq_id, b.seq_id]
     a.tokens.append(2)
     b.tokens.append(1)
     plan = sched.next_plan()

@@ -154,10 +154,9 @@ def test_scheduler_starts_a_cached_prompt_after_its_prefix_and_defers_an_infligh
         assert plan.seq_ids == [a.seq_id]
         sched.prefill_succeeded(plan)
     a.tokens.append(5)  # its first token (the runner's part)
-    plan = sched.next_plan()  # a decodes once, then b is admitted from the cache
-    if not plan.prefill:
-        plan = sched.next_plan()
-    assert plan.seq_ids == [b.seq_id] and b.cached == 20 and plan.tokens == [[92]]
+    plan = sched.next_plan()  # b is admitted from the cache; a's decode row rides first in the same step
+    assert plan.prefill and plan.decode_rows == 1
+    assert plan.seq_ids == [a.seq_id, b.seq_id] and b.cached == 20 and plan.tokens == [[5], [92]]
     assert plan.admit[0][3][:5] == sched.pool.pages_of(a.seq_id)[:5] and plan.admit[0][4] == 20
 
 
