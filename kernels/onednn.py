@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 
 AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-DTYPES = (torch.float32, torch.bfloat16)
+# bf16 only where the processor has oneDNN's bf16 kernels (AVX-512 BF16 or AMX): on AVX2 alone oneDNN cannot
+# create a bf16 inner product at all, and PyTorch's linear (which converts) serves instead.
+DTYPES = (torch.float32, torch.bfloat16) if AVAILABLE and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+    else (torch.float32,)
 
 
 def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
