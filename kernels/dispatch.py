@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 
-from . import cpu_block_prefill, cpu_decode, cpu_parts, cpu_quest
+from . import cpu_block_prefill, cpu_decode, cpu_gemv, cpu_parts, cpu_quest, onednn
 from . import reference as ref
 from .formats import KVSource, PackedBlockSelection, PackedKV, PagedKV
 from .kernel_path import ENV, HAS_TRITON, triton_wanted, use_triton
-from .onednn import linear
 from .paged_rows import paged_rows_decode_cpu
 from .paged_torch import (
     block_sparse_prefill_torch,
@@ -53,6 +52,15 @@ from .scorer_reference import soft_bucket_probs
 from .selection import BlockSelection, TokenSelection
 
 combine = ref.combine  # torch ops only: device-agnostic and sync-free already
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)``, the model's projections and LM head: on CPUs a few rows (a decode step's) by
+    ``cpu_gemv``'s C kernel, which streams the weight at the memory's rate, more rows by oneDNN's GEMM
+    (``onednn.linear``, which also takes every other device and dtype to PyTorch's)."""
+    if cpu_gemv.serves(x, w, b):
+        return cpu_gemv.linear(x, w, b)
+    return onednn.linear(x, w, b)
 
 
 def attend_rounding(t: torch.Tensor) -> float:
