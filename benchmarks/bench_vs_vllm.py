@@ -5,9 +5,10 @@ install's ``vllm`` executable, ``vllm serve`` over the same float32 weights (the
 the default GGUF, or ``--model-dir``), one server at a time, and loads each with ``vllm bench serve`` (random
 token prompts of ``--input-len``, ``--output-len`` tokens past EOS) at every ``--concurrency``; raysparse is
 loaded once per ``--methods`` entry (a request field picks the method). Without ``--vllm`` the client is
-``raysparse bench --backend openai``, timed as vLLM's client times the same backend. With ``--run`` the same
-engine answers one ``raysparse run`` at the prompt length too (its TTFT and per-token time beside the
-server's). Prints a table and writes JSON to ``--out``:
+``raysparse bench --backend openai``, timed as vLLM's client times the same backend. With ``--run`` the server also
+answers the request ``raysparse run`` makes (its retrieval prompt at ``--input-len``, 24 greedy tokens to EOS), and
+``raysparse run`` answers it: TTFT and time per token of the same request both ways. Prints a table and writes
+JSON to ``--out``:
 
     python benchmarks/bench_vs_vllm.py --vllm VENV/bin/vllm --methods dense,sketch_walk:0.1 --concurrency 1,4
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RUN_NEW_TOKENS = 24  # `raysparse run`'s default --max-new-tokens
 
 
 def default_model_dir() -> str:
@@ -124,6 +126,9 @@ def serve_raysparse(args: argparse.Namespace, model_dir: str, work: Path) -> lis
                 m = run_client(args, f"http://127.0.0.1:{args.port}", model_dir, c, body, work, f"rs_{label}_{c}")
                 rows.append({"engine": "raysparse", "method": label, "concurrency": c, **m})
                 print(json.dumps(rows[-1]), flush=True)
+        if args.run:  # the request `raysparse run` answers, sent to the server: the pair of rows to compare
+            rows.append(retrieval_request(args, f"http://127.0.0.1:{args.port}", model_dir))
+            print(json.dumps(rows[-1]), flush=True)
     finally:
         stop(proc)
         log.close()
@@ -151,14 +156,51 @@ def serve_vllm(args: argparse.Namespace, model_dir: str, work: Path) -> list[dic
     return rows
 
 
+def retrieval_task_ids(args: argparse.Namespace, model_dir: str) -> list[int]:
+    """The prompt `raysparse run --context-tokens INPUT_LEN` builds (its defaults: depth 0.5, seed 0)."""
+    from raysparse.loader import load_tokenizer, resolve_source
+    from raysparse.workload import build_retrieval_task, load_haystack_text
+
+    text, source = load_haystack_text(None)
+    tok = load_tokenizer(resolve_source(model_dir))
+    return list(build_retrieval_task(tok, text, source, context_tokens=args.input_len, depth=0.5, seed=0).prompt_ids)
+
+
+def retrieval_request(args: argparse.Namespace, base: str, model_dir: str) -> dict[str, Any]:
+    """`raysparse run`'s request (its prompt, 24 new tokens, greedy, stopping at EOS) streamed from the server:
+    TTFT to the first token, and the time per token after it, as `run` reports them."""
+    ids = retrieval_task_ids(args, model_dir)
+    body = {"model": args.served_name, "prompt": ids, "max_tokens": RUN_NEW_TOKENS, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0, stamps, tokens = time.perf_counter(), [], None
+    with urllib.request.urlopen(req, timeout=args.timeout) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                stamps.append(time.perf_counter())
+    n = tokens or len(stamps)
+    return {"engine": "serve, run's req", "method": "dense", "concurrency": 1,
+            "ttft_ms": 1e3 * (stamps[0] - t0), "tpot_ms": 1e3 * (stamps[-1] - stamps[0]) / max(n - 1, 1),
+            "prompt_tokens": len(ids), "new_tokens": n}
+
+
 def run_job(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     """``raysparse run`` at the prompt length: the same engine without the server (TTFT, ms per token)."""
     out = subprocess.run([sys.executable, "-m", "raysparse.cli", "run", "--json", "--model", model_dir,
-                          "--context-tokens", str(args.input_len), "--no-prefix-cache"],
+                          "--context-tokens", str(args.input_len), "--max-new-tokens", str(RUN_NEW_TOKENS),
+                          "--no-prefix-cache"],
                          check=True, capture_output=True, text=True, env={**os.environ, **ENV}, timeout=args.timeout)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     return {"engine": "raysparse run", "method": r["method"], "concurrency": 1, "ttft_ms": 1e3 * r["ttft_s"],
-            "tpot_ms": 1e3 / r["decode_tokens_per_s"], "prompt_tokens": r["prompt_tokens"]}
+            "tpot_ms": 1e3 / r["decode_tokens_per_s"], "prompt_tokens": r["prompt_tokens"],
+            "new_tokens": r["new_tokens"]}
 
 
 def main() -> int:

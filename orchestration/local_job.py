@@ -116,7 +116,7 @@ def _generate(engine: Any, req: Any, console: Console) -> Any:
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
+                  transient=True, auto_refresh=False) as progress:
         bar = progress.add_task(f"prefill of {len(req.prompt_ids)} tokens ({req.method})", total=None)
         handle = engine.submit(req)
         n = 0
@@ -126,7 +126,7 @@ def _generate(engine: Any, req: Any, console: Console) -> Any:
                     raise JobError(ev.error or f"the request ended with {ev.finish_reason}")
                 return ev
             n += 1
-            progress.update(bar, description="decoding", total=req.params.max_new_tokens, completed=n)
+            progress.update(bar, description="decoding", total=req.params.max_new_tokens, completed=n, refresh=True)
     raise JobError("the engine ended the request without a result")
 
 
