@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 GROUPS = {  # aten (and oneDNN) operators, and the CPU's C kernels (``label_c_kernels``), by what they do in a step
-    "gemm": ("mm", "addmm", "_linear_pointwise"),
+    "gemm": ("mm", "addmm", "_linear_pointwise", "cpu_gemv"),
     "attention": ("_scaled_dot_product_flash_attention_for_cpu", "bmm", "logsumexp", "softmax", "_softmax", "exp",
                   "exp_", "amax", "cpu_decode", "cpu_prefill_softmax", "cpu_block_prefill"),
     "kv_read_write": ("index_select", "index", "gather", "_index_put_impl_", "take"),
@@ -40,7 +40,7 @@ def label_c_kernels() -> None:
     point is wrapped in a profiler range named for its group (``GROUPS``)."""
     from torch.profiler import record_function
 
-    from raysparse.kernels import cpu_block_prefill, cpu_decode, cpu_fused, cpu_prefill
+    from raysparse.kernels import cpu_block_prefill, cpu_decode, cpu_fused, cpu_gemv, cpu_prefill
 
     def labelled(fn: Any, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -48,7 +48,7 @@ def label_c_kernels() -> None:
                 return fn(*args, **kwargs)
         return call
 
-    for module, attr, name in ((cpu_decode, "paged_pages_decode", "cpu_decode"),
+    for module, attr, name in ((cpu_gemv, "linear", "cpu_gemv"), (cpu_decode, "paged_pages_decode", "cpu_decode"),
                                (cpu_prefill, "_softmax_rows", "cpu_prefill_softmax"),
                                (cpu_block_prefill, "block_sparse_prefill", "cpu_block_prefill"),
                                (cpu_fused, "rms_norm", "cpu_fused"), (cpu_fused, "add_rms_norm", "cpu_fused"),
