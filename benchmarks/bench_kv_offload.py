@@ -3,7 +3,8 @@
 Runs the engine's step path in-process (the scheduler's plans on one shard's executor, as a replica runs them,
 without Ray) on the default model: a needle-retrieval prompt of ``--context`` tokens, ``--new`` greedy tokens,
 first with one tier, then with ``--kv-offload``'s device pool holding ``--device-share`` of the request's K/V per
-layer. Prints a table (hit rate, bytes copied per decode step, pages and rows copied, stall time waiting for the
+layer and its row cache ``--row-share`` (default: the same share; 0: no row cache). Prints a table (hit rate,
+bytes copied per decode step, pages and rows copied, rows read from the row cache, stall time waiting for the
 copies; whether the tokens equal the one-tier run's) and writes it as JSON.
 
     python benchmarks/bench_kv_offload.py --out benchmarks/records/kv_offload_cpu_2026-12-02/kv_offload.json
@@ -82,10 +83,11 @@ PCIE_BPS, HBM_BPS, HBM_BYTES, WEIGHTS_BYTES = 50e9, 4.3e12, 141e9, 16.1e9  # H20
 
 
 def gpu_model(record: dict[str, Any], tokens: int = 131072, density: float = 0.1, dense_layers: int = 0,
-              device_share: float = 0.25) -> list[dict[str, float]]:
+              device_share: float | None = None) -> list[dict[str, float]]:
     """Per method of ``record``: what one decode step of one 128K-token sequence moves on a GPU with the tier on, at
     ``density`` of the sparse layers' K/V selected and the method's measured hit rate, and the batch the device
-    memory holds (dense: whole K/V; tiered: the dense layers' whole K/V plus ``device_share`` of the sparse ones')."""
+    memory holds (dense: whole K/V; tiered: the dense layers' whole K/V plus ``device_share`` of the sparse ones';
+    None: the record's pool and row cache shares together)."""
     cfg = json.loads((Path(__file__).resolve().parents[1] / "configs/llama-3.1-8b/config.json").read_text())
     layers, h_kv = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -93,6 +95,8 @@ def gpu_model(record: dict[str, Any], tokens: int = 131072, density: float = 0.1
     sparse = layers - dense_layers
     selected = density * sparse * per_layer + dense_layers * per_layer
     dense_seqs = int((HBM_BYTES - WEIGHTS_BYTES) // (layers * per_layer))
+    if device_share is None:
+        device_share = max(r.get("device_share", 0.25) + r.get("row_share", 0.0) for r in record["rows"])
     tier_seqs = int((HBM_BYTES - WEIGHTS_BYTES) // (dense_layers * per_layer + device_share * sparse * per_layer))
     # a step reads the weights once and each sequence's K/V (dense) or its selection (tiered, misses over PCIe)
     dense_thr = dense_seqs / ((WEIGHTS_BYTES + dense_seqs * layers * per_layer) / HBM_BPS)
@@ -106,7 +110,7 @@ def gpu_model(record: dict[str, Any], tokens: int = 131072, density: float = 0.1
         out.append({"method": r["method"], "hit_rate": r["hit_rate"], "kv_gb_per_seq": layers * per_layer / 1e9,
                     "selected_gb_per_step": selected / 1e9, "pcie_gb_per_step": copied / 1e9,
                     "hbm_ms": 1e3 * selected / HBM_BPS, "pcie_ms": 1e3 * copied / PCIE_BPS,
-                    "dense_batch": dense_seqs, "tier_batch": tier_seqs,
+                    "dense_batch": dense_seqs, "tier_batch": tier_seqs, "device_share": device_share,
                     "throughput_vs_dense": tier_seqs / step / dense_thr, "hit_rate_for_3x": need})
     return out
 
@@ -117,6 +121,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096, help="prompt tokens")
     p.add_argument("--new", type=int, default=32, help="greedy tokens decoded")
     p.add_argument("--device-share", type=float, default=0.25, help="device pool / the request's K/V, per layer")
+    p.add_argument("--row-share", type=float, default=None,
+                   help="row cache / the request's K/V, per layer (default: --device-share; 0: no row cache)")
     p.add_argument("--prefill-tokens", type=int, default=1024, help="prompt tokens per prefill step")
     p.add_argument("--density", type=float, default=None,
                    help="the whole model's density for the methods that take one (default: each method's own)")
@@ -127,7 +133,8 @@ def main() -> None:
     args = p.parse_args()
     if args.gpu_model is not None:
         rows = gpu_model(json.loads(args.gpu_model.read_text()))
-        print("MODEL, not a measurement: Llama-3.1-8B, 128K tokens, density 0.1, PCIe 50 GB/s, HBM 4.3 TB/s")
+        print("MODEL, not a measurement: Llama-3.1-8B, 128K tokens, density 0.1, PCIe 50 GB/s, HBM 4.3 TB/s, device "
+              f"share {rows[0]['device_share']:.3f} of each sequence's K/V")
         for m in rows:
             print(f"{m['method']:12s} hit={m['hit_rate']:.3f} selected={m['selected_gb_per_step']:.2f} GB "
                   f"pcie={m['pcie_gb_per_step']:.2f} GB ({m['pcie_ms']:.1f} ms) hbm={m['hbm_ms']:.2f} ms "
@@ -144,7 +151,9 @@ def main() -> None:
     task = build_retrieval_task(tok, text, source, args.context)
     total = len(task.prompt_ids) + args.new
     device_tokens = max(4 * PAGE, -(-int(args.device_share * total) // PAGE) * PAGE)
-    offload = KVOffloadConfig(device_tokens=device_tokens)
+    row_share = args.device_share if args.row_share is None else args.row_share
+    row_tokens = -(-int(row_share * total) // PAGE) * PAGE
+    offload = KVOffloadConfig(device_tokens=device_tokens, row_tokens=row_tokens)
     host_tokens = -(-total // PAGE) * PAGE + PAGE
     rows = []
     for method in args.methods.split(","):
@@ -158,6 +167,8 @@ def main() -> None:
         answer = tok.decode(tiered)
         rows.append({"method": method, "params": params, "prompt_tokens": len(task.prompt_ids), "new_tokens": args.new,
                      "device_tokens_per_layer": device_tokens, "device_share": device_tokens / total,
+                     "row_tokens_per_layer": row_tokens, "row_share": row_tokens / total,
+                     "row_cache_hits": st["row_cache_hits"],
                      "tokens_equal": tiered == plain, "correct": task.is_correct(answer),
                      "hit_rate": st["hit_rate"], "bytes_per_step": st["bytes_per_step"],
                      "page_copies": st["page_copies"], "row_copies": st["row_copies"],
@@ -167,7 +178,7 @@ def main() -> None:
         r = rows[-1]
         print(f"{method:12s} equal={str(r['tokens_equal']):5s} correct={str(r['correct']):5s} "
               f"hit={r['hit_rate']:.3f} MB/step={r['bytes_per_step'] / 1e6:7.2f} pages={r['page_copies']:6d} "
-              f"rows={r['row_copies']:8d} stall={r['stall_ms_per_step']:7.2f} ms/step "
+              f"rows={r['row_copies']:8d} cached={r['row_cache_hits']:8d} stall={r['stall_ms_per_step']:7.2f} ms/step "
               f"decode {t_plain:6.1f} s -> {t_tiered:6.1f} s", flush=True)
     result = {"model": src.name, "context": args.context,
               "density": args.density,

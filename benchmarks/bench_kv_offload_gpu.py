@@ -168,6 +168,9 @@ def main() -> None:
     p.add_argument("--parts", default="a,b", help="a: one request, tier on and off; b: the largest batches")
     p.add_argument("--device-share", type=float, default=0.2,
                    help="the device pool per layer as a share of the running sequences' K/V")
+    p.add_argument("--row-share", type=float, default=None,
+                   help="the row cache per layer as a share of the running sequences' K/V (default: --device-share; "
+                        "0: no row cache)")
     p.add_argument("--host-gib", type=float, default=None,
                    help="host memory for the host tier (default: the available RAM less 16 GiB, at most 80%% of it)")
     p.add_argument("--reserve-gib", type=float, default=12.0, help="device memory left for activations")
@@ -203,8 +206,15 @@ def main() -> None:
     record: dict[str, Any] = {"env": environment(), "model": args.model, "context": context, "new_tokens": new,
                               "host_ram_total_gib": mem_total / GIB, "host_ram_available_gib": mem_avail / GIB,
                               "host_tier_budget_gib": host_budget / GIB, "device_share": args.device_share,
+                              "row_share": args.device_share if args.row_share is None else args.row_share,
                               "methods": methods, "params": params, "eager": True, "a": [], "b": []}
-    offload_cfg = KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * total / PAGE) * PAGE))
+    row_share = args.device_share if args.row_share is None else args.row_share
+
+    def offload_for(seqs: int) -> KVOffloadConfig:
+        return KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * seqs * total / PAGE) * PAGE),
+                               row_tokens=math.ceil(row_share * seqs * total / PAGE) * PAGE)
+
+    offload_cfg = offload_for(1)
     tiered_layers = len(offload_cfg.tiered_layers(cfg.num_layers))
     print(f"Llama-3.1-8B config, random bf16 weights; context {context} ({new} decoded); K/V "
           f"{kv_tl * cfg.num_layers * total / 1e9:.2f} GB per sequence; host RAM {mem_total / GIB:.0f} GiB "
@@ -230,7 +240,8 @@ def main() -> None:
             print(f"(a) {m:12s} tier on   {r['decode_tokens_per_s']:8.2f} tok/s  "
                   f"{r['decode_ms_per_step']:7.2f} ms/step  x{r['vs_tier_off']:.2f} of tier off  hit "
                   f"{st.get('hit_rate', float('nan')):.3f}  {st.get('bytes_per_step', 0) / 1e6:8.1f} MB/step  stall "
-                  f"{1e3 * st.get('stall_s_per_step', 0):6.2f} ms/step  (pool {offload_cfg.device_tokens} tokens/layer;"
+                  f"{1e3 * st.get('stall_s_per_step', 0):6.2f} ms/step  (pool {offload_cfg.device_tokens} "
+                  f"tokens/layer, row cache {offload_cfg.row_cache_tokens};"
                   f" host tier allocated in {tier.alloc_s:.1f} s)", flush=True)
         tier.close()
 
@@ -243,8 +254,8 @@ def main() -> None:
             state = state_bytes_per_token(model, m, params[m]) * seq_tokens
             dev_layers = len(offload_cfg.device_layers)
             # on the device per sequence: the dense layers' K/V, the per-page state, its share of the working layer
-            # and of the staging buffer (one layer each), and its share of the pool
-            per_dev = seq_tokens * kv_tl * (dev_layers + 2 + args.device_share * tiered_layers) + state
+            # and of the staging buffer (one layer each), and its share of the pool and of the row cache
+            per_dev = seq_tokens * kv_tl * (dev_layers + 2 + (args.device_share + row_share) * tiered_layers) + state
             per_host = seq_tokens * kv_tl * tiered_layers
             b_dev, b_host = int(free // per_dev), int(host_budget // per_host)
             plans.append((m, True, min(b_dev, b_host), {"device_bytes_per_seq": per_dev, "host_bytes_per_seq": per_host,
@@ -272,8 +283,7 @@ def main() -> None:
                 try:
                     if runner is None:
                         b = tier_b if tiered else run_b
-                        off = KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * b * total
-                                                                                   / PAGE) * PAGE)) if tiered else None
+                        off = offload_for(b) if tiered else None
                         runner = Runner(model, seq_tokens * b, off, args.prefill_tokens)
                         row["host_tier_alloc_s"] = runner.alloc_s
                         if tiered:

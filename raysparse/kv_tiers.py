@@ -27,13 +27,16 @@ attend:
 - rows whose pages fit the pool together (whole pages, misses copied host to device): the attend reads them
   through the page table translated from host page to device slot, with the selection unchanged;
 - the other rows (a token-level selection spread over more pages than the pool has): the selected keys' rows
-  are gathered into a staging buffer (those in resident pages from their slots, the rest from the host), laid
-  out as pages, and attended as a token list over it, as HiSparse copies rows.
+  are gathered into a staging buffer (those in resident pages from their slots, the others from the layer's
+  **row cache** where an earlier step left them, the rest from the host, which the row cache then keeps), laid
+  out as pages, and attended as a token list over it. A token-level or per-head selection moves a few keys a
+  step, so the rows it read last step are what it reads next; without the row cache they would cross from the
+  host at every step.
 
 Both read exactly the keys the selection names, in its order, so a step's output is the untiered one's. On CPUs
 the copies' time is stall time (nothing overlaps them); on GPUs the copies run on the compute stream right after
 the selection is read (the attend needs them next: nothing is left to overlap) and their span is timed by CUDA
-events. ``SlotPool`` is the pool's plain accounting, one per layer.
+events. ``SlotPool`` is the pool's plain accounting and ``RowCache`` the row cache's, one each per layer.
 """
 
 from __future__ import annotations
@@ -58,11 +61,14 @@ class PoolFullError(RuntimeError):
 class KVOffloadConfig:
     """The K/V tier's sizes (``--kv-offload``). The host tier is the KV cache's capacity (``kv_cache_tokens``);
     ``device_tokens``: tokens of K/V per layer the device pool holds (``device_tokens // page_size`` slots);
+    ``row_tokens``: the row cache's size per layer, in tokens of every KV head (``row_tokens * h_kv`` rows of one
+    token and one KV head; None: ``device_tokens``, 0: no row cache);
     ``sink_pages`` / ``window_pages``: each running sequence's first and last pages, pinned in the pool;
     ``device_layers``: layers whose K/V stay whole in device memory, outside the tier (a sparse method's dense
     layers read every page at every step: the default is the methods' default dense layers)."""
 
     device_tokens: int = 4096
+    row_tokens: int | None = None
     sink_pages: int = 1
     window_pages: int = 2
     device_layers: tuple[int, ...] = (0, 1)
@@ -70,6 +76,9 @@ class KVOffloadConfig:
     def __post_init__(self) -> None:
         if isinstance(self.device_tokens, bool) or not isinstance(self.device_tokens, int) or self.device_tokens < 1:
             raise ValueError(f"kv offload device_tokens must be a positive integer, got {self.device_tokens!r}")
+        rt = self.row_tokens
+        if rt is not None and (isinstance(rt, bool) or not isinstance(rt, int) or rt < 0):
+            raise ValueError(f"kv offload row_tokens must be a non-negative integer or None, got {rt!r}")
         for name in ("sink_pages", "window_pages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -97,6 +106,11 @@ class KVOffloadConfig:
                              f"{page_size}: it needs at least {self.pinned_pages + 1} (a sequence's "
                              f"{self.pinned_pages} pinned pages and one more)")
         return pages
+
+    @property
+    def row_cache_tokens(self) -> int:
+        """Tokens of every KV head the row cache holds per layer (0: none)."""
+        return self.device_tokens if self.row_tokens is None else self.row_tokens
 
     def tiered_layers(self, num_layers: int) -> list[int]:
         """The layers the tier covers: every layer not kept whole on the device."""
@@ -204,6 +218,66 @@ class SlotPool:
         return s
 
 
+class RowCache:
+    """One layer's device cache of token rows (the K/V of one token of one KV head) outside resident pages: which
+    host row sits in which slot, and which slots the current call uses. Pure bookkeeping on host tensors, like
+    ``SlotPool``: ``lookup`` says which rows are cached where and which slots the missing ones are to be copied
+    into.
+
+    Replacement is CLOCK: a hand sweeps the slots in order and takes each one the current call does not use, so a
+    row read at every step stays, and one left unread is replaced about a sweep later. Exact LRU over the hundreds
+    of thousands of rows a step reads would be a sort per layer; the sweep costs what the misses cost."""
+
+    def __init__(self, slots: int, rows: int) -> None:
+        if slots < 1:
+            raise ValueError("a row cache needs at least one slot")
+        self.slots = slots
+        self.slot_of = torch.full((rows,), -1, dtype=torch.int32)  # host row -> slot
+        self.owner = torch.full((slots,), -1, dtype=torch.int64)  # slot -> host row
+        self.stamp = torch.zeros(slots, dtype=torch.int64)  # the call that last used the slot
+        self.tick = 0
+        self.hand = 0
+        self.evictions = 0
+
+    def lookup(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One call's distinct host ``rows`` [n] (int64): returns their slots [n] (-1 where not cached), which were
+        cached [n] bool, and the slots the uncached ones, in order, are placed in (-1 for those past the room left
+        beside the call's hits: they are read from the host and not kept). The placed rows count as cached from now
+        on: the caller copies them in before the next call."""
+        self.tick += 1
+        slot = self.slot_of[rows].long()
+        cached = slot >= 0
+        hits = slot[cached]
+        self.stamp[hits] = self.tick
+        new = rows[~cached]
+        placed = torch.full((new.numel(),), -1, dtype=torch.int64)
+        take = min(new.numel(), self.slots - hits.numel())
+        if take > 0:
+            # the next ``take + hits`` slots from the hand hold at least ``take`` this call does not use
+            order = (self.hand + torch.arange(take + hits.numel())) % self.slots
+            free = order[self.stamp[order] != self.tick][:take]
+            old = self.owner[free]
+            gone = old[old >= 0]
+            self.slot_of[gone] = -1
+            self.evictions += gone.numel()
+            self.owner[free] = new[:take]
+            self.slot_of[new[:take]] = free.to(torch.int32)
+            self.stamp[free] = self.tick
+            placed[:take] = free
+            self.hand = (int(free[-1]) + 1) % self.slots
+        return slot, cached, placed
+
+    def drop(self, lo: int, hi: int) -> None:
+        """Forgets the cached rows among host rows [lo, hi) (their page changes owner)."""
+        s = self.slot_of[lo:hi].long()
+        s = s[s >= 0]
+        self.owner[s] = -1
+        self.slot_of[lo:hi] = -1
+
+    def cached(self) -> int:
+        return int((self.owner >= 0).sum())
+
+
 @dataclass
 class TierStats:
     """What the tier did since the last reset. ``*_pages``: whole pages (page-table rows), ``*_rows``: staged
@@ -216,8 +290,9 @@ class TierStats:
     page_copies: int = 0
     staged_layer_rows: int = 0  # (layer, batch row) pairs attended through the staging buffer
     rows_needed: int = 0
-    row_hits: int = 0
-    row_copies: int = 0
+    row_hits: int = 0  # staged rows read on the device: from resident pages' slots or from the row cache
+    row_cache_hits: int = 0  # of those, from the row cache
+    row_copies: int = 0  # distinct rows copied from the host
     prefill_kept_pages: int = 0  # pinned pages a prefill left on the device (written there, no copy back)
     bytes_copied: int = 0
     hit_bytes: int = 0
@@ -329,6 +404,15 @@ class KVTiers:
         self.dev_k = [None if t is None else torch.zeros(shape, dtype=t.dtype, device=self.device) for t in self.host_k]
         self.dev_v = [None if t is None else torch.zeros(shape, dtype=t.dtype, device=self.device) for t in self.host_v]
         self.pools = [None if t is None else SlotPool(self.slots) for t in self.host_k]
+        _, h_kv, page, d = ref.shape
+        # per layer, the row cache: its accounting on the host, its rows [slots, d] on the device
+        self.row_slots = cfg.row_cache_tokens * h_kv
+        self.row_caches = [None if t is None or not self.row_slots
+                           else RowCache(self.row_slots, t.shape[0] * h_kv * page) for t in self.host_k]
+        self.rows_k = [None if c is None else torch.zeros((self.row_slots, d), dtype=t.dtype, device=self.device)
+                       for c, t in zip(self.row_caches, self.host_k, strict=True)]
+        self.rows_v = [None if c is None else torch.zeros((self.row_slots, d), dtype=t.dtype, device=self.device)
+                       for c, t in zip(self.row_caches, self.host_v, strict=True)]
         # per layer, host page -> slot (-1: not resident), on the host: the accounting's mirror of the pools, and the
         # page tables' translation (one gather a step)
         self.slot_map = [None if t is None else torch.full((t.shape[0],), -1, dtype=torch.int64) for t in self.host_k]
@@ -339,7 +423,6 @@ class KVTiers:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # the copies' spans on a GPU
         self._step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._d2h_pending = False  # a device-to-host copy may still be in flight: sync before the host reads the tier
-        _, h_kv, page, d = ref.shape
         elt = ref.element_size()
         self.row_bytes = 2 * d * elt  # K and V of one token of one KV head
         self.page_bytes = h_kv * page * self.row_bytes
@@ -395,6 +478,11 @@ class KVTiers:
                 if pool.drop(p) is not None:
                     smap[p] = -1
                     dirty.pop(p, None)
+            rows = self.row_caches[layer]
+            if rows is not None:
+                span = self.page_bytes // self.row_bytes  # rows of one page: its tokens of every KV head
+                for p in pages:
+                    rows.drop(p * span, (p + 1) * span)
 
     # ---- copies ------------------------------------------------------------------------------------
     def _pages_into(self, dst: torch.Tensor, dst_pages: Sequence[int], src: torch.Tensor,
@@ -669,27 +757,72 @@ class KVTiers:
             src, at = ((slots.clamp(min=0) * h_kv + heads) * page + off)[hit].to(dev), dst[hit].to(dev)
             sk.view(-1, d).index_copy_(0, at, dk.reshape(-1, d).index_select(0, src))
             sv.view(-1, d).index_copy_(0, at, dv.reshape(-1, d).index_select(0, src))
-        if bool(miss.any()):  # gathered from the host tier, then copied over
-            self._host_reads()
+        copies = cache_hits = 0
+        if bool(miss.any()):  # from the row cache, or gathered from the host tier and copied over
             src, at = ((host_page.clamp(min=0) * h_kv + heads) * page + off)[miss], dst[miss].to(dev)
-            sk.view(-1, d).index_copy_(0, at, self._gather_rows(hk, src).to(dev, non_blocking=True))
-            sv.view(-1, d).index_copy_(0, at, self._gather_rows(hv, src).to(dev, non_blocking=True))
+            cache = self.row_caches[layer]
+            if cache is None:
+                self._host_reads()
+                sk.view(-1, d).index_copy_(0, at, self._gather_rows(hk, src).to(dev, non_blocking=True))
+                sv.view(-1, d).index_copy_(0, at, self._gather_rows(hv, src).to(dev, non_blocking=True))
+                copies = src.numel()
+            else:
+                copies, cache_hits = self._rows_through_cache(layer, cache, src, at, sk, sv)
         self._stall(t0)
-        n_hit, n_miss = int(hit[counted].sum()), int(miss[counted].sum())
+        n_need = int(ok[counted].sum())
         st.staged_layer_rows += int(counted.sum())
-        st.rows_needed += n_hit + n_miss
-        st.row_hits += n_hit
-        st.row_copies += n_miss
-        st.bytes_copied += n_miss * self.row_bytes
-        st.hit_bytes += n_hit * self.row_bytes
+        st.rows_needed += n_need
+        st.row_hits += n_need - copies
+        st.row_cache_hits += cache_hits
+        st.row_copies += copies
+        st.bytes_copied += copies * self.row_bytes
+        st.hit_bytes += (n_need - copies) * self.row_bytes
         return PagedKV(sk, sv, table.to(torch.int32).to(dev, non_blocking=True), kv.seqlens)
+
+    def _rows_through_cache(self, layer: int, cache: RowCache, src: torch.Tensor, at: torch.Tensor,
+                            sk: torch.Tensor, sv: torch.Tensor) -> tuple[int, int]:
+        """Host rows ``src`` (on the host; repeats where rows share a prefix page) into the staging buffer's rows
+        ``at`` (on the device): cached rows from the row cache, the others gathered from the host tier once each,
+        copied over, and kept in the cache's slots the cache gives them. Returns (rows copied from the host,
+        entries read from the cache)."""
+        rk, rv, hk, hv = self.rows_k[layer], self.rows_v[layer], self.host_k[layer], self.host_v[layer]
+        assert rk is not None and rv is not None and hk is not None and hv is not None
+        dev, d = self.device, rk.shape[1]
+        rows, inv = torch.unique(src, return_inverse=True)
+        evicted = cache.evictions
+        slot, cached, placed = cache.lookup(rows)
+        self.stats.evictions += cache.evictions - evicted
+        # every distinct row's place in ``cat(cached rows, copied rows)``
+        n_cached = int(cached.sum())
+        order = torch.empty(rows.numel(), dtype=torch.int64)
+        order[cached] = torch.arange(n_cached)
+        order[~cached] = torch.arange(n_cached, rows.numel())
+        pick = order[inv].to(dev, non_blocking=True)
+        new = rows[~cached]
+        if new.numel():
+            self._host_reads()
+        keep = placed >= 0
+        keep_slots = placed[keep].to(dev, non_blocking=True)
+        keep_at = torch.nonzero(keep).flatten().to(dev, non_blocking=True)
+        cached_slots = slot[cached].to(dev, non_blocking=True)
+        for cache_t, host_t, out in ((rk, hk, sk), (rv, hv, sv)):
+            parts = [cache_t.index_select(0, cached_slots)]
+            if new.numel():
+                fresh = self._gather_rows(host_t, new).to(dev, non_blocking=True)
+                cache_t.index_copy_(0, keep_slots, fresh.index_select(0, keep_at))
+                parts.append(fresh)
+            out.view(-1, d).index_copy_(0, at, torch.cat(parts).index_select(0, pick))
+        return int(new.numel()), int(cached[inv].sum())
 
     # ---- statistics --------------------------------------------------------------------------------
     def stats_dict(self) -> dict[str, float]:
         self._fold_events()
         out = self.stats.as_dict()
         out["device_slots"] = self.slots
-        out["device_bytes"] = self.slots * self.page_bytes * len(self.layers)
+        out["row_cache_slots"] = self.row_slots
+        out["row_cache_rows"] = sum(c.cached() for c in self.row_caches if c is not None)
+        out["device_bytes"] = (self.slots * self.page_bytes + self.row_slots * self.row_bytes) * len(self.layers)
+
         return out
 
     def reset_stats(self) -> None:

@@ -98,6 +98,30 @@ def test_runtime_flag_reaches_the_engine_config():
     assert build_parser().parse_args(["run", *flags]).runtime == flags[1::2]
 
 
+def test_kv_offload_flags_reach_the_engine_config():
+    """``--kv-offload`` with its pool and row cache sizes becomes ``EngineConfig.kv_offload``; a size without the
+    tier, or a negative one, is refused in one line."""
+    from raysparse.cli import build_parser
+    from raysparse.cli.engine_flags import engine_config
+    from raysparse.kv_tiers import KVOffloadConfig
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).kv_offload is None
+    assert engine_config(parse(["serve", "--kv-offload"])).kv_offload == KVOffloadConfig()
+    got = engine_config(parse(["serve", "--kv-offload", "--kv-device-tokens", "8192", "--kv-row-tokens", "0"]))
+    assert got.kv_offload == KVOffloadConfig(device_tokens=8192, row_tokens=0)
+    assert got.kv_offload.row_cache_tokens == 0
+    got = engine_config(parse(["bench", "--kv-offload", "--kv-row-tokens", "2048"])).kv_offload
+    assert got.row_cache_tokens == 2048 and got.device_tokens == KVOffloadConfig().device_tokens
+    assert KVOffloadConfig(device_tokens=1024).row_cache_tokens == 1024  # the default: the pool's size
+    for argv in (["serve", "--kv-row-tokens", "64"], ["serve", "--kv-device-tokens", "64"]):
+        with pytest.raises(ValueError, match="give --kv-offload too") as e:
+            engine_config(parse(argv))
+        assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit):
+        parse(["serve", "--kv-offload", "--kv-row-tokens", "-1"])
+
+
 @pytest.mark.parametrize("args, needle", [
     (["run", "--context-tokens", "9000"], "exceeds the model's 8192 positions"),
     (["run", "--context-tokens", "8180"], "plus 24 new tokens exceeds the model's 8192 positions"),

@@ -12,7 +12,7 @@ import torch
 from raysparse.kernels.dispatch import paged_decode_attention
 from raysparse.kernels.formats import PagedKV
 from raysparse.kernels.paged_torch import paged_decode_fp32
-from raysparse.kv_tiers import KVOffloadConfig, KVTiers, PoolFullError, SlotPool
+from raysparse.kv_tiers import KVOffloadConfig, KVTiers, PoolFullError, RowCache, SlotPool
 
 
 class ReferencePool:
@@ -103,6 +103,119 @@ def test_pool_accounting_under_random_pressure_matches_the_reference(trial):
     assert copies > 0
 
 
+class ReferenceClock:
+    """The row cache's CLOCK as plainly as it can be said: a list of slots, a hand, and the rows the call uses."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots, self.owner, self.hand = slots, [None] * slots, 0
+
+    def lookup(self, rows: list[int]) -> tuple[list[int], list[int]]:
+        where = {r: i for i, r in enumerate(self.owner) if r is not None}
+        used = {where[r] for r in rows if r in where}
+        placed = []
+        for r in rows:
+            if r in where:
+                continue
+            if len(used) == self.slots:
+                placed.append(-1)
+                continue
+            while self.hand in used:
+                self.hand = (self.hand + 1) % self.slots
+            placed.append(self.hand)
+            self.owner[self.hand] = r
+            used.add(self.hand)
+            self.hand = (self.hand + 1) % self.slots
+        return [where.get(r, -1) for r in rows], placed
+
+    def drop(self, lo: int, hi: int) -> None:
+        self.owner = [None if r is not None and lo <= r < hi else r for r in self.owner]
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_row_cache_accounting_under_random_pressure_matches_the_reference(trial):
+    """The row cache against a plain CLOCK: the same slots for the same rows, no row the call reads evicted, each
+    slot one row's, and rows past the room left beside the call's hits not kept."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    slots, host_rows = rng.randint(1, 40), rng.randint(10, 120)
+    cache, ref = RowCache(slots, host_rows), ReferenceClock(slots)
+    placed_total = 0
+    for step in range(400):
+        msg = f"seed {seed}, step {step}"
+        if rng.random() < 0.1:
+            lo = rng.randrange(host_rows)
+            hi = min(host_rows, lo + rng.randint(1, 8))
+            cache.drop(lo, hi)
+            ref.drop(lo, hi)
+        else:
+            rows = rng.sample(range(host_rows), rng.randint(1, min(host_rows, slots + 10)))
+            before = {int(r): int(s) for s, r in enumerate(cache.owner.tolist()) if r >= 0}
+            slot, cached, placed = cache.lookup(torch.tensor(rows, dtype=torch.int64))
+            want_slot, want_placed = ref.lookup(rows)
+            assert slot.tolist() == want_slot and placed.tolist() == want_placed, msg
+            assert cached.tolist() == [r in before for r in rows], msg
+            for r, s in zip(rows, slot.tolist(), strict=True):
+                assert s == before.get(r, -1), msg
+            read = {s for s in slot.tolist() if s >= 0}
+            assert not read & {p for p in placed.tolist() if p >= 0}, f"{msg}: a slot the call reads was reused"
+            placed_total += sum(p >= 0 for p in placed.tolist())
+        owner = cache.owner.tolist()
+        assert owner == [-1 if r is None else r for r in ref.owner], msg
+        for s, r in enumerate(owner):  # the two maps agree, both ways
+            if r >= 0:
+                assert int(cache.slot_of[r]) == s, msg
+        assert int((cache.slot_of >= 0).sum()) == sum(r >= 0 for r in owner), msg
+    assert placed_total > 0
+
+
+def test_row_cache_keeps_the_rows_a_steady_token_selection_reads():
+    """A token selection spread over more pages than the pool holds, read again: the second step copies nothing
+    (its rows come from the row cache), moving a few keys copies only those, and every cached row equals its
+    host row; invalidated pages leave the cache."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    page, h_kv, d, host_pages = 16, 2, 8, 40
+    k, v = _host(host_pages, h_kv, page, d, g)
+    tiers = KVTiers(KVOffloadConfig(device_tokens=page * 4, row_tokens=200, sink_pages=1, window_pages=1),
+                    k, v, page)
+    lens = [300, 250]
+    tables = [list(range(0, 19)) + [0], list(range(19, 35)) + [0] * 4]
+    table = torch.tensor(tables, dtype=torch.int32)
+    kv = PagedKV(k[0], v[0], table, torch.tensor(lens, dtype=torch.int32))
+    idx = _selection(lens, h_kv, 1, 60, g)
+    q = torch.randn(2, h_kv * 2, d, generator=g)
+    copies = []
+    for step in range(3):
+        if step == 2:  # three keys of each (row, KV head) move to keys not selected before
+            moved = torch.full_like(idx, -1)
+            for b, n in enumerate(lens):
+                for h in range(h_kv):
+                    keep = [t for t in idx[b, h].tolist() if t >= 0]
+                    fresh = [t for t in torch.randperm(n, generator=g).tolist() if t not in keep][:3]
+                    keys = sorted(keep[3:] + fresh)
+                    moved[b, h, :len(keys)] = torch.tensor(keys, dtype=idx.dtype)
+            idx = moved
+        tiers.begin_step([(i, tables[i], n) for i, n in enumerate(lens)], decode=True)
+        before = tiers.stats.row_copies
+        want, _ = paged_decode_attention(q, kv, idx, 1)
+        got = tiers.decode_attention(0, q, kv, idx, 1)
+        assert torch.equal(got, want), f"seed {seed}, step {step}"
+        copies.append(tiers.stats.row_copies - before)
+    assert tiers.stats.staged_layer_rows > 0, f"seed {seed}: the rows were staged"
+    assert copies[0] > 0 and copies[1] == 0, f"seed {seed}: {copies}"
+    assert 0 < copies[2] <= 2 * h_kv * 3, f"seed {seed}: {copies}"
+    assert tiers.stats.row_cache_hits > 0
+    cache = tiers.row_caches[0]
+    flat_k, flat_v = k[0].reshape(-1, d), v[0].reshape(-1, d)
+    for s, r in enumerate(cache.owner.tolist()):
+        if r >= 0:
+            assert torch.equal(tiers.rows_k[0][s], flat_k[r]) and torch.equal(tiers.rows_v[0][s], flat_v[r]), seed
+    tiers.invalidate([3, 20])
+    span = h_kv * page
+    for r in cache.owner.tolist():
+        assert r < 0 or r // span not in (3, 20), f"seed {seed}: an invalidated page's row stayed"
+
+
 def _host(pages: int, h_kv: int, page: int, d: int, g: torch.Generator) -> tuple[list, list]:
     shape = (pages + 1, h_kv, page, d)
     return [torch.randn(*shape, generator=g)], [torch.randn(*shape, generator=g)]
@@ -187,7 +300,8 @@ def test_pins_follow_the_window_and_writes_go_through():
 
 
 def test_config_errors_are_one_line():
-    for bad in (dict(device_tokens=0), dict(device_tokens=True), dict(sink_pages=-1), dict(window_pages=0)):
+    for bad in (dict(device_tokens=0), dict(device_tokens=True), dict(sink_pages=-1), dict(window_pages=0),
+                dict(row_tokens=-1), dict(row_tokens=1.5)):
         with pytest.raises(ValueError) as e:
             KVOffloadConfig(**bad)
         assert "\n" not in str(e.value)

@@ -68,6 +68,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "docs/kv_offload.md)")
     p.add_argument("--kv-device-tokens", type=positive_int, default=None, metavar="N",
                    help="--kv-offload's device pool, in tokens per layer (default: 4096)")
+    p.add_argument("--kv-row-tokens", type=non_negative_int, default=None, metavar="N",
+                   help="--kv-offload's device row cache, in tokens of every KV head per layer: the rows a token "
+                        "selection read outside resident pages, kept for the next steps (default: the pool's size; "
+                        "0: none)")
     p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="N",
                    help="prompt tokens per prefill step; other streams decode between two chunks (default: 512 on "
@@ -129,13 +133,15 @@ def kv_offload_config(args: argparse.Namespace) -> Any:
     given without the tier."""
     from raysparse.kv_tiers import KVOffloadConfig
 
+    rows = args.kv_row_tokens
     if not args.kv_offload:
         if args.kv_device_tokens is not None:
             raise ValueError("--kv-device-tokens sizes --kv-offload's device pool: give --kv-offload too")
+        if rows is not None:
+            raise ValueError("--kv-row-tokens sizes --kv-offload's row cache: give --kv-offload too")
         return None
-    if args.kv_device_tokens is None:
-        return KVOffloadConfig()
-    return KVOffloadConfig(device_tokens=args.kv_device_tokens)
+    sizes = {} if args.kv_device_tokens is None else {"device_tokens": args.kv_device_tokens}
+    return KVOffloadConfig(**sizes, row_tokens=rows)
 
 
 def param(s: str) -> tuple[str, Any]:
