@@ -220,21 +220,23 @@ class SlotPool:
 
 class RowCache:
     """One layer's device cache of token rows (the K/V of one token of one KV head) outside resident pages: which
-    host row sits in which slot, and which slots the current call uses. Pure bookkeeping on host tensors, like
-    ``SlotPool``: ``lookup`` says which rows are cached where and which slots the missing ones are to be copied
-    into.
+    host row sits in which slot, and which slots the current call uses. Pure bookkeeping, like ``SlotPool``:
+    ``lookup`` says which rows are cached where and which slots the missing ones are to be copied into. Its
+    tensors live on ``device`` (the rows' device: a step stages a few hundred thousand rows per layer at long
+    contexts, whose de-duplication and lookup cost tens of milliseconds on a host, a fraction of one on a GPU).
 
     Replacement is CLOCK: a hand sweeps the slots in order and takes each one the current call does not use, so a
     row read at every step stays, and one left unread is replaced about a sweep later. Exact LRU over the hundreds
     of thousands of rows a step reads would be a sort per layer; the sweep costs what the misses cost."""
 
-    def __init__(self, slots: int, rows: int) -> None:
+    def __init__(self, slots: int, rows: int, device: torch.device | str = "cpu") -> None:
         if slots < 1:
             raise ValueError("a row cache needs at least one slot")
         self.slots = slots
-        self.slot_of = torch.full((rows,), -1, dtype=torch.int32)  # host row -> slot
-        self.owner = torch.full((slots,), -1, dtype=torch.int64)  # slot -> host row
-        self.stamp = torch.zeros(slots, dtype=torch.int64)  # the call that last used the slot
+        self.device = torch.device(device)
+        self.slot_of = torch.full((rows,), -1, dtype=torch.int32, device=device)  # host row -> slot
+        self.owner = torch.full((slots,), -1, dtype=torch.int64, device=device)  # slot -> host row
+        self.stamp = torch.zeros(slots, dtype=torch.int64, device=device)  # the call that last used the slot
         self.tick = 0
         self.hand = 0
         self.evictions = 0
@@ -250,11 +252,11 @@ class RowCache:
         hits = slot[cached]
         self.stamp[hits] = self.tick
         new = rows[~cached]
-        placed = torch.full((new.numel(),), -1, dtype=torch.int64)
+        placed = torch.full((new.numel(),), -1, dtype=torch.int64, device=self.device)
         take = min(new.numel(), self.slots - hits.numel())
         if take > 0:
             # the next ``take + hits`` slots from the hand hold at least ``take`` this call does not use
-            order = (self.hand + torch.arange(take + hits.numel())) % self.slots
+            order = (self.hand + torch.arange(take + hits.numel(), device=self.device)) % self.slots
             free = order[self.stamp[order] != self.tick][:take]
             old = self.owner[free]
             gone = old[old >= 0]
@@ -267,12 +269,12 @@ class RowCache:
             self.hand = (int(free[-1]) + 1) % self.slots
         return slot, cached, placed
 
-    def drop(self, lo: int, hi: int) -> None:
-        """Forgets the cached rows among host rows [lo, hi) (their page changes owner)."""
-        s = self.slot_of[lo:hi].long()
-        s = s[s >= 0]
-        self.owner[s] = -1
-        self.slot_of[lo:hi] = -1
+    def drop(self, rows: torch.Tensor) -> None:
+        """Forgets the cached rows among host ``rows`` (their page changes owner)."""
+        rows = rows.to(self.device)
+        s = self.slot_of[rows].long()
+        self.owner[s[s >= 0]] = -1
+        self.slot_of[rows] = -1
 
     def cached(self) -> int:
         return int((self.owner >= 0).sum())
@@ -408,7 +410,7 @@ class KVTiers:
         # per layer, the row cache: its accounting on the host, its rows [slots, d] on the device
         self.row_slots = cfg.row_cache_tokens * h_kv
         self.row_caches = [None if t is None or not self.row_slots
-                           else RowCache(self.row_slots, t.shape[0] * h_kv * page) for t in self.host_k]
+                           else RowCache(self.row_slots, t.shape[0] * h_kv * page, self.device) for t in self.host_k]
         self.rows_k = [None if c is None else torch.zeros((self.row_slots, d), dtype=t.dtype, device=self.device)
                        for c, t in zip(self.row_caches, self.host_k, strict=True)]
         self.rows_v = [None if c is None else torch.zeros((self.row_slots, d), dtype=t.dtype, device=self.device)
@@ -470,6 +472,8 @@ class KVTiers:
         """Host pages a new sequence will write: their device copies (an earlier owner's) are dropped, dirty or not.
         Sequences are admitted between steps, so no step holds pages in use."""
         pages = [int(p) for p in pages]
+        span = self.page_bytes // self.row_bytes  # rows of one page: its tokens of every KV head
+        page_rows = (torch.tensor(pages, dtype=torch.int64)[:, None] * span + torch.arange(span)).flatten()
         for layer in self.layers:
             pool, smap, dirty = self.pools[layer], self.slot_map[layer], self.dirty[layer]
             assert pool is not None and smap is not None
@@ -479,10 +483,8 @@ class KVTiers:
                     smap[p] = -1
                     dirty.pop(p, None)
             rows = self.row_caches[layer]
-            if rows is not None:
-                span = self.page_bytes // self.row_bytes  # rows of one page: its tokens of every KV head
-                for p in pages:
-                    rows.drop(p * span, (p + 1) * span)
+            if rows is not None and pages:
+                rows.drop(page_rows)
 
     # ---- copies ------------------------------------------------------------------------------------
     def _pages_into(self, dst: torch.Tensor, dst_pages: Sequence[int], src: torch.Tensor,
@@ -783,28 +785,28 @@ class KVTiers:
                             sk: torch.Tensor, sv: torch.Tensor) -> tuple[int, int]:
         """Host rows ``src`` (on the host; repeats where rows share a prefix page) into the staging buffer's rows
         ``at`` (on the device): cached rows from the row cache, the others gathered from the host tier once each,
-        copied over, and kept in the cache's slots the cache gives them. Returns (rows copied from the host,
+        copied over, and kept in the cache's slots the cache gives them. The accounting runs on the cache's device;
+        only the rows to copy come back to the host, which gathers them. Returns (rows copied from the host,
         entries read from the cache)."""
         rk, rv, hk, hv = self.rows_k[layer], self.rows_v[layer], self.host_k[layer], self.host_v[layer]
         assert rk is not None and rv is not None and hk is not None and hv is not None
         dev, d = self.device, rk.shape[1]
-        rows, inv = torch.unique(src, return_inverse=True)
+        rows, inv = torch.unique(src.to(dev), return_inverse=True)
         evicted = cache.evictions
         slot, cached, placed = cache.lookup(rows)
         self.stats.evictions += cache.evictions - evicted
         # every distinct row's place in ``cat(cached rows, copied rows)``
         n_cached = int(cached.sum())
-        order = torch.empty(rows.numel(), dtype=torch.int64)
-        order[cached] = torch.arange(n_cached)
-        order[~cached] = torch.arange(n_cached, rows.numel())
-        pick = order[inv].to(dev, non_blocking=True)
-        new = rows[~cached]
+        order = torch.empty(rows.numel(), dtype=torch.int64, device=dev)
+        order[cached] = torch.arange(n_cached, device=dev)
+        order[~cached] = torch.arange(n_cached, rows.numel(), device=dev)
+        pick = order[inv]
+        new = rows[~cached].cpu()
         if new.numel():
             self._host_reads()
         keep = placed >= 0
-        keep_slots = placed[keep].to(dev, non_blocking=True)
-        keep_at = torch.nonzero(keep).flatten().to(dev, non_blocking=True)
-        cached_slots = slot[cached].to(dev, non_blocking=True)
+        keep_slots, keep_at = placed[keep], torch.nonzero(keep).flatten()
+        cached_slots = slot[cached]
         for cache_t, host_t, out in ((rk, hk, sk), (rv, hv, sv)):
             parts = [cache_t.index_select(0, cached_slots)]
             if new.numel():
