@@ -288,13 +288,14 @@ def dense_rows_attention_varlen(q: torch.Tensor, kv: KVSource, row_tok: torch.Te
 # ---- Quest: its decode and prefill page scores and its bounds' update -----------------------------------------
 
 def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
-                       seqlens: torch.Tensor, quest_page: int) -> torch.Tensor:
+                       seqlens: torch.Tensor, quest_page: int, forced: bool = True) -> torch.Tensor:
     """Quest's decode page scores of a batch from the per-page bounds (``paged_quest``): fp32 [B, h_kv, W * S],
-    +inf for the forced pages, -inf past a row's last page."""
+    +inf for the forced pages (the first and current one; with ``forced=False`` they keep their bounds), -inf
+    past a row's last page."""
     from . import paged_quest
 
     fn = paged_quest.paged_quest_scores if triton_wanted(q, lo) else paged_quest.paged_quest_scores_torch
-    return fn(q, lo, hi, page_table, seqlens, quest_page)
+    return fn(q, lo, hi, page_table, seqlens, quest_page, forced)
 
 
 def quest_decode_lists(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,

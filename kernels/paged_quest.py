@@ -4,9 +4,10 @@
 of the keys of each of its S Quest pages), ``page_table [B, W]`` int32, ``seqlens [B]`` -> fp32
 ``[B, h_kv, W * S]``: the upper bound ``max_g sum_d max(q_d lo_d, q_d hi_d)`` of each Quest page, with the
 selection's encoding folded in: +inf for the forced pages (the first and the current one), -inf past the
-row's last page. Fixed shapes, no host read (it runs inside a captured decode step); it reads the bounds
-only, an eighth of K's bytes at Quest's default 16-token pages. The PyTorch form is the reference and the
-CPU path.
+row's last page (``forced=False``: the first and current pages keep their bounds, for a caller whose
+candidates need not include them, as CIS's page retrieval's do not). Fixed shapes, no host read (it runs
+inside a captured decode step); it reads the bounds only, an eighth of K's bytes at Quest's default 16-token
+pages. The PyTorch form is the reference and the CPU path.
 
 The kernel is bound by the gathered bounds' bytes, so its tile is shaped for loads in flight: one program
 takes ``ROWS`` (32) consecutive Quest pages of one row and KV head, i.e. ROWS / S cache pages, and gathers
@@ -33,7 +34,7 @@ from .common import next_pow2, tl, triton
 
 
 def paged_quest_scores_torch(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
-                             seqlens: torch.Tensor, quest_page: int) -> torch.Tensor:
+                             seqlens: torch.Tensor, quest_page: int, forced: bool = True) -> torch.Tensor:
     b, h, d = q.shape
     h_kv = lo.shape[1]
     table = page_table.long()
@@ -41,16 +42,17 @@ def paged_quest_scores_torch(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
     hi_r = hi[table].permute(0, 2, 1, 3, 4).reshape(b, h_kv, -1, d)
     qg = q.float().view(b, h_kv, -1, d)
     score = (qg.clamp(min=0) @ hi_r.float().mT + qg.clamp(max=0) @ lo_r.float().mT).amax(2)
-    return _encode(score, seqlens, quest_page)
+    return _encode(score, seqlens, quest_page, forced)
 
 
-def _encode(score: torch.Tensor, seqlens: torch.Tensor, quest_page: int) -> torch.Tensor:
+def _encode(score: torch.Tensor, seqlens: torch.Tensor, quest_page: int, forced: bool) -> torch.Tensor:
     n_pages = (seqlens.long() + quest_page - 1) // quest_page
     j = torch.arange(score.shape[-1], device=score.device)
-    forced = (j == 0) | (j == n_pages[:, None] - 1)
     # Python scalars, not device tensors: a host-to-device copy cannot sit inside a graph capture.
     out = torch.where((j < n_pages[:, None])[:, None], score, -math.inf)
-    return torch.where(forced[:, None], math.inf, out)
+    if not forced:
+        return out
+    return torch.where(((j == 0) | (j == n_pages[:, None] - 1))[:, None], math.inf, out)
 
 
 if triton is not None:
@@ -58,7 +60,7 @@ if triton is not None:
     @triton.jit
     def _quest_kernel(Q, LO, HI, PT, SEQ, Out, width, stride_qb, stride_qh, stride_lp, stride_lh, stride_ls,
                       stride_tb, stride_ob, stride_oh, QPAGE: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, FORCED: tl.constexpr):
         kvh = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
         n = tl.load(SEQ + b)
@@ -82,7 +84,8 @@ if triton is not None:
             res = tl.where(qp < n_pages, best, float("-inf"))
         else:  # the whole tile is past the row's pages
             res = tl.full([ROWS], float("-inf"), tl.float32)
-        res = tl.where((qp == 0) | (qp == n_pages - 1), float("inf"), res)
+        if FORCED:
+            res = tl.where((qp == 0) | (qp == n_pages - 1), float("inf"), res)
         tl.store(Out + b * stride_ob + kvh * stride_oh + qp, res, mask=in_width)
 
 
@@ -91,8 +94,8 @@ _WARPS = 8
 
 
 def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,
-                       seqlens: torch.Tensor, quest_page: int, rows: int = _ROWS, num_warps: int = _WARPS
-                       ) -> torch.Tensor:
+                       seqlens: torch.Tensor, quest_page: int, forced: bool = True, rows: int = _ROWS,
+                       num_warps: int = _WARPS) -> torch.Tensor:
     """The Triton form: one program per (``rows`` consecutive Quest pages of the row, KV head, row).
     ``rows`` (a power of two) and ``num_warps`` are knobs for ``benchmarks/bench_decode_scorers.py``."""
     b, h, d = q.shape
@@ -108,5 +111,5 @@ def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page
         _quest_kernel[(-(-(width * sub) // rows), h_kv, b)](
             q, lo, hi, page_table, seqlens, out, width, q.stride(0), q.stride(1), lo.stride(0), lo.stride(1),
             lo.stride(2), page_table.stride(0), out.stride(0), out.stride(1), QPAGE=quest_page, S=sub,
-            G=h // h_kv, HEAD_DIM=d, ROWS=rows, num_warps=num_warps)
+            G=h // h_kv, HEAD_DIM=d, ROWS=rows, FORCED=forced, num_warps=num_warps)
     return out

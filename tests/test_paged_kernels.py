@@ -141,15 +141,26 @@ def test_paged_quest_scores_match_torch(page: int, width: int, rows: int | None,
     hi = (lo + torch.rand(pages + 1, h_kv, page // qpage, d, generator=g)).to(dtype)
     lo, q = lo.to(dtype), torch.randn(len(lens), h_kv * g_heads, d, generator=g).to(dtype)
     seqlens = torch.tensor(lens, dtype=torch.int32)
-    want = paged_quest_scores_torch(q, lo, hi, table, seqlens, qpage)
     knobs = {} if rows is None else {"rows": rows}
-    got = paged_quest_scores(*(t.to(DEV) for t in (q, lo, hi, table, seqlens)), qpage, **knobs).cpu()
-    assert got.shape == want.shape == (len(lens), h_kv, width * page // qpage), f"seed {seed}"
-    inf = torch.isinf(want)
-    assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], want[inf]), f"seed {seed}"  # the encoding
-    fin = torch.isfinite(want)
-    assert int(fin.sum()) > 0 and torch.isfinite(got[fin]).all(), f"seed {seed}"
-    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+    with_forced = None
+    for forced in (True, False):  # Quest's encoding, and CIS's page retrieval's (the first and current pages scored)
+        want = paged_quest_scores_torch(q, lo, hi, table, seqlens, qpage, forced)
+        got = paged_quest_scores(*(t.to(DEV) for t in (q, lo, hi, table, seqlens)), qpage, forced, **knobs).cpu()
+        assert got.shape == want.shape == (len(lens), h_kv, width * page // qpage), f"seed {seed}"
+        inf = torch.isinf(want)
+        assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], want[inf]), f"seed {seed}"  # the encoding
+        fin = torch.isfinite(want)
+        assert int(fin.sum()) > 0 and torch.isfinite(got[fin]).all(), f"seed {seed}"
+        torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+        if forced:
+            with_forced = want
+    # Unforced, every page up to the row's last holds its bound (no +inf), and the rest are Quest's scores.
+    n_pages = (seqlens.long() + qpage - 1) // qpage
+    j = torch.arange(want.shape[-1])
+    live = (j < n_pages[:, None])[:, None].expand_as(want)
+    assert torch.isfinite(want[live]).all() and (want[~live] == -torch.inf).all(), f"seed {seed}"
+    fin = torch.isfinite(with_forced)
+    assert torch.equal(want[fin], with_forced[fin]), f"seed {seed}"
 
 
 @pytest.mark.parametrize("width,g_heads", [(3, 3), (9, 4)])  # one chunk of pages; three, the last partial

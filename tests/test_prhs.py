@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from helpers import fresh_cache, random_state, tiny_hf_config, whole_model_density
+from test_cis_pages import brute_pages_top
 
 from raysparse.attention import DenseAttention
 from raysparse.config import ModelConfig
@@ -15,7 +16,7 @@ from raysparse.kernels.dispatch import paged_window_decode
 from raysparse.kernels.formats import PagedKV
 from raysparse.loader import model_from_state
 from raysparse.methods.budget import host_row_budget
-from raysparse.methods.cis import cis_budget
+from raysparse.methods.cis import cis_budget, page_budget
 from raysparse.methods.prhs import CIS, CPE, ETF, PSAW, CPEConfig, PSAWConfig
 from raysparse.methods.psaw import window_lists, window_lo, window_prefill
 from raysparse.methods.psaw_window import paged_window_prefill_cpu
@@ -204,9 +205,10 @@ def test_psaw_window_decode_equals_the_gathering_reference(kernels, monkeypatch)
 
 
 # ---- CIS ---------------------------------------------------------------------------------------
-def brute_cis(qs, ks, sink, local, budget_of, r, s, thr, lo_of):
+def brute_cis(qs, ks, sink, local, budget_of, r, s, thr, lo_of, rank=None):
     """Per-head loop simulation of CIS; returns the per-step per-head sets and the retrieval count.
-    ``budget_of(n)`` gives (k, m, limit) at a step with n keys."""
+    ``budget_of(n)`` gives (k, m, limit) at a step with n keys; ``rank(q, k, n, lo, kk)`` (None: the oracle
+    below) gives each KV head's ranked top-kk."""
     anchors: list[list] = [[] for _ in range(H_KV)]
     sets, retrievals = [], 0
     for step, (q, kk) in enumerate(zip(qs, ks, strict=True)):
@@ -229,7 +231,8 @@ def brute_cis(qs, ks, sink, local, budget_of, r, s, thr, lo_of):
                 retrievals += 1
                 probs = sum(torch.softmax(kk[h].double() @ q[h * G + i].double() / math.sqrt(D), 0) for i in range(G))
                 cands = [j for j in vis if j not in fixed]
-                ranked = sorted(cands, key=lambda j: (-float(probs[j]), j))[:k]
+                ranked = (sorted(cands, key=lambda j: (-float(probs[j]), j))[:k] if rank is None
+                          else rank(q, kk, n, lo, k)[h])
                 # priority order: each of the top-m, then its neighbours; then the rest of the ranking
                 prio = [x for p in ranked[:m] for x in [p] + [p + o for o in range(-r, r + 1) if o]] + ranked[m:]
                 distinct = list(dict.fromkeys(x for x in prio if 0 <= x < n))
@@ -242,11 +245,17 @@ def brute_cis(qs, ks, sink, local, budget_of, r, s, thr, lo_of):
     return sets, retrievals
 
 
-@pytest.mark.parametrize("kind", ["cis", "cpe", "cis-density"])
+@pytest.mark.parametrize("kind", ["cis", "cpe", "cis-density", "cis-pages", "cpe-pages"])
 def test_cis_sets_and_retrieval_ratio_match_loop_simulation(kind):
     g = gen()
     sink, local, topk, s, r, thr, steps, n0 = 2, 3, 7, 4, 1, 0.75, 14, 30
     kw = dict(sink=sink, local=local, topk=topk, share_block=s, radius=r, threshold=thr)
+    rank = None
+    if kind.endswith("-pages"):  # the top 3 pages of 4 by Quest's bound (of 8 to 11), then their exact top-k
+        kw.update(retrieval="pages", retrieval_page=4, page_factor=1.5)
+        rank = lambda q, kk, n, lo, k: brute_pages_top(  # noqa: E731
+            q, kk, max(sink, lo), n - local, {j for j in range(n) if j < sink or (j >= n - local and j >= lo)}, k,
+            page_budget(m.config, k), 4)
     if kind.startswith("cis"):
         # with a density, an anchor's set (the top-m's neighbours included) is limited to the middle budget
         cfg = CIS.config_cls(**kw, **({"density": 0.55} if kind == "cis-density" else {}))
@@ -273,7 +282,7 @@ def test_cis_sets_and_retrieval_ratio_match_loop_simulation(kind):
         if m.config.density is not None:  # every step, sharing ones included, within the budget
             assert all(len(row) <= host_row_budget(m.config.density, n) for row in rows)
         got.append(rows)
-    want, retrievals = brute_cis(qs, ks, sink, local, lambda n: cis_budget(m.config, n), r, s, thr, lo_of)
+    want, retrievals = brute_cis(qs, ks, sink, local, lambda n: cis_budget(m.config, n), r, s, thr, lo_of, rank)
     assert got == want
     assert m.retrieval_ratio == pytest.approx(retrievals / (steps * H_KV))
     assert 0 < m.retrieval_ratio < 1  # both sharing and re-retrieval happened
@@ -403,6 +412,11 @@ def test_methods_generate_and_report(model):
 @pytest.mark.parametrize("name,params", [
     ("cis", dict(density=whole_model_density(0.15, 3, 1), sink=4, local=8, share_block=4, threshold=0.1)),
     ("cpe", dict(start_layer=1, phi=0.3, topk=12, sink=2, local=3, share_block=3, radius=2, threshold=0.1)),
+    # the page retrieval: the bounds kept per cache page through prefill and decode, the top pages' keys scored
+    ("cis", dict(density=whole_model_density(0.15, 3, 1), sink=4, local=8, share_block=4, threshold=0.1,
+                 retrieval="pages", retrieval_page=8, page_factor=1.5)),
+    ("cpe", dict(start_layer=1, phi=0.3, topk=12, sink=2, local=3, share_block=3, radius=2, threshold=0.1,
+                 retrieval="pages", retrieval_page=16)),
 ])
 def test_cis_batched_state_follows_sequences_across_batches(name, params):
     """Sequences join, leave, come back in other rows, padded rows fill buckets, a released id is prefilled

@@ -11,6 +11,11 @@ anchor), and otherwise retrieves afresh and becomes an anchor itself.
   keys per query head) summed over the g query heads of the group; ties go to the lower index. The set
   attended on a retrieval step is sinks + S* + local (no dilation); the anchor stores S* and the +-r
   neighbours of its top-m = floor(k / 3) entries.
+- Retrieval by pages (``retrieval = "pages"``, ``cis_pages.py``): the same top-k, but scored over the keys of the
+  top ceil(page_factor k / retrieval_page) pages by Quest's upper bound (per-page key min/max) only, so a retrieval
+  reads the bounds and those pages instead of all of K; exact keys are ranked inside them (not the pages' tokens
+  taken whole) because CIS needs S*'s token order (the top-m are dilated, sets are built in rank order). Not the
+  spec's oracle, so "exact" stays the default: the fidelity it costs is in docs/methods/prhs.md.
 - Sharing: sinks + local of the current step + the anchor's dilated set (clipped to [0, n)), deduplicated.
 - GQA: the group shares one selection, so similarity is per KV head: the cosine between the concatenated
   g query vectors of the group (for g = 1, the paper's per-head cosine).
@@ -58,6 +63,7 @@ import torch
 
 from raysparse.kernels.dispatch import dilation_offsets
 from raysparse.methods.budget import host_row_budget, row_budget
+from raysparse.methods.cis_pages import seq_pages_top
 from raysparse.methods.psaw import PrHSConfig
 from raysparse.methods.selection import SENTINEL, mask_from_indices
 
@@ -70,6 +76,11 @@ class CISConfig(PrHSConfig):
     share_block: int = 16  # s
     radius: int = 1  # r
     top_m: int | None = None  # m; None: floor(k / 3)
+    # How a retrieving pair finds S*: "exact" scores every candidate key (the spec's oracle); "pages" scores only
+    # the keys of the top ceil(page_factor k / retrieval_page) pages by Quest's bound (``cis_pages.py``).
+    retrieval: str = "exact"
+    retrieval_page: int = 16
+    page_factor: float = 2.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +90,13 @@ class CISConfig(PrHSConfig):
             raise ValueError(f"top_m must be >= 0, got {self.top_m}")
         if not math.isfinite(self.threshold):
             raise ValueError(f"threshold must be finite, got {self.threshold}")
+        if self.retrieval not in ("exact", "pages"):
+            raise ValueError(f"retrieval must be 'exact' or 'pages', got {self.retrieval!r}")
+        p = self.retrieval_page
+        if p <= 0 or p & (p - 1) or self.block_size % p:  # the bounds live per cache page (a block)
+            raise ValueError(f"retrieval_page must be a power of two dividing block_size, got {p}")
+        if not (math.isfinite(self.page_factor) and self.page_factor >= 1.0):  # fewer pages cannot hold k keys
+            raise ValueError(f"page_factor must be a finite number >= 1, got {self.page_factor}")
 
     @property
     def limited_sets(self) -> bool:
@@ -95,6 +113,16 @@ def cis_budget(cfg: CISConfig, n: int) -> tuple[int, int, int | None]:
         return k, (k // 3 if cfg.top_m is None else min(cfg.top_m, k)), None
     k = max(host_row_budget(cfg.density, n) - cfg.sink - cfg.local, 0)
     return k, (k // (3 + 2 * cfg.radius) if cfg.top_m is None else min(cfg.top_m, k)), k
+
+
+def page_budget(cfg: CISConfig, k: int) -> int:
+    """Pages the "pages" retrieval scores exactly for a top-k of k: ceil(page_factor k / retrieval_page)."""
+    return math.ceil(cfg.page_factor * k / cfg.retrieval_page)
+
+
+def page_budget_rows(cfg: CISConfig, k: torch.Tensor) -> torch.Tensor:
+    """``page_budget`` on device for k [B] (int64), in float64 as the host's."""
+    return (k.double() * cfg.page_factor / cfg.retrieval_page).ceil().long()
 
 
 def bounded_budget(cfg: CISConfig, n: int) -> tuple[int, int]:
@@ -138,6 +166,8 @@ class CISStepConsts:
     offs: torch.Tensor  # [2 r] the dilation's offsets
     rows: torch.Tensor  # [B]
     heads: torch.Tensor  # [h_kv]
+    pages_w: int = 0  # the "pages" retrieval's page budget at k_w, and per row (None with "exact")
+    pages_n: torch.Tensor | None = None
 
 
 def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: int) -> CISStepConsts:
@@ -149,9 +179,11 @@ def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: in
     kk_n, m_n = budget_rows(cfg, n)
     # Expanded views made contiguous, not repeat_interleave: nothing sized on the host inside a capture.
     pair_k, pair_m, pair_n = (x[:, None].expand(-1, h_kv).reshape(-1) for x in (kk_n, m_n, n))
+    pages = cfg.retrieval == "pages"
     return CISStepConsts(n, kk_w, m_w, pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
                          pair_k, pair_m, pair_n, torch.arange(max(kk_w, 1), device=dev), dilation_offsets(r, dev),
-                         torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev))
+                         torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev),
+                         page_budget(cfg, kk_w) if pages else 0, page_budget_rows(cfg, kk_n) if pages else None)
 
 
 def priority_set(top: torch.Tensor, m: torch.Tensor | int, m_max: int, offs: torch.Tensor,
@@ -228,10 +260,14 @@ def cis_step(cfg: CISConfig, state: dict[str, Any], q: torch.Tensor, k: torch.Te
     sinks, local = pos < cfg.sink, pos >= n - cfg.local
     visible = sinks | (pos >= visible_lo)
     allowed = visible & ~sinks & ~local
-    probs = torch.einsum("hgd,hnd->hgn", q.float().view(h_kv, g, d), k.float()).div(math.sqrt(d)).softmax(-1)
-    keyed = torch.where(allowed, probs.sum(1), torch.full((), -math.inf, device=dev))
-    order = keyed.sort(dim=-1, descending=True, stable=True).indices[:, :kk]
-    top = _pad(torch.where(allowed.expand(h_kv, -1).gather(-1, order), order, SENTINEL), kk)  # [h_kv, k]
+    if cfg.retrieval == "pages":  # the keys of the top pages by Quest's bound only (cis_pages.py)
+        a, b = max(cfg.sink, visible_lo), n - cfg.local
+        top = seq_pages_top(q, k, a, b, (sinks | local) & visible, kk, page_budget(cfg, kk), cfg.retrieval_page)
+    else:
+        probs = torch.einsum("hgd,hnd->hgn", q.float().view(h_kv, g, d), k.float()).div(math.sqrt(d)).softmax(-1)
+        keyed = torch.where(allowed, probs.sum(1), torch.full((), -math.inf, device=dev))
+        order = keyed.sort(dim=-1, descending=True, stable=True).indices[:, :kk]
+        top = _pad(torch.where(allowed.expand(h_kv, -1).gather(-1, order), order, SENTINEL), kk)  # [h_kv, k]
     offs = torch.tensor([j for j in range(-r, r + 1) if j], dtype=torch.long, device=dev)
     new_set = priority_set(top, m, m, offs, limit, n, n, width)
 

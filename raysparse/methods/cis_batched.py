@@ -18,6 +18,7 @@ from raysparse.kernels.paged_torch import in_window, stable_top
 from raysparse.kv_cache import KVCache
 from raysparse.methods.cis import CISConfig, CISStepConsts, bounded_budget, cis_step_consts, priority_set
 from raysparse.methods.cis_listed import listed_select
+from raysparse.methods.cis_pages import paged_pages_top
 from raysparse.methods.selection import SENTINEL
 
 
@@ -125,7 +126,8 @@ class CISBatchedState:
 
 def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv: PagedKV, width_tokens: int,
                      visible_lo: torch.Tensor | None, consts: CISStepConsts | None = None,
-                     listed: bool | None = None) -> torch.Tensor:
+                     listed: bool | None = None,
+                     bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``cis_step`` of every row at once: q [B, h, d], the rows' paged keys ``kv`` (page-width bucket of
     ``width_tokens``), the lowest visible non-sink key per row [B] (PSAW in CPE; None: every key). Advances
     the rows' state of sparse layer ``li`` in place and writes the step's counts; returns the selection, int32
@@ -134,6 +136,9 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     selects by ``select_list`` (``cis_listed.listed_select``); None: where that runs on Triton. On a CPU its
     three top-k passes over every key cost more than the sort of the top-k and the cumulative sums they
     replace (6.8 against 4.8 ms a layer at 4096 tokens, 3 KV heads), so there the ranked path stays.
+    ``bounds``: the layer's per-page key bounds (``page_bounds.bound_pools``), which the "pages" retrieval ranks
+    pages by (``cis_pages.paged_pages_top``); that retrieval takes the ranked path everywhere, since the list
+    selections' scorer writes every key's probability.
 
     On GPUs every shape is fixed and nothing is read back (a captured step). On a CPU, where a host read is
     free, a step whose pairs all share skips the retrieval and the anchor update (``commit`` would discard
@@ -152,7 +157,9 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
     out_width = max(min(wt, cfg.sink + cfg.local + max(c.k_w, min(set_width(cfg, wt), width))), 1)
     if listed is None:
         listed = dispatch.select_list_on_triton(q)
-    listed = listed and cfg.limited_sets and cfg.top_m is None
+    listed = listed and cfg.limited_sets and cfg.top_m is None and cfg.retrieval == "exact"
+    if cfg.retrieval == "pages" and bounds is None:
+        raise ValueError("CIS's page retrieval needs the layer's page bounds")
     retrieve = q.is_cuda or bool(here.any())
     if listed and retrieve:  # index lists and the candidate row only: no [B, W] masks
         new_set, out = listed_select(cfg, c, q, kv, wt, visible_lo, here, sets, chosen, width, out_width)
@@ -162,21 +169,24 @@ def cis_batched_step(cfg: CISConfig, buf: CISRows, li: int, q: torch.Tensor, kv:
         forced = c.forced & visible
         if retrieve:
             allowed = visible & ~c.forced  # the retrieval's candidates: visible middle keys
-            new_set, out = _ranked_select(cfg, c, q, kv, wt, allowed, visible, forced, here, shared, width,
-                                          out_width)
+            if bounds is not None and cfg.retrieval == "pages":  # the top pages' keys (``cis_pages.py``)
+                order, ok = _pages_retrieve(cfg, c, q, kv, wt, bounds, visible_lo, here)
+            else:  # the oracle top-k of the candidates by exact probabilities over the row's n keys
+                order, ok = _retrieve(q, kv, wt, allowed, max(c.k_w, 1), here)
+            new_set, out = _ranked_select(cfg, c, order, ok, wt, forced, visible, here, shared, width, out_width)
         else:
             out = compact((forced[:, None, :] | _as_mask(shared, n, wt)) & visible[:, None, :], out_width)
     dispatch.anchor_commit(cq, sets, valid, step, buf.counts[li], qn, new_set if retrieve else None, chosen, out)
     return out
 
 
-def _ranked_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV, wt: int, allowed: torch.Tensor,
-                   visible: torch.Tensor, forced: torch.Tensor, here: torch.Tensor, shared: torch.Tensor, width: int,
+def _ranked_select(cfg: CISConfig, c: CISStepConsts, order: torch.Tensor, ok: torch.Tensor, wt: int,
+                   forced: torch.Tensor, visible: torch.Tensor, here: torch.Tensor, shared: torch.Tensor, width: int,
                    out_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``listed_select``'s results by ranking (the CPU's path, and any without a density or with ``top_m``):
-    the sorted top-k, ``priority_set`` and ``compact``. The new sets keep priority order, not ascending."""
-    # Retrieve: the oracle top-k of the candidates by exact probabilities over the row's n keys.
-    order, ok = _retrieve(q, kv, wt, allowed, max(c.k_w, 1), here)
+    """``listed_select``'s results by ranking (the CPU's path, and any without a density, with ``top_m`` or with
+    the page retrieval) from the retrieval's ranked top-k ``order`` and its validity ``ok`` [B, h_kv, k]
+    (``_retrieve`` or ``_pages_retrieve``): ``priority_set`` and ``compact``. The new sets keep priority order,
+    not ascending."""
     top = torch.where(ok & (c.rank < c.kk_n[:, None, None]), order, SENTINEL)  # best first, [B, h_kv, k]
     # The anchor's set: the top-m with their +-r neighbours (offsets -r..-1, 1..r, as cis_step lists them),
     # then the rest of the top-k, distinct, limited to k with a density (``priority_set``).
@@ -188,6 +198,17 @@ def _ranked_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedK
     top, shared = (torch.nn.functional.pad(x, (0, wide - x.shape[-1]), value=SENTINEL) for x in (top, shared))
     mask_mid = _as_mask(torch.where(here[..., None], top.to(torch.int32), shared), c.n, wt)
     return new_set, compact((forced[:, None, :] | mask_mid) & visible[:, None, :], out_width)
+
+
+def _pages_retrieve(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV, wt: int,
+                    bounds: tuple[torch.Tensor, torch.Tensor], visible_lo: torch.Tensor | None,
+                    rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_retrieve``'s contract by the page retrieval (``cis_pages.paged_pages_top``): the candidates [max(sink,
+    lo), n - local), the top-k of the keys in the best pages by Quest's bound."""
+    a = c.n.new_full(c.n.shape, cfg.sink) if visible_lo is None else visible_lo.long().clamp(min=cfg.sink)
+    assert c.pages_n is not None, "the step's constants were built for the exact retrieval"
+    return paged_pages_top(q, kv, bounds, wt, cfg.retrieval_page, a, c.n - cfg.local, cfg.sink, cfg.local,
+                           visible_lo, max(c.k_w, 1), c.kk_n, c.pages_w, c.pages_n, rows)
 
 
 def _as_mask(idx: torch.Tensor, n: torch.Tensor, wt: int) -> torch.Tensor:

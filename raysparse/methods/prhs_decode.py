@@ -27,6 +27,7 @@ from raysparse.config import ModelConfig
 from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.cis import CISStepConsts, cis_step, cis_step_consts
 from raysparse.methods.cis_batched import CISBatchedState, cis_batched_step
+from raysparse.methods.page_bounds import bound_pools, closing_rows, update_bounds
 from raysparse.methods.psaw import PrHSConfig, window_key_count, window_keys, window_lists, window_lo, window_start
 from raysparse.methods.psaw_window import PSAWWindow
 from raysparse.methods.selection import TokenSelection, indices_from_mask
@@ -81,7 +82,7 @@ class PrHSDecode(PSAWWindow):
 
     @property
     def selection_reads_keys(self) -> bool:  # type: ignore[override]
-        return self.use_cis  # CIS's retrieval scores read every key
+        return self.use_cis  # CIS's retrieval scores read every key (or, by pages, the chosen pages' keys)
 
     def _cis_state(self, cache: KVCache) -> CISBatchedState:
         if self._cis is None:
@@ -153,12 +154,32 @@ class PrHSDecode(PSAWWindow):
         """Lowest visible non-sink key of the newest query of rows with n keys (``window_start`` in fp64)."""
         return window_lo(self.psaw_frac(layer), n - 1)
 
+    @property
+    def _page_retrieval(self) -> bool:
+        """CIS retrieving by pages (``cis_pages.py``): it keeps per-page key bounds (``page_bounds.py``)."""
+        return self.use_cis and self.config.retrieval == "pages"  # type: ignore[attr-defined]
+
+    def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
+        """The page retrieval's bounds of each Quest page the step's tokens end in (``page_bounds.update_bounds``);
+        a prefill step's closing rows are the step's, found once for its layers."""
+        if not self._page_retrieval:
+            return
+        page, rows = self.config.retrieval_page, None  # type: ignore[attr-defined]
+        if batch.is_prefill:
+            key = ("cis-closing-rows", id(self))
+            rows = batch.extras.get(key)
+            if rows is None:
+                rows = batch.extras[key] = closing_rows(batch, page, batch.slot_offsets.device)
+        update_bounds(cache, layer, batch, page, rows)
+
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         if self.use_cis:
             state, n, wt = self._cis_state(view.cache), view.seqlens.long(), view.width_tokens
             consts = self.layer_plan(view.cache, view.batch)  # the step's, built before the layers
+            bounds = bound_pools(view.cache, layer, self.config.retrieval_page) if self._page_retrieval else None  # type: ignore
             return cis_batched_step(self.config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
-                                    view.kv, wt, self._window_lo(layer, n) if self.use_psaw else None, consts)
+                                    view.kv, wt, self._window_lo(layer, n) if self.use_psaw else None, consts,
+                                    bounds=bounds)
         lists = window_lists(self.psaw_frac(layer), self.config.sink, view.seqlens, view.width_tokens)
         return lists[:, None, :].expand(-1, view.kv.k.shape[1], -1)
 

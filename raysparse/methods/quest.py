@@ -11,12 +11,12 @@ row_budget(density, causal blocks) besides the forced sink block 0 and the diago
 ranking heuristic, not a bound for every query of the block; ``block_size`` must be a multiple of
 ``page_size``.
 
-The batched seams read the bounds per physical page (``page_pool``, kept by ``update_state``), so a prompt
-starting from cached pages finds them there: decode scores pages through the page table
-(``kernels/paged_quest.py``; on CPU tensors the scores and the list are one C call, ``kernels/cpu_quest.py``, as
-is the bounds' update), prefill scores every packed query block against the key blocks straight from the pools
-(``kernels/quest_prefill.py``). ``select_prefill`` / ``select_decode`` over gathered keys are the
-per-sequence references.
+The batched seams read the bounds per physical page (``page_pool``, kept by ``update_state``: ``page_bounds.py``,
+which CIS's page retrieval shares), so a prompt starting from cached pages finds them there: decode scores pages
+through the page table (``kernels/paged_quest.py``; on CPU tensors the scores and the list are one C call,
+``kernels/cpu_quest.py``, as is the bounds' update), prefill scores every packed query block against the key
+blocks straight from the pools (``kernels/quest_prefill.py``). ``select_prefill`` / ``select_decode`` over
+gathered keys are the per-sequence references.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from raysparse.kernels.dispatch import (
     quest_decode_lists,
     quest_prefill_scores,
     select_list,
-    update_quest_bounds,
 )
 from raysparse.kernels.formats import PackedBlockSelection
 from raysparse.kernels.scorer_reference import page_bounds, page_upper_bound
@@ -39,29 +38,16 @@ from raysparse.kv_cache import BatchMeta, KVCache
 from raysparse.methods.base import MethodConfig, SparseMethod
 from raysparse.methods.baselines import query_blocks, scalar_budget
 from raysparse.methods.budget import prefill_block_budget, row_budget
+from raysparse.methods.page_bounds import bound_pools, closing_rows, update_bounds
 from raysparse.methods.registry import method_spec, register
 from raysparse.methods.selection import BlockSelection, TokenSelection, indices_from_mask, topk_mask
 from raysparse.methods.views import DecodeView, PrefillView, SeqContext
 
 
-def _closing_rows(batch: BatchMeta, p: int, device: torch.device) -> torch.Tensor:
-    """The packed rows of a prefill step whose token closes a Quest page of ``p`` tokens or ends its
-    sequence's chunk, from the host's positions (a sequence's new tokens end at ``ctx_lens``): one copy per
-    step, where a mask read back per layer would wait for the device at every layer."""
-    rows: list[int] = []
-    for i, (q_len, n) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
-        lo, row0 = n - q_len, batch.cu_q[i]
-        first = lo + (p - 1 - lo % p)  # the first closing position at or after lo
-        rows.extend(range(row0 + first - lo, row0 + q_len - 1, p))
-        rows.append(row0 + q_len - 1)
-    host = torch.tensor(rows, dtype=torch.long)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-
-
 @dataclass(frozen=True)
 class QuestStep:
     """What every sparse layer of one step reads (``Quest.plan_layers``). Prefill: the tokens whose Quest page
-    the step's bounds update recomputes (``_closing_rows``) and the packed lists' static widths
+    the step's bounds update recomputes (``closing_rows``) and the packed lists' static widths
     (``list_widths``, None off the batched prefill); decode: each (row, KV head)'s page count k [B h_kv]."""
 
     closing_rows: torch.Tensor | None = None
@@ -127,11 +113,8 @@ class Quest(SparseMethod):
         return self.config.page_size
 
     def _pools(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per cache page, KV head and Quest page: the keys' element-wise min and max (K's dtype, exact)."""
-        per_page = (cache.num_kv_heads, cache.page_size // self.config.page_size, cache.cfg.head_dim)
-        key = ("quest", layer, self.config.page_size)
-        return (cache.page_pool(key + ("min",), per_page, cache.dtype),
-                cache.page_pool(key + ("max",), per_page, cache.dtype))
+        """Per cache page, KV head and Quest page: the keys' element-wise min and max (``page_bounds``)."""
+        return bound_pools(cache, layer, self.config.page_size)
 
     def plan_layers(self, cache: KVCache, batch: BatchMeta) -> QuestStep | None:
         """The step's row sets and budgets, functions of the batch's lengths alone and so the same at every
@@ -143,7 +126,7 @@ class Quest(SparseMethod):
             widths = None
             if self.tracer is None and cache.page_size == self.config.block_size:
                 widths = self.list_widths(batch.q_lens, batch.ctx_lens)
-            return QuestStep(closing_rows=_closing_rows(batch, p, batch.slot_offsets.device), widths=widths)
+            return QuestStep(closing_rows=closing_rows(batch, p, batch.slot_offsets.device), widths=widths)
         if self.tracer is not None:
             return None
         n_pages = (cache.paged(0, batch)[0].seqlens.long() + p - 1) // p
@@ -154,13 +137,8 @@ class Quest(SparseMethod):
     def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
         """Recomputes the bounds of each Quest page a step ends in (its keys up to the newest): a decode
         step's every row, and in prefill the tokens that close a Quest page or end a sequence's chunk."""
-        p = self.config.page_size
-        pages, offs = batch.slot_pages, batch.slot_offsets
-        if batch.is_prefill:
-            rows = self.layer_plan(cache, batch).closing_rows
-            pages, offs = pages[rows], offs[rows]
-        lo_pool, hi_pool = self._pools(layer, cache)
-        update_quest_bounds(cache.k[layer], lo_pool, hi_pool, pages, offs, p)
+        rows = self.layer_plan(cache, batch).closing_rows if batch.is_prefill else None
+        update_bounds(cache, layer, batch, self.config.page_size, rows)
 
     def _static_width(self, pages: int) -> int:
         """Entries of the widest row of a bucket of ``pages`` Quest pages: forced pages plus the budget."""
