@@ -699,12 +699,16 @@ class KVTiers:
         # Some rows stage their keys: every row goes through the staging buffer, so the attend stays one call over
         # the whole batch, as the untiered step's (a CPU attend's rows are not bit-identical across batch shapes).
         # The rows whose pages were fetched read theirs from the slots.
-        tok, ok = selected_token_ids(idx, unit, seqlens_h)
-        host_page = table_h.long().gather(1, (tok // page).flatten(1)).view_as(tok)
+        # The per-key index work runs where the pools are (a step stages hundreds of thousands of keys per layer
+        # at long contexts: tens of milliseconds on a host, a fraction of one on a GPU).
+        dev = self.device
+        tok, ok = selected_token_ids(indices.to(dev), unit, kv.seqlens.to(dev))
+        host_page = kv.page_table.to(dev).long().gather(1, (tok // page).flatten(1)).view_as(tok)
         host_page = torch.where(ok, host_page, -1)
         staged = torch.zeros(q.shape[0], dtype=torch.bool)
         staged[torch.tensor(staged_rows)] = True
-        return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged), indices, unit)[0]
+        return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged.to(dev)), indices,
+                                      unit)[0]
 
     def _translated(self, layer: int, kv: PagedKV, table: torch.Tensor) -> PagedKV:
         """``kv`` on the device pool: its page table's host pages (``table``, on the host) as their slots (unread
@@ -727,8 +731,8 @@ class KVTiers:
     def _stage(self, layer: int, kv: PagedKV, tok: torch.Tensor, ok: torch.Tensor, host_page: torch.Tensor,
                counted: torch.Tensor) -> PagedKV:
         """``kv`` over a staging buffer: every logical page a row's selection touches (token ids ``tok`` [B, h_kv, T],
-        ``ok`` where valid, on ``host_page``; all on the host) gets a staging page, and only the selected keys'
-        rows of each KV head are copied into it. Keys on resident pages come from their slots, the others from the
+        ``ok`` where valid, on ``host_page``; all on the pools' device) gets a staging page, and only the selected
+        keys' rows of each KV head are copied into it. Keys on resident pages come from their slots, the others from the
         host tier (the copies). The page table is the only thing that changes: the attend reads the same list,
         lengths and unit, so its output is the untiered one's whatever the kernel's order of work. ``counted``
         [B]: the rows whose keys count as staged rows in the statistics (the others' pages were counted when they
@@ -741,15 +745,15 @@ class KVTiers:
         d = hk.shape[-1]
         width = kv.page_table.shape[1]
         logical = tok // page
-        touched = torch.zeros(b, width, dtype=torch.bool)
-        touched.view(-1).index_fill_(0, (logical + torch.arange(b)[:, None, None] * width)[ok], True)
+        touched = torch.zeros(b, width, dtype=torch.bool, device=dev)
+        touched.view(-1).index_fill_(0, (logical + torch.arange(b, device=dev)[:, None, None] * width)[ok], True)
         n_pages = int(touched.sum())
         ids = torch.cumsum(touched.view(-1), 0).view(b, width) - 1
         table = torch.where(touched, ids, n_pages)  # the last staging page: never read (scratch)
-        slots = smap[host_page.clamp(min=0)]
+        slots = smap.to(dev)[host_page.clamp(min=0)]
         hit = ok & (slots >= 0)
         miss = ok & ~hit
-        heads = torch.arange(h_kv)[None, :, None]
+        heads = torch.arange(h_kv, device=dev)[None, :, None]
         off = tok % page
         dst = (table.gather(1, logical.flatten(1)).view_as(tok) * h_kv + heads) * page + off
         t0 = self._clock()
@@ -765,6 +769,7 @@ class KVTiers:
             cache = self.row_caches[layer]
             if cache is None:
                 self._host_reads()
+                src = src.cpu()  # the host gathers the rows
                 sk.view(-1, d).index_copy_(0, at, self._gather_rows(hk, src).to(dev, non_blocking=True))
                 sv.view(-1, d).index_copy_(0, at, self._gather_rows(hv, src).to(dev, non_blocking=True))
                 copies = src.numel()
