@@ -18,6 +18,12 @@ one comparison). Prints a table and writes JSON to ``$OUT/kv_offload_gpu.json`` 
     python benchmarks/bench_kv_offload_gpu.py --quick            # 32768 tokens, a first smoke run
     python benchmarks/bench_kv_offload_gpu.py --parts a          # 131072 tokens, one request
     python benchmarks/bench_kv_offload_gpu.py --parts b          # the largest batches
+    python benchmarks/bench_kv_offload_gpu.py --parts c          # the bus alone
+
+(c) The bus: host-to-device bandwidth of one bulk copy from pinned memory, and of token rows (one token of one KV
+    head, K and V) gathered from a pinned host tier by the GPU's own loads (``copy_rows``, what a staged step does)
+    and by the host (``index_select`` into a pinned buffer, then one copy: what it did before). With part (a) it
+    turns each method's bytes per step into the least time the bus needs for them.
 
 Needs only torch, triton, transformers and msgpack (no Ray, no gRPC).
 """
@@ -157,6 +163,51 @@ def state_bytes_per_token(model: Any, method: str, params: dict) -> float:
     return r["state_bytes_per_token"]
 
 
+def bus(rows: int = 1 << 21, d: int = 128, host_gib: float = 8.0) -> dict[str, float]:
+    """Part (c): GB/s host to device, bulk and as scattered token rows (K and V of ``d`` bf16 each) out of a pinned
+    slab of ``host_gib`` GiB."""
+    from raysparse.kernels.dispatch import copy_rows
+    from raysparse.kv_tiers import host_tier
+
+    per = int(host_gib * GIB) // (2 * d * 2)  # rows in each of K and V
+    hk, hv, slab = host_tier((per, d), 1, torch.bfloat16, pinned=True)
+    out: dict[str, float] = {"host_slab_gib": slab.numel() * 2 / GIB, "rows": rows, "row_bytes": 2 * d * 2}
+    bulk = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(bulk, device="cuda")
+
+    def timed(fn, reps: int = 5) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    out["bulk_gb_s"] = bulk.numel() / timed(lambda: dev.copy_(bulk, non_blocking=True)) / 1e9
+    src = torch.randint(0, per, (rows,), device="cuda")
+    at = torch.arange(rows, device="cuda")
+    sk = torch.empty(rows, d, dtype=torch.bfloat16, device="cuda")
+    sv = torch.empty_like(sk)
+    nbytes = rows * 2 * d * 2
+    out["gpu_gather_gb_s"] = nbytes / timed(lambda: copy_rows([(hk[0], sk), (hv[0], sv)], src, at)) / 1e9
+    src_h = src.cpu()
+    pk = torch.empty(rows, d, dtype=torch.bfloat16, pin_memory=True)
+    pv = torch.empty_like(pk, pin_memory=True)
+
+    def host_gather() -> None:
+        torch.index_select(hk[0], 0, src_h, out=pk)
+        torch.index_select(hv[0], 0, src_h, out=pv)
+        sk.copy_(pk, non_blocking=True)
+        sv.copy_(pv, non_blocking=True)
+
+    out["host_gather_gb_s"] = nbytes / timed(host_gather, 2) / 1e9
+    copy_rows([(hk[0], sk), (hv[0], sv)], src, at)
+    ok = torch.equal(sk[:4096].cpu(), hk[0][src_h[:4096]]) and torch.equal(sv[:4096].cpu(), hv[0][src_h[:4096]])
+    out["gpu_gather_checked"] = float(ok)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(ROOT / "configs" / "llama-3.1-8b"))
@@ -165,7 +216,8 @@ def main() -> None:
                    help="tokens of each request: its prompt and the tokens it decodes")
     p.add_argument("--quick", action="store_true", help="32768 tokens and fewer decode steps: a smoke run")
     p.add_argument("--new", type=int, default=12, help="tokens each request decodes (the first two are not timed)")
-    p.add_argument("--parts", default="a,b", help="a: one request, tier on and off; b: the largest batches")
+    p.add_argument("--parts", default="a,b",
+                   help="a: one request, tier on and off; b: the largest batches; c: the bus")
     p.add_argument("--device-share", type=float, default=0.2,
                    help="the device pool per layer as a share of the running sequences' K/V")
     p.add_argument("--row-share", type=float, default=None,
@@ -222,6 +274,13 @@ def main() -> None:
           f"budget {host_budget / GIB:.0f} GiB = {host_budget // (kv_tl * tiered_layers * seq_tokens)} sequences of "
           f"{tiered_layers} tiered layers", flush=True)
 
+    if "c" in parts:
+        record["c"] = bus()
+        c = record["c"]
+        print(f"(c) bus: bulk {c['bulk_gb_s']:.1f} GB/s; {c['rows']} rows of {c['row_bytes']} B gathered by the GPU "
+              f"{c['gpu_gather_gb_s']:.1f} GB/s (checked: {bool(c['gpu_gather_checked'])}), by the host "
+              f"{c['host_gather_gb_s']:.1f} GB/s", flush=True)
+
     if "a" in parts:
         plain = Runner(model, seq_tokens, None, args.prefill_tokens)
         for m in ["dense", *methods]:
@@ -243,6 +302,14 @@ def main() -> None:
                   f"{1e3 * st.get('stall_s_per_step', 0):6.2f} ms/step  (pool {offload_cfg.device_tokens} "
                   f"tokens/layer, row cache {offload_cfg.row_cache_tokens};"
                   f" host tier allocated in {tier.alloc_s:.1f} s)", flush=True)
+            if "c" in record:  # the least time the bus needs for the step's copies, against the step without the tier
+                r["bus_ms_per_step"] = 1e3 * st.get("bytes_per_step", 0) / (record["c"]["gpu_gather_gb_s"] * 1e9)
+                r["bus_bound_vs_tier_off"] = off["decode_ms_per_step"] / (off["decode_ms_per_step"]
+                                                                           + r["bus_ms_per_step"])
+                print(f"    the bus alone needs {r['bus_ms_per_step']:.1f} ms/step for those bytes: at best "
+                      f"x{r['bus_bound_vs_tier_off']:.2f} of tier off unoverlapped, "
+                      f"x{min(1.0, off['decode_ms_per_step'] / r['bus_ms_per_step']):.2f} fully overlapped",
+                      flush=True)
         tier.close()
 
     if "b" in parts:

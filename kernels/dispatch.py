@@ -285,6 +285,18 @@ def dense_rows_attention_varlen(q: torch.Tensor, kv: KVSource, row_tok: torch.Te
     return tuple(torch.cat(t) for t in zip(*parts, strict=True))
 
 
+# ---- the K/V tiers' row copies ---------------------------------------------------------------------------------
+
+def copy_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """``dst[dst_rows] = src[src_rows]`` for each (src, dst) pair, rows of the last dimension, skipping copies with
+    a negative index (``row_copy``): one Triton launch where the destinations are on CUDA (a source may be pinned
+    host memory, read in place), the PyTorch reference elsewhere."""
+    from . import row_copy
+
+    fn = row_copy.copy_rows if triton_wanted(*(d for _, d in pairs)) else row_copy.copy_rows_torch
+    fn(pairs, src_rows, dst_rows)
+
+
 # ---- Quest: its decode and prefill page scores and its bounds' update -----------------------------------------
 
 def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from raysparse.kernels.dispatch import copy_rows, paged_decode_attention
 from raysparse.kernels.formats import PagedKV
 
 SENTINEL = -1
@@ -418,13 +419,19 @@ class KVTiers:
         # per layer, host page -> slot (-1: not resident), on the host: the accounting's mirror of the pools, and the
         # page tables' translation (one gather a step)
         self.slot_map = [None if t is None else torch.full((t.shape[0],), -1, dtype=torch.int64) for t in self.host_k]
+        # and its copy on the pools' device, which a staged step's per-key lookups read (kept in step by ``_map``)
+        self.slot_map_dev = [None if m is None else m.to(self.device) for m in self.slot_map]
+        self._stage_k: list[torch.Tensor | None] = [None]  # the staging buffer (K, V), shared by the layers, grown
+        self._stage_v: list[torch.Tensor | None] = [None]
         # per layer, the resident pages a decode step wrote on the device alone (separate layout): page -> slot
         self.dirty: list[dict[int, int]] = [{} for _ in self.host_k]
         self._pins: dict[int, set[int]] = {}  # sequence -> its pinned host pages
-        self.stats = TierStats()
+        self._stats = TierStats()
+        # the staged rows' counts, accumulated where they are computed (no host read per layer), folded into the
+        # statistics when read: (layer, batch row) pairs staged, rows needed, rows copied, rows from the row cache
+        self._row_counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # the copies' spans on a GPU
         self._step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._d2h_pending = False  # a device-to-host copy may still be in flight: sync before the host reads the tier
         elt = ref.element_size()
         self.row_bytes = 2 * d * elt  # K and V of one token of one KV head
         self.page_bytes = h_kv * page * self.row_bytes
@@ -451,7 +458,7 @@ class KVTiers:
         for sid, pages, n in seqs:
             self._set_pins(sid, self.pinned_pages(pages, n))
         if decode:
-            self.stats.decode_steps += 1
+            self._stats.decode_steps += 1
         self._step_meta = None
 
     def _set_pins(self, sid: int, pins: set[int]) -> None:
@@ -478,10 +485,10 @@ class KVTiers:
             pool, smap, dirty = self.pools[layer], self.slot_map[layer], self.dirty[layer]
             assert pool is not None and smap is not None
             pool.release()
-            for p in pages:
-                if pool.drop(p) is not None:
-                    smap[p] = -1
-                    dirty.pop(p, None)
+            gone = [p for p in pages if pool.drop(p) is not None]
+            for p in gone:
+                dirty.pop(p, None)
+            self._map(layer, gone, [-1] * len(gone))
             rows = self.row_caches[layer]
             if rows is not None and pages:
                 rows.drop(page_rows)
@@ -499,14 +506,7 @@ class KVTiers:
             return
         for d0, s0, n in page_runs(dst_pages, src_pages):
             dst[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=True)
-        if dst.device.type == "cpu":
-            self._d2h_pending = True
 
-    def _host_reads(self) -> None:
-        """The host is about to read the host tier itself: the device-to-host copies queued before finish first."""
-        if self._d2h_pending and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._d2h_pending = False
 
     def _write_back(self, layer: int, pages: Sequence[int]) -> None:
         """Dirty pages among ``pages`` (resident, written by decode on the device alone) copied to the host tier."""
@@ -523,11 +523,8 @@ class KVTiers:
         """The pool's moves of one ``acquire``: the evicted pages' dirty slots written back first (their slots are
         reused next, on the same stream), then the missing pages copied into their slots from the host tier (or
         from ``src``, K and V indexed by host page)."""
-        smap = self.slot_map[layer]
-        assert smap is not None
         self._write_back(layer, evicted)
-        for p in evicted:
-            smap[p] = -1
+        self._map(layer, evicted, [-1] * len(evicted))
         if not misses:
             return
         src_k, src_v = src if src is not None else (self.host_k[layer], self.host_v[layer])
@@ -535,8 +532,18 @@ class KVTiers:
         pages, slots = [p for p, _ in misses], [s for _, s in misses]
         self._pages_into(self.dev_k[layer], slots, src_k, pages)
         self._pages_into(self.dev_v[layer], slots, src_v, pages)
-        smap[torch.tensor(pages, dtype=torch.int64)] = torch.tensor(slots, dtype=torch.int64)
-        self.stats.evictions += len(evicted)
+        self._map(layer, pages, slots)
+        self._stats.evictions += len(evicted)
+
+    def _map(self, layer: int, pages: Sequence[int], slots: Sequence[int]) -> None:
+        """Host ``pages`` now sit in ``slots`` (-1: not resident), in the slot map and in its device copy."""
+        if not pages:
+            return
+        p, v = torch.tensor(list(pages), dtype=torch.int64), torch.tensor(list(slots), dtype=torch.int64)
+        smap, smap_dev = self.slot_map[layer], self.slot_map_dev[layer]
+        assert smap is not None and smap_dev is not None
+        smap[p] = v
+        smap_dev[p.to(self.device, non_blocking=True)] = v.to(self.device, non_blocking=True)
 
     def _clock(self) -> object:
         if self.device.type == "cuda":
@@ -556,12 +563,12 @@ class KVTiers:
                 self._fold_events()
         else:
             assert isinstance(t0, float)
-            self.stats.stall_s += time.perf_counter() - t0
+            self._stats.stall_s += time.perf_counter() - t0
 
     def _fold_events(self) -> None:
         if self._events:
             self._events[-1][1].synchronize()
-            self.stats.stall_s += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._stats.stall_s += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
             self._events.clear()
 
     # ---- writes: the shared layout -----------------------------------------------------------------
@@ -589,7 +596,7 @@ class KVTiers:
         misses, evicted = pool.acquire(want, use=False)
         self._copy(layer, misses, evicted, self.work)
         if layer == self.layers[0]:
-            self.stats.prefill_kept_pages += len(misses)
+            self._stats.prefill_kept_pages += len(misses)
 
     # ---- writes: the separate layout ---------------------------------------------------------------
     def prefill_written(self, layer: int, spans: Sequence[tuple[Sequence[int], int, int]],
@@ -664,16 +671,10 @@ class KVTiers:
         the host tier's pages (``kv``: their page table and lengths), read from the device pool: whole pages where
         a row's fit beside the rows before it, staged token rows otherwise. The selection is read on the host (one
         sync per layer on a GPU), where the pool's accounting runs. Returns the attention output [B, h, d]."""
-        from raysparse.kernels.dispatch import paged_decode_attention
-
-        st, pool, page = self.stats, self.pools[layer], self.page_size
+        st, pool, page = self._stats, self.pools[layer], self.page_size
         assert pool is not None
         st.layer_steps += 1
-        if indices.device.type != "cpu":
-            idx = indices.cpu()
-            self._d2h_pending = False  # the read waited for everything queued before it
-        else:
-            idx = indices
+        idx = indices.cpu()
         table_h, seqlens_h = self._host_meta(kv)
         touched = touched_pages(idx, unit, seqlens_h, page, table_h.shape[1])
         staged_rows: list[int] = []
@@ -719,109 +720,108 @@ class KVTiers:
         table = torch.where(slots >= 0, slots, self.slots).to(torch.int32)
         return PagedKV(dk, dv, table.to(self.device, non_blocking=True), kv.seqlens)
 
-    def _gather_rows(self, src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows`` of the host tier's ``src`` viewed as [rows, d], gathered on the host: into pinned memory
-        where the pool is on a GPU, so the copy to it is asynchronous."""
-        flat = src.reshape(-1, src.shape[-1])
-        if self.device.type == "cpu":
-            return flat.index_select(0, rows)
-        out = torch.empty((rows.numel(), flat.shape[1]), dtype=flat.dtype, pin_memory=True)
-        return torch.index_select(flat, 0, rows, out=out)
+    def _staging(self, pages: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staging buffer's K and V, at least ``pages`` pages (of ``like``'s page shape), shared by the layers and
+        grown as batches and contexts grow. It is zeroed once: what a page holds past the rows a step writes is an
+        earlier layer's or step's finite K/V, which the attend never reads (it reads the listed keys only)."""
+        sk = self._stage_k[0]
+        if sk is None or sk.shape[0] < pages or sk.shape[1:] != like.shape[1:] or sk.dtype != like.dtype:
+            self._stage_k[0] = self._stage_v[0] = None  # the old pair goes before the new one is allocated
+            self._stage_k[0] = torch.zeros((pages, *like.shape[1:]), dtype=like.dtype, device=self.device)
+            self._stage_v[0] = torch.zeros_like(self._stage_k[0])
+        sk, sv = self._stage_k[0], self._stage_v[0]
+        assert sk is not None and sv is not None
+        return sk, sv
 
     def _stage(self, layer: int, kv: PagedKV, tok: torch.Tensor, ok: torch.Tensor, host_page: torch.Tensor,
                counted: torch.Tensor) -> PagedKV:
         """``kv`` over a staging buffer: every logical page a row's selection touches (token ids ``tok`` [B, h_kv, T],
         ``ok`` where valid, on ``host_page``; all on the pools' device) gets a staging page, and only the selected
-        keys' rows of each KV head are copied into it. Keys on resident pages come from their slots, the others from the
-        host tier (the copies). The page table is the only thing that changes: the attend reads the same list,
-        lengths and unit, so its output is the untiered one's whatever the kernel's order of work. ``counted``
-        [B]: the rows whose keys count as staged rows in the statistics (the others' pages were counted when they
-        were fetched)."""
-        st, page, dev = self.stats, self.page_size, self.device
+        keys' rows of each KV head are copied into it. Keys on resident pages come from their slots, the others
+        from the row cache or the host tier (the copies; on a GPU its own loads read the pinned host tier in place,
+        so the host neither gathers rows nor reads an index). The page table is the only thing that changes: the
+        attend reads the same list, lengths and unit, so its output is the untiered one's whatever the kernel's
+        order of work. ``counted`` [B]: the rows whose keys count as staged rows in the statistics (the others'
+        pages were counted when they were fetched). No host read: the buffer has a page for every logical page of
+        the batch (plus the scratch page the unread entries point at), its counts stay on the device."""
+        page, dev = self.page_size, self.device
         hk, hv, dk, dv, smap = self.host_k[layer], self.host_v[layer], self.dev_k[layer], self.dev_v[layer], \
-            self.slot_map[layer]
+            self.slot_map_dev[layer]
         assert hk is not None and hv is not None and dk is not None and dv is not None and smap is not None
         b, h_kv, _ = tok.shape
-        d = hk.shape[-1]
         width = kv.page_table.shape[1]
+        scratch = b * width
         logical = tok // page
-        touched = torch.zeros(b, width, dtype=torch.bool, device=dev)
-        touched.view(-1).index_fill_(0, (logical + torch.arange(b, device=dev)[:, None, None] * width)[ok], True)
-        n_pages = int(touched.sum())
-        ids = torch.cumsum(touched.view(-1), 0).view(b, width) - 1
-        table = torch.where(touched, ids, n_pages)  # the last staging page: never read (scratch)
-        slots = smap.to(dev)[host_page.clamp(min=0)]
+        flat = torch.zeros(scratch + 1, dtype=torch.bool, device=dev)  # the last entry takes the invalid keys
+        flat.index_fill_(0, torch.where(ok, logical + torch.arange(b, device=dev)[:, None, None] * width, scratch)
+                         .flatten(), True)
+        touched = flat[:scratch].view(b, width)
+        ids = torch.cumsum(touched.reshape(-1), 0).view(b, width) - 1
+        table = torch.where(touched, ids, scratch)
+        slots = smap[host_page.clamp(min=0)]
         hit = ok & (slots >= 0)
         miss = ok & ~hit
         heads = torch.arange(h_kv, device=dev)[None, :, None]
         off = tok % page
-        dst = (table.gather(1, logical.flatten(1)).view_as(tok) * h_kv + heads) * page + off
+        dst = ((table.gather(1, logical.flatten(1)).view_as(tok) * h_kv + heads) * page + off).flatten()
         t0 = self._clock()
-        sk = torch.zeros(n_pages + 1, h_kv, page, d, dtype=dk.dtype, device=dev)
-        sv = torch.zeros_like(sk)
-        if bool(hit.any()):  # from the slots, on the device
-            src, at = ((slots.clamp(min=0) * h_kv + heads) * page + off)[hit].to(dev), dst[hit].to(dev)
-            sk.view(-1, d).index_copy_(0, at, dk.reshape(-1, d).index_select(0, src))
-            sv.view(-1, d).index_copy_(0, at, dv.reshape(-1, d).index_select(0, src))
-        copies = cache_hits = 0
-        if bool(miss.any()):  # from the row cache, or gathered from the host tier and copied over
-            src, at = ((host_page.clamp(min=0) * h_kv + heads) * page + off)[miss], dst[miss].to(dev)
-            cache = self.row_caches[layer]
-            if cache is None:
-                self._host_reads()
-                src = src.cpu()  # the host gathers the rows
-                sk.view(-1, d).index_copy_(0, at, self._gather_rows(hk, src).to(dev, non_blocking=True))
-                sv.view(-1, d).index_copy_(0, at, self._gather_rows(hv, src).to(dev, non_blocking=True))
-                copies = src.numel()
-            else:
-                copies, cache_hits = self._rows_through_cache(layer, cache, src, at, sk, sv)
+        sk, sv = self._staging(scratch + 1, dk)
+        # from the resident pages' slots, on the device
+        from_slot = torch.where(hit, (slots.clamp(min=0) * h_kv + heads) * page + off, -1).flatten()
+        copy_rows([(dk, sk), (dv, sv)], from_slot, dst)
+        host_row = torch.where(miss, (host_page.clamp(min=0) * h_kv + heads) * page + off, -1).flatten()
+        cache = self.row_caches[layer]
+        if cache is None:  # from the host tier
+            copy_rows([(hk, sk), (hv, sv)], host_row, dst)
+            copies, cache_hits = miss.sum(), torch.zeros((), dtype=torch.int64, device=dev)
+        else:
+            copies, cache_hits = self._rows_through_cache(layer, cache, host_row, dst, sk, sv)
         self._stall(t0)
-        n_need = int(ok[counted].sum())
-        st.staged_layer_rows += int(counted.sum())
-        st.rows_needed += n_need
-        st.row_hits += n_need - copies
-        st.row_cache_hits += cache_hits
-        st.row_copies += copies
-        st.bytes_copied += copies * self.row_bytes
-        st.hit_bytes += (n_need - copies) * self.row_bytes
-        return PagedKV(sk, sv, table.to(torch.int32).to(dev, non_blocking=True), kv.seqlens)
+        self._row_counts += torch.stack([counted.sum(), (ok & counted[:, None, None]).sum(), copies, cache_hits])
+        return PagedKV(sk, sv, table.to(torch.int32), kv.seqlens)
 
-    def _rows_through_cache(self, layer: int, cache: RowCache, src: torch.Tensor, at: torch.Tensor,
-                            sk: torch.Tensor, sv: torch.Tensor) -> tuple[int, int]:
-        """Host rows ``src`` (on the host; repeats where rows share a prefix page) into the staging buffer's rows
-        ``at`` (on the device): cached rows from the row cache, the others gathered from the host tier once each,
-        copied over, and kept in the cache's slots the cache gives them. The accounting runs on the cache's device;
-        only the rows to copy come back to the host, which gathers them. Returns (rows copied from the host,
-        entries read from the cache)."""
+    def _rows_through_cache(self, layer: int, cache: RowCache, host_row: torch.Tensor, at: torch.Tensor,
+                            sk: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host rows ``host_row`` (-1: not a copy; repeats where rows share a prefix page) into the staging buffer's
+        rows ``at``: cached rows from the row cache, the others from the host tier, which the cache then keeps in
+        the slots it gives them (copied from the staging buffer, on the device). Returns (rows read from the host,
+        rows read from the cache), as device counts."""
         rk, rv, hk, hv = self.rows_k[layer], self.rows_v[layer], self.host_k[layer], self.host_v[layer]
         assert rk is not None and rv is not None and hk is not None and hv is not None
-        dev, d = self.device, rk.shape[1]
-        rows, inv = torch.unique(src.to(dev), return_inverse=True)
+        live = host_row >= 0
+        src, at = host_row[live], at[live]
+        rows, inv = torch.unique(src, return_inverse=True)
         evicted = cache.evictions
         slot, cached, placed = cache.lookup(rows)
-        self.stats.evictions += cache.evictions - evicted
-        # every distinct row's place in ``cat(cached rows, copied rows)``
-        n_cached = int(cached.sum())
-        order = torch.empty(rows.numel(), dtype=torch.int64, device=dev)
-        order[cached] = torch.arange(n_cached, device=dev)
-        order[~cached] = torch.arange(n_cached, rows.numel(), device=dev)
-        pick = order[inv]
-        new = rows[~cached].cpu()
-        if new.numel():
-            self._host_reads()
-        keep = placed >= 0
-        keep_slots, keep_at = placed[keep], torch.nonzero(keep).flatten()
-        cached_slots = slot[cached]
-        for cache_t, host_t, out in ((rk, hk, sk), (rv, hv, sv)):
-            parts = [cache_t.index_select(0, cached_slots)]
-            if new.numel():
-                fresh = self._gather_rows(host_t, new).to(dev, non_blocking=True)
-                cache_t.index_copy_(0, keep_slots, fresh.index_select(0, keep_at))
-                parts.append(fresh)
-            out.view(-1, d).index_copy_(0, at, torch.cat(parts).index_select(0, pick))
-        return int(new.numel()), int(cached[inv].sum())
+        self._stats.evictions += cache.evictions - evicted
+        e_slot = slot[inv]  # each entry's cache slot, -1 where its row is not cached
+        copy_rows([(rk, sk), (rv, sv)], e_slot, at)
+        copy_rows([(hk, sk), (hv, sv)], torch.where(e_slot >= 0, -1, src), at)
+        if placed.numel():  # the placed rows, from where this call staged them, into their cache slots
+            rank = (torch.cumsum(~cached, 0) - 1).clamp(min=0)
+            into = torch.where(cached, -1, placed[rank])
+            first_at = torch.empty_like(rows).scatter_(0, inv, at)  # any entry of the row: all hold the same K/V
+            copy_rows([(sk, rk), (sv, rv)], first_at, into)
+        from_cache = (e_slot >= 0).sum()
+        return e_slot.numel() - from_cache, from_cache
 
     # ---- statistics --------------------------------------------------------------------------------
+    @property
+    def stats(self) -> TierStats:
+        """What the tier did since the last reset, the device's counts folded in (a host read on a GPU)."""
+        staged, need, copies, cache_hits = self._row_counts.tolist()
+        if need or staged:
+            self._row_counts.zero_()
+            st = self._stats
+            st.staged_layer_rows += staged
+            st.rows_needed += need
+            st.row_hits += need - copies
+            st.row_cache_hits += cache_hits
+            st.row_copies += copies
+            st.bytes_copied += copies * self.row_bytes
+            st.hit_bytes += (need - copies) * self.row_bytes
+        return self._stats
+
     def stats_dict(self) -> dict[str, float]:
         self._fold_events()
         out = self.stats.as_dict()
@@ -834,4 +834,5 @@ class KVTiers:
 
     def reset_stats(self) -> None:
         self._fold_events()
-        self.stats = TierStats()
+        self._row_counts.zero_()
+        self._stats = TierStats()

@@ -267,6 +267,7 @@ def test_decode_through_the_pool_equals_the_attend_over_the_host_tier(unit):
             assert torch.equal(tiers.dev_k[0][s], k[0][p]) and torch.equal(tiers.dev_v[0][s], v[0][p]), f"seed {seed}"
             assert int(tiers.slot_map[0][p]) == s
         assert int((tiers.slot_map[0] >= 0).sum()) == len(pool.resident())
+        assert torch.equal(tiers.slot_map_dev[0].cpu(), tiers.slot_map[0]), f"seed {seed}: the device copy of the map"
     st = tiers.stats
     assert st.page_copies * tiers.page_bytes + st.row_copies * tiers.row_bytes == st.bytes_copied
     assert st.pages_needed == st.page_hits + st.page_copies and st.rows_needed == st.row_hits + st.row_copies
@@ -296,7 +297,7 @@ def test_pins_follow_the_window_and_writes_go_through():
     tiers.forget(0)
     assert tiers.pools[0].pinned() == set()
     tiers.invalidate([9])
-    assert tiers.pools[0].slot(9) is None and int(tiers.slot_map[0][9]) == -1
+    assert tiers.pools[0].slot(9) is None and int(tiers.slot_map[0][9]) == -1 and int(tiers.slot_map_dev[0][9]) == -1
 
 
 def test_config_errors_are_one_line():

@@ -86,3 +86,30 @@ def test_the_separate_layout_keeps_every_copy_right_on_the_gpu():
 
     for _ in range(3):
         check_separate_layout("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_gpu_reads_rows_of_the_pinned_host_tier_in_place(dtype):
+    """The row copy kernel with its sources in the host tier's registered (pinned) slab and in device memory, against
+    the reference gathered on the host, every element."""
+    from raysparse.kernels import row_copy
+    from raysparse.kv_tiers import host_tier
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    g = torch.Generator().manual_seed(seed)
+    hk, hv, slab = host_tier((33, 4, 16, 128), 2, dtype, pinned=True)
+    assert slab.is_pinned()
+    for t in (*hk, *hv):
+        t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    n = 5000
+    rows = hk[1].numel() // 128
+    src = torch.randint(-1, rows, (n,), generator=g)
+    dst = torch.randperm(3 * n, generator=g)[:n]
+    dst[torch.rand(n, generator=g) < 0.1] = -1
+    for pair_src in ((hk[1], hv[1]), (hk[1].cuda(), hv[1].cuda())):  # pinned host memory, then device memory
+        got = [torch.zeros(3 * n, 128, dtype=dtype, device="cuda") for _ in range(2)]
+        want = [torch.zeros(3 * n, 128, dtype=dtype) for _ in range(2)]
+        row_copy.copy_rows(list(zip(pair_src, got, strict=True)), src.cuda(), dst.cuda())
+        row_copy.copy_rows_torch([(hk[1], want[0]), (hv[1], want[1])], src, dst)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.cpu(), b), f"seed {seed}, source on {pair_src[0].device}"
