@@ -53,19 +53,15 @@ if triton is not None:
         pid = tl.program_id(0)
         r = pid * ROWS + tl.arange(0, ROWS)
         live = r < n
-        s = tl.load(src_rows + r, mask=live, other=-1)
-        d = tl.load(dst_rows + r, mask=live, other=-1)
-        go = (s >= 0) & (d >= 0)
-        s = tl.where(go, s, 0)
-        d = tl.where(go, d, 0)
+        s = tl.load(src_rows + r, mask=live, other=-1)[:, None]
+        d = tl.load(dst_rows + r, mask=live, other=-1)[:, None]
+        go = (s >= 0) & (d >= 0)  # masked lanes load nothing: a skipped copy may hold any index
         for c in tl.static_range(0, D, BLOCK_D):
-            col = c + tl.arange(0, BLOCK_D)
-            m = go[:, None] & (col[None, :] < D)
-            tl.store(dst0 + d[:, None] * D + col[None, :], tl.load(src0 + s[:, None] * D + col[None, :], mask=m),
-                     mask=m)
+            col = (c + tl.arange(0, BLOCK_D))[None, :]
+            m = go & (col < D)
+            tl.store(dst0 + d * D + col, tl.load(src0 + s * D + col, mask=m), mask=m)
             if PAIRS == 2:
-                tl.store(dst1 + d[:, None] * D + col[None, :],
-                         tl.load(src1 + s[:, None] * D + col[None, :], mask=m), mask=m)
+                tl.store(dst1 + d * D + col, tl.load(src1 + s * D + col, mask=m), mask=m)
 
 
 def copy_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
