@@ -1,11 +1,14 @@
 """The K/V tiers on a GPU: decode speed with the tier on and off, and the batch each fits at a long context.
 
 In-process, no Ray: the scheduler's plans run on one shard's executor, as a replica runs them, on the Llama-3.1-8B
-config (``configs/llama-3.1-8b``) with seeded random bf16 weights built on the GPU, random prompts.
+config (``configs/llama-3.1-8b``) with seeded random bf16 weights built on the GPU, random prompts. With
+``--weights real`` the model's own weights are loaded instead (``--model``: a GGUF file or a checkpoint directory)
+and each request is a needle-retrieval prompt over real text (``--text``), so the selections, and with them the
+tier's hit rate, follow real query statistics.
 
-(a) One request of ``--context`` tokens (default 131072): decode tokens/s of dense (no tier) and of each method
-    (``--methods``, default quest, sketch_walk, socket) with the tier off and on, and the tier's hit rate, bytes
-    copied per step and stall time.
+(a) One request (``--batch`` requests) of ``--context`` tokens (default 131072): decode tokens/s of dense (no
+    tier) and of each method (``--methods``, default quest, sketch_walk, socket) with the tier off and on, and the
+    tier's hit rate, bytes copied per step and stall time.
 (b) The largest batch at that context: dense without the tier (its whole K/V in device memory), each method with
     the tier (bounded by the host tier's memory, ``--host-gib``, and by the device memory of what stays there: the
     dense layers' K/V, the methods' per-page state, the working layer, the staging buffer and the pool). Computed
@@ -19,6 +22,8 @@ one comparison). Prints a table and writes JSON to ``$OUT/kv_offload_gpu.json`` 
     python benchmarks/bench_kv_offload_gpu.py --parts a          # 131072 tokens, one request
     python benchmarks/bench_kv_offload_gpu.py --parts b          # the largest batches
     python benchmarks/bench_kv_offload_gpu.py --parts c          # the bus alone
+    python benchmarks/bench_kv_offload_gpu.py --parts a --weights real --model M.gguf --context 7680 --batch 8
+                                                                 # a real model's weights on real text
 
 (c) The bus: host-to-device bandwidth of one bulk copy from pinned memory, and of token rows (one token of one KV
     head, K and V) gathered from a pinned host tier by the GPU's own loads (``copy_rows``, what a staged step does)
@@ -43,13 +48,14 @@ from bench_common import environment, out_dir
 
 from raysparse.kv_cache import KVCache
 from raysparse.kv_tiers import KVOffloadConfig
-from raysparse.loader import build_model, load_hf_config, resolve_source
+from raysparse.loader import build_model, load_hf_config, load_model, load_tokenizer, resolve_source
 from raysparse.methods.registry import get_method
 from raysparse.orchestration.engine_api import EngineRequest, RequestHandle
 from raysparse.orchestration.scheduler import Scheduler, SchedulerConfig
 from raysparse.sampling import SamplingParams
 from raysparse.shard_executor import ShardExecutor
 from raysparse.step_plan import method_key
+from raysparse.workload import build_retrieval_task, load_haystack_text
 
 PAGE = 64
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,17 +236,30 @@ def main() -> None:
                    help="time for part (b)'s runs, estimated beforehand (default 420 s alone, 240 s after part a)")
     p.add_argument("--prefill-tokens", type=int, default=65536, help="prompt tokens per prefill step")
     p.add_argument("--density", type=float, default=None, help="the whole model's density (default: each method's)")
+    p.add_argument("--weights", choices=("random", "real"), default="random",
+                   help="random: seeded bf16 weights in --model's config, random prompts; real: --model's weights, "
+                        "retrieval prompts over --text")
+    p.add_argument("--text", default=None, help="real text for --weights real (default: the project's haystack)")
+    p.add_argument("--batch", type=int, default=1, help="part (a)'s requests, decoded together")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.batch < 1:
+        raise SystemExit("--batch must be at least 1")
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a GPU; benchmarks/bench_kv_offload.py is the CPU one")
     context = 32768 if args.quick and args.context == 131072 else args.context
     new = min(args.new, 6) if args.quick else args.new
     parts = set(args.parts.split(","))
     t_all = time.perf_counter()
-    hf = load_hf_config(resolve_source(args.model))
+    src = resolve_source(args.model)
+    hf = load_hf_config(src)
     torch.manual_seed(0)
-    model = build_model(hf, dtype=torch.bfloat16, device="cuda")
+    if args.weights == "real":
+        model = load_model(src, dtype=torch.bfloat16, device="cuda", hf_config=hf).eval()
+        tokenizer = load_tokenizer(src)
+        text, source = load_haystack_text(args.text)
+    else:
+        model = build_model(hf, dtype=torch.bfloat16, device="cuda")
     cfg = model.cfg
     methods = args.methods.split(",")
     params = {m: ({"density": args.density} if args.density is not None and get_method(m).takes_density else {})
@@ -248,6 +267,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
 
     def prompts(n: int) -> list[list[int]]:  # the decoded tokens end at ``context``: within the model's positions
+        if args.weights == "real":  # a retrieval prompt a few percent under its size, cut to the tokens left
+            return [list(build_retrieval_task(tokenizer, text, source, context - new - 256, seed=i).prompt_ids)
+                    [:context - new] for i in range(n)]
         return [torch.randint(0, cfg.vocab_size, (context - new,), generator=g).tolist() for _ in range(n)]
 
     total = context
@@ -268,7 +290,7 @@ def main() -> None:
 
     offload_cfg = offload_for(1)
     tiered_layers = len(offload_cfg.tiered_layers(cfg.num_layers))
-    print(f"Llama-3.1-8B config, random bf16 weights; context {context} ({new} decoded); K/V "
+    print(f"{args.model}: {args.weights} bf16 weights; context {context} ({new} decoded); K/V "
           f"{kv_tl * cfg.num_layers * total / 1e9:.2f} GB per sequence; host RAM {mem_total / GIB:.0f} GiB "
           f"({mem_avail / GIB:.0f} available): host tier "
           f"budget {host_budget / GIB:.0f} GiB = {host_budget // (kv_tl * tiered_layers * seq_tokens)} sequences of "
@@ -282,16 +304,17 @@ def main() -> None:
               f"{c['host_gather_gb_s']:.1f} GB/s", flush=True)
 
     if "a" in parts:
-        plain = Runner(model, seq_tokens, None, args.prefill_tokens)
+        plain = Runner(model, seq_tokens * args.batch, None, args.prefill_tokens)
         for m in ["dense", *methods]:
-            r = plain.run(m, params.get(m, {}), prompts(1), new)
+            r = plain.run(m, params.get(m, {}), prompts(args.batch), new)
             record["a"].append(r)
             print(f"(a) {m:12s} tier off  {r['decode_tokens_per_s']:8.2f} tok/s  "
                   f"{r['decode_ms_per_step']:7.2f} ms/step  prefill {r['prefill_s']:6.1f} s", flush=True)
         plain.close()
-        tier = Runner(model, seq_tokens, offload_cfg, args.prefill_tokens)
+        offload_cfg = offload_for(args.batch)
+        tier = Runner(model, seq_tokens * args.batch, offload_cfg, args.prefill_tokens)
         for m in methods:
-            r = tier.run(m, params[m], prompts(1), new)
+            r = tier.run(m, params[m], prompts(args.batch), new)
             off = next(x for x in record["a"] if x["method"] == m and not x["tiered"])
             r["vs_tier_off"] = r["decode_tokens_per_s"] / off["decode_tokens_per_s"]
             record["a"].append(r)
