@@ -85,9 +85,11 @@ class Runner:
         sync = torch.cuda.synchronize if device == "cuda" else None
         self.ex = ShardExecutor(model, self.cache, sync=sync, offload=offload)
 
-    def run(self, method: str, params: dict, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    def run(self, method: str, params: dict, prompts: list[list[int]], new: int,
+            profile: bool = False) -> dict[str, Any]:
         """The prompts through the scheduler's plans; the decode steps are timed, the first two left out (they
-        compile the kernels): generated tokens over their time, and the mean batch they decoded."""
+        compile the kernels): generated tokens over their time, and the mean batch they decoded. ``profile``: the
+        fourth decode step also runs under the PyTorch profiler (untimed), whose busiest ops are printed."""
         extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
                                                      pinned_pages=self.offload.pinned_pages)
         sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
@@ -113,15 +115,25 @@ class Runner:
                 seen += 1
                 if seen == 3:
                     self.ex.stats(reset=True)  # the tier's counts over the timed steps
+            profiled = profile and not plan.prefill and seen == 4
+            if profiled:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as torch_profile
+
+                with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    out = self.ex.execute(plan)
+                print(f"{method}: one decode step under the profiler, by self CPU time")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
             t0 = time.perf_counter()
-            out = self.ex.execute(plan)
+            if not profiled:
+                out = self.ex.execute(plan)
             dt = time.perf_counter() - t0
             if out["error"]:
                 raise RuntimeError(f"{method}: {out['error']}")
             if plan.prefill:
                 prefill_s += dt
                 sched.prefill_succeeded(plan)
-            elif seen >= 3:
+            elif seen >= 3 and not profiled:
                 steps.append(dt)
                 rows += len(plan.seq_ids) * plan.steps
             for sid, t in zip(plan.seq_ids, out["tokens"], strict=True):
@@ -244,6 +256,7 @@ def main() -> None:
                         "retrieval prompts over --text")
     p.add_argument("--text", default=None, help="real text for --weights real (default: the project's haystack)")
     p.add_argument("--batch", type=int, default=1, help="part (a)'s requests, decoded together")
+    p.add_argument("--profile", action="store_true", help="profile one decode step of each tiered run in part (a)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.batch < 1:
@@ -319,7 +332,7 @@ def main() -> None:
         tier = Runner(model, seq_tokens * args.batch, offload_cfg, args.prefill_tokens)
         for m in methods:
             try:
-                r = tier.run(m, params[m], prompts(args.batch), new)
+                r = tier.run(m, params[m], prompts(args.batch), new, profile=args.profile)
             except RuntimeError as e:  # a method the tier refuses here: its row says why, the others go on
                 record["a"].append({"method": m, "tiered": True, "error": str(e).splitlines()[0][:300]})
                 print(f"(a) {m:12s} tier on   refused: {record['a'][-1]['error']}", flush=True)
