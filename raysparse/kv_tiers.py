@@ -224,8 +224,7 @@ class RowCache:
     host row sits in which slot, and which slots the current call uses. Pure bookkeeping, like ``SlotPool``:
     ``lookup`` says which rows are cached where and which slots the missing ones are to be copied into. Its
     tensors live on ``device`` (the rows' device: a step stages a few hundred thousand rows per layer at long
-    contexts, whose lookup costs tens of milliseconds on a host, a fraction of one on a GPU), and a lookup reads
-    nothing back to the host: every shape in it is its input's, the hand and the counts stay on the device.
+    contexts, whose de-duplication and lookup cost tens of milliseconds on a host, a fraction of one on a GPU).
 
     Replacement is CLOCK: a hand sweeps the slots in order and takes each one the current call does not use, so a
     row read at every step stays, and one left unread is replaced about a sweep later. Exact LRU over the hundreds
@@ -234,61 +233,52 @@ class RowCache:
     def __init__(self, slots: int, rows: int, device: torch.device | str = "cpu") -> None:
         if slots < 1:
             raise ValueError("a row cache needs at least one slot")
-        self.slots, self.rows = slots, rows
+        self.slots = slots
         self.device = torch.device(device)
-        # each map has one entry past its end that the masked writes go to (no boolean index, no host read)
-        self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)  # host row -> slot
-        self.owner = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)  # slot -> host row
-        self.stamp = torch.zeros(slots + 1, dtype=torch.int64, device=device)  # the call that last used the slot
+        self.slot_of = torch.full((rows,), -1, dtype=torch.int32, device=device)  # host row -> slot
+        self.owner = torch.full((slots,), -1, dtype=torch.int64, device=device)  # slot -> host row
+        self.stamp = torch.zeros(slots, dtype=torch.int64, device=device)  # the call that last used the slot
         self.tick = 0
-        self.hand = torch.zeros((), dtype=torch.int64, device=device)
-        self.evictions = torch.zeros((), dtype=torch.int64, device=device)
+        self.hand = 0
+        self.evictions = 0
 
     def lookup(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One call's host ``rows`` [n] (int64, distinct where >= 0; -1 entries are skipped): returns their slots [n]
-        (-1 where not cached), which were cached [n] bool, and the slots the uncached ones are placed in [n] (-1
-        where cached, skipped, or past the room left beside the call's hits: those are read from the host and not
-        kept), taken in the order of ``rows``. The placed rows count as cached from now on: the caller copies them
-        in before the next call."""
+        """One call's distinct host ``rows`` [n] (int64): returns their slots [n] (-1 where not cached), which were
+        cached [n] bool, and the slots the uncached ones, in order, are placed in (-1 for those past the room left
+        beside the call's hits: they are read from the host and not kept). The placed rows count as cached from now
+        on: the caller copies them in before the next call."""
         self.tick += 1
-        n, dump_slot, dump_row = rows.numel(), self.slots, self.rows
-        live = rows >= 0
-        slot = torch.where(live, self.slot_of[rows.clamp(min=0)], -1)
+        slot = self.slot_of[rows].long()
         cached = slot >= 0
-        self.stamp[torch.where(cached, slot, dump_slot)] = self.tick
-        new = live & ~cached
-        rank = torch.cumsum(new, 0) - 1  # each uncached row's place among them
-        take = torch.minimum(new.sum(), self.slots - cached.sum())
-        # the window of slots from the hand holds at least ``take`` this call does not use: ``take + hits`` slots
-        # do, and the window is at least that long
-        w = min(n, self.slots)
-        order = (self.hand + torch.arange(w, device=self.device)) % self.slots
-        free = self.stamp[order] != self.tick
-        pick = torch.full((w + 1,), -1, dtype=torch.int64, device=self.device)
-        pick[torch.where(free, torch.cumsum(free, 0) - 1, w)] = order  # the j-th free slot of the window
-        placed = torch.where(new & (rank < take), pick[rank.clamp(0, w - 1)], -1)
-        at = torch.where(placed >= 0, placed, dump_slot)
-        old = self.owner[at]
-        gone = (placed >= 0) & (old >= 0)
-        self.slot_of[torch.where(gone, old, dump_row)] = -1
-        self.evictions += gone.sum()
-        self.owner[at] = torch.where(placed >= 0, rows, -1)
-        self.slot_of[torch.where(placed >= 0, rows, dump_row)] = placed
-        self.stamp[at] = self.tick
-        self.owner[dump_slot], self.slot_of[dump_row] = -1, -1
-        last = pick[(take - 1).clamp(min=0)]
-        self.hand = torch.where(take > 0, (last + 1) % self.slots, self.hand)
+        hits = slot[cached]
+        self.stamp[hits] = self.tick
+        new = rows[~cached]
+        placed = torch.full((new.numel(),), -1, dtype=torch.int64, device=self.device)
+        take = min(new.numel(), self.slots - hits.numel())
+        if take > 0:
+            # the next ``take + hits`` slots from the hand hold at least ``take`` this call does not use
+            order = (self.hand + torch.arange(take + hits.numel(), device=self.device)) % self.slots
+            free = order[self.stamp[order] != self.tick][:take]
+            old = self.owner[free]
+            gone = old[old >= 0]
+            self.slot_of[gone] = -1
+            self.evictions += gone.numel()
+            self.owner[free] = new[:take]
+            self.slot_of[new[:take]] = free.to(torch.int32)
+            self.stamp[free] = self.tick
+            placed[:take] = free
+            self.hand = (int(free[-1]) + 1) % self.slots
         return slot, cached, placed
 
     def drop(self, rows: torch.Tensor) -> None:
         """Forgets the cached rows among host ``rows`` (their page changes owner)."""
         rows = rows.to(self.device)
-        s = self.slot_of[rows]
-        self.owner[torch.where(s >= 0, s, self.slots)] = -1
+        s = self.slot_of[rows].long()
+        self.owner[s[s >= 0]] = -1
         self.slot_of[rows] = -1
 
     def cached(self) -> int:
-        return int((self.owner[:self.slots] >= 0).sum())
+        return int((self.owner >= 0).sum())
 
 
 @dataclass
@@ -438,9 +428,8 @@ class KVTiers:
         self._pins: dict[int, set[int]] = {}  # sequence -> its pinned host pages
         self._stats = TierStats()
         # the staged rows' counts, accumulated where they are computed (no host read per layer), folded into the
-        # statistics when read: (layer, batch row) pairs staged, rows needed, rows copied, rows from the row cache,
-        # the row caches' evictions
-        self._row_counts = torch.zeros(5, dtype=torch.int64, device=self.device)
+        # statistics when read: (layer, batch row) pairs staged, rows needed, rows copied, rows from the row cache
+        self._row_counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # the copies' spans on a GPU
         self._step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         elt = ref.element_size()
@@ -788,47 +777,40 @@ class KVTiers:
         else:
             copies, cache_hits = self._rows_through_cache(layer, cache, host_row, dst, sk, sv)
         self._stall(t0)
-        self._row_counts[:4] += torch.stack([counted.sum(), (ok & counted[:, None, None]).sum(), copies, cache_hits])
+        self._row_counts += torch.stack([counted.sum(), (ok & counted[:, None, None]).sum(), copies, cache_hits])
         return PagedKV(sk, sv, table.to(torch.int32), kv.seqlens)
 
     def _rows_through_cache(self, layer: int, cache: RowCache, host_row: torch.Tensor, at: torch.Tensor,
                             sk: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Host rows ``host_row`` (-1: not a copy; repeats where rows share a prefix page) into the staging buffer's
         rows ``at``: cached rows from the row cache, the others from the host tier, which the cache then keeps in
-        the slots it gives them (copied from the staging buffer, on the device). Fixed shapes throughout (a sort
-        finds the repeats), so nothing is read back to the host. Returns (rows read from the host, rows read from
-        the cache), as device counts."""
+        the slots it gives them (copied from the staging buffer, on the device). Returns (rows read from the host,
+        rows read from the cache), as device counts."""
         rk, rv, hk, hv = self.rows_k[layer], self.rows_v[layer], self.host_k[layer], self.host_v[layer]
         assert rk is not None and rv is not None and hk is not None and hv is not None
-        n = host_row.numel()
-        if n == 0:
-            zero = torch.zeros((), dtype=torch.int64, device=self.device)
-            return zero, zero
-        srt, perm = torch.sort(host_row)
-        first = torch.ones_like(srt, dtype=torch.bool)
-        first[1:] = srt[1:] != srt[:-1]
-        pos = torch.arange(n, device=self.device)
-        rep = torch.cummax(torch.where(first, pos, 0), 0).values  # each sorted entry's first entry of its row
-        distinct = torch.where(first, srt, -1)  # one entry per row, in ascending order, as ``unique`` gives
-        before = cache.evictions.clone()
-        slot, _, placed = cache.lookup(distinct)
-        self._row_counts[4] += cache.evictions - before
-        e_slot = torch.empty_like(slot)
-        e_slot[perm] = slot[rep]  # each entry's cache slot, -1 where its row is not cached
-        e_slot = torch.where(host_row >= 0, e_slot, -1)
+        live = host_row >= 0
+        src, at = host_row[live], at[live]
+        rows, inv = torch.unique(src, return_inverse=True)
+        evicted = cache.evictions
+        slot, cached, placed = cache.lookup(rows)
+        self._stats.evictions += cache.evictions - evicted
+        e_slot = slot[inv]  # each entry's cache slot, -1 where its row is not cached
         copy_rows([(rk, sk), (rv, sv)], e_slot, at)
-        copy_rows([(hk, sk), (hv, sv)], torch.where(e_slot >= 0, -1, host_row), at)
-        # the placed rows, from where this call staged them (their first entry's row), into their cache slots
-        copy_rows([(sk, rk), (sv, rv)], torch.where(placed >= 0, at[perm], -1), placed)
+        copy_rows([(hk, sk), (hv, sv)], torch.where(e_slot >= 0, -1, src), at)
+        if placed.numel():  # the placed rows, from where this call staged them, into their cache slots
+            rank = (torch.cumsum(~cached, 0) - 1).clamp(min=0)
+            into = torch.where(cached, -1, placed[rank])
+            first_at = torch.empty_like(rows).scatter_(0, inv, at)  # any entry of the row: all hold the same K/V
+            copy_rows([(sk, rk), (sv, rv)], first_at, into)
         from_cache = (e_slot >= 0).sum()
-        return (host_row >= 0).sum() - from_cache, from_cache
+        return e_slot.numel() - from_cache, from_cache
 
     # ---- statistics --------------------------------------------------------------------------------
     @property
     def stats(self) -> TierStats:
         """What the tier did since the last reset, the device's counts folded in (a host read on a GPU)."""
-        staged, need, copies, cache_hits, evictions = self._row_counts.tolist()
-        if need or staged or evictions:
+        staged, need, copies, cache_hits = self._row_counts.tolist()
+        if need or staged:
             self._row_counts.zero_()
             st = self._stats
             st.staged_layer_rows += staged
@@ -838,7 +820,6 @@ class KVTiers:
             st.row_copies += copies
             st.bytes_copied += copies * self.row_bytes
             st.hit_bytes += (need - copies) * self.row_bytes
-            st.evictions += evictions
         return self._stats
 
     def stats_dict(self) -> dict[str, float]:
