@@ -255,12 +255,18 @@ def main() -> None:
                    help="random: seeded bf16 weights in --model's config, random prompts; real: --model's weights, "
                         "retrieval prompts over --text")
     p.add_argument("--text", default=None, help="real text for --weights real (default: the project's haystack)")
+    p.add_argument("--fetch", default="pages",
+                   help="the tier's decode fetch (KVOffloadConfig.fetch): pages, rows, or both as pages,rows (part "
+                        "(a) runs each; part (b) the last)")
     p.add_argument("--batch", type=int, default=1, help="part (a)'s requests, decoded together")
     p.add_argument("--profile", action="store_true", help="profile one decode step of each tiered run in part (a)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.batch < 1:
         raise SystemExit("--batch must be at least 1")
+    fetches = args.fetch.split(",")
+    if not fetches or any(f not in KVOffloadConfig.FETCHES for f in fetches):
+        raise SystemExit(f"--fetch takes {', '.join(KVOffloadConfig.FETCHES)} (comma-separated), got {args.fetch!r}")
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a GPU; benchmarks/bench_kv_offload.py is the CPU one")
     context = 32768 if args.quick and args.context == 131072 else args.context
@@ -300,9 +306,9 @@ def main() -> None:
                               "methods": methods, "params": params, "eager": True, "a": [], "b": []}
     row_share = args.device_share if args.row_share is None else args.row_share
 
-    def offload_for(seqs: int) -> KVOffloadConfig:
+    def offload_for(seqs: int, fetch: str = fetches[-1]) -> KVOffloadConfig:
         return KVOffloadConfig(device_tokens=max(4 * PAGE, math.ceil(args.device_share * seqs * total / PAGE) * PAGE),
-                               row_tokens=math.ceil(row_share * seqs * total / PAGE) * PAGE)
+                               row_tokens=math.ceil(row_share * seqs * total / PAGE) * PAGE, fetch=fetch)
 
     offload_cfg = offload_for(1)
     tiered_layers = len(offload_cfg.tiered_layers(cfg.num_layers))
@@ -328,35 +334,39 @@ def main() -> None:
             print(f"(a) {m:12s} tier off  {r['decode_tokens_per_s']:8.2f} tok/s  "
                   f"{r['decode_ms_per_step']:7.2f} ms/step  prefill {r['prefill_s']:6.1f} s", flush=True)
         plain.close()
-        offload_cfg = offload_for(args.batch)
-        tier = Runner(model, seq_tokens * args.batch, offload_cfg, args.prefill_tokens)
-        for m in methods:
-            try:
-                r = tier.run(m, params[m], prompts(args.batch), new, profile=args.profile)
-            except RuntimeError as e:  # a method the tier refuses here: its row says why, the others go on
-                record["a"].append({"method": m, "tiered": True, "error": str(e).splitlines()[0][:300]})
-                print(f"(a) {m:12s} tier on   refused: {record['a'][-1]['error']}", flush=True)
-                continue
-            off = next(x for x in record["a"] if x["method"] == m and not x["tiered"])
-            r["vs_tier_off"] = r["decode_tokens_per_s"] / off["decode_tokens_per_s"]
-            record["a"].append(r)
-            st = r["kv_offload"] or {}
-            print(f"(a) {m:12s} tier on   {r['decode_tokens_per_s']:8.2f} tok/s  "
-                  f"{r['decode_ms_per_step']:7.2f} ms/step  x{r['vs_tier_off']:.2f} of tier off  hit "
-                  f"{st.get('hit_rate', float('nan')):.3f}  {st.get('bytes_per_step', 0) / 1e6:8.1f} MB/step  stall "
-                  f"{1e3 * st.get('stall_s_per_step', 0):6.2f} ms/step  (pool {offload_cfg.device_tokens} "
-                  f"tokens/layer, row cache {offload_cfg.row_cache_tokens};"
-                  f" host tier allocated in {tier.alloc_s:.1f} s)", flush=True)
-            if "c" in record:  # the least time the bus needs for the step's copies (at its bulk rate, the best it
-                # does), against the step without the tier
-                r["bus_ms_per_step"] = 1e3 * st.get("bytes_per_step", 0) / (record["c"]["bulk_gb_s"] * 1e9)
-                r["bus_bound_vs_tier_off"] = off["decode_ms_per_step"] / (off["decode_ms_per_step"]
-                                                                           + r["bus_ms_per_step"])
-                print(f"    the bus alone needs {r['bus_ms_per_step']:.1f} ms/step for those bytes: at best "
-                      f"x{r['bus_bound_vs_tier_off']:.2f} of tier off unoverlapped, "
-                      f"x{min(1.0, off['decode_ms_per_step'] / r['bus_ms_per_step']):.2f} fully overlapped",
-                      flush=True)
-        tier.close()
+        for fetch in fetches:
+            offload_cfg = offload_for(args.batch, fetch)
+            tier = Runner(model, seq_tokens * args.batch, offload_cfg, args.prefill_tokens)
+            for m in methods:
+                try:
+                    r = tier.run(m, params[m], prompts(args.batch), new, profile=args.profile)
+                except RuntimeError as e:  # a method the tier refuses here: its row says why, the others go on
+                    record["a"].append({"method": m, "tiered": True, "fetch": fetch,
+                                        "error": str(e).splitlines()[0][:300]})
+                    print(f"(a) {m:12s} {fetch:5s} on refused: {record['a'][-1]['error']}", flush=True)
+                    continue
+                off = next(x for x in record["a"] if x["method"] == m and not x["tiered"])
+                r["vs_tier_off"] = r["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+                r["fetch"] = fetch
+                record["a"].append(r)
+                st = r["kv_offload"] or {}
+                print(f"(a) {m:12s} {fetch:5s} on {r['decode_tokens_per_s']:8.2f} tok/s  "
+                      f"{r['decode_ms_per_step']:7.2f} ms/step  x{r['vs_tier_off']:.2f} of tier off  hit "
+                      f"{st.get('hit_rate', float('nan')):.3f}  {st.get('bytes_per_step', 0) / 1e6:8.1f} MB/step"
+                      f"  stall "
+                      f"{1e3 * st.get('stall_s_per_step', 0):6.2f} ms/step  (pool {offload_cfg.device_tokens} "
+                      f"tokens/layer, row cache {offload_cfg.row_cache_tokens};"
+                      f" host tier allocated in {tier.alloc_s:.1f} s)", flush=True)
+                if "c" in record:  # the least time the bus needs for the step's copies (at its bulk rate, the best it
+                    # does), against the step without the tier
+                    r["bus_ms_per_step"] = 1e3 * st.get("bytes_per_step", 0) / (record["c"]["bulk_gb_s"] * 1e9)
+                    r["bus_bound_vs_tier_off"] = off["decode_ms_per_step"] / (off["decode_ms_per_step"]
+                                                                               + r["bus_ms_per_step"])
+                    print(f"    the bus alone needs {r['bus_ms_per_step']:.1f} ms/step for those bytes: at best "
+                          f"x{r['bus_bound_vs_tier_off']:.2f} of tier off unoverlapped, "
+                          f"x{min(1.0, off['decode_ms_per_step'] / r['bus_ms_per_step']):.2f} fully overlapped",
+                          flush=True)
+            tier.close()
 
     if "b" in parts:
         torch.cuda.empty_cache()

@@ -66,15 +66,24 @@ class KVOffloadConfig:
     token and one KV head; None: ``device_tokens``, 0: no row cache);
     ``sink_pages`` / ``window_pages``: each running sequence's first and last pages, pinned in the pool;
     ``device_layers``: layers whose K/V stay whole in device memory, outside the tier (a sparse method's dense
-    layers read every page at every step: the default is the methods' default dense layers)."""
+    layers read every page at every step: the default is the methods' default dense layers);
+    ``fetch``: how a decode layer's selection reaches the device. ``"pages"``: the selection is read on the host
+    (a sync per layer on a GPU) and the rows whose pages fit the pool read whole pages from it, the others staged
+    rows; ``"rows"``: the selection never leaves the device, every row's keys are staged (from the pool's pinned
+    pages, the row cache or the host tier), and the pool holds the pins alone."""
 
     device_tokens: int = 4096
     row_tokens: int | None = None
     sink_pages: int = 1
     window_pages: int = 2
     device_layers: tuple[int, ...] = (0, 1)
+    fetch: str = "pages"
+
+    FETCHES = ("pages", "rows")
 
     def __post_init__(self) -> None:
+        if self.fetch not in self.FETCHES:
+            raise ValueError(f"kv offload fetch must be one of {', '.join(self.FETCHES)}, got {self.fetch!r}")
         if isinstance(self.device_tokens, bool) or not isinstance(self.device_tokens, int) or self.device_tokens < 1:
             raise ValueError(f"kv offload device_tokens must be a positive integer, got {self.device_tokens!r}")
         rt = self.row_tokens
@@ -221,64 +230,78 @@ class SlotPool:
 
 class RowCache:
     """One layer's device cache of token rows (the K/V of one token of one KV head) outside resident pages: which
-    host row sits in which slot, and which slots the current call uses. Pure bookkeeping, like ``SlotPool``:
-    ``lookup`` says which rows are cached where and which slots the missing ones are to be copied into. Its
-    tensors live on ``device`` (the rows' device: a step stages a few hundred thousand rows per layer at long
-    contexts, whose de-duplication and lookup cost tens of milliseconds on a host, a fraction of one on a GPU).
+    host row sits in which slot, and when each slot was last read. Pure bookkeeping, like ``SlotPool``: ``lookup``
+    says which of a call's rows are cached where, ``place`` which slots its missing rows are to be copied into.
+    Its tensors live on ``device`` (the rows' device: a step stages a few hundred thousand rows per layer at long
+    contexts, whose lookup costs tens of milliseconds on a host, a fraction of one on a GPU).
 
-    Replacement is CLOCK: a hand sweeps the slots in order and takes each one the current call does not use, so a
-    row read at every step stays, and one left unread is replaced about a sweep later. Exact LRU over the hundreds
-    of thousands of rows a step reads would be a sort per layer; the sweep costs what the misses cost."""
+    Replacement is least recently used: each slot keeps the call that last read it, and a call's missing rows take
+    the slots it does not read, oldest first (one sort of the slots per call). Every shape is fixed by the call's
+    length, with no count read back to the host, so a step's staging never waits on the device: an entry without a
+    row writes to the one extra entry at the end of each map, rather than being dropped by a boolean index.
+    ``claim``: a scratch int32 tensor of at least ``rows + 1`` entries holding ``CLAIM_FREE`` (shared by the
+    layers' caches: they run one after the other), where ``place`` finds each missing row's first entry."""
 
-    def __init__(self, slots: int, rows: int, device: torch.device | str = "cpu") -> None:
+    CLAIM_FREE = torch.iinfo(torch.int32).max
+
+    def __init__(self, slots: int, rows: int, device: torch.device | str = "cpu",
+                 claim: torch.Tensor | None = None) -> None:
         if slots < 1:
             raise ValueError("a row cache needs at least one slot")
-        self.slots = slots
+        self.slots, self.rows = slots, rows
         self.device = torch.device(device)
-        self.slot_of = torch.full((rows,), -1, dtype=torch.int32, device=device)  # host row -> slot
-        self.owner = torch.full((slots,), -1, dtype=torch.int64, device=device)  # slot -> host row
-        self.stamp = torch.zeros(slots, dtype=torch.int64, device=device)  # the call that last used the slot
+        self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int32, device=device)  # host row -> slot
+        self.owner = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)  # slot -> host row
+        self.stamp = torch.zeros(slots + 1, dtype=torch.int64, device=device)  # the call that last read the slot
+        self.claim = claim if claim is not None else \
+            torch.full((rows + 1,), self.CLAIM_FREE, dtype=torch.int32, device=device)
+        if self.claim.numel() < rows + 1 or self.claim.dtype != torch.int32:
+            raise ValueError("a row cache's claim tensor needs rows + 1 int32 entries")
         self.tick = 0
-        self.hand = 0
-        self.evictions = 0
 
-    def lookup(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One call's distinct host ``rows`` [n] (int64): returns their slots [n] (-1 where not cached), which were
-        cached [n] bool, and the slots the uncached ones, in order, are placed in (-1 for those past the room left
-        beside the call's hits: they are read from the host and not kept). The placed rows count as cached from now
-        on: the caller copies them in before the next call."""
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """A call's host ``rows`` [n] (int64, -1: none; a row may repeat): their slots [n] (-1 where not cached).
+        Starts the call: the cached rows count as read by it, so ``place`` leaves their slots alone."""
         self.tick += 1
-        slot = self.slot_of[rows].long()
-        cached = slot >= 0
-        hits = slot[cached]
-        self.stamp[hits] = self.tick
-        new = rows[~cached]
-        placed = torch.full((new.numel(),), -1, dtype=torch.int64, device=self.device)
-        take = min(new.numel(), self.slots - hits.numel())
-        if take > 0:
-            # the next ``take + hits`` slots from the hand hold at least ``take`` this call does not use
-            order = (self.hand + torch.arange(take + hits.numel(), device=self.device)) % self.slots
-            free = order[self.stamp[order] != self.tick][:take]
-            old = self.owner[free]
-            gone = old[old >= 0]
-            self.slot_of[gone] = -1
-            self.evictions += gone.numel()
-            self.owner[free] = new[:take]
-            self.slot_of[new[:take]] = free.to(torch.int32)
-            self.stamp[free] = self.tick
-            placed[:take] = free
-            self.hand = (int(free[-1]) + 1) % self.slots
-        return slot, cached, placed
+        slot = torch.where(rows >= 0, self.slot_of[rows.clamp(min=0)].long(), -1)
+        self.stamp.index_fill_(0, torch.where(slot >= 0, slot, self.slots), self.tick)
+        return slot
+
+    def place(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [n] for the call's missing host ``rows`` (int64, -1: none, after its ``lookup``): each distinct row,
+        at its first entry and in order, takes the least recently used slot the call does not read; its other
+        entries, and the rows past those slots, get -1 (read from the host and not kept). The placed rows count as
+        cached from now on: the caller copies them in before the next call. Returns (the slots, the number of
+        cached rows evicted for them, a device scalar)."""
+        n, dummy_row, dummy_slot = rows.numel(), self.rows, self.slots
+        at = torch.where(rows >= 0, rows, dummy_row)
+        entry = torch.arange(n, dtype=torch.int32, device=rows.device)
+        self.claim.scatter_reduce_(0, at, entry, "amin")
+        want = (rows >= 0) & (self.claim[at] == entry)
+        self.claim.index_fill_(0, at, self.CLAIM_FREE)
+        rank = torch.cumsum(want, 0) - 1
+        order = torch.argsort(self.stamp[:dummy_slot], stable=True)  # oldest first; this call's reads last
+        cand = order[rank.clamp(0, dummy_slot - 1)]
+        take = want & (rank < dummy_slot) & (self.stamp[cand] != self.tick)
+        cand = torch.where(take, cand, dummy_slot)
+        old = self.owner[cand]
+        gone = take & (old >= 0)
+        self.slot_of.index_fill_(0, torch.where(gone, old, dummy_row), -1)
+        self.owner[cand] = torch.where(take, rows, -1)
+        self.slot_of[torch.where(take, rows, dummy_row)] = cand.to(torch.int32)
+        self.slot_of[dummy_row] = -1
+        self.stamp.index_fill_(0, cand, self.tick)
+        return torch.where(take, cand, -1), gone.sum()
 
     def drop(self, rows: torch.Tensor) -> None:
         """Forgets the cached rows among host ``rows`` (their page changes owner)."""
         rows = rows.to(self.device)
         s = self.slot_of[rows].long()
-        self.owner[s[s >= 0]] = -1
+        self.owner.index_fill_(0, torch.where(s >= 0, s, self.slots), -1)
         self.slot_of[rows] = -1
 
     def cached(self) -> int:
-        return int((self.owner >= 0).sum())
+        return int((self.owner[:self.slots] >= 0).sum())
 
 
 @dataclass
@@ -410,8 +433,11 @@ class KVTiers:
         _, h_kv, page, d = ref.shape
         # per layer, the row cache: its accounting on the host, its rows [slots, d] on the device
         self.row_slots = cfg.row_cache_tokens * h_kv
+        host_rows = ref.shape[0] * h_kv * page
+        claim = torch.full((host_rows + 1,), RowCache.CLAIM_FREE, dtype=torch.int32, device=self.device) \
+            if self.row_slots else None
         self.row_caches = [None if t is None or not self.row_slots
-                           else RowCache(self.row_slots, t.shape[0] * h_kv * page, self.device) for t in self.host_k]
+                           else RowCache(self.row_slots, host_rows, self.device, claim) for t in self.host_k]
         self.rows_k = [None if c is None else torch.zeros((self.row_slots, d), dtype=t.dtype, device=self.device)
                        for c, t in zip(self.row_caches, self.host_k, strict=True)]
         self.rows_v = [None if c is None else torch.zeros((self.row_slots, d), dtype=t.dtype, device=self.device)
@@ -428,8 +454,9 @@ class KVTiers:
         self._pins: dict[int, set[int]] = {}  # sequence -> its pinned host pages
         self._stats = TierStats()
         # the staged rows' counts, accumulated where they are computed (no host read per layer), folded into the
-        # statistics when read: (layer, batch row) pairs staged, rows needed, rows copied, rows from the row cache
-        self._row_counts = torch.zeros(4, dtype=torch.int64, device=self.device)
+        # statistics when read: (layer, batch row) pairs staged, rows needed, rows copied, rows from the row cache,
+        # rows the row cache evicted
+        self._row_counts = torch.zeros(5, dtype=torch.int64, device=self.device)
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # the copies' spans on a GPU
         self._step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         elt = ref.element_size()
@@ -668,12 +695,18 @@ class KVTiers:
     def decode_attention(self, layer: int, q: torch.Tensor, kv: PagedKV, indices: torch.Tensor,
                          unit: int) -> torch.Tensor:
         """The shared paged attend of a decode selection ``indices`` [B, h_kv, W] (entries of ``unit`` tokens) over
-        the host tier's pages (``kv``: their page table and lengths), read from the device pool: whole pages where
-        a row's fit beside the rows before it, staged token rows otherwise. The selection is read on the host (one
-        sync per layer on a GPU), where the pool's accounting runs. Returns the attention output [B, h, d]."""
+        the host tier's pages (``kv``: their page table and lengths), read from the device pool. ``fetch="pages"``:
+        whole pages where a row's fit beside the rows before it, staged token rows otherwise; the selection is read
+        on the host (one sync per layer on a GPU), where the pool's accounting runs. ``fetch="rows"``: every row's
+        keys staged, on the device alone. Returns the attention output [B, h, d]."""
         st, pool, page = self._stats, self.pools[layer], self.page_size
         assert pool is not None
         st.layer_steps += 1
+        dev = self.device
+        if self.cfg.fetch == "rows":  # every row staged: nothing of the selection leaves the device
+            tok, ok, host_page = self._selected_rows(kv, indices, unit)
+            staged = torch.ones(q.shape[0], dtype=torch.bool, device=dev)
+            return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged), indices, unit)[0]
         idx = indices.cpu()
         table_h, seqlens_h = self._host_meta(kv)
         touched = touched_pages(idx, unit, seqlens_h, page, table_h.shape[1])
@@ -702,14 +735,20 @@ class KVTiers:
         # The rows whose pages were fetched read theirs from the slots.
         # The per-key index work runs where the pools are (a step stages hundreds of thousands of keys per layer
         # at long contexts: tens of milliseconds on a host, a fraction of one on a GPU).
-        dev = self.device
-        tok, ok = selected_token_ids(indices.to(dev), unit, kv.seqlens.to(dev))
-        host_page = kv.page_table.to(dev).long().gather(1, (tok // page).flatten(1)).view_as(tok)
-        host_page = torch.where(ok, host_page, -1)
+        tok, ok, host_page = self._selected_rows(kv, indices, unit)
         staged = torch.zeros(q.shape[0], dtype=torch.bool)
         staged[torch.tensor(staged_rows)] = True
         return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged.to(dev)), indices,
                                       unit)[0]
+
+    def _selected_rows(self, kv: PagedKV, indices: torch.Tensor,
+                       unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A selection's keys on the pools' device: token ids and validity (``selected_token_ids``) and each key's
+        host page (-1 where invalid), [B, h_kv, W * unit] each."""
+        dev = self.device
+        tok, ok = selected_token_ids(indices.to(dev), unit, kv.seqlens.to(dev))
+        host_page = kv.page_table.to(dev).long().gather(1, (tok // self.page_size).flatten(1)).view_as(tok)
+        return tok, ok, torch.where(ok, host_page, -1)
 
     def _translated(self, layer: int, kv: PagedKV, table: torch.Tensor) -> PagedKV:
         """``kv`` on the device pool: its page table's host pages (``table``, on the host) as their slots (unread
@@ -773,44 +812,37 @@ class KVTiers:
         cache = self.row_caches[layer]
         if cache is None:  # from the host tier
             copy_rows([(hk, sk), (hv, sv)], host_row, dst)
-            copies, cache_hits = miss.sum(), torch.zeros((), dtype=torch.int64, device=dev)
+            none = torch.zeros((), dtype=torch.int64, device=dev)
+            copies, cache_hits, evicted = miss.sum(), none, none
         else:
-            copies, cache_hits = self._rows_through_cache(layer, cache, host_row, dst, sk, sv)
+            copies, cache_hits, evicted = self._rows_through_cache(layer, cache, host_row, dst, sk, sv)
         self._stall(t0)
-        self._row_counts += torch.stack([counted.sum(), (ok & counted[:, None, None]).sum(), copies, cache_hits])
+        self._row_counts += torch.stack([counted.sum(), (ok & counted[:, None, None]).sum(), copies, cache_hits,
+                                         evicted])
         return PagedKV(sk, sv, table.to(torch.int32), kv.seqlens)
 
     def _rows_through_cache(self, layer: int, cache: RowCache, host_row: torch.Tensor, at: torch.Tensor,
-                            sk: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                            sk: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host rows ``host_row`` (-1: not a copy; repeats where rows share a prefix page) into the staging buffer's
         rows ``at``: cached rows from the row cache, the others from the host tier, which the cache then keeps in
-        the slots it gives them (copied from the staging buffer, on the device). Returns (rows read from the host,
-        rows read from the cache), as device counts."""
+        the slots it gives them (copied from the staging buffer, on the device). Fixed shapes, no host read.
+        Returns (rows read from the host, rows read from the cache, rows the cache evicted), as device counts."""
         rk, rv, hk, hv = self.rows_k[layer], self.rows_v[layer], self.host_k[layer], self.host_v[layer]
         assert rk is not None and rv is not None and hk is not None and hv is not None
-        live = host_row >= 0
-        src, at = host_row[live], at[live]
-        rows, inv = torch.unique(src, return_inverse=True)
-        evicted = cache.evictions
-        slot, cached, placed = cache.lookup(rows)
-        self._stats.evictions += cache.evictions - evicted
-        e_slot = slot[inv]  # each entry's cache slot, -1 where its row is not cached
-        copy_rows([(rk, sk), (rv, sv)], e_slot, at)
-        copy_rows([(hk, sk), (hv, sv)], torch.where(e_slot >= 0, -1, src), at)
-        if placed.numel():  # the placed rows, from where this call staged them, into their cache slots
-            rank = (torch.cumsum(~cached, 0) - 1).clamp(min=0)
-            into = torch.where(cached, -1, placed[rank])
-            first_at = torch.empty_like(rows).scatter_(0, inv, at)  # any entry of the row: all hold the same K/V
-            copy_rows([(sk, rk), (sv, rv)], first_at, into)
-        from_cache = (e_slot >= 0).sum()
-        return e_slot.numel() - from_cache, from_cache
+        slot = cache.lookup(host_row)
+        copy_rows([(rk, sk), (rv, sv)], slot, at)
+        missing = torch.where(slot >= 0, -1, host_row)
+        copy_rows([(hk, sk), (hv, sv)], missing, at)
+        into, evicted = cache.place(missing)
+        copy_rows([(sk, rk), (sv, rv)], torch.where(into >= 0, at, -1), into)
+        return (missing >= 0).sum(), (slot >= 0).sum(), evicted
 
     # ---- statistics --------------------------------------------------------------------------------
     @property
     def stats(self) -> TierStats:
         """What the tier did since the last reset, the device's counts folded in (a host read on a GPU)."""
-        staged, need, copies, cache_hits = self._row_counts.tolist()
-        if need or staged:
+        staged, need, copies, cache_hits, evicted = self._row_counts.tolist()
+        if need or staged or evicted:
             self._row_counts.zero_()
             st = self._stats
             st.staged_layer_rows += staged
@@ -820,6 +852,7 @@ class KVTiers:
             st.row_copies += copies
             st.bytes_copied += copies * self.row_bytes
             st.hit_bytes += (need - copies) * self.row_bytes
+            st.evictions += evicted
         return self._stats
 
     def stats_dict(self) -> dict[str, float]:

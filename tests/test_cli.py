@@ -114,7 +114,10 @@ def test_kv_offload_flags_reach_the_engine_config():
     got = engine_config(parse(["bench", "--kv-offload", "--kv-row-tokens", "2048"])).kv_offload
     assert got.row_cache_tokens == 2048 and got.device_tokens == KVOffloadConfig().device_tokens
     assert KVOffloadConfig(device_tokens=1024).row_cache_tokens == 1024  # the default: the pool's size
-    for argv in (["serve", "--kv-row-tokens", "64"], ["serve", "--kv-device-tokens", "64"]):
+    assert engine_config(parse(["serve", "--kv-offload", "--kv-fetch", "rows"])).kv_offload == \
+        KVOffloadConfig(fetch="rows")
+    for argv in (["serve", "--kv-row-tokens", "64"], ["serve", "--kv-device-tokens", "64"],
+                 ["serve", "--kv-fetch", "rows"]):
         with pytest.raises(ValueError, match="give --kv-offload too") as e:
             engine_config(parse(argv))
         assert "\n" not in str(e.value)

@@ -103,29 +103,32 @@ def test_pool_accounting_under_random_pressure_matches_the_reference(trial):
     assert copies > 0
 
 
-class ReferenceClock:
-    """The row cache's CLOCK as plainly as it can be said: a list of slots, a hand, and the rows the call uses."""
+class ReferenceLRU:
+    """The row cache's replacement as plainly as it can be said: per slot its row and the call that last read it;
+    a call's missing rows, each at its first entry, take the slots the call does not read, oldest first (ties:
+    the lower slot)."""
 
     def __init__(self, slots: int) -> None:
-        self.slots, self.owner, self.hand = slots, [None] * slots, 0
+        self.slots, self.owner, self.stamp, self.tick = slots, [None] * slots, [0] * slots, 0
 
     def lookup(self, rows: list[int]) -> tuple[list[int], list[int]]:
+        self.tick += 1
         where = {r: i for i, r in enumerate(self.owner) if r is not None}
-        used = {where[r] for r in rows if r in where}
-        placed = []
-        for r in rows:
-            if r in where:
-                continue
-            if len(used) == self.slots:
+        slot = [where.get(r, -1) if r >= 0 else -1 for r in rows]
+        for s in slot:
+            if s >= 0:
+                self.stamp[s] = self.tick
+        free = sorted((st, i) for i, st in enumerate(self.stamp) if st != self.tick)
+        placed, seen = [], set()
+        for r, s in zip(rows, slot, strict=True):
+            if r < 0 or s >= 0 or r in seen or not free:
                 placed.append(-1)
                 continue
-            while self.hand in used:
-                self.hand = (self.hand + 1) % self.slots
-            placed.append(self.hand)
-            self.owner[self.hand] = r
-            used.add(self.hand)
-            self.hand = (self.hand + 1) % self.slots
-        return [where.get(r, -1) for r in rows], placed
+            seen.add(r)
+            _, i = free.pop(0)
+            self.owner[i], self.stamp[i] = r, self.tick
+            placed.append(i)
+        return slot, placed
 
     def drop(self, lo: int, hi: int) -> None:
         self.owner = [None if r is not None and lo <= r < hi else r for r in self.owner]
@@ -133,13 +136,14 @@ class ReferenceClock:
 
 @pytest.mark.parametrize("trial", range(4))
 def test_row_cache_accounting_under_random_pressure_matches_the_reference(trial):
-    """The row cache against a plain CLOCK: the same slots for the same rows, no row the call reads evicted, each
-    slot one row's, and rows past the room left beside the call's hits not kept."""
+    """The row cache against a plain LRU: the same slots for the same rows (repeats and no-row entries among
+    them), no slot the call reads reused, each slot one row's and the maps agreeing both ways, each distinct
+    missing row placed once, and rows past the room left beside the call's hits not kept."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     slots, host_rows = rng.randint(1, 40), rng.randint(10, 120)
-    cache, ref = RowCache(slots, host_rows), ReferenceClock(slots)
-    placed_total = 0
+    cache, ref = RowCache(slots, host_rows), ReferenceLRU(slots)
+    placed_total = evicted_total = 0
     for step in range(400):
         msg = f"seed {seed}, step {step}"
         if rng.random() < 0.1:
@@ -149,23 +153,31 @@ def test_row_cache_accounting_under_random_pressure_matches_the_reference(trial)
             ref.drop(lo, hi)
         else:
             rows = rng.sample(range(host_rows), rng.randint(1, min(host_rows, slots + 10)))
-            before = {int(r): int(s) for s, r in enumerate(cache.owner.tolist()) if r >= 0}
-            slot, cached, placed = cache.lookup(torch.tensor(rows, dtype=torch.int64))
+            rows += [rng.choice(rows) for _ in range(rng.randint(0, 4))] + [-1] * rng.randint(0, 3)
+            rng.shuffle(rows)
+            before = {int(r): int(s) for s, r in enumerate(cache.owner[:slots].tolist()) if r >= 0}
+            t = torch.tensor(rows, dtype=torch.int64)
+            slot = cache.lookup(t)
+            placed, evicted = cache.place(torch.where(slot >= 0, -1, t))
             want_slot, want_placed = ref.lookup(rows)
             assert slot.tolist() == want_slot and placed.tolist() == want_placed, msg
-            assert cached.tolist() == [r in before for r in rows], msg
             for r, s in zip(rows, slot.tolist(), strict=True):
-                assert s == before.get(r, -1), msg
+                assert s == (before.get(r, -1) if r >= 0 else -1), msg
             read = {s for s in slot.tolist() if s >= 0}
-            assert not read & {p for p in placed.tolist() if p >= 0}, f"{msg}: a slot the call reads was reused"
-            placed_total += sum(p >= 0 for p in placed.tolist())
-        owner = cache.owner.tolist()
+            got = [p for p in placed.tolist() if p >= 0]
+            assert not read & set(got), f"{msg}: a slot the call reads was reused"
+            assert len(got) == len(set(got)), f"{msg}: one slot placed twice"
+            assert int(evicted) == sum(1 for p in got if p in before.values()), msg
+            placed_total += len(got)
+            evicted_total += int(evicted)
+        owner = cache.owner[:slots].tolist()
         assert owner == [-1 if r is None else r for r in ref.owner], msg
         for s, r in enumerate(owner):  # the two maps agree, both ways
             if r >= 0:
                 assert int(cache.slot_of[r]) == s, msg
         assert int((cache.slot_of >= 0).sum()) == sum(r >= 0 for r in owner), msg
-    assert placed_total > 0
+        assert int(cache.slot_of[host_rows]) == -1 and torch.all(cache.claim == RowCache.CLAIM_FREE), msg
+    assert placed_total > 0 and evicted_total > 0
 
 
 def test_row_cache_keeps_the_rows_a_steady_token_selection_reads():
@@ -207,7 +219,7 @@ def test_row_cache_keeps_the_rows_a_steady_token_selection_reads():
     assert tiers.stats.row_cache_hits > 0
     cache = tiers.row_caches[0]
     flat_k, flat_v = k[0].reshape(-1, d), v[0].reshape(-1, d)
-    for s, r in enumerate(cache.owner.tolist()):
+    for s, r in enumerate(cache.owner[:cache.slots].tolist()):
         if r >= 0:
             assert torch.equal(tiers.rows_k[0][s], flat_k[r]) and torch.equal(tiers.rows_v[0][s], flat_v[r]), seed
     tiers.invalidate([3, 20])
@@ -235,13 +247,14 @@ def _selection(lens: list[int], h_kv: int, unit: int, width: int, g: torch.Gener
     return torch.stack(rows).to(torch.int32)
 
 
+@pytest.mark.parametrize("fetch", KVOffloadConfig.FETCHES)
 @pytest.mark.parametrize("unit", [1, 4, 16])
-def test_decode_through_the_pool_equals_the_attend_over_the_host_tier(unit):
+def test_decode_through_the_pool_equals_the_attend_over_the_host_tier(unit, fetch):
     seed = int(torch.randint(0, 1 << 30, ()))
     g = torch.Generator().manual_seed(seed)
     page, h_kv, d, host_pages = 16, 2, 8, 40
     k, v = _host(host_pages, h_kv, page, d, g)
-    tiers = KVTiers(KVOffloadConfig(device_tokens=page * 6, sink_pages=1, window_pages=1), k, v, page)
+    tiers = KVTiers(KVOffloadConfig(device_tokens=page * 6, sink_pages=1, window_pages=1, fetch=fetch), k, v, page)
     perm = torch.randperm(host_pages, generator=g).tolist()
     lens = [150, 37, 96, 5]  # ragged; 10 pages > the pool's 6 slots for the first row
     tables, at = [], 0
@@ -272,7 +285,11 @@ def test_decode_through_the_pool_equals_the_attend_over_the_host_tier(unit):
     assert st.page_copies * tiers.page_bytes + st.row_copies * tiers.row_bytes == st.bytes_copied
     assert st.pages_needed == st.page_hits + st.page_copies and st.rows_needed == st.row_hits + st.row_copies
     assert st.decode_steps == 12 and st.layer_steps == 12
-    assert st.page_copies > 0 and st.staged_layer_rows > 0, f"seed {seed}: both paths ran"
+    if fetch == "pages":
+        assert st.page_copies > 0 and st.staged_layer_rows > 0, f"seed {seed}: both paths ran"
+    else:  # every row staged, no page fetched for a selection
+        assert st.staged_layer_rows == 12 * len(lens) and st.pages_needed == st.page_copies == 0, f"seed {seed}"
+        assert st.row_copies > 0 and st.row_cache_hits > 0, f"seed {seed}"
 
 
 def test_pins_follow_the_window_and_writes_go_through():
@@ -302,7 +319,7 @@ def test_pins_follow_the_window_and_writes_go_through():
 
 def test_config_errors_are_one_line():
     for bad in (dict(device_tokens=0), dict(device_tokens=True), dict(sink_pages=-1), dict(window_pages=0),
-                dict(row_tokens=-1), dict(row_tokens=1.5)):
+                dict(row_tokens=-1), dict(row_tokens=1.5), dict(fetch="tokens"), dict(fetch=None)):
         with pytest.raises(ValueError) as e:
             KVOffloadConfig(**bad)
         assert "\n" not in str(e.value)
@@ -319,17 +336,18 @@ def _model_cfg(layers: int, h_kv: int, d: int):
                        tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("trial", range(3))
-def test_the_separate_layout_keeps_every_copy_right(trial):
+@pytest.mark.parametrize("fetch", KVOffloadConfig.FETCHES)
+@pytest.mark.parametrize("trial", range(2))
+def test_the_separate_layout_keeps_every_copy_right(trial, fetch):
     """The GPU's layout on the CPU (``separate_host=True``): the host tier in its own memory, a working layer the
     step's kernels read, decode rows written back only at eviction. Against a one-tier cache fed the same K/V: at
     every layer of every step the working layer holds what the step reads (prefill: every row of the step's
     sequences; decode: their last pages), every clean page's host copy and every dirty page's slot equal the
     reference, and the decode attend through the pool equals the one-tier attend."""
-    check_separate_layout("cpu")
+    check_separate_layout("cpu", fetch)
 
 
-def check_separate_layout(device: str) -> None:
+def check_separate_layout(device: str, fetch: str = "pages") -> None:
     """``test_the_separate_layout_keeps_every_copy_right`` on ``device`` (the GPU tests run it on CUDA)."""
     from raysparse.kv_cache import KVCache
 
@@ -339,7 +357,7 @@ def check_separate_layout(device: str) -> None:
     layers, h_kv, d, page = 3, 2, 8, 16
     cfg = _model_cfg(layers, h_kv, d)
     # 5 slots: two sequences' 2 pinned pages and one more; the prompts span 4 to 9 pages
-    off = KVOffloadConfig(device_tokens=5 * page, sink_pages=1, window_pages=1, device_layers=(0,))
+    off = KVOffloadConfig(device_tokens=5 * page, sink_pages=1, window_pages=1, device_layers=(0,), fetch=fetch)
     ref = KVCache(cfg, 64, page, torch.float32, device)
     tier = KVCache(cfg, 64, page, torch.float32, device, offload=off, separate_host=True)
     t = tier.tiers

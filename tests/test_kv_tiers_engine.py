@@ -6,6 +6,8 @@ staged rows; dense is refused with one line. The two-shard test spawns a gloo gr
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import free_port, random_state, tiny_hf_config, whole_model_density
@@ -123,15 +125,19 @@ def test_tokens_through_the_tiers_equal_the_one_tier_tokens(model, method):
 SEPARATE = [m for m in METHODS if m != "cis"]
 
 
+@pytest.mark.parametrize("fetch", KVOffloadConfig.FETCHES)
 @pytest.mark.parametrize("method", SEPARATE)
-def test_tokens_through_the_separate_layout_equal_the_one_tier_tokens(model, method):
-    """The GPU's layout of the tiers on the CPU: the same tokens as without the tier."""
+def test_tokens_through_the_separate_layout_equal_the_one_tier_tokens(model, method, fetch):
+    """The GPU's layout of the tiers on the CPU: the same tokens as without the tier, with either decode fetch."""
     seed = int(torch.randint(0, 2**31 - 1, ()))
+    offload = OFFLOAD if fetch == OFFLOAD.fetch else dataclasses.replace(OFFLOAD, fetch=fetch)
     with torch.no_grad():
         plain, _ = run_method(model, method, seed, None)
-        tiered, stats = run_method(model, method, seed, OFFLOAD, separate=True)
+        tiered, stats = run_method(model, method, seed, offload, separate=True)
     assert tiered == plain, f"prompt seed {seed}"
     _check_stats(stats, method)
+    if fetch == "rows":
+        assert stats["pages_needed"] == 0 and stats["staged_layer_rows"] > 0, stats
 
 
 def test_the_separate_layout_refuses_what_it_cannot_serve(model):

@@ -15,13 +15,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU f
 GPU_METHODS = ["streaming", "quest", "sketch_walk", "socket"]
 
 
-def _run(model, method: str, seed: int, tiered: bool, dtype: torch.dtype):
+def _run(model, method: str, seed: int, tiered: bool, dtype: torch.dtype, fetch: str = "pages"):
+    import dataclasses
+
     from test_kv_tiers_engine import HOST_TOKENS, OFFLOAD, PAGE, drive, requests, scheduler_config
 
     from raysparse.kv_cache import KVCache
     from raysparse.shard_executor import ShardExecutor
 
-    offload = OFFLOAD if tiered else None
+    offload = dataclasses.replace(OFFLOAD, fetch=fetch) if tiered else None
     cache = KVCache(model.cfg, HOST_TOKENS // PAGE, PAGE, dtype, "cuda", model.num_kv_heads, offload=offload)
     ex = ShardExecutor(model, cache, offload=offload)
     tokens = drive(ex, scheduler_config(OFFLOAD), requests(method, seed))  # the tiered admission for both
@@ -40,15 +42,16 @@ def gpu_model(request):
     return model_from_state(cfg, state, dtype=request.param, device="cuda").eval(), request.param
 
 
+@pytest.mark.parametrize("fetch", ["pages", "rows"])
 @pytest.mark.parametrize("method", GPU_METHODS)
-def test_gpu_tokens_through_the_tiers_equal_the_one_tier_tokens(gpu_model, method):
+def test_gpu_tokens_through_the_tiers_equal_the_one_tier_tokens(gpu_model, method, fetch):
     from test_kv_tiers_engine import LENS, NEW, PAGE
 
     model, dtype = gpu_model
     seed = int(torch.randint(0, 2**31 - 1, ()))
     with torch.no_grad():
         plain, none, _ = _run(model, method, seed, False, dtype)
-        tiered, stats, cache = _run(model, method, seed, True, dtype)
+        tiered, stats, cache = _run(model, method, seed, True, dtype, fetch)
     assert none is None and all(len(t) == NEW for t in plain)
     assert tiered == plain, f"{method} {dtype}: prompt seed {seed}"
     assert stats["device_slots"] * PAGE < min(LENS), "the pool is smaller than one sequence's K/V"
@@ -84,8 +87,8 @@ def test_the_gpu_host_tier_is_pinned_host_memory(gpu_model):
 def test_the_separate_layout_keeps_every_copy_right_on_the_gpu():
     from test_kv_tiers import check_separate_layout
 
-    for _ in range(3):
-        check_separate_layout("cuda")
+    for fetch in ("pages", "rows", "pages", "rows"):
+        check_separate_layout("cuda", fetch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

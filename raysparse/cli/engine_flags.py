@@ -72,6 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="--kv-offload's device row cache, in tokens of every KV head per layer: the rows a token "
                         "selection read outside resident pages, kept for the next steps (default: the pool's size; "
                         "0: none)")
+    p.add_argument("--kv-fetch", choices=["pages", "rows"], default=None,
+                   help="--kv-offload's decode: 'pages' reads each layer's selection on the host and fetches whole "
+                        "pages where they fit the pool (the default); 'rows' stages every selected key's row on "
+                        "the device, with no host read of the selection")
     p.add_argument("--max-batch", type=positive_int, default=64, help="sequences per decode step")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="N",
                    help="prompt tokens per prefill step; other streams decode between two chunks (default: 512 on "
@@ -139,8 +143,12 @@ def kv_offload_config(args: argparse.Namespace) -> Any:
             raise ValueError("--kv-device-tokens sizes --kv-offload's device pool: give --kv-offload too")
         if rows is not None:
             raise ValueError("--kv-row-tokens sizes --kv-offload's row cache: give --kv-offload too")
+        if args.kv_fetch is not None:
+            raise ValueError("--kv-fetch chooses --kv-offload's decode: give --kv-offload too")
         return None
     sizes = {} if args.kv_device_tokens is None else {"device_tokens": args.kv_device_tokens}
+    if args.kv_fetch is not None:
+        sizes["fetch"] = args.kv_fetch
     return KVOffloadConfig(**sizes, row_tokens=rows)
 
 
