@@ -677,7 +677,9 @@ class KVTiers:
         misses, evicted = pool.acquire(list(dict.fromkeys(host_pages)), use=False)
         self._copy(layer, misses, evicted)
         slots = smap[pages.long()]
-        slots_dev = slots.to(wk.device, non_blocking=True)
+        smap_dev = self.slot_map_dev[layer]
+        assert smap_dev is not None
+        slots_dev = smap_dev[pages_dev.long()]  # its device copy: a pageable host tensor's upload would wait
         for w, d in ((wk, self.dev_k[layer]), (wv, self.dev_v[layer])):
             assert d is not None
             d[slots_dev, :, offsets_dev] = w[pages_dev, :, offsets_dev]

@@ -141,7 +141,8 @@ def test_row_cache_accounting_under_random_pressure_matches_the_reference(trial)
     missing row placed once, and rows past the room left beside the call's hits not kept."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    slots, host_rows = rng.randint(1, 40), rng.randint(10, 120)
+    slots = rng.randint(1, 40)
+    host_rows = rng.randint(slots + 5, 120)  # more rows than slots: the calls evict
     cache, ref = RowCache(slots, host_rows), ReferenceLRU(slots)
     placed_total = evicted_total = 0
     for step in range(400):
