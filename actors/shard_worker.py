@@ -163,7 +163,8 @@ class ShardWorker:
                         offload=spec.kv_offload)
         sync = torch.cuda.synchronize if self.device == "cuda" else None
         graphs = None
-        if self.device == "cuda" and spec.cuda_graphs and spec.kv_offload is None:  # the tier decodes eagerly
+        # the tier's fetch="pages" reads each layer's selection on the host: those steps run eagerly
+        if self.device == "cuda" and spec.cuda_graphs and (spec.kv_offload is None or spec.kv_offload.fetch == "rows"):
             from raysparse.decode_graphs import DecodeGraphs
 
             graphs = DecodeGraphs(model, cache, spec.max_batch)

@@ -16,6 +16,10 @@ lengths and page tables from ``batch.extras["paged"]`` (device tensors), and mus
 tensors of fixed shape; it keeps no host-side accounting during capture (the meter is swapped out) and
 does that in ``account_graph_decode`` after each replay. On the CPU there is nothing to capture: the same
 padded path runs eagerly, which is what the CPU tests check against the plain decode path.
+
+Under the K/V tiers (``fetch="rows"``, ``kv_tiers``) the host's side of a step (its pins, the pages its new tokens
+go to made resident) runs in ``KVCache.advance_decode`` before the replay; the captured step stages every row's
+selected keys on the device, through a staging buffer that ``KVCache.reserve_graph_step`` sizes before a capture.
 """
 
 from __future__ import annotations
@@ -231,6 +235,7 @@ class DecodeGraphs:
                  rows: list[int] | None = None) -> torch.cuda.CUDAGraph:
         """Warms up (kernels compiled, allocator grown) on an all-padding batch, so no sequence's K/V or
         method state is touched, then restores the step's inputs and captures."""
+        self._reserve(b, w)
         ids = self.inputs[0, :b]
         real = self.inputs[:, :b].clone()
         self.inputs[:, :b] = 0
@@ -239,7 +244,7 @@ class DecodeGraphs:
         table = self.table[:b].clone()
         self.table[:b] = self.cache.scratch_page
         self._prepare(backend, [-1] * b)
-        with self._no_meter(backend):
+        with self._no_meter(backend), self.cache.uncounted():
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -262,12 +267,21 @@ class DecodeGraphs:
         self.captures += 1
         return graph
 
+    def _reserve(self, b: int, w: int) -> None:
+        """The cache's fixed-address buffers sized for a capture of (b, w) (the K/V tiers' staging); when that
+        reallocates them, the graphs captured over the old ones are dropped, to be captured again on use."""
+        if self.cache.reserve_graph_step(b, w):
+            self.graphs.clear()
+            self.logits.clear()
+
     def warm(self, key: str, backend: AttentionBackend, batch_sizes: Sequence[int], context: int) -> int:
         """Captures ahead of time the graphs that batches of these sizes will use at ``context`` tokens
         (as servers capture at start-up, so no request pays for a capture). Returns the number captured."""
         if not self.capture:
             return 0
         w = self._width(context)
+        if batch_sizes:  # the largest first: the smaller captures then fit what it reserved
+            self._reserve(bucket(max(batch_sizes), self.max_batch), w)
         done = 0
         for n in batch_sizes:
             for chain in (False, True):

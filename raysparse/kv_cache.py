@@ -23,6 +23,7 @@ takes too with ``separate_host=True``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +148,7 @@ class KVCache:
         if not separate:
             host_k = [self.k[i] if i in layers else None for i in range(self.cfg.num_layers)]
             host_v = [self.v[i] if i in layers else None for i in range(self.cfg.num_layers)]
-            self.tiers = KVTiers(cfg, host_k, host_v, self.page_size)
+            self.tiers = KVTiers(cfg, host_k, host_v, self.page_size, scratch_page=self.scratch_page)
             return self.tiers
         hk, hv, slab = host_tier(self.shape, len(layers), self.dtype, pinned=self.device.type == "cuda")
         work = (torch.zeros(self.shape, dtype=self.dtype, device=self.device),
@@ -158,7 +159,7 @@ class KVCache:
             host_k[layer], host_v[layer] = hk[i], hv[i]
             # what the step's kernels read and write at this layer: the working layer (kv_tiers)
             self.k[layer], self.v[layer] = work
-        self.tiers = KVTiers(cfg, host_k, host_v, self.page_size, work, self.device)
+        self.tiers = KVTiers(cfg, host_k, host_v, self.page_size, work, self.device, self.scratch_page)
         self.tiers.host_slab = slab
         return self.tiers
 
@@ -292,7 +293,19 @@ class KVCache:
             offsets.append(pos % self.page_size)
         for sid in seq_ids:
             self._lens[sid] += 1
+        if self.tiers is not None:  # the step's writes and attends replay from a graph: the tiers' host side first
+            self.tiers.graph_step([(sid, self._pages[sid], self._lens[sid]) for sid in seq_ids], pages)
         return positions, pages, offsets
+
+    def reserve_graph_step(self, batch: int, width: int) -> bool:
+        """Sizes what a captured decode step of ``batch`` rows of ``width`` pages reads from fixed addresses beyond
+        the cache (the K/V tiers' staging buffer), before its capture. Returns whether earlier captures read memory
+        that has been reallocated (they must be captured again)."""
+        return self.tiers is not None and self.tiers.reserve_graph_step(batch, width)
+
+    def uncounted(self) -> AbstractContextManager[None]:
+        """A scope whose device-side statistics are not counted (a graph's warm-up and capture on padding rows)."""
+        return self.tiers.uncounted() if self.tiers is not None else nullcontext()
 
     def page_table(self, seq_id: int) -> torch.Tensor:
         return torch.tensor(self._pages[seq_id], dtype=torch.int64, device=self.device)
@@ -345,8 +358,10 @@ class KVCache:
         t = self.tiers
         if t is None or not t.covers(layer):
             return
+        # the sequences whose prompt this prefill step ended (a decode step's batch may hold padded rows: no sequence)
         ended = [(sid, self._pages[sid], n) for i, (sid, n) in enumerate(zip(batch.seq_ids, batch.ctx_lens,
-                                                                              strict=True)) if batch.prompt_end(i)]
+                                                                              strict=True)) if batch.prompt_end(i)] \
+            if batch.is_prefill else []
         pages, offs = batch.slot_pages, batch.slot_offsets
         if not t.separate:
             t.write_through(layer, self.k[layer][pages, :, offs], self.v[layer][pages, :, offs], pages, offs)
@@ -355,6 +370,8 @@ class KVCache:
         elif batch.is_prefill:
             t.prefill_written(layer, [(self._pages[sid], n - q, n) for sid, q, n in
                                       zip(batch.seq_ids, batch.q_lens, batch.ctx_lens, strict=True)], ended)
+        elif batch.extras.get("graph"):  # a captured step: ``advance_decode`` made its pages resident
+            t.decode_written(layer, None, None, pages, offs)
         else:
             host = batch.extras.get("tier_slots")
             pages_h, offs_h = host if host is not None else (pages.cpu(), offs.cpu())

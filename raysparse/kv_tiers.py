@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -257,7 +258,9 @@ class RowCache:
             torch.full((rows + 1,), self.CLAIM_FREE, dtype=torch.int32, device=device)
         if self.claim.numel() < rows + 1 or self.claim.dtype != torch.int32:
             raise ValueError("a row cache's claim tensor needs rows + 1 int32 entries")
-        self.tick = 0
+        # the calls' count, on the device: a captured decode step advances it at every replay (a host count would
+        # be frozen into the graph, every replay stamping the same call)
+        self.tick = torch.zeros((), dtype=torch.int64, device=device)
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """A call's host ``rows`` [n] (int64, -1: none; a row may repeat): their slots [n] (-1 where not cached).
@@ -397,6 +400,10 @@ def host_tier(shape: tuple[int, ...], layers: int, dtype: torch.dtype,
     return [slab[i] for i in range(layers)], [slab[layers + i] for i in range(layers)], slab
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
@@ -407,14 +414,16 @@ class KVTiers:
     translated tables point unread entries at), the running sequences' pins, the decode attend through the pools
     and their statistics. ``work``: the separate layout's working layer (K, V on the device, indexed by host page,
     shared by the tiered layers); None: the shared layout, where the host tier is what the step's kernels read.
-    ``device``: the pools' device (the host tier's where None)."""
+    ``device``: the pools' device (the host tier's where None). ``scratch_page``: the cache's page that a captured
+    decode step's padded rows write and read (``decode_graphs``), whose rows the tier neither copies nor counts."""
 
     def __init__(self, cfg: KVOffloadConfig, host_k: Sequence[torch.Tensor | None],
                  host_v: Sequence[torch.Tensor | None], page_size: int,
                  work: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, scratch_page: int | None = None) -> None:
         self.cfg = cfg
         self.page_size = page_size
+        self.scratch_page = scratch_page
         self.slots = cfg.device_pages(page_size)
         self.host_k, self.host_v = list(host_k), list(host_v)
         self.layers = [i for i, t in enumerate(self.host_k) if t is not None]
@@ -453,10 +462,10 @@ class KVTiers:
         self.dirty: list[dict[int, int]] = [{} for _ in self.host_k]
         self._pins: dict[int, set[int]] = {}  # sequence -> its pinned host pages
         self._stats = TierStats()
-        # the staged rows' counts, accumulated where they are computed (no host read per layer), folded into the
-        # statistics when read: (layer, batch row) pairs staged, rows needed, rows copied, rows from the row cache,
-        # rows the row cache evicted
-        self._row_counts = torch.zeros(5, dtype=torch.int64, device=self.device)
+        # the staged rows' counts, accumulated where they are computed (no host read per layer; a captured step's
+        # replays add theirs), folded into the statistics when read: (layer, batch row) pairs staged, rows needed,
+        # rows copied, rows from the row cache, rows the row cache evicted, layer steps attended by fetch="rows"
+        self._row_counts = torch.zeros(6, dtype=torch.int64, device=self.device)
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # the copies' spans on a GPU
         self._step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         elt = ref.element_size()
@@ -573,6 +582,8 @@ class KVTiers:
         smap_dev[p.to(self.device, non_blocking=True)] = v.to(self.device, non_blocking=True)
 
     def _clock(self) -> object:
+        if _capturing(self.device):  # a replay's copies are inside its graph: no span of their own to time
+            return None
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -582,6 +593,8 @@ class KVTiers:
     def _stall(self, t0: object) -> None:
         """Adds the time since ``_clock`` to the stall: wall time on a CPU; on a GPU the span of the copies on the
         stream (the attend that follows waits for them), read at ``stats_dict``."""
+        if t0 is None:
+            return
         if isinstance(t0, torch.cuda.Event):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -661,31 +674,61 @@ class KVTiers:
             self._pages_into(self.dev_v[layer], [s for _, s in res], wv, [p for p, _ in res])
         self.keep_after_prefill(layer, ended)
 
-    def decode_written(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, pages_dev: torch.Tensor,
-                       offsets_dev: torch.Tensor) -> None:
+    def decode_written(self, layer: int, pages: torch.Tensor | None, offsets: torch.Tensor | None,
+                       pages_dev: torch.Tensor, offsets_dev: torch.Tensor) -> None:
         """A decode step's new K/V of ``layer`` are in the working layer at ``pages`` / ``offsets`` (on the host;
         ``*_dev``: the same on the device). Each token's page (its sequence's pinned last page) is made resident
         (from the host tier if the prefill could not keep it), the rows are written to its slot, which becomes
         dirty, and the slot's whole page is copied back to the working layer: the method's state update reads the
         page's earlier rows there (Quest's bounds). Raises PoolFullError when the pages do not fit the pool, which
-        the scheduler's admission rules out (the running sequences' pins fit it)."""
+        the scheduler's admission rules out (the running sequences' pins fit it). ``pages`` None: a captured step's,
+        whose pages ``graph_step`` made resident before it ran; only the device's writes are left."""
+        if pages is not None:
+            self._resident_for_writes(layer, [int(p) for p in pages.tolist()])
         assert self.work is not None
-        wk, wv = self.work
-        pool, smap, dirty = self.pools[layer], self.slot_map[layer], self.dirty[layer]
-        assert pool is not None and smap is not None
-        host_pages = [int(p) for p in pages.tolist()]
-        misses, evicted = pool.acquire(list(dict.fromkeys(host_pages)), use=False)
-        self._copy(layer, misses, evicted)
-        slots = smap[pages.long()]
         smap_dev = self.slot_map_dev[layer]
         assert smap_dev is not None
-        slots_dev = smap_dev[pages_dev.long()]  # its device copy: a pageable host tensor's upload would wait
-        for w, d in ((wk, self.dev_k[layer]), (wv, self.dev_v[layer])):
+        # the slots from the map's device copy (a pageable host tensor's upload would wait); a padded row's scratch
+        # page is not in the pool: it writes the pool's scratch slot
+        slots_dev = smap_dev[pages_dev.long()]
+        slots_dev = torch.where(slots_dev >= 0, slots_dev, self.slots)
+        for w, d in ((self.work[0], self.dev_k[layer]), (self.work[1], self.dev_v[layer])):
             assert d is not None
             d[slots_dev, :, offsets_dev] = w[pages_dev, :, offsets_dev]
             w.index_copy_(0, pages_dev.long(), d.index_select(0, slots_dev))
-        for p, s in zip(host_pages, slots.tolist(), strict=True):
-            dirty[p] = s
+
+    def _resident_for_writes(self, layer: int, host_pages: list[int]) -> None:
+        """The host side of ``decode_written``: the written pages made resident and marked dirty."""
+        pool, smap, dirty = self.pools[layer], self.slot_map[layer], self.dirty[layer]
+        assert pool is not None and smap is not None
+        misses, evicted = pool.acquire(list(dict.fromkeys(host_pages)), use=False)
+        self._copy(layer, misses, evicted)
+        for p in host_pages:
+            dirty[p] = int(smap[p])
+
+    def graph_step(self, seqs: Sequence[tuple[int, Sequence[int], int]], pages: Sequence[int]) -> None:
+        """The host side of a decode step whose writes and attends replay from a captured graph (``decode_graphs``;
+        ``fetch="rows"`` only): the step begins (``begin_step``) and, in the separate layout, the pages its new tokens
+        go to (``pages``, one per sequence) are made resident in every tiered layer's pool before the replay, so the
+        captured ``decode_written`` only writes rows. Nothing here waits on the device."""
+        if self.cfg.fetch != "rows":
+            raise ValueError("a captured decode step needs the tier's fetch='rows' (fetch='pages' reads each "
+                             "layer's selection on the host)")
+        self.begin_step(seqs, decode=True)
+        if self.separate:
+            for layer in self.layers:
+                self._resident_for_writes(layer, [int(p) for p in pages])
+
+    def reserve_graph_step(self, batch: int, width: int) -> bool:
+        """Sizes the staging buffer for a captured step of ``batch`` rows of ``width`` pages, ahead of its capture (a
+        graph keeps the buffer's address). Returns whether the buffer was reallocated: the graphs captured over the
+        old one must be captured again."""
+        if self.cfg.fetch != "rows":
+            raise ValueError("a captured decode step needs the tier's fetch='rows'")
+        dk = self.dev_k[self.layers[0]]
+        assert dk is not None
+        old = self._stage_k[0]
+        return self._staging(batch * width + 1, dk) is not old
 
     # ---- decode ------------------------------------------------------------------------------------
     def _host_meta(self, kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -703,12 +746,17 @@ class KVTiers:
         keys staged, on the device alone. Returns the attention output [B, h, d]."""
         st, pool, page = self._stats, self.pools[layer], self.page_size
         assert pool is not None
-        st.layer_steps += 1
         dev = self.device
         if self.cfg.fetch == "rows":  # every row staged: nothing of the selection leaves the device
             tok, ok, host_page = self._selected_rows(kv, indices, unit)
-            staged = torch.ones(q.shape[0], dtype=torch.bool, device=dev)
-            return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged), indices, unit)[0]
+            real = torch.ones(q.shape[0], dtype=torch.bool, device=dev)
+            if self.scratch_page is not None:  # a captured step's padded rows read the scratch page: not copied
+                real = kv.page_table[:, 0].to(dev) != self.scratch_page
+                ok = ok & real[:, None, None]
+            return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, real, 1), indices, unit)[0]
+        if _capturing(dev):
+            raise RuntimeError("fetch='pages' reads each layer's selection on the host: it cannot be captured")
+        st.layer_steps += 1
         idx = indices.cpu()
         table_h, seqlens_h = self._host_meta(kv)
         touched = touched_pages(idx, unit, seqlens_h, page, table_h.shape[1])
@@ -740,7 +788,7 @@ class KVTiers:
         tok, ok, host_page = self._selected_rows(kv, indices, unit)
         staged = torch.zeros(q.shape[0], dtype=torch.bool)
         staged[torch.tensor(staged_rows)] = True
-        return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged.to(dev)), indices,
+        return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged.to(dev), 0), indices,
                                       unit)[0]
 
     def _selected_rows(self, kv: PagedKV, indices: torch.Tensor,
@@ -767,6 +815,9 @@ class KVTiers:
         earlier layer's or step's finite K/V, which the attend never reads (it reads the listed keys only)."""
         sk = self._stage_k[0]
         if sk is None or sk.shape[0] < pages or sk.shape[1:] != like.shape[1:] or sk.dtype != like.dtype:
+            if _capturing(self.device):  # a graph would keep a buffer that the next growth frees
+                raise RuntimeError(f"the staging buffer holds {0 if sk is None else sk.shape[0]} pages, a captured "
+                                   f"step needs {pages}: reserve_graph_step first")
             self._stage_k[0] = self._stage_v[0] = None  # the old pair goes before the new one is allocated
             self._stage_k[0] = torch.zeros((pages, *like.shape[1:]), dtype=like.dtype, device=self.device)
             self._stage_v[0] = torch.zeros_like(self._stage_k[0])
@@ -775,7 +826,7 @@ class KVTiers:
         return sk, sv
 
     def _stage(self, layer: int, kv: PagedKV, tok: torch.Tensor, ok: torch.Tensor, host_page: torch.Tensor,
-               counted: torch.Tensor) -> PagedKV:
+               counted: torch.Tensor, layer_steps: int) -> PagedKV:
         """``kv`` over a staging buffer: every logical page a row's selection touches (token ids ``tok`` [B, h_kv, T],
         ``ok`` where valid, on ``host_page``; all on the pools' device) gets a staging page, and only the selected
         keys' rows of each KV head are copied into it. Keys on resident pages come from their slots, the others
@@ -783,8 +834,10 @@ class KVTiers:
         so the host neither gathers rows nor reads an index). The page table is the only thing that changes: the
         attend reads the same list, lengths and unit, so its output is the untiered one's whatever the kernel's
         order of work. ``counted`` [B]: the rows whose keys count as staged rows in the statistics (the others'
-        pages were counted when they were fetched). No host read: the buffer has a page for every logical page of
-        the batch (plus the scratch page the unread entries point at), its counts stay on the device."""
+        pages were counted when they were fetched); ``layer_steps``: what this call adds to the layer steps counted
+        on the device (fetch="rows", which a captured step replays). No host read: the buffer has a page for every
+        logical page of the batch (plus the scratch page the unread entries point at), its counts stay on the
+        device."""
         page, dev = self.page_size, self.device
         hk, hv, dk, dv, smap = self.host_k[layer], self.host_v[layer], self.dev_k[layer], self.dev_v[layer], \
             self.slot_map_dev[layer]
@@ -820,7 +873,7 @@ class KVTiers:
             copies, cache_hits, evicted = self._rows_through_cache(layer, cache, host_row, dst, sk, sv)
         self._stall(t0)
         self._row_counts += torch.stack([counted.sum(), (ok & counted[:, None, None]).sum(), copies, cache_hits,
-                                         evicted])
+                                         evicted, torch.full_like(evicted, layer_steps)])
         return PagedKV(sk, sv, table.to(torch.int32), kv.seqlens)
 
     def _rows_through_cache(self, layer: int, cache: RowCache, host_row: torch.Tensor, at: torch.Tensor,
@@ -839,14 +892,24 @@ class KVTiers:
         copy_rows([(sk, rk), (sv, rv)], torch.where(into >= 0, at, -1), into)
         return (missing >= 0).sum(), (slot >= 0).sum(), evicted
 
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """What the device counts inside (a graph's warm-up and capture, on padding rows alone) is not counted."""
+        saved = self._row_counts.clone()
+        try:
+            yield
+        finally:
+            self._row_counts.copy_(saved)
+
     # ---- statistics --------------------------------------------------------------------------------
     @property
     def stats(self) -> TierStats:
         """What the tier did since the last reset, the device's counts folded in (a host read on a GPU)."""
-        staged, need, copies, cache_hits, evicted = self._row_counts.tolist()
-        if need or staged or evicted:
+        staged, need, copies, cache_hits, evicted, layer_steps = self._row_counts.tolist()
+        if need or staged or evicted or layer_steps:
             self._row_counts.zero_()
             st = self._stats
+            st.layer_steps += layer_steps
             st.staged_layer_rows += staged
             st.rows_needed += need
             st.row_hits += need - copies

@@ -17,7 +17,9 @@ With ``--kv-offload`` (``KVOffloadConfig``) the cache's pages are the host tier 
 only a method whose batched decode selection names its keys before the attend reads them decodes through it
 (``SparseMethod.decodes_through_tiers``); any other (dense, SpecAttn, the per-sequence paths), and on a GPU one that
 decodes a tiered layer densely or whose selection reads every key (CIS), is refused at its first step with one
-line, rather than reading every page past the pool. Decode runs eagerly under the tier (no captured graphs).
+line, rather than reading every page past the pool. With the tier's ``fetch="rows"`` decode steps replay from
+captured graphs as without it (the tier's host side runs before each replay); with ``fetch="pages"`` they run
+eagerly.
 """
 
 from __future__ import annotations
@@ -88,9 +90,10 @@ class ShardExecutor(MultiStepDecode):
                 cache.enable_tiers(offload)
             elif cache.tiers.cfg != offload:
                 raise ValueError(f"the cache's K/V tiers {cache.tiers.cfg} are not the shard's {offload}")
-            # Decode runs eagerly under the tier, on every device: a step's copies and the pool's accounting follow
-            # each layer's selection on the host, which a captured graph cannot replay.
-            graphs = None
+            if offload.fetch != "rows":
+                # fetch="pages": a step's copies and the pool's accounting follow each layer's selection on the host,
+                # which a captured graph cannot replay; decode runs eagerly
+                graphs = None
         self.graphs = graphs
         self.use_graphs = graphs is not None  # benchmarks compare eager and captured decode on one engine
         self._share_reduce = reduce

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import free_port, random_state, tiny_hf_config, whole_model_density
 
+from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.kv_tiers import KVOffloadConfig
 from raysparse.loader import model_from_state
@@ -65,11 +66,11 @@ def drive(ex: ShardExecutor, cfg: SchedulerConfig, reqs: list[EngineRequest], sh
     return [s.tokens for s in seqs]
 
 
-def requests(method: str, seed: int) -> list[EngineRequest]:
+def requests(method: str, seed: int, lens: list[int] = LENS) -> list[EngineRequest]:
     g = torch.Generator().manual_seed(seed)
     return [EngineRequest(tuple(torch.randint(0, 97, (n,), generator=g).tolist()),
                           SamplingParams(max_new_tokens=NEW, ignore_eos=True), method, params_of(method))
-            for n in LENS]
+            for n in lens]
 
 
 def scheduler_config(offload: KVOffloadConfig | None) -> SchedulerConfig:
@@ -78,15 +79,19 @@ def scheduler_config(offload: KVOffloadConfig | None) -> SchedulerConfig:
 
 
 def run_method(model, method: str, seed: int, offload: KVOffloadConfig | None, rank: int = 0, world: int = 1,
-               reduce=None, share=None, separate: bool = False) -> tuple[list[list[int]], dict | None]:
+               reduce=None, share=None, separate: bool = False, graphs: bool = False,
+               admit: KVOffloadConfig = OFFLOAD, lens: list[int] = LENS) -> tuple[list[list[int]], dict | None]:
     """``separate``: the tiers in the GPU's layout (host tier in its own memory, a working layer, write-back). With
     or without the tier the scheduler admits as the tier's pool allows, so both runs take the same plans: a
     method's prefill is not bit-identical across batch compositions (Sketch&Walk's), and the tier is what is
-    compared."""
+    compared (``admit``: the tier the scheduler admits by). ``graphs``: decode steps through the graph runner's padded
+    path (what a GPU captures)."""
     cache = KVCache(model.cfg, HOST_TOKENS // PAGE, PAGE, torch.float32, "cpu", model.num_kv_heads,
                     offload=offload if separate else None, separate_host=separate)
-    ex = ShardExecutor(model, cache, rank, world, reduce, offload=offload)
-    tokens = drive(ex, scheduler_config(OFFLOAD), requests(method, seed), share)
+    runner = DecodeGraphs(model, cache, 8) if graphs else None
+    ex = ShardExecutor(model, cache, rank, world, reduce, graphs=runner, offload=offload)
+    assert ex.use_graphs == graphs
+    tokens = drive(ex, scheduler_config(admit), requests(method, seed, lens), share)
     return tokens, ex.stats().get("kv_offload")
 
 
@@ -138,6 +143,35 @@ def test_tokens_through_the_separate_layout_equal_the_one_tier_tokens(model, met
     _check_stats(stats, method)
     if fetch == "rows":
         assert stats["pages_needed"] == 0 and stats["staged_layer_rows"] > 0, stats
+
+
+# the counts a step's staging makes on the device: the graph path's padded rows must add none of them
+DEVICE_COUNTS = ("decode_steps", "layer_steps", "staged_layer_rows", "rows_needed", "row_hits", "row_cache_hits",
+                 "row_copies", "bytes_copied", "evictions")
+
+
+# Sequences pin two pages each, so the pool's 7 pages run batches of 3, which the graph runner pads to 4; three of
+# these lengths cross a page during their decode (a new page made resident before a step's replay writes it).
+GRAPH_OFFLOAD = KVOffloadConfig(device_tokens=7 * PAGE, sink_pages=0, window_pages=2, fetch="rows")
+GRAPH_LENS = [635, 470, 509, 530, 636]
+
+
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("method", ["quest", "sketch_walk", "socket"])
+def test_graph_steps_through_the_tiers_equal_those_without_them(model, method, separate):
+    """fetch="rows" under the graph runner (the padded step a GPU captures, eager here): the same tokens as the
+    runner without the tier, and the same counts as the tier's eager steps (padded rows stage and count nothing;
+    the host side of each step ran before it, in ``advance_decode``)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    run = dict(separate=separate, admit=GRAPH_OFFLOAD, lens=GRAPH_LENS)
+    with torch.no_grad():
+        plain, _ = run_method(model, method, seed, None, graphs=True, admit=GRAPH_OFFLOAD, lens=GRAPH_LENS)
+        tiered, stats = run_method(model, method, seed, GRAPH_OFFLOAD, graphs=True, **run)
+        _, eager = run_method(model, method, seed, GRAPH_OFFLOAD, **run)
+    assert tiered == plain, f"prompt seed {seed}"
+    _check_stats(stats, method)
+    assert stats["staged_layer_rows"] > 0 and stats["layer_steps"] > 0, stats
+    assert {k: stats[k] for k in DEVICE_COUNTS} == {k: eager[k] for k in DEVICE_COUNTS}, f"prompt seed {seed}"
 
 
 def test_the_separate_layout_refuses_what_it_cannot_serve(model):
