@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from bench_common import environment, out_dir
 
+from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
 from raysparse.kv_tiers import KVOffloadConfig
 from raysparse.loader import build_model, load_hf_config, load_model, load_tokenizer, resolve_source
@@ -75,7 +76,7 @@ class Runner:
     """One shard's cache and executor, reused by the runs of one configuration (tier on or off)."""
 
     def __init__(self, model: Any, host_tokens: int, offload: KVOffloadConfig | None, prefill_tokens: int,
-                 device: str = "cuda") -> None:
+                 device: str = "cuda", graphs_batch: int = 0) -> None:
         self.model, self.offload, self.prefill_tokens = model, offload, prefill_tokens
         self.pages = -(-host_tokens // PAGE)
         t0 = time.perf_counter()
@@ -83,7 +84,11 @@ class Runner:
         self.cache = KVCache(model.cfg, self.pages, PAGE, dtype, device, model.num_kv_heads, offload=offload)
         self.alloc_s = time.perf_counter() - t0
         sync = torch.cuda.synchronize if device == "cuda" else None
-        self.ex = ShardExecutor(model, self.cache, sync=sync, offload=offload)
+        # graphs_batch > 0: decode steps replay from captured graphs of up to that many rows where the executor
+        # allows it (without the tier, or with fetch="rows"; fetch="pages" decodes eagerly)
+        graphs = DecodeGraphs(model, self.cache, graphs_batch) if graphs_batch > 0 else None
+        self.ex = ShardExecutor(model, self.cache, sync=sync, graphs=graphs, offload=offload)
+        self.graphs = self.ex.use_graphs
 
     def run(self, method: str, params: dict, prompts: list[list[int]], new: int,
             profile: bool = False) -> dict[str, Any]:
@@ -146,14 +151,16 @@ class Runner:
         state = sum(t.numel() * t.element_size() for t in self.cache.shared_state.values()
                     if isinstance(t, torch.Tensor))
         self.ex.free([s.seq_id for s in seqs])
-        # the next method starts from a clean device: this one's backends and per-page state go
+        # the next method starts from a clean device: this one's backends and per-page state go, with its captures
         self.ex.backends.clear()
+        if self.ex.graphs is not None:
+            self.ex.graphs.reset()
         self.cache.shared_state.clear()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         tps = rows / sum(steps) if steps else float("nan")
-        return {"method": method, "batch": len(prompts), "tiered": self.offload is not None,
+        return {"method": method, "batch": len(prompts), "tiered": self.offload is not None, "graphs": self.graphs,
                 "prefill_s": prefill_s, "decode_steps_timed": len(steps),
                 "decode_ms_per_step": 1e3 * sum(steps) / len(steps) if steps else float("nan"),
                 "mean_decode_batch": rows / len(steps) if steps else 0.0,
@@ -260,6 +267,9 @@ def main() -> None:
                         "(a) runs each; part (b) the last)")
     p.add_argument("--batch", type=int, default=1, help="part (a)'s requests, decoded together")
     p.add_argument("--profile", action="store_true", help="profile one decode step of each tiered run in part (a)")
+    p.add_argument("--graphs", action="store_true",
+                   help="decode steps replay from captured CUDA graphs where the executor allows it (tier off, and "
+                        "tier on with fetch=rows; fetch=pages stays eager)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.batch < 1:
@@ -303,7 +313,7 @@ def main() -> None:
                               "host_ram_total_gib": mem_total / GIB, "host_ram_available_gib": mem_avail / GIB,
                               "host_tier_budget_gib": host_budget / GIB, "device_share": args.device_share,
                               "row_share": args.device_share if args.row_share is None else args.row_share,
-                              "methods": methods, "params": params, "eager": True, "a": [], "b": []}
+                              "methods": methods, "params": params, "eager": not args.graphs, "a": [], "b": []}
     row_share = args.device_share if args.row_share is None else args.row_share
 
     def offload_for(seqs: int, fetch: str = fetches[-1]) -> KVOffloadConfig:
@@ -327,16 +337,17 @@ def main() -> None:
               f"{c['host_gather_gb_s']:.1f} GB/s", flush=True)
 
     if "a" in parts:
-        plain = Runner(model, seq_tokens * args.batch, None, args.prefill_tokens)
+        gb = args.batch if args.graphs else 0
+        plain = Runner(model, seq_tokens * args.batch, None, args.prefill_tokens, graphs_batch=gb)
         for m in ["dense", *methods]:
             r = plain.run(m, params.get(m, {}), prompts(args.batch), new)
             record["a"].append(r)
-            print(f"(a) {m:12s} tier off  {r['decode_tokens_per_s']:8.2f} tok/s  "
+            print(f"(a) {m:12s} tier off{' (graphs)' if r['graphs'] else ''}  {r['decode_tokens_per_s']:8.2f} tok/s  "
                   f"{r['decode_ms_per_step']:7.2f} ms/step  prefill {r['prefill_s']:6.1f} s", flush=True)
         plain.close()
         for fetch in fetches:
             offload_cfg = offload_for(args.batch, fetch)
-            tier = Runner(model, seq_tokens * args.batch, offload_cfg, args.prefill_tokens)
+            tier = Runner(model, seq_tokens * args.batch, offload_cfg, args.prefill_tokens, graphs_batch=gb)
             for m in methods:
                 try:
                     r = tier.run(m, params[m], prompts(args.batch), new, profile=args.profile)
@@ -350,7 +361,8 @@ def main() -> None:
                 r["fetch"] = fetch
                 record["a"].append(r)
                 st = r["kv_offload"] or {}
-                print(f"(a) {m:12s} {fetch:5s} on {r['decode_tokens_per_s']:8.2f} tok/s  "
+                print(f"(a) {m:12s} {fetch:5s} on{' (graphs)' if r['graphs'] else ''} "
+                      f"{r['decode_tokens_per_s']:8.2f} tok/s  "
                       f"{r['decode_ms_per_step']:7.2f} ms/step  x{r['vs_tier_off']:.2f} of tier off  hit "
                       f"{st.get('hit_rate', float('nan')):.3f}  {st.get('bytes_per_step', 0) / 1e6:8.1f} MB/step"
                       f"  stall "
@@ -407,7 +419,8 @@ def main() -> None:
                     if runner is None:
                         b = tier_b if tiered else run_b
                         off = offload_for(b) if tiered else None
-                        runner = Runner(model, seq_tokens * b, off, args.prefill_tokens)
+                        runner = Runner(model, seq_tokens * b, off, args.prefill_tokens,
+                                        graphs_batch=b if args.graphs else 0)
                         row["host_tier_alloc_s"] = runner.alloc_s
                         if tiered:
                             shared = runner

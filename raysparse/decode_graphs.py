@@ -271,8 +271,7 @@ class DecodeGraphs:
         """The cache's fixed-address buffers sized for a capture of (b, w) (the K/V tiers' staging); when that
         reallocates them, the graphs captured over the old ones are dropped, to be captured again on use."""
         if self.cache.reserve_graph_step(b, w):
-            self.graphs.clear()
-            self.logits.clear()
+            self.reset()
 
     def warm(self, key: str, backend: AttentionBackend, batch_sizes: Sequence[int], context: int) -> int:
         """Captures ahead of time the graphs that batches of these sizes will use at ``context`` tokens
@@ -290,6 +289,13 @@ class DecodeGraphs:
                     self._capture(k, backend, k[1], w)
                     done += 1
         return done
+
+    def reset(self) -> None:
+        """Drops every capture: for when the backends whose state they read are gone (a new method key captures its
+        own on first use)."""
+        self.graphs.clear()
+        self.logits.clear()
+        self._table_rows = None
 
     def stats(self) -> dict[str, Any]:
         return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays}

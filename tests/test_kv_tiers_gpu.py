@@ -15,19 +15,37 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU f
 GPU_METHODS = ["streaming", "quest", "sketch_walk", "socket"]
 
 
-def _run(model, method: str, seed: int, tiered: bool, dtype: torch.dtype, fetch: str = "pages"):
+def _run(model, method: str, seed: int, tiered: bool, dtype: torch.dtype, fetch: str = "pages",
+         graphs: bool = False):
+    """``graphs``: decode steps replay from captured CUDA graphs, in the graph test's admission and lengths."""
     import dataclasses
 
-    from test_kv_tiers_engine import HOST_TOKENS, OFFLOAD, PAGE, drive, requests, scheduler_config
+    from test_kv_tiers_engine import (
+        GRAPH_LENS,
+        GRAPH_OFFLOAD,
+        HOST_TOKENS,
+        LENS,
+        OFFLOAD,
+        PAGE,
+        drive,
+        requests,
+        scheduler_config,
+    )
 
+    from raysparse.decode_graphs import DecodeGraphs
     from raysparse.kv_cache import KVCache
     from raysparse.shard_executor import ShardExecutor
 
-    offload = dataclasses.replace(OFFLOAD, fetch=fetch) if tiered else None
+    admit, lens = (GRAPH_OFFLOAD, GRAPH_LENS) if graphs else (OFFLOAD, LENS)
+    offload = dataclasses.replace(admit, fetch=fetch) if tiered else None
     cache = KVCache(model.cfg, HOST_TOKENS // PAGE, PAGE, dtype, "cuda", model.num_kv_heads, offload=offload)
-    ex = ShardExecutor(model, cache, offload=offload)
-    tokens = drive(ex, scheduler_config(OFFLOAD), requests(method, seed))  # the tiered admission for both
-    return tokens, ex.stats().get("kv_offload"), cache
+    ex = ShardExecutor(model, cache, graphs=DecodeGraphs(model, cache, 8) if graphs else None, offload=offload)
+    assert ex.use_graphs == graphs
+    tokens = drive(ex, scheduler_config(admit), requests(method, seed, lens))  # the tiered admission for both
+    stats = ex.stats()
+    if graphs:
+        assert stats["graphs"]["replays"] > 0 and stats["graphs"]["captures"] > 0, stats["graphs"]
+    return tokens, stats.get("kv_offload"), cache
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -60,6 +78,22 @@ def test_gpu_tokens_through_the_tiers_equal_the_one_tier_tokens(gpu_model, metho
     assert stats["stall_s"] >= 0.0
     t = cache.tiers
     assert t is not None and t.separate
+
+
+@pytest.mark.parametrize("method", GPU_METHODS)
+def test_gpu_captured_steps_through_the_tiers_equal_those_without_them(gpu_model, method):
+    """fetch="rows" decode steps replayed from CUDA graphs (the tier's host side before each replay, padded rows in
+    the batch, new pages made resident between replays): the tokens of the captured steps without the tier."""
+    from test_kv_tiers_engine import PAGE
+
+    model, dtype = gpu_model
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    with torch.no_grad():
+        plain, _, _ = _run(model, method, seed, False, dtype, graphs=True)
+        tiered, stats, _ = _run(model, method, seed, True, dtype, "rows", graphs=True)
+    assert tiered == plain, f"{method} {dtype}: prompt seed {seed}"
+    assert stats["device_slots"] * PAGE < 470 and stats["row_copies"] > 0 and stats["staged_layer_rows"] > 0, stats
+    assert stats["layer_steps"] > 0 and stats["decode_steps"] > 0, stats
 
 
 def test_the_gpu_host_tier_is_pinned_host_memory(gpu_model):
