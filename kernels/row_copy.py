@@ -87,7 +87,9 @@ def copy_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], src_rows: torch.Te
     args: list[object] = []
     for src, dst in (pairs[0], pairs[-1]):
         if on_gpu and not src.is_cuda:
-            if not src.is_pinned():
+            # the check asks the driver about the pointer, which a stream capture must not: a captured call's
+            # tensors are its eager warm-up's, checked there
+            if not torch.cuda.is_current_stream_capturing() and not src.is_pinned():
                 raise ValueError("copy_rows: a host source of a GPU copy must be pinned (page-locked) memory")
             args += [_HostRows(src), dst]
         else:

@@ -296,6 +296,8 @@ class DecodeGraphs:
         self.graphs.clear()
         self.logits.clear()
         self._table_rows = None
+        if self.capture:  # the old pool went with its graphs: capturing into its handle again trips the allocator
+            self.pool = torch.cuda.graph_pool_handle()
 
     def stats(self) -> dict[str, Any]:
         return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays}

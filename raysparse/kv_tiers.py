@@ -267,7 +267,8 @@ class RowCache:
         Starts the call: the cached rows count as read by it, so ``place`` leaves their slots alone."""
         self.tick += 1
         slot = torch.where(rows >= 0, self.slot_of[rows.clamp(min=0)].long(), -1)
-        self.stamp.index_fill_(0, torch.where(slot >= 0, slot, self.slots), self.tick)
+        # index_put_, not index_fill_: a tensor value of index_fill_ is read on the host, which a capture forbids
+        self.stamp.index_put_((torch.where(slot >= 0, slot, self.slots),), self.tick)
         return slot
 
     def place(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,7 +294,7 @@ class RowCache:
         self.owner[cand] = torch.where(take, rows, -1)
         self.slot_of[torch.where(take, rows, dummy_row)] = cand.to(torch.int32)
         self.slot_of[dummy_row] = -1
-        self.stamp.index_fill_(0, cand, self.tick)
+        self.stamp.index_put_((cand,), self.tick)
         return torch.where(take, cand, -1), gone.sum()
 
     def drop(self, rows: torch.Tensor) -> None:
