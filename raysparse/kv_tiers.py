@@ -36,7 +36,9 @@ attend:
 Both read exactly the keys the selection names, in its order, so a step's output is the untiered one's. On CPUs
 the copies' time is stall time (nothing overlaps them); on GPUs the copies run on the compute stream right after
 the selection is read (the attend needs them next: nothing is left to overlap) and their span is timed by CUDA
-events. ``SlotPool`` is the pool's plain accounting and ``RowCache`` the row cache's, one each per layer.
+events. With ``fetch="rows"`` a decode step can replay from a captured CUDA graph (``decode_graphs``): its host side
+(``graph_step``: pins, the written pages made resident) runs before the replay and every count is a device counter.
+``SlotPool`` is the pool's plain accounting and ``RowCache`` the row cache's, one each per layer.
 """
 
 from __future__ import annotations
