@@ -295,7 +295,7 @@ class RowCache:
         self.slot_of.index_fill_(0, torch.where(gone, old, dummy_row), -1)
         self.owner[cand] = torch.where(take, rows, -1)
         self.slot_of[torch.where(take, rows, dummy_row)] = cand.to(torch.int32)
-        self.slot_of[dummy_row:].fill_(-1)  # not ``[dummy_row] = -1``: that copies a host scalar, which a capture forbids
+        self.slot_of[dummy_row:].fill_(-1)  # not ``[dummy_row] = -1``: a host scalar's copy, which a capture forbids
         self.stamp.index_put_((cand,), self.tick)
         return torch.where(take, cand, -1), gone.sum()
 
