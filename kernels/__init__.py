@@ -1,1 +1,20 @@
 """raysparse.kernels"""
+
+if __name__ == "kernels":
+    # This folder is the package raysparse.kernels (pyproject's package-dir). With the repository root on sys.path
+    # (``python -m`` run from it, and the Ray workers of a driver started there, which put its directory first) it
+    # would also import as a top-level ``kernels`` and shadow the PyPI package of that name, which transformers
+    # imports where it is installed: that name goes to the installed package.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None or _spec.loader is None:
+        raise ImportError("No module named 'kernels' (this folder imports as raysparse.kernels)", name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module
+    _spec.loader.exec_module(_module)
