@@ -297,6 +297,20 @@ def copy_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], src_rows: torch.Te
     fn(pairs, src_rows, dst_rows)
 
 
+def stage_rows_on_triton(*tensors: torch.Tensor) -> bool:
+    """Whether a decode selection's staging through the tiers takes the fused launches of ``row_stage`` for these
+    destinations; the tiers' own PyTorch staging (its oracle) serves the others."""
+    return triton_wanted(*tensors)
+
+
+def stage_rows(*args: Any, **kwargs: Any) -> None:
+    """``row_stage.stage_rows``: a decode selection's keys staged through the pool, the row cache and the host
+    tier in five launches (callers ask ``stage_rows_on_triton`` first)."""
+    from . import row_stage
+
+    row_stage.stage_rows(*args, **kwargs)
+
+
 # ---- Quest: its decode and prefill page scores and its bounds' update -----------------------------------------
 
 def paged_quest_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, page_table: torch.Tensor,

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from raysparse.kernels.dispatch import copy_rows, paged_decode_attention
+from raysparse.kernels.dispatch import copy_rows, paged_decode_attention, stage_rows, stage_rows_on_triton
 from raysparse.kernels.formats import PagedKV
 
 SENTINEL = -1
@@ -264,10 +264,14 @@ class RowCache:
         # be frozen into the graph, every replay stamping the same call)
         self.tick = torch.zeros((), dtype=torch.int64, device=device)
 
+    def start_call(self) -> None:
+        """Advances the call count: the stamp of what the call reads and places."""
+        self.tick += 1
+
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """A call's host ``rows`` [n] (int64, -1: none; a row may repeat): their slots [n] (-1 where not cached).
         Starts the call: the cached rows count as read by it, so ``place`` leaves their slots alone."""
-        self.tick += 1
+        self.start_call()
         slot = torch.where(rows >= 0, self.slot_of[rows.clamp(min=0)].long(), -1)
         # index_put_, not index_fill_: a tensor value of index_fill_ is read on the host, which a capture forbids
         self.stamp.index_put_((torch.where(slot >= 0, slot, self.slots),), self.tick)
@@ -298,6 +302,11 @@ class RowCache:
         self.slot_of[dummy_row:].fill_(-1)  # not ``[dummy_row] = -1``: a host scalar's copy, which a capture forbids
         self.stamp.index_put_((cand,), self.tick)
         return torch.where(take, cand, -1), gone.sum()
+
+    def maps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The maps a fused staging (``kernels.row_stage``) reads and updates in place, as ``lookup`` and ``place``
+        do: slot per host row, owner and stamp per slot, the call count and the claim array."""
+        return self.slot_of, self.owner, self.stamp, self.tick, self.claim
 
     def drop(self, rows: torch.Tensor) -> None:
         """Forgets the cached rows among host ``rows`` (their page changes owner)."""
@@ -751,12 +760,7 @@ class KVTiers:
         assert pool is not None
         dev = self.device
         if self.cfg.fetch == "rows":  # every row staged: nothing of the selection leaves the device
-            tok, ok, host_page = self._selected_rows(kv, indices, unit)
-            real = torch.ones(q.shape[0], dtype=torch.bool, device=dev)
-            if self.scratch_page is not None:  # a captured step's padded rows read the scratch page: not copied
-                real = kv.page_table[:, 0].to(dev) != self.scratch_page
-                ok = ok & real[:, None, None]
-            return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, real, 1), indices, unit)[0]
+            return paged_decode_attention(q, self._stage(layer, kv, indices, unit, None, 1), indices, unit)[0]
         if _capturing(dev):
             raise RuntimeError("fetch='pages' reads each layer's selection on the host: it cannot be captured")
         st.layer_steps += 1
@@ -788,11 +792,9 @@ class KVTiers:
         # The rows whose pages were fetched read theirs from the slots.
         # The per-key index work runs where the pools are (a step stages hundreds of thousands of keys per layer
         # at long contexts: tens of milliseconds on a host, a fraction of one on a GPU).
-        tok, ok, host_page = self._selected_rows(kv, indices, unit)
         staged = torch.zeros(q.shape[0], dtype=torch.bool)
         staged[torch.tensor(staged_rows)] = True
-        return paged_decode_attention(q, self._stage(layer, kv, tok, ok, host_page, staged.to(dev), 0), indices,
-                                      unit)[0]
+        return paged_decode_attention(q, self._stage(layer, kv, indices, unit, staged.to(dev), 0), indices, unit)[0]
 
     def _selected_rows(self, kv: PagedKV, indices: torch.Tensor,
                        unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -828,41 +830,66 @@ class KVTiers:
         assert sk is not None and sv is not None
         return sk, sv
 
-    def _stage(self, layer: int, kv: PagedKV, tok: torch.Tensor, ok: torch.Tensor, host_page: torch.Tensor,
-               counted: torch.Tensor, layer_steps: int) -> PagedKV:
-        """``kv`` over a staging buffer: every logical page a row's selection touches (token ids ``tok`` [B, h_kv, T],
-        ``ok`` where valid, on ``host_page``; all on the pools' device) gets a staging page, and only the selected
-        keys' rows of each KV head are copied into it. Keys on resident pages come from their slots, the others
-        from the row cache or the host tier (the copies; on a GPU its own loads read the pinned host tier in place,
-        so the host neither gathers rows nor reads an index). The page table is the only thing that changes: the
-        attend reads the same list, lengths and unit, so its output is the untiered one's whatever the kernel's
-        order of work. ``counted`` [B]: the rows whose keys count as staged rows in the statistics (the others'
-        pages were counted when they were fetched); ``layer_steps``: what this call adds to the layer steps counted
-        on the device (fetch="rows", which a captured step replays). No host read: the buffer has a page for every
-        logical page of the batch (plus the scratch page the unread entries point at), its counts stay on the
-        device."""
+    def _stage(self, layer: int, kv: PagedKV, indices: torch.Tensor, unit: int, counted: torch.Tensor | None,
+               layer_steps: int) -> PagedKV:
+        """``kv`` over a staging buffer: every logical page of the batch has a staging page (row ``b``'s page ``p`` at
+        ``b * width + p``), and only the selected keys' rows of each KV head (``indices``, entries of ``unit``
+        tokens) are copied into it. Keys on resident pages come from their slots, the others from the row cache or
+        the host tier (the copies; on a GPU its own loads read the pinned host tier in place, so the host neither
+        gathers rows nor reads an index). The page table is the only thing that changes: the attend reads the same
+        list, lengths and unit, so its output is the untiered one's whatever the kernel's order of work.
+        ``counted`` [B] bool: the rows whose keys count as staged rows in the statistics (the others' pages were
+        counted when they were fetched); None: every row but a captured step's padded ones (the graph runner's
+        scratch page), which stage nothing (fetch="rows"). ``layer_steps``: what this call adds to the layer steps
+        counted on the device (fetch="rows", which a captured step replays). No host read: shapes follow the
+        selection and the batch, the counts stay on the device. On a GPU it runs as ``kernels.row_stage``'s fused
+        launches (``_stage_torch``, its oracle, everywhere else)."""
+        dk, dv = self.dev_k[layer], self.dev_v[layer]
+        assert dk is not None and dv is not None
+        b, width = kv.page_table.shape
+        t0 = self._clock()
+        sk, sv = self._staging(b * width + 1, dk)
+        if stage_rows_on_triton(sk):
+            hk, hv, smap = self.host_k[layer], self.host_v[layer], self.slot_map_dev[layer]
+            rk, rv, cache = self.rows_k[layer], self.rows_v[layer], self.row_caches[layer]
+            assert hk is not None and hv is not None and smap is not None
+            rows: tuple[torch.Tensor, ...] | None = None
+            if cache is not None:
+                assert rk is not None and rv is not None
+                cache.start_call()
+                rows = (*cache.maps(), rk, rv)
+            stage_rows(indices, unit, kv.seqlens.to(self.device), kv.page_table.to(self.device),
+                       None if counted is None else counted.to(torch.int8), smap, (dk, dv), (hk, hv), (sk, sv),
+                       self._row_counts, scratch_page=self.scratch_page if counted is None else None,
+                       layer_steps=layer_steps, cache=rows)
+        else:
+            self._stage_torch(layer, kv, indices, unit, counted, layer_steps, sk, sv)
+        self._stall(t0)
+        table = torch.arange(b * width, dtype=torch.int32, device=self.device).view(b, width)
+        return PagedKV(sk, sv, table, kv.seqlens)
+
+    def _stage_torch(self, layer: int, kv: PagedKV, indices: torch.Tensor, unit: int, counted: torch.Tensor | None,
+                     layer_steps: int, sk: torch.Tensor, sv: torch.Tensor) -> None:
+        """``_stage``'s copies and counts as PyTorch ops: the CPU path and the fused launches' oracle."""
         page, dev = self.page_size, self.device
         hk, hv, dk, dv, smap = self.host_k[layer], self.host_v[layer], self.dev_k[layer], self.dev_v[layer], \
             self.slot_map_dev[layer]
         assert hk is not None and hv is not None and dk is not None and dv is not None and smap is not None
+        tok, ok, host_page = self._selected_rows(kv, indices, unit)
         b, h_kv, _ = tok.shape
         width = kv.page_table.shape[1]
-        scratch = b * width
-        logical = tok // page
-        flat = torch.zeros(scratch + 1, dtype=torch.bool, device=dev)  # the last entry takes the invalid keys
-        flat.index_fill_(0, torch.where(ok, logical + torch.arange(b, device=dev)[:, None, None] * width, scratch)
-                         .flatten(), True)
-        touched = flat[:scratch].view(b, width)
-        ids = torch.cumsum(touched.reshape(-1), 0).view(b, width) - 1
-        table = torch.where(touched, ids, scratch)
+        if counted is None:
+            counted = torch.ones(b, dtype=torch.bool, device=dev)
+            if self.scratch_page is not None:  # a captured step's padded rows read the scratch page: not copied
+                counted = kv.page_table[:, 0].to(dev) != self.scratch_page
+                ok = ok & counted[:, None, None]
         slots = smap[host_page.clamp(min=0)]
         hit = ok & (slots >= 0)
         miss = ok & ~hit
         heads = torch.arange(h_kv, device=dev)[None, :, None]
         off = tok % page
-        dst = ((table.gather(1, logical.flatten(1)).view_as(tok) * h_kv + heads) * page + off).flatten()
-        t0 = self._clock()
-        sk, sv = self._staging(scratch + 1, dk)
+        logical = torch.arange(b, device=dev)[:, None, None] * width + tok // page
+        dst = torch.where(ok, (logical * h_kv + heads) * page + off, -1).flatten()
         # from the resident pages' slots, on the device
         from_slot = torch.where(hit, (slots.clamp(min=0) * h_kv + heads) * page + off, -1).flatten()
         copy_rows([(dk, sk), (dv, sv)], from_slot, dst)
@@ -874,10 +901,8 @@ class KVTiers:
             copies, cache_hits, evicted = miss.sum(), none, none
         else:
             copies, cache_hits, evicted = self._rows_through_cache(layer, cache, host_row, dst, sk, sv)
-        self._stall(t0)
         self._row_counts += torch.stack([counted.sum(), (ok & counted[:, None, None]).sum(), copies, cache_hits,
                                          evicted, torch.full_like(evicted, layer_steps)])
-        return PagedKV(sk, sv, table.to(torch.int32), kv.seqlens)
 
     def _rows_through_cache(self, layer: int, cache: RowCache, host_row: torch.Tensor, at: torch.Tensor,
                             sk: torch.Tensor, sv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,198 @@
+"""A decode selection's keys staged through the K/V tiers in a few launches: ``dst`` rows of a staging buffer laid
+out by logical page, each key's row read from the device pool's slot where its page is resident, else from the
+layer's row cache, else from the (pinned) host tier, which the row cache then keeps, least recently used out.
+
+What it replaces: the same staging written as PyTorch ops (``KVTiers._stage``'s torch path with ``RowCache``'s
+``lookup`` and ``place``, the oracle of ``tests/test_row_stage.py``) costs about a hundred small launches per
+tiered layer, each a few microseconds inside a captured step whatever the selection's size, so at batch 1 a
+tiered layer's staging cost several times its attention. Here it is five: the key pass (``_stage_kernel``: each
+key's token, page, source and copy, the cache hits' stamps and each host-read row's first entry by an atomic
+minimum), the first entries marked (``_want_kernel``), their ranks (a cumulative sum), the slots oldest first (a
+stable sort of the stamps, as the reference) and the placement (``_place_kernel``: evictions, both maps, the
+stamps, the rows copied from the staging buffer into their slots). Counts are atomics into the tiers' device
+counters. Shapes are fixed by the selection's size and nothing is read back to the host, so a captured decode step
+replays it.
+
+Layout (the caller's, ``KVTiers``): every K/V tensor is viewed as rows of ``d``; the staging buffer has a page for
+every logical page of the batch plus a scratch page (``row * width + logical``), the pool and host tier are indexed
+by ``(page * h_kv + head) * page_size + offset``, the row cache by slot. A host source on a GPU must be pinned
+(read in place, as ``row_copy``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import next_pow2, tl, triton
+from .row_copy import _HostRows
+
+CLAIM_FREE = torch.iinfo(torch.int32).max
+
+if triton is not None:
+
+    @triton.jit
+    def _stage_kernel(indices, seqlens, table, counted, smap, dk, dv, hk, hv, slot_of, stamp, tick, rk, rv, sk, sv,
+                      missing, at, claim, counts, H_KV, W, WIDTH, SCRATCH, LAYER_STEPS,
+                      UNIT: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      ROWS: tl.constexpr, CACHE: tl.constexpr, COUNT_LIVE: tl.constexpr):
+        bh = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = bh // H_KV
+        h = bh % H_KV
+        n_keys = W * UNIT
+        t = blk * ROWS + tl.arange(0, ROWS)
+        inb = t < n_keys
+        idx = tl.load(indices + bh * W + t // UNIT, mask=inb, other=-1).to(tl.int64)
+        seqlen = tl.load(seqlens + b).to(tl.int64)
+        live = tl.load(table + b * WIDTH).to(tl.int64) != SCRATCH  # a captured step's padded row stages nothing
+        tok = idx * UNIT + t % UNIT
+        ok = inb & (idx >= 0) & (tok < seqlen) & live
+        logical = tl.where(ok, tok // PAGE, 0)
+        off = tl.where(ok, tok % PAGE, 0)
+        hp = tl.load(table + b * WIDTH + logical, mask=ok, other=0).to(tl.int64)
+        slot = tl.load(smap + hp, mask=ok, other=-1).to(tl.int64)
+        hit = ok & (slot >= 0)
+        miss = ok & (slot < 0)
+        dst = ((b * WIDTH + logical) * H_KV + h) * PAGE + off
+        src = (tl.where(hit, slot, 0) * H_KV + h) * PAGE + off
+        hrow = (hp * H_KV + h) * PAGE + off
+        n = bh * n_keys + t
+        if CACHE:
+            cs = tl.load(slot_of + hrow, mask=miss, other=-1).to(tl.int64)
+            from_cache = miss & (cs >= 0)
+            from_host = miss & (cs < 0)
+            cs = tl.where(from_cache, cs, 0)
+            tl.store(stamp + cs, tl.load(tick) + 0 * cs, mask=from_cache)  # read by this call: kept by the placement
+            tl.atomic_min(claim + hrow, n.to(tl.int32), mask=from_host, sem="relaxed")  # the row's first entry
+        else:
+            cs = tl.zeros_like(slot)
+            from_cache = cs > 0  # no row cache: nothing from it
+            from_host = miss
+        tl.store(missing + n, tl.where(from_host, hrow, -1), mask=inb)
+        tl.store(at + n, tl.where(ok, dst, -1), mask=inb)
+        for c in tl.static_range(0, D, BLOCK_D):
+            col = (c + tl.arange(0, BLOCK_D))[None, :]
+            cm = col < D
+            m_hit, m_cache, m_host = hit[:, None] & cm, from_cache[:, None] & cm, from_host[:, None] & cm
+            m_ok = ok[:, None] & cm
+            xk = tl.load(dk + src[:, None] * D + col, mask=m_hit, other=0)
+            xv = tl.load(dv + src[:, None] * D + col, mask=m_hit, other=0)
+            if CACHE:
+                xk = tl.where(m_cache, tl.load(rk + cs[:, None] * D + col, mask=m_cache, other=0), xk)
+                xv = tl.where(m_cache, tl.load(rv + cs[:, None] * D + col, mask=m_cache, other=0), xv)
+            xk = tl.where(m_host, tl.load(hk + hrow[:, None] * D + col, mask=m_host, other=0), xk)
+            xv = tl.where(m_host, tl.load(hv + hrow[:, None] * D + col, mask=m_host, other=0), xv)
+            tl.store(sk + dst[:, None] * D + col, xk, mask=m_ok)
+            tl.store(sv + dst[:, None] * D + col, xv, mask=m_ok)
+        if COUNT_LIVE:
+            cnt = live
+        else:
+            cnt = tl.load(counted + b) != 0
+        first = (h == 0) & (blk == 0)
+        tl.atomic_add(counts + 0, cnt.to(tl.int64), mask=first, sem="relaxed")  # (layer, row) pairs staged
+        tl.atomic_add(counts + 1, tl.sum((ok & cnt).to(tl.int64), 0), sem="relaxed")  # their keys
+        tl.atomic_add(counts + 2, tl.sum(from_host.to(tl.int64), 0), sem="relaxed")  # rows read from the host
+        if CACHE:
+            tl.atomic_add(counts + 3, tl.sum(from_cache.to(tl.int64), 0), sem="relaxed")  # from the row cache
+        tl.atomic_add(counts + 5, LAYER_STEPS + 0 * b, mask=first & (b == 0), sem="relaxed")
+
+    @triton.jit
+    def _want_kernel(missing, claim, want, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        r = tl.load(missing + i, mask=live, other=-1)
+        first = tl.load(claim + tl.where(r >= 0, r, 0), mask=live & (r >= 0), other=-1) == i
+        tl.store(want + i, ((r >= 0) & first).to(tl.int32), mask=live)
+
+    @triton.jit
+    def _place_kernel(missing, want, rank, order, at, slot_of, owner, stamp, tick, claim, sk, sv, rk, rv, counts, n,
+                      SLOTS, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+        i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = i < n
+        r = tl.load(missing + i, mask=live, other=-1)
+        w = tl.load(want + i, mask=live, other=0) != 0
+        k = tl.load(rank + i, mask=live, other=1) - 1
+        take = w & (k < SLOTS)
+        cand = tl.load(order + tl.where(take, k, 0), mask=take, other=0)
+        tk = tl.load(tick)
+        take = take & (tl.load(stamp + cand, mask=take, other=0) != tk)  # a slot this call reads stays
+        old = tl.load(owner + cand, mask=take, other=-1)
+        gone = take & (old >= 0)
+        # distinct ranks give distinct slots, and a row read from the host owns no slot: no two entries write one
+        tl.store(slot_of + tl.where(gone, old, 0), tl.full(old.shape, -1, tl.int32), mask=gone)
+        tl.store(owner + cand, r, mask=take)
+        tl.store(slot_of + tl.where(take, r, 0), cand.to(tl.int32), mask=take)
+        tl.store(stamp + cand, tk + 0 * cand, mask=take)
+        free = tl.full(r.shape, 2147483647, tl.int32)  # CLAIM_FREE: the claims back for the next call
+        tl.store(claim + tl.where(r >= 0, r, 0), free, mask=live & (r >= 0))
+        tl.atomic_add(counts + 4, tl.sum(gone.to(tl.int64), 0), sem="relaxed")  # rows the cache evicted
+        a = tl.load(at + i, mask=take, other=0)
+        for c in tl.static_range(0, D, BLOCK_D):
+            col = (c + tl.arange(0, BLOCK_D))[None, :]
+            m = take[:, None] & (col < D)
+            tl.store(rk + cand[:, None] * D + col, tl.load(sk + a[:, None] * D + col, mask=m), mask=m)
+            tl.store(rv + cand[:, None] * D + col, tl.load(sv + a[:, None] * D + col, mask=m), mask=m)
+
+
+def _source(t: torch.Tensor, on_gpu: bool) -> object:
+    """A K/V source as the kernel loads it: a host tensor on a GPU through its pinned address (``row_copy``)."""
+    if on_gpu and not t.is_cuda:
+        if not torch.cuda.is_current_stream_capturing() and not t.is_pinned():  # a capture must not ask the driver
+            raise ValueError("stage_rows: a host source of a GPU staging must be pinned (page-locked) memory")
+        return _HostRows(t)
+    return t
+
+
+def stage_rows(indices: torch.Tensor, unit: int, seqlens: torch.Tensor, table: torch.Tensor,
+               counted: torch.Tensor | None, smap: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor],
+               host: tuple[torch.Tensor, torch.Tensor], staging: tuple[torch.Tensor, torch.Tensor],
+               counts: torch.Tensor, *, scratch_page: int | None = None, layer_steps: int = 0,
+               cache: tuple[torch.Tensor, ...] | None = None) -> None:
+    """Stages a decode selection ``indices`` [B, h_kv, W] (entries of ``unit`` tokens, negative: none) of rows of
+    lengths ``seqlens`` [B] over host pages ``table`` [B, width] into ``staging`` (K, V: [B * width + 1, h_kv,
+    page, d]) at each key's logical page. ``smap`` [host pages]: a host page's slot in ``pool`` (K, V: [slots + 1,
+    h_kv, page, d]), -1 where not resident; ``host``: the host tier (K, V: [host pages, h_kv, page, d]).
+    ``scratch_page``: a captured step's padding page; rows whose table starts with it stage and count nothing.
+    ``counted`` [B] (int8; None: every live row): the rows whose keys count as staged. ``cache``: the row cache
+    (``slot_of`` [host rows + 1] int32, ``owner`` [slots + 1] int64, ``stamp`` [slots + 1] int64, ``tick`` (this
+    call's stamp, already advanced), ``claim`` [host rows + 1] int32 holding ``CLAIM_FREE``, its rows K and V
+    [slots, d]), None: none. Adds to ``counts`` (int64 [6], the tiers' device counters): rows staged, their
+    keys, rows read from the host, rows read from the cache, rows the cache evicted, ``layer_steps``."""
+    b, h_kv, w = indices.shape
+    width = table.shape[1]
+    sk, sv = staging
+    d = sk.shape[-1]
+    page = sk.shape[-2]
+    n = b * h_kv * w * unit
+    if n == 0:
+        return
+    indices, seqlens, table = indices.contiguous(), seqlens.contiguous(), table.contiguous()
+    on_gpu = sk.is_cuda
+    dev = sk.device
+    block_d = min(next_pow2(d), 256)
+    rows = max(16, min(128, 4096 // block_d))  # keys a program: 32 at d = 128, loads in flight
+    missing = torch.empty(n, dtype=torch.int64, device=dev)
+    at = torch.empty(n, dtype=torch.int64, device=dev)
+    dummy = torch.zeros(1, dtype=torch.int64, device=dev)
+    if cache is not None:
+        slot_of, owner, stamp, tick, claim, rk, rv = cache
+    else:
+        slot_of = owner = stamp = tick = dummy
+        claim = torch.zeros(1, dtype=torch.int32, device=dev)
+        rk, rv = sk, sv
+    grid = (b * h_kv, triton.cdiv(w * unit, rows))
+    _stage_kernel[grid](indices, seqlens, table, counted if counted is not None else dummy, smap, *pool,
+                        _source(host[0], on_gpu), _source(host[1], on_gpu), slot_of, stamp, tick, rk, rv, sk, sv,
+                        missing, at, claim, counts, h_kv, w, width, -1 if scratch_page is None else scratch_page,
+                        layer_steps, UNIT=unit, PAGE=page, D=d, BLOCK_D=block_d, ROWS=rows, CACHE=cache is not None,
+                        COUNT_LIVE=counted is None, num_warps=4)
+    if cache is None:
+        return
+    want = torch.empty(n, dtype=torch.int32, device=dev)
+    block = 1024
+    _want_kernel[(triton.cdiv(n, block),)](missing, claim, want, n, BLOCK=block, num_warps=4)
+    rank = torch.cumsum(want, 0)
+    slots = owner.numel() - 1
+    order = torch.argsort(stamp[:slots], stable=True)  # oldest first, ties by the lower slot: the reference's order
+    _place_kernel[(triton.cdiv(n, rows),)](missing, want, rank, order, at, slot_of, owner, stamp, tick, claim, sk, sv,
+                                           rk, rv, counts, n, slots, D=d, BLOCK_D=block_d, ROWS=rows, num_warps=4)
