@@ -47,43 +47,44 @@ if triton is not None:
         live = tl.load(table + b * WIDTH).to(tl.int64) != SCRATCH  # a captured step's padded row stages nothing
         tok = idx * UNIT + t % UNIT
         ok = inb & (idx >= 0) & (tok < seqlen) & live
-        logical = tl.where(ok, tok // PAGE, 0)
-        off = tl.where(ok, tok % PAGE, 0)
+        # no tl.where over a 1-D mask that a 2-D mask also broadcasts below: Triton 3.6 gives the two different
+        # layouts and fails to compile the select; clamps and products say the same
+        logical = tl.maximum(tok, 0) // PAGE
+        off = tl.maximum(tok, 0) % PAGE
         hp = tl.load(table + b * WIDTH + logical, mask=ok, other=0).to(tl.int64)
         slot = tl.load(smap + hp, mask=ok, other=-1).to(tl.int64)
         hit = ok & (slot >= 0)
         miss = ok & (slot < 0)
         dst = ((b * WIDTH + logical) * H_KV + h) * PAGE + off
-        src = (tl.where(hit, slot, 0) * H_KV + h) * PAGE + off
+        src = (tl.maximum(slot, 0) * H_KV + h) * PAGE + off
         hrow = (hp * H_KV + h) * PAGE + off
         n = bh * n_keys + t
         if CACHE:
             cs = tl.load(slot_of + hrow, mask=miss, other=-1).to(tl.int64)
             from_cache = miss & (cs >= 0)
             from_host = miss & (cs < 0)
-            cs = tl.where(from_cache, cs, 0)
+            cs = tl.maximum(cs, 0)
             tl.store(stamp + cs, tl.load(tick) + 0 * cs, mask=from_cache)  # read by this call: kept by the placement
             tl.atomic_min(claim + hrow, n.to(tl.int32), mask=from_host, sem="relaxed")  # the row's first entry
         else:
             cs = tl.zeros_like(slot)
             from_cache = cs > 0  # no row cache: nothing from it
             from_host = miss
-        tl.store(missing + n, tl.where(from_host, hrow, -1), mask=inb)
-        tl.store(at + n, tl.where(ok, dst, -1), mask=inb)
+        tl.store(missing + n, from_host.to(tl.int64) * (hrow + 1) - 1, mask=inb)  # -1: not read from the host
+        tl.store(at + n, ok.to(tl.int64) * (dst + 1) - 1, mask=inb)
         for c in tl.static_range(0, D, BLOCK_D):
             col = (c + tl.arange(0, BLOCK_D))[None, :]
             cm = col < D
             m_hit, m_cache, m_host = hit[:, None] & cm, from_cache[:, None] & cm, from_host[:, None] & cm
-            m_ok = ok[:, None] & cm
-            xk = tl.load(dk + src[:, None] * D + col, mask=m_hit, other=0)
-            xv = tl.load(dv + src[:, None] * D + col, mask=m_hit, other=0)
+            out_k, out_v = sk + dst[:, None] * D + col, sv + dst[:, None] * D + col
+            # the three sources are disjoint: one masked store each (no select, see above)
+            tl.store(out_k, tl.load(dk + src[:, None] * D + col, mask=m_hit), mask=m_hit)
+            tl.store(out_v, tl.load(dv + src[:, None] * D + col, mask=m_hit), mask=m_hit)
             if CACHE:
-                xk = tl.where(m_cache, tl.load(rk + cs[:, None] * D + col, mask=m_cache, other=0), xk)
-                xv = tl.where(m_cache, tl.load(rv + cs[:, None] * D + col, mask=m_cache, other=0), xv)
-            xk = tl.where(m_host, tl.load(hk + hrow[:, None] * D + col, mask=m_host, other=0), xk)
-            xv = tl.where(m_host, tl.load(hv + hrow[:, None] * D + col, mask=m_host, other=0), xv)
-            tl.store(sk + dst[:, None] * D + col, xk, mask=m_ok)
-            tl.store(sv + dst[:, None] * D + col, xv, mask=m_ok)
+                tl.store(out_k, tl.load(rk + cs[:, None] * D + col, mask=m_cache), mask=m_cache)
+                tl.store(out_v, tl.load(rv + cs[:, None] * D + col, mask=m_cache), mask=m_cache)
+            tl.store(out_k, tl.load(hk + hrow[:, None] * D + col, mask=m_host), mask=m_host)
+            tl.store(out_v, tl.load(hv + hrow[:, None] * D + col, mask=m_host), mask=m_host)
         if COUNT_LIVE:
             cnt = live
         else:
@@ -101,7 +102,7 @@ if triton is not None:
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         r = tl.load(missing + i, mask=live, other=-1)
-        first = tl.load(claim + tl.where(r >= 0, r, 0), mask=live & (r >= 0), other=-1) == i
+        first = tl.load(claim + tl.maximum(r, 0), mask=live & (r >= 0), other=-1) == i
         tl.store(want + i, ((r >= 0) & first).to(tl.int32), mask=live)
 
     @triton.jit
@@ -113,18 +114,18 @@ if triton is not None:
         w = tl.load(want + i, mask=live, other=0) != 0
         k = tl.load(rank + i, mask=live, other=1) - 1
         take = w & (k < SLOTS)
-        cand = tl.load(order + tl.where(take, k, 0), mask=take, other=0)
+        cand = tl.load(order + tl.maximum(k, 0), mask=take, other=0)
         tk = tl.load(tick)
         take = take & (tl.load(stamp + cand, mask=take, other=0) != tk)  # a slot this call reads stays
         old = tl.load(owner + cand, mask=take, other=-1)
         gone = take & (old >= 0)
         # distinct ranks give distinct slots, and a row read from the host owns no slot: no two entries write one
-        tl.store(slot_of + tl.where(gone, old, 0), tl.full(old.shape, -1, tl.int32), mask=gone)
+        tl.store(slot_of + tl.maximum(old, 0), tl.full(old.shape, -1, tl.int32), mask=gone)
         tl.store(owner + cand, r, mask=take)
-        tl.store(slot_of + tl.where(take, r, 0), cand.to(tl.int32), mask=take)
+        tl.store(slot_of + tl.maximum(r, 0), cand.to(tl.int32), mask=take)
         tl.store(stamp + cand, tk + 0 * cand, mask=take)
         free = tl.full(r.shape, 2147483647, tl.int32)  # CLAIM_FREE: the claims back for the next call
-        tl.store(claim + tl.where(r >= 0, r, 0), free, mask=live & (r >= 0))
+        tl.store(claim + tl.maximum(r, 0), free, mask=live & (r >= 0))
         tl.atomic_add(counts + 4, tl.sum(gone.to(tl.int64), 0), sem="relaxed")  # rows the cache evicted
         a = tl.load(at + i, mask=take, other=0)
         for c in tl.static_range(0, D, BLOCK_D):
