@@ -305,7 +305,7 @@ def stage_rows_on_triton(*tensors: torch.Tensor) -> bool:
 
 def stage_rows(*args: Any, **kwargs: Any) -> None:
     """``row_stage.stage_rows``: a decode selection's keys staged through the pool, the row cache and the host
-    tier in five launches (callers ask ``stage_rows_on_triton`` first)."""
+    tier in about ten launches (callers ask ``stage_rows_on_triton`` first)."""
     from . import row_stage
 
     row_stage.stage_rows(*args, **kwargs)

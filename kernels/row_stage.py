@@ -2,16 +2,18 @@
 out by logical page, each key's row read from the device pool's slot where its page is resident, else from the
 layer's row cache, else from the (pinned) host tier, which the row cache then keeps, least recently used out.
 
-What it replaces: the same staging written as PyTorch ops (``KVTiers._stage``'s torch path with ``RowCache``'s
+What it replaces: the same staging written as PyTorch ops (``KVTiers._stage_torch`` with ``RowCache``'s
 ``lookup`` and ``place``, the oracle of ``tests/test_row_stage.py``) costs about a hundred small launches per
 tiered layer, each a few microseconds inside a captured step whatever the selection's size, so at batch 1 a
-tiered layer's staging cost several times its attention. Here it is five: the key pass (``_stage_kernel``: each
-key's token, page, source and copy, the cache hits' stamps and each host-read row's first entry by an atomic
-minimum), the first entries marked (``_want_kernel``), their ranks (a cumulative sum), the slots oldest first (a
-stable sort of the stamps, as the reference) and the placement (``_place_kernel``: evictions, both maps, the
-stamps, the rows copied from the staging buffer into their slots). Counts are atomics into the tiers' device
-counters. Shapes are fixed by the selection's size and nothing is read back to the host, so a captured decode step
-replays it.
+tiered layer's staging cost several times its attention. Here it is about ten: the key pass (``_stage_kernel``:
+each key's token, page and source, the cache hits' stamps, each host-read row's first entry by an atomic
+minimum), one row copy per source (``row_copy``: pool slots, row cache, host tier), the first entries marked
+(``_want_kernel``), their ranks (a cumulative sum), the slots oldest first (a stable sort of the stamps, as the
+reference), the placement (``_place_kernel``: evictions, both maps, the stamps) and the placed rows copied from the
+staging buffer into their slots. Counts are atomics into the tiers' device counters. Shapes are fixed by the
+selection's size and nothing is read back to the host, so a captured decode step replays it. The index kernels
+are one-dimensional and the copies ``row_copy``'s: Triton 3.6 miscompiles a kernel that uses one 1-D mask both
+alone and broadcast against the row's columns (its two layouts do not match), which a fused copy would need.
 
 Layout (the caller's, ``KVTiers``): every K/V tensor is viewed as rows of ``d``; the staging buffer has a page for
 every logical page of the batch plus a scratch page (``row * width + logical``), the pool and host tier are indexed
@@ -23,18 +25,17 @@ from __future__ import annotations
 
 import torch
 
-from .common import next_pow2, tl, triton
-from .row_copy import _HostRows
+from .common import tl, triton
+from .row_copy import copy_rows
 
 CLAIM_FREE = torch.iinfo(torch.int32).max
 
 if triton is not None:
 
     @triton.jit
-    def _stage_kernel(indices, seqlens, table, counted, smap, dk, dv, hk, hv, slot_of, stamp, tick, rk, rv, sk, sv,
-                      missing, at, claim, counts, H_KV, W, WIDTH, SCRATCH, LAYER_STEPS,
-                      UNIT: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      ROWS: tl.constexpr, CACHE: tl.constexpr, COUNT_LIVE: tl.constexpr):
+    def _stage_kernel(indices, seqlens, table, counted, smap, slot_of, stamp, tick, from_slot, from_cache, missing,
+                      at, claim, counts, H_KV, W, WIDTH, SCRATCH, LAYER_STEPS, UNIT: tl.constexpr,
+                      PAGE: tl.constexpr, ROWS: tl.constexpr, CACHE: tl.constexpr, COUNT_LIVE: tl.constexpr):
         bh = tl.program_id(0)
         blk = tl.program_id(1)
         b = bh // H_KV
@@ -47,8 +48,6 @@ if triton is not None:
         live = tl.load(table + b * WIDTH).to(tl.int64) != SCRATCH  # a captured step's padded row stages nothing
         tok = idx * UNIT + t % UNIT
         ok = inb & (idx >= 0) & (tok < seqlen) & live
-        # no tl.where over a 1-D mask that a 2-D mask also broadcasts below: Triton 3.6 gives the two different
-        # layouts and fails to compile the select; clamps and products say the same
         logical = tl.maximum(tok, 0) // PAGE
         off = tl.maximum(tok, 0) % PAGE
         hp = tl.load(table + b * WIDTH + logical, mask=ok, other=0).to(tl.int64)
@@ -56,35 +55,22 @@ if triton is not None:
         hit = ok & (slot >= 0)
         miss = ok & (slot < 0)
         dst = ((b * WIDTH + logical) * H_KV + h) * PAGE + off
-        src = (tl.maximum(slot, 0) * H_KV + h) * PAGE + off
         hrow = (hp * H_KV + h) * PAGE + off
         n = bh * n_keys + t
         if CACHE:
             cs = tl.load(slot_of + hrow, mask=miss, other=-1).to(tl.int64)
-            from_cache = miss & (cs >= 0)
+            cached = miss & (cs >= 0)
             from_host = miss & (cs < 0)
-            cs = tl.maximum(cs, 0)
-            tl.store(stamp + cs, tl.load(tick) + 0 * cs, mask=from_cache)  # read by this call: kept by the placement
+            tl.store(stamp + cs, tl.load(tick) + 0 * cs, mask=cached)  # read by this call: kept by the placement
             tl.atomic_min(claim + hrow, n.to(tl.int32), mask=from_host, sem="relaxed")  # the row's first entry
+            tl.store(from_cache + n, tl.where(cached, cs, -1), mask=inb)
         else:
-            cs = tl.zeros_like(slot)
-            from_cache = cs > 0  # no row cache: nothing from it
+            cached = miss & (slot > 0)  # none without a row cache (a miss's slot is negative)
             from_host = miss
-        tl.store(missing + n, from_host.to(tl.int64) * (hrow + 1) - 1, mask=inb)  # -1: not read from the host
-        tl.store(at + n, ok.to(tl.int64) * (dst + 1) - 1, mask=inb)
-        for c in tl.static_range(0, D, BLOCK_D):
-            col = (c + tl.arange(0, BLOCK_D))[None, :]
-            cm = col < D
-            m_hit, m_cache, m_host = hit[:, None] & cm, from_cache[:, None] & cm, from_host[:, None] & cm
-            out_k, out_v = sk + dst[:, None] * D + col, sv + dst[:, None] * D + col
-            # the three sources are disjoint: one masked store each (no select, see above)
-            tl.store(out_k, tl.load(dk + src[:, None] * D + col, mask=m_hit), mask=m_hit)
-            tl.store(out_v, tl.load(dv + src[:, None] * D + col, mask=m_hit), mask=m_hit)
-            if CACHE:
-                tl.store(out_k, tl.load(rk + cs[:, None] * D + col, mask=m_cache), mask=m_cache)
-                tl.store(out_v, tl.load(rv + cs[:, None] * D + col, mask=m_cache), mask=m_cache)
-            tl.store(out_k, tl.load(hk + hrow[:, None] * D + col, mask=m_host), mask=m_host)
-            tl.store(out_v, tl.load(hv + hrow[:, None] * D + col, mask=m_host), mask=m_host)
+        # the three sources are disjoint; -1 where a key takes another (the copies skip it)
+        tl.store(from_slot + n, tl.where(hit, (slot * H_KV + h) * PAGE + off, -1), mask=inb)
+        tl.store(missing + n, tl.where(from_host, hrow, -1), mask=inb)
+        tl.store(at + n, tl.where(ok, dst, -1), mask=inb)
         if COUNT_LIVE:
             cnt = live
         else:
@@ -94,7 +80,7 @@ if triton is not None:
         tl.atomic_add(counts + 1, tl.sum((ok & cnt).to(tl.int64), 0), sem="relaxed")  # their keys
         tl.atomic_add(counts + 2, tl.sum(from_host.to(tl.int64), 0), sem="relaxed")  # rows read from the host
         if CACHE:
-            tl.atomic_add(counts + 3, tl.sum(from_cache.to(tl.int64), 0), sem="relaxed")  # from the row cache
+            tl.atomic_add(counts + 3, tl.sum(cached.to(tl.int64), 0), sem="relaxed")  # from the row cache
         tl.atomic_add(counts + 5, LAYER_STEPS + 0 * b, mask=first & (b == 0), sem="relaxed")
 
     @triton.jit
@@ -106,9 +92,9 @@ if triton is not None:
         tl.store(want + i, ((r >= 0) & first).to(tl.int32), mask=live)
 
     @triton.jit
-    def _place_kernel(missing, want, rank, order, at, slot_of, owner, stamp, tick, claim, sk, sv, rk, rv, counts, n,
-                      SLOTS, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-        i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    def _place_kernel(missing, want, rank, order, slot_of, owner, stamp, tick, claim, into, counts, n, SLOTS,
+                      BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < n
         r = tl.load(missing + i, mask=live, other=-1)
         w = tl.load(want + i, mask=live, other=0) != 0
@@ -124,24 +110,10 @@ if triton is not None:
         tl.store(owner + cand, r, mask=take)
         tl.store(slot_of + tl.maximum(r, 0), cand.to(tl.int32), mask=take)
         tl.store(stamp + cand, tk + 0 * cand, mask=take)
+        tl.store(into + i, tl.where(take, cand, -1), mask=live)
         free = tl.full(r.shape, 2147483647, tl.int32)  # CLAIM_FREE: the claims back for the next call
         tl.store(claim + tl.maximum(r, 0), free, mask=live & (r >= 0))
         tl.atomic_add(counts + 4, tl.sum(gone.to(tl.int64), 0), sem="relaxed")  # rows the cache evicted
-        a = tl.load(at + i, mask=take, other=0)
-        for c in tl.static_range(0, D, BLOCK_D):
-            col = (c + tl.arange(0, BLOCK_D))[None, :]
-            m = take[:, None] & (col < D)
-            tl.store(rk + cand[:, None] * D + col, tl.load(sk + a[:, None] * D + col, mask=m), mask=m)
-            tl.store(rv + cand[:, None] * D + col, tl.load(sv + a[:, None] * D + col, mask=m), mask=m)
-
-
-def _source(t: torch.Tensor, on_gpu: bool) -> object:
-    """A K/V source as the kernel loads it: a host tensor on a GPU through its pinned address (``row_copy``)."""
-    if on_gpu and not t.is_cuda:
-        if not torch.cuda.is_current_stream_capturing() and not t.is_pinned():  # a capture must not ask the driver
-            raise ValueError("stage_rows: a host source of a GPU staging must be pinned (page-locked) memory")
-        return _HostRows(t)
-    return t
 
 
 def stage_rows(indices: torch.Tensor, unit: int, seqlens: torch.Tensor, table: torch.Tensor,
@@ -162,38 +134,39 @@ def stage_rows(indices: torch.Tensor, unit: int, seqlens: torch.Tensor, table: t
     b, h_kv, w = indices.shape
     width = table.shape[1]
     sk, sv = staging
-    d = sk.shape[-1]
     page = sk.shape[-2]
     n = b * h_kv * w * unit
     if n == 0:
         return
     indices, seqlens, table = indices.contiguous(), seqlens.contiguous(), table.contiguous()
-    on_gpu = sk.is_cuda
     dev = sk.device
-    block_d = min(next_pow2(d), 256)
-    rows = max(16, min(128, 4096 // block_d))  # keys a program: 32 at d = 128, loads in flight
-    missing = torch.empty(n, dtype=torch.int64, device=dev)
-    at = torch.empty(n, dtype=torch.int64, device=dev)
+    rows = 256  # keys a program
+    from_slot, missing, at = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
     dummy = torch.zeros(1, dtype=torch.int64, device=dev)
     if cache is not None:
         slot_of, owner, stamp, tick, claim, rk, rv = cache
+        from_cache = torch.empty(n, dtype=torch.int64, device=dev)
     else:
-        slot_of = owner = stamp = tick = dummy
+        slot_of = owner = stamp = tick = from_cache = dummy
         claim = torch.zeros(1, dtype=torch.int32, device=dev)
-        rk, rv = sk, sv
     grid = (b * h_kv, triton.cdiv(w * unit, rows))
-    _stage_kernel[grid](indices, seqlens, table, counted if counted is not None else dummy, smap, *pool,
-                        _source(host[0], on_gpu), _source(host[1], on_gpu), slot_of, stamp, tick, rk, rv, sk, sv,
-                        missing, at, claim, counts, h_kv, w, width, -1 if scratch_page is None else scratch_page,
-                        layer_steps, UNIT=unit, PAGE=page, D=d, BLOCK_D=block_d, ROWS=rows, CACHE=cache is not None,
-                        COUNT_LIVE=counted is None, num_warps=4)
+    _stage_kernel[grid](indices, seqlens, table, counted if counted is not None else dummy, smap, slot_of, stamp,
+                        tick, from_slot, from_cache, missing, at, claim, counts, h_kv, w, width,
+                        -1 if scratch_page is None else scratch_page, layer_steps, UNIT=unit, PAGE=page, ROWS=rows,
+                        CACHE=cache is not None, COUNT_LIVE=counted is None, num_warps=4)
+    # the copies: one launch per source, each reading only its keys (``row_copy`` skips the -1 entries)
+    copy_rows([(pool[0], sk), (pool[1], sv)], from_slot, at)
+    copy_rows([(host[0], sk), (host[1], sv)], missing, at)
     if cache is None:
         return
+    copy_rows([(rk, sk), (rv, sv)], from_cache, at)
     want = torch.empty(n, dtype=torch.int32, device=dev)
     block = 1024
     _want_kernel[(triton.cdiv(n, block),)](missing, claim, want, n, BLOCK=block, num_warps=4)
     rank = torch.cumsum(want, 0)
     slots = owner.numel() - 1
     order = torch.argsort(stamp[:slots], stable=True)  # oldest first, ties by the lower slot: the reference's order
-    _place_kernel[(triton.cdiv(n, rows),)](missing, want, rank, order, at, slot_of, owner, stamp, tick, claim, sk, sv,
-                                           rk, rv, counts, n, slots, D=d, BLOCK_D=block_d, ROWS=rows, num_warps=4)
+    into = torch.empty(n, dtype=torch.int64, device=dev)
+    _place_kernel[(triton.cdiv(n, block),)](missing, want, rank, order, slot_of, owner, stamp, tick, claim, into,
+                                            counts, n, slots, BLOCK=block, num_warps=4)
+    copy_rows([(sk, rk), (sv, rv)], at, into)  # the placed rows into their slots, from the staging buffer
