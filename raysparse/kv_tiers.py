@@ -31,7 +31,8 @@ attend:
   **row cache** where an earlier step left them, the rest from the host, which the row cache then keeps), laid
   out as pages, and attended as a token list over it. A token-level or per-head selection moves a few keys a
   step, so the rows it read last step are what it reads next; without the row cache they would cross from the
-  host at every step.
+  host at every step. On a GPU that staging runs as ``kernels.row_stage``'s fused launches, with this module's
+  PyTorch staging (``_stage_torch`` over ``RowCache``) as the CPU path and its oracle.
 
 Both read exactly the keys the selection names, in its order, so a step's output is the untiered one's. On CPUs
 the copies' time is stall time (nothing overlaps them); on GPUs the copies run on the compute stream right after
