@@ -28,8 +28,6 @@ import torch
 from .common import tl, triton
 from .row_copy import copy_rows
 
-CLAIM_FREE = torch.iinfo(torch.int32).max
-
 if triton is not None:
 
     @triton.jit
@@ -128,7 +126,8 @@ def stage_rows(indices: torch.Tensor, unit: int, seqlens: torch.Tensor, table: t
     ``scratch_page``: a captured step's padding page; rows whose table starts with it stage and count nothing.
     ``counted`` [B] (int8; None: every live row): the rows whose keys count as staged. ``cache``: the row cache
     (``slot_of`` [host rows + 1] int32, ``owner`` [slots + 1] int64, ``stamp`` [slots + 1] int64, ``tick`` (this
-    call's stamp, already advanced), ``claim`` [host rows + 1] int32 holding ``CLAIM_FREE``, its rows K and V
+    call's stamp, already advanced), ``claim`` [host rows + 1] int32 holding int32's maximum (``RowCache``'s
+    ``CLAIM_FREE``), its rows K and V
     [slots, d]), None: none. Adds to ``counts`` (int64 [6], the tiers' device counters): rows staged, their
     keys, rows read from the host, rows read from the cache, rows the cache evicted, ``layer_steps``."""
     b, h_kv, w = indices.shape
@@ -142,15 +141,13 @@ def stage_rows(indices: torch.Tensor, unit: int, seqlens: torch.Tensor, table: t
     dev = sk.device
     rows = 256  # keys a program
     from_slot, missing, at = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
-    dummy = torch.zeros(1, dtype=torch.int64, device=dev)
     if cache is not None:
         slot_of, owner, stamp, tick, claim, rk, rv = cache
         from_cache = torch.empty(n, dtype=torch.int64, device=dev)
-    else:
-        slot_of = owner = stamp = tick = from_cache = dummy
-        claim = torch.zeros(1, dtype=torch.int32, device=dev)
+    else:  # pointers the kernel does not touch (CACHE off): any device tensor will do, none allocated for them
+        slot_of = owner = stamp = tick = from_cache = claim = counts
     grid = (b * h_kv, triton.cdiv(w * unit, rows))
-    _stage_kernel[grid](indices, seqlens, table, counted if counted is not None else dummy, smap, slot_of, stamp,
+    _stage_kernel[grid](indices, seqlens, table, counted if counted is not None else counts, smap, slot_of, stamp,
                         tick, from_slot, from_cache, missing, at, claim, counts, h_kv, w, width,
                         -1 if scratch_page is None else scratch_page, layer_steps, UNIT=unit, PAGE=page, ROWS=rows,
                         CACHE=cache is not None, COUNT_LIVE=counted is None, num_warps=4)
