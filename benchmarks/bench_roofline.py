@@ -15,7 +15,7 @@ attention's causal FLOPs over SDPA's causal rate at that length (K/V repeated to
 ``enable_gqa``, the faster), both measured in the same run.
 
 Combinations whose K/V, the weights and ``--reserve-gib`` of working memory do not fit on the device are skipped
-and listed. ``--profile`` adds a torch.profiler table of dense's replays at the given batch and context, with
+and listed. ``--profile`` adds a torch.profiler table of each method's replays at the given batch and context, with
 the attention kernel's and the GEMMs' achieved bandwidth.
 
 Usage (the GPU machine):  python3 benchmarks/bench_roofline.py [--methods dense,sketch_walk,...] [--profile 8x32768]
@@ -26,6 +26,7 @@ Prints a table last and writes JSON to $OUT/<--name> (default ./results/bench_ro
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -218,7 +219,7 @@ def profile_case(graph: Any, reps: int, kv_bytes: float, weights: int, path: Any
 
     kernels = [(e.key, dev_us(e) / reps, e.count / reps) for e in avgs if dev_us(e) > 0]
     kernels.sort(key=lambda r: -r[1])
-    path.write_text(avgs.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    path.write_text(avgs.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
 
     def group(name: str) -> str:
         low = name.lower()
@@ -232,7 +233,7 @@ def profile_case(graph: Any, reps: int, kv_bytes: float, weights: int, path: Any
     for name, us, _ in kernels:
         groups[group(name)] = groups.get(group(name), 0.0) + us
     rec: dict[str, Any] = {"us_per_step": groups, "total_us": sum(groups.values()),
-                           "top": [{"kernel": n[:120], "us": us, "launches": c} for n, us, c in kernels[:15]]}
+                           "top": [{"kernel": n[:120], "us": us, "launches": c} for n, us, c in kernels[:25]]}
     if groups.get("attention"):
         rec["attention_gbs"] = kv_bytes / (groups["attention"] * 1e-6) / 1e9
     if groups.get("gemm"):
@@ -321,12 +322,13 @@ def run_context(model: Any, method: str, params: dict[str, Any], n: int, batches
         print(f"  decode {args.entry} {b}x{n}: {rec.get('ms', float('nan')):.3f} ms, floor "
               f"{rec.get('floor_ms', float('nan')):.3f}, frac {rec.get('frac', float('nan')):.3f}", flush=True)
         want = f"{b}x{n}"
-        if method == "dense" and want in args.profile and rec.get("graph_key") and graphs is not None:
+        if want in args.profile and rec.get("graph_key") and graphs is not None:
             key = (args.entry, rec["graph_key"][0], rec["graph_key"][1], False)
             from bench_common import out_dir
 
-            profiles[want] = guarded({}, profile_case, graphs.graphs[key], 5, rec["kv_gb"] * 1e9, weights,
-                                     out_dir() / f"profile_dense_{want}.txt")
+            tag = re.sub(r"[^A-Za-z0-9_.=-]+", "_", args.entry)
+            profiles[f"{args.entry} {want}"] = guarded({}, profile_case, graphs.graphs[key], 5, rec["kv_gb"] * 1e9,
+                                                       weights, out_dir() / f"profile_{tag}_{want}.txt")
     del graphs, backend, cache
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -352,7 +354,8 @@ def main() -> None:
     ap.add_argument("--reserve-gib", type=float, default=24.0,
                     help="device memory kept free beside the weights and K/V (prefill activations, graphs, state)")
     ap.add_argument("--prefill-repeats", type=int, default=3, help="dense prefills of a lone prompt (first untimed)")
-    ap.add_argument("--profile", default="8x32768", help="BATCHxCONTEXT entries of dense to profile ('' for none)")
+    ap.add_argument("--profile", default="8x32768",
+                    help="BATCHxCONTEXT entries to profile, for every method ('' for none)")
     ap.add_argument("--name", default="bench_roofline.json", help="JSON file written under $OUT")
     ap.add_argument("--smoke", action="store_true", help="CPU run of the code paths on a tiny config")
     args = ap.parse_args()
@@ -400,7 +403,7 @@ def main() -> None:
     for n, r in ceil["sdpa_causal_tflops"].items():
         print(f"SDPA causal at {n}: {r['best']:.0f} TFLOP/s (gqa {r['gqa']:.0f}, repeat {r['repeat']:.0f})")
     for key, p in profiles.items():
-        print(f"dense {key} profile: us/step {({k: round(v) for k, v in p.get('us_per_step', {}).items()})}, attention "
+        print(f"{key} profile: us/step {({k: round(v) for k, v in p.get('us_per_step', {}).items()})}, attention "
               f"{p.get('attention_gbs', 0):.0f} GB/s on K/V, GEMMs {p.get('gemm_gbs', 0):.0f} GB/s on the weights")
     for r in rows:
         if r["kind"] == "skipped":
