@@ -91,10 +91,11 @@ class Runner:
         self.graphs = self.ex.use_graphs
 
     def run(self, method: str, params: dict, prompts: list[list[int]], new: int,
-            profile: bool = False) -> dict[str, Any]:
+            profile: bool = False, keep_outputs: bool = False) -> dict[str, Any]:
         """The prompts through the scheduler's plans; the decode steps are timed, the first two left out (they
         compile the kernels): generated tokens over their time, and the mean batch they decoded. ``profile``: the
-        fourth decode step also runs under the PyTorch profiler (untimed), whose busiest ops are printed."""
+        fourth decode step also runs under the PyTorch profiler (untimed), whose busiest ops are printed.
+        ``keep_outputs``: the generated tokens of each request come back as ``outputs``."""
         extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
                                                      pinned_pages=self.offload.pinned_pages)
         sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
@@ -108,6 +109,9 @@ class Runner:
             sched.add(s)
         by_id = {s.seq_id: s for s in seqs}
         prefill_s, steps, rows, seen = 0.0, [], 0, 0
+        first: dict[int, float] = {}  # when each request's first and latest tokens came back
+        last: dict[int, float] = {}
+        outputs: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         t_start = time.perf_counter()
         while sched.has_work():
             plan = sched.next_plan()
@@ -141,10 +145,14 @@ class Runner:
             elif seen >= 3 and not profiled:
                 steps.append(dt)
                 rows += len(plan.seq_ids) * plan.steps
+            now = time.perf_counter()
             for sid, t in zip(plan.seq_ids, out["tokens"], strict=True):
                 seq = by_id[sid]
                 if t is not None:
                     seq.tokens.append(t)
+                    outputs[sid].append(t)
+                    first.setdefault(sid, now)
+                    last[sid] = now
                 if len(seq.tokens) >= new:
                     sched.release(seq)
         stats = self.ex.stats(reset=True)
@@ -160,11 +168,18 @@ class Runner:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         tps = rows / sum(steps) if steps else float("nan")
+        # per request, as a serving client sees it: every request arrived at t_start
+        ttft = [first[s.seq_id] - t_start for s in seqs if s.seq_id in first]
+        tpot = [(last[s.seq_id] - first[s.seq_id]) / (len(outputs[s.seq_id]) - 1) for s in seqs
+                if len(outputs[s.seq_id]) > 1]
         return {"method": method, "batch": len(prompts), "tiered": self.offload is not None, "graphs": self.graphs,
                 "prefill_s": prefill_s, "decode_steps_timed": len(steps),
                 "decode_ms_per_step": 1e3 * sum(steps) / len(steps) if steps else float("nan"),
                 "mean_decode_batch": rows / len(steps) if steps else 0.0,
                 "decode_tokens_per_s": tps, "wall_s": time.perf_counter() - t_start,
+                "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft) if ttft else float("nan"),
+                "mean_tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
+                **({"outputs": [outputs[s.seq_id] for s in seqs]} if keep_outputs else {}),
                 "kv_offload": stats.get("kv_offload"), "state_bytes_per_token": state / ((self.pages + 1) * PAGE)}
 
     def close(self) -> None:
