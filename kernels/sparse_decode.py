@@ -226,7 +226,8 @@ if triton is not None:
 
 def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: int = 1, scale: float | None = None,
                   num_splits: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  window_lo: torch.Tensor | None = None, sink: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_lo: torch.Tensor | None = None, sink: int = 0, block_n: int | None = None,
+                  stages: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [batch, h, d]; indices: int32 [batch, h_kv, max_sel]. Returns out [batch, h, d] (q's dtype) and
     lse [batch, h] fp32 (natural log); a query with no valid key gets zeros and lse = -inf. ``out``/``lse``
     may be preallocated (static buffers for CUDA graphs). One launch: the splits combine themselves.
@@ -234,7 +235,8 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     at or past the row's bound: a sliding window with sinks attended by whole blocks (PSAW's decode).
     The splits share each (row, KV head)'s valid entries, not the list's width: a dense list padded to a captured
     graph's width bucket (a 32K-token row's 513 pages in a 1024-wide list) had left half the splits with no entry
-    and the other half with twice the work."""
+    and the other half with twice the work. ``block_n`` (keys per inner step, a power of two >= 16), ``stages`` and
+    ``num_warps`` override the kernel's tiling, for ``benchmarks/bench_decode_tuning.py``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     batch, h, d = q.shape
@@ -269,13 +271,16 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     lo = a.seqlens if window_lo is None else window_lo.to(torch.int32).contiguous()  # unread without a window
     # The split count above keeps the one-page model: at the sizes measured its choice was also the fastest split
     # count for two-page steps.
-    block_n, stages = (_BLOCK_N_PAGES, _STAGES_PAGES) if unit >= 64 else (_BLOCK_N, _STAGES)
+    bn, st = (_BLOCK_N_PAGES, _STAGES_PAGES) if unit >= 64 else (_BLOCK_N, _STAGES)
+    block_n, stages = block_n or bn, stages or st
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     _decode_split_kernel[(splits, a.h_kv, batch)](
         q, a.k, a.v, part_o, part_l, idx, a.seqlens, a.cu_k, a.page_table, out, lse, counters, lo, sink,
         q.stride(0), q.stride(1), *a.k_strides, *a.v_strides, idx.stride(0), idx.stride(1), a.pt_stride,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), max_sel, splits, scale * LOG2E,
         G=g, G_PAD=max(16, g_p2), G_P2=g_p2, HEAD_DIM=d, UNIT=unit, PAGE=page, PAGED=a.paged, BLOCK_N=block_n,
         PREC=dot_precision(q.dtype), CNT_CHUNK=_CNT_CHUNK,
-        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), WINDOW=window_lo is not None, num_warps=4,
+        COMBINE_CHUNK=max(1, min(64, _COMBINE_ELEMS // (g_p2 * d))), WINDOW=window_lo is not None, num_warps=num_warps,
         num_stages=1 if interpreting() else stages)
     return out, lse
