@@ -52,6 +52,9 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=65536, help="prompt tokens per prefill step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--eager", action="store_true", help="decode eagerly instead of from CUDA graphs")
+    p.add_argument("--profile", action="store_true",
+                   help="the timed run's fourth decode step also runs under the profiler (untimed): its wall and "
+                        "device time and busiest kernels")
     p.add_argument("--name", default="kv_bound.json", help="JSON file written under $OUT")
     args = p.parse_args()
     if args.requests < 1 or args.new < 4:
@@ -86,7 +89,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             runner.run(method, params, prompts, args.new)  # compiles and captures
-            r = runner.run(method, params, prompts, args.new, keep_outputs=True)
+            r = runner.run(method, params, prompts, args.new, profile=args.profile, keep_outputs=True)
         except Exception as e:  # a method that fails here gets a row saying why; the others go on
             rows.append({"method": entry, "error": f"{type(e).__name__}: {e}"[:300]})
             print(f"{entry}: {rows[-1]['error']}", flush=True)

@@ -109,6 +109,7 @@ class Runner:
             sched.add(s)
         by_id = {s.seq_id: s for s in seqs}
         prefill_s, steps, rows, seen = 0.0, [], 0, 0
+        step_profile: dict[str, Any] | None = None
         first: dict[int, float] = {}  # when each request's first and latest tokens came back
         last: dict[int, float] = {}
         outputs: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
@@ -129,10 +130,19 @@ class Runner:
                 from torch.profiler import ProfilerActivity
                 from torch.profiler import profile as torch_profile
 
+                t_prof = time.perf_counter()
                 with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     out = self.ex.execute(plan)
-                print(f"{method}: one decode step under the profiler, by self CPU time")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
+                wall_us = 1e6 * (time.perf_counter() - t_prof)
+                avgs = prof.key_averages()
+                dev = {e.key: float(getattr(e, "self_device_time_total", 0.0) or 0.0) for e in avgs}
+                step_profile = {"wall_us": wall_us, "device_us": sum(dev.values()),
+                                "top_device": sorted(((round(v, 1), k[:80]) for k, v in dev.items() if v > 0),
+                                                     reverse=True)[:15]}
+                print(f"{method}: one decode step under the profiler ({wall_us:.0f} us of wall time, "
+                      f"{step_profile['device_us']:.0f} us on the device), by self CPU time")
+                print(avgs.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
+                print("by device time: " + "; ".join(f"{k} {v:.0f} us" for v, k in step_profile["top_device"]))
             t0 = time.perf_counter()
             if not profiled:
                 out = self.ex.execute(plan)
@@ -180,6 +190,7 @@ class Runner:
                 "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft) if ttft else float("nan"),
                 "mean_tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
                 **({"outputs": [outputs[s.seq_id] for s in seqs]} if keep_outputs else {}),
+                **({"step_profile": step_profile} if step_profile is not None else {}),
                 "kv_offload": stats.get("kv_offload"), "state_bytes_per_token": state / ((self.pages + 1) * PAGE)}
 
     def close(self) -> None:

@@ -46,14 +46,18 @@ from .common import (
 )
 from .formats import pack_token_selections  # noqa: F401 - re-exported
 
-_BLOCK_N = 64  # keys per inner step
-# Entries of a page or more (dense decode's block lists, page-sized block selections, PSAW's window pages): two
-# pages per inner step, two pipeline stages. Twice the bytes in flight per program: the split-K loop is a chain of
-# dependent gathers (list entry, page table, K/V), and with one page per step an H200 read dense lists at 2.5 TB/s
-# (1 x 32K) to 3.5 TB/s (8 x 32K) against its 4.3 TB/s copy; with two, at 3.2 and 4.3 TB/s (bench_roofline.py's
-# profile of the dense step).
+_BLOCK_N = 64  # keys per inner step of the split model's residency estimate (below)
+# The kernel's tiling: 128 keys per inner step, two pipeline stages, for every entry size. Twice the bytes in flight
+# per program of 64 keys in three stages: the split-K loop is a chain of dependent gathers (list entry, page table,
+# K/V). With one page per step an H200 read dense lists at 2.5 TB/s (1 x 32K) to 3.5 TB/s (8 x 32K) against its
+# 4.3 TB/s copy; with two, at 3.2 and 4.3 TB/s (bench_roofline.py's profile of the dense step). Token and 16-token
+# entries at a tenth of 131072 keys (bench_decode_tuning.py): 128 / 2 was the fastest tiling at batch 1 and 8.
 _BLOCK_N_PAGES = 128
 _STAGES_PAGES = 2
+# Entries shorter than a page (tokens, Quest's pages) are split to about this many keys per program at least: at
+# batch 8 x 131072 the split model's few long programs (4 per row) read 13107 tokens per row in 161 us, 16-32
+# splits of 400-800 keys in 126 us; at batch 1 its choice was already near the best.
+_KEYS_PER_SPLIT = 512
 _CNT_CHUNK = 1024  # entries counted per step (only rows whose list is padded count)
 _STAGES = 3  # software-pipeline depth of the key loop
 _MAX_SPLITS = 128
@@ -75,14 +79,23 @@ def _ceil_div(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _best_split(rows: int, max_sel: int, unit: int, slots: int) -> tuple[int, int]:
-    step = max(1, _BLOCK_N // unit)  # keep every split's token count a multiple of the inner step
+    # Keep every split's token count a multiple of the inner step. Pages keep the one-page model (its choice was
+    # also the fastest for the two-page steps where it was measured: dense decode's lists).
+    step = max(1, (_BLOCK_N if unit >= 64 else _BLOCK_N_PAGES) // unit)
     best: tuple[float, int, int] | None = None
-    for s in range(1, min(_MAX_SPLITS, -(-max_sel // step)) + 1):
+    top = min(_MAX_SPLITS, -(-max_sel // step))
+    if unit < 64:  # short entries: at least ~_KEYS_PER_SPLIT keys a program
+        least = min(top, -(-max_sel * unit // _KEYS_PER_SPLIT))
+        per = _ceil_div(_ceil_div(max_sel, least), step) * step
+        floor_splits = -(-max_sel // per)
+    else:
+        floor_splits = 1
+    for s in range(1, top + 1):
         per = _ceil_div(_ceil_div(max_sel, s), step) * step
         splits = -(-max_sel // per)
         waves = -(-(rows * splits) // slots)
         cost = waves * (_FIXED_TOKENS + per * unit) + (splits > 1) * splits * _COMBINE_TOKENS
-        if best is None or cost < best[0]:
+        if splits >= floor_splits and (best is None or cost < best[0]):
             best = (cost, splits, per)
     assert best is not None
     return best[1], best[2]
@@ -269,10 +282,7 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
     page = a.page_size if a.paged else 1
     lo = a.seqlens if window_lo is None else window_lo.to(torch.int32).contiguous()  # unread without a window
-    # The split count above keeps the one-page model: at the sizes measured its choice was also the fastest split
-    # count for two-page steps.
-    bn, st = (_BLOCK_N_PAGES, _STAGES_PAGES) if unit >= 64 else (_BLOCK_N, _STAGES)
-    block_n, stages = block_n or bn, stages or st
+    block_n, stages = block_n or _BLOCK_N_PAGES, stages or _STAGES_PAGES
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     _decode_split_kernel[(splits, a.h_kv, batch)](

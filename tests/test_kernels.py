@@ -273,15 +273,21 @@ def test_single_launch_decode_repeats_on_one_workspace() -> None:
 
 def test_split_heuristic_fills_the_gpu() -> None:
     """Every split has work and the splits cover the selection; on an H100-sized GPU (132 SMs, 2 programs
-    each) batch 1 spreads its few selected tokens over many programs and big batches keep few, long ones."""
+    each) batch 1 spreads its few selected tokens over many programs (as many as whole 128-key inner steps allow)
+    and big batches keep fewer, longer ones, but no token list goes past ~512 keys a program."""
     for batch, h_kv, max_sel, unit in [(1, 8, 32, 64), (1, 8, 2048, 1), (8, 8, 128, 64), (64, 8, 8192, 1),
                                        (1, 2, 5, 1), (3, 1, 1, 64)]:
         splits, per = num_splits_for(batch, h_kv, max_sel, unit, torch.device("cpu"))
         assert 1 <= splits <= 128 and (splits - 1) * per < max_sel <= splits * per
     slots = 132 * 2
     one, per_one = decode_mod._best_split(8, 2048, 1, slots)
-    many, _ = decode_mod._best_split(64, 2048, 1, slots)
-    assert one * 8 <= slots < 2 * one * 8 and many < one and per_one % 64 == 0
+    many, per_many = decode_mod._best_split(64, 2048, 1, slots)
+    assert one == 2048 // 128 and one * 8 <= slots and per_one % 128 == 0
+    assert 2048 // 512 <= many < one and per_many % 128 == 0
+    # the floor: the model alone keeps 4 splits a row at batch 8 x 13107 tokens, the floor 26 of 512
+    assert decode_mod._best_split(64, 13107, 1, slots) == (26, 512)
+    # pages keep the model's choice: a batch of long page lists stays in few programs
+    assert decode_mod._best_split(64, 204, 64, slots)[0] <= 4
 
 
 STRIDED_CASES = [  # (g, d, gamma, layout, dtype, block_qt)
