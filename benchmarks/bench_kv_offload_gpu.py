@@ -91,11 +91,13 @@ class Runner:
         self.graphs = self.ex.use_graphs
 
     def run(self, method: str, params: dict, prompts: list[list[int]], new: int,
-            profile: bool = False, keep_outputs: bool = False) -> dict[str, Any]:
+            profile: bool = False, keep_outputs: bool = False, clean: bool = True) -> dict[str, Any]:
         """The prompts through the scheduler's plans; the decode steps are timed, the first two left out (they
         compile the kernels): generated tokens over their time, and the mean batch they decoded. ``profile``: the
         fourth decode step also runs under the PyTorch profiler (untimed), whose busiest ops are printed.
-        ``keep_outputs``: the generated tokens of each request come back as ``outputs``."""
+        ``keep_outputs``: the generated tokens of each request come back as ``outputs``. ``clean=False`` keeps the
+        method's backends, per-page state and captured graphs for the next run of the same method (a warm-up run:
+        the next run replays what this one captured instead of capturing inside its timed steps)."""
         extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
                                                      pinned_pages=self.offload.pinned_pages)
         sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
@@ -169,14 +171,14 @@ class Runner:
         state = sum(t.numel() * t.element_size() for t in self.cache.shared_state.values()
                     if isinstance(t, torch.Tensor))
         self.ex.free([s.seq_id for s in seqs])
-        # the next method starts from a clean device: this one's backends and per-page state go, with its captures
-        self.ex.backends.clear()
-        if self.ex.graphs is not None:
-            self.ex.graphs.reset()
-        self.cache.shared_state.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if clean:  # the next method starts from a clean device: this one's backends and state go, with its captures
+            self.ex.backends.clear()
+            if self.ex.graphs is not None:
+                self.ex.graphs.reset()
+            self.cache.shared_state.clear()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         tps = rows / sum(steps) if steps else float("nan")
         # per request, as a serving client sees it: every request arrived at t_start
         ttft = [first[s.seq_id] - t_start for s in seqs if s.seq_id in first]
