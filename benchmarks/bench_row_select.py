@@ -10,8 +10,7 @@ out_width = 320 + k. Timed with CUDA events, median of many calls, L2 flushed be
 
 - ``us_eager``: ``select_list`` called from Python; ``us_graph``: the same captured in a CUDA graph (proves
   it is capturable and removes launch overhead), for each path that applies (``single``: one program per
-  row, rows up to 16384 columns, ``-w4`` / ``-w8`` with 4 / 8 warps, ``single-radix``: the same by four 8-bit radix
-  levels instead of a bisection; ``multi``: the radix path, its chunk
+  row, rows up to 16384 columns, ``-w4`` / ``-w8`` with 4 / 8 warps; ``multi``: the radix path, its chunk
   from ``default_chunk`` unless given; ``multi-atomic``: 11 + 11 + 10 bits, global atomics at every level);
 - ``us_torch``: ``select_list_torch`` (topk of k_max int64 keys, scatter, cumsum) in a graph;
   ``us_topk``: a bare ``torch.topk(score, k)`` in a graph (what a topk route costs before any list is made).
@@ -81,12 +80,9 @@ def case(shape: str, dist: str, smoke: bool, chunk: int | None,
     paths: dict[str, dict[str, Any]] = {}
     if n <= 16384:
         paths["single"] = {"single_max": n}
-        paths["single-radix"] = {"single_max": n, "single_radix": True}
         if not smoke:
             paths["single-w4"] = {"single_max": n, "num_warps": 4}
             paths["single-w8"] = {"single_max": n, "num_warps": 8}
-            for w in (4, 8, 16):
-                paths[f"single-radix-w{w}"] = {"single_max": n, "num_warps": w, "single_radix": True}
     if smoke or n > 2048:
         multi = {"single_max": 0, "chunk": chunk or (64 if smoke else default_chunk(rows, n))}
         paths["multi"] = multi

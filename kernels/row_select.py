@@ -125,13 +125,11 @@ def default_chunk(rows: int, n: int) -> int:
 def select_list_triton(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_width: int, *,
                        single_max: int = SINGLE_MAX, chunk: int | None = None, num_warps: int | None = None,
                        bits: tuple[int, int, int] = BITS, local_hist: bool = True,
-                       out: torch.Tensor | None = None, single_radix: bool = False) -> torch.Tensor:
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """``select_list`` on Triton. Rows of at most ``single_max`` columns take the one-program path, longer
     ones the multi-program path with ``chunk`` columns (a power of two >= 16) per program. ``out``, if given,
     receives the lists (int32 [R, out_width] contiguous; every element is written). ``bits`` (summing to 32,
-    each 5 to 14) and ``local_hist`` (level 1 by ``tl.histogram``) choose the radix levels, for benchmarks.
-    ``single_radix``: the one-program path finds its threshold by four 8-bit radix levels
-    (``single_radix_kernel``) instead of a bisection."""
+    each 5 to 14) and ``local_hist`` (level 1 by ``tl.histogram``) choose the radix levels, for benchmarks."""
     _check(score, kk, k_max, out_width)
     # The kernels read kk[r] at offset r: a broadcast view (an expanded [B, 1] flattened at B = 1 has stride 0)
     # would hand every row past the first whatever lies beyond it.
@@ -150,8 +148,7 @@ def select_list_triton(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_wi
     if n <= single_max:
         np_ = next_pow2(n)
         warps = num_warps or (4 if np_ <= 1024 else 8)  # 8 beat 16 at 8192 columns on the H100
-        kernel = kern.single_radix_kernel if single_radix else kern.single_kernel
-        kernel[(rows,)](score, kk, out, n, k_max, out_width, NP=np_, PB=pb, num_warps=warps)
+        kern.single_kernel[(rows,)](score, kk, out, n, k_max, out_width, NP=np_, PB=pb, num_warps=warps)
         return out
     chunk = chunk or default_chunk(rows, n)
     if chunk < 16 or chunk & (chunk - 1):

@@ -71,46 +71,6 @@ if triton is not None:
             tl.store(row + p, tl.full([PB], -1, tl.int32), mask=(p < OUTW) & (p >= total))
 
     @triton.jit
-    def single_radix_kernel(S, KK, OUT, N, K_MAX, OUTW, NP: tl.constexpr, PB: tl.constexpr):
-        """``single_kernel``'s contract, its kk-th largest key found by four 8-bit radix levels over the row in
-        registers (``tl.histogram`` of each key byte among the keys matching the bytes above it, then the bin
-        where the count from the top reaches the picks still needed) instead of a bisection of up to 32
-        full-row passes."""
-        r = tl.program_id(0)
-        cols = tl.arange(0, NP)
-        x = tl.load(S + r.to(tl.int64) * N + cols, mask=cols < N, other=float("-inf"))
-        forced = x == float("inf")
-        cand = (x != float("-inf")) & ~forced
-        key = _keys(x)
-        ncand = tl.sum(cand.to(tl.int32), 0)
-        kk = _row_kk(KK, r, ncand, K_MAX)
-        bins = tl.arange(0, 256)
-        need = kk
-        m = cand
-        thr = tl.zeros([], dtype=tl.int64)
-        for level in tl.static_range(4):
-            digit = (key >> (24 - 8 * level)) & 255
-            if level == 0:
-                digit = digit ^ 128  # the sign bit flipped: the top byte's unsigned order is the keys' order
-            h = tl.histogram(digit, 256, mask=m)
-            above = tl.sum(h, 0) - tl.cumsum(h, 0)  # [b]: matching keys in the bins above b
-            # the one bin where the count from the top reaches ``need`` (none when nothing is picked)
-            hit = (above < need) & (above + h >= need)
-            b = tl.max(tl.where(hit, bins, -1), 0)
-            need = need - tl.sum(tl.where(bins == b, above, 0), 0)
-            m = m & (digit == b)
-            thr = thr * 256 + tl.where(level == 0, b ^ 128, b).to(tl.int64)
-        # back to a signed 32-bit key (the bytes were read from its two's-complement form)
-        thr = tl.where(thr >= 2147483648, thr - 4294967296, thr)
-        key = tl.where(cand, key, -2147483648)
-        take, pos, total = take_at_threshold(cand, key, thr.to(tl.int32), kk, forced)
-        row = OUT + r.to(tl.int64) * OUTW
-        tl.store(row + pos, cols.to(tl.int32), mask=(take > 0) & (pos < OUTW))
-        for p0 in range(0, OUTW, PB):
-            p = p0 + tl.arange(0, PB)
-            tl.store(row + p, tl.full([PB], -1, tl.int32), mask=(p < OUTW) & (p >= total))
-
-    @triton.jit
     def hist_kernel(S, KK, HIST, CNT, STATE, N, C, K_MAX, HROW,
                      LEVEL: tl.constexpr, CHUNK: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
                      B3: tl.constexpr, LOCAL: tl.constexpr):

@@ -103,9 +103,8 @@ def _check_triton(seed: int, kind: str, rows: int, n: int, k_max: int, width: in
 
 @pytest.mark.parametrize("kind", ["ties", "spread", "normal"])
 @pytest.mark.parametrize("rows,n,k_max,width", CASES)
-@pytest.mark.parametrize("single_radix", [False, True], ids=["bisect", "radix"])
-def test_single_program_matches_torch(kind, rows, n, k_max, width, single_radix):
-    _check_triton(_seed(), kind, rows, n, k_max, width, single_radix=single_radix)
+def test_single_program_matches_torch(kind, rows, n, k_max, width):
+    _check_triton(_seed(), kind, rows, n, k_max, width)
 
 
 @pytest.mark.parametrize("variant", [{}, {"bits": (11, 11, 10), "local_hist": False}], ids=["default", "11-11-10"])
@@ -121,10 +120,10 @@ def test_multi_program_matches_torch(kind, rows, n, k_max, width, chunk, variant
     _check_triton(_seed(), kind, rows, n, k_max, width, single_max=0, chunk=chunk, **variant)
 
 
-@pytest.mark.parametrize("multi", [False, True, "radix"], ids=["single", "multi", "single-radix"])
+@pytest.mark.parametrize("multi", [False, True], ids=["single", "multi"])
 def test_corner_rows(multi):
     """kk = 0 everywhere, k_max = 0, all-equal rows, one candidate, widths past the list, a 1-column row."""
-    kw = {"single_max": 0, "chunk": 16} if multi is True else {"single_radix": True} if multi else {}
+    kw = {"single_max": 0, "chunk": 16} if multi else {}
     n = 50
     cases = []
     s = torch.zeros(3, n)
@@ -142,7 +141,7 @@ def test_corner_rows(multi):
         want = _python(score, kk, k_max, w)
         assert torch.equal(select_list_torch(score, kk, k_max, w), want)
         assert torch.equal(select_list_host(score, kk, k_max, w), want)
-        if multi is True and score.shape[1] < 16:
+        if multi and score.shape[1] < 16:
             kw = {"single_max": 0, "chunk": 16}
         got = select_list_triton(score.to(DEV), kk.to(DEV), k_max, w, **kw)
         assert torch.equal(got.cpu(), want), (score, kk, k_max, w)
