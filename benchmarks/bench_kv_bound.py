@@ -37,7 +37,8 @@ from raysparse.workload import build_retrieval_task, load_haystack_text
 
 METHODS = "streaming,quest,sketch_walk,socket,cis,cpe"
 COLUMNS = [("method", "method"), ("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"),
-           ("decode_ms_per_step", "step ms"), ("decode_tokens_per_s", "decode tok/s"), ("correct", "answered"),
+           ("decode_ms_per_step", "step ms"), ("decode_tokens_per_s", "decode tok/s"),
+           ("density_decode", "decode density"), ("correct", "answered"),
            ("ttft_vs_dense", "TTFT vs dense"), ("tpot_vs_dense", "TPOT vs dense"), ("step_vs_dense", "step vs dense")]
 
 
@@ -104,7 +105,8 @@ def main() -> None:
         r["first_output"] = tokenizer.decode(outs[0][:24], skip_special_tokens=True)
         rows.append(r)
         print(f"{entry}: TTFT {r['mean_ttft_ms']:.0f} ms, TPOT {r['mean_tpot_ms']:.2f} ms, step "
-              f"{r['decode_ms_per_step']:.2f} ms, answered {r['correct']}/{args.requests} "
+              f"{r['decode_ms_per_step']:.2f} ms, answered {r['correct']}/{args.requests}, graphs captured / "
+              f"replayed in the timed steps {r['timed_graphs']} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         write_json(args.name, record)  # what a run cut short has done so far
     dense = next((r for r in rows if r["method"] == "dense" and "error" not in r), None)

@@ -112,6 +112,7 @@ class Runner:
         by_id = {s.seq_id: s for s in seqs}
         prefill_s, steps, rows, seen = 0.0, [], 0, 0
         step_profile: dict[str, Any] | None = None
+        g0: dict[str, int] | None = None  # the graphs' counters when the timed steps began
         first: dict[int, float] = {}  # when each request's first and latest tokens came back
         last: dict[int, float] = {}
         outputs: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
@@ -126,7 +127,7 @@ class Runner:
             if not plan.prefill:
                 seen += 1
                 if seen == 3:
-                    self.ex.stats(reset=True)  # the tier's counts over the timed steps
+                    g0 = self.ex.stats(reset=True)["graphs"]  # the tier's counts over the timed steps
             profiled = profile and not plan.prefill and seen == 4
             if profiled:
                 from torch.profiler import ProfilerActivity
@@ -168,6 +169,10 @@ class Runner:
                 if len(seq.tokens) >= new:
                     sched.release(seq)
         stats = self.ex.stats(reset=True)
+        g1 = stats["graphs"]
+        # captures and replays during the timed steps (a capture there would count its cost in them)
+        timed_graphs = ({k: g1[k] - g0[k] for k in ("captures", "replays")}
+                        if g0 is not None and g1 is not None else None)
         state = sum(t.numel() * t.element_size() for t in self.cache.shared_state.values()
                     if isinstance(t, torch.Tensor))
         self.ex.free([s.seq_id for s in seqs])
@@ -193,6 +198,7 @@ class Runner:
                 "mean_tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
                 **({"outputs": [outputs[s.seq_id] for s in seqs]} if keep_outputs else {}),
                 **({"step_profile": step_profile} if step_profile is not None else {}),
+                "timed_graphs": timed_graphs, "density_decode": stats["density_decode"].get(key),
                 "kv_offload": stats.get("kv_offload"), "state_bytes_per_token": state / ((self.pages + 1) * PAGE)}
 
     def close(self) -> None:
