@@ -1,12 +1,12 @@
 """Serving the default model's real weights where the K/V bounds the decode step: dense against each method.
 
 The default model (SmolLM2-135M-Instruct, or ``--model``: a GGUF file or a checkpoint directory) on one device,
-``--requests`` needle-retrieval prompts over real text (``--text``) of ``--context`` tokens each (their prompt and
-the tokens they decode), all arriving at once and all in flight together, through the scheduler's plans on one
-shard's executor in-process, as a replica runs them (no Ray, no gRPC), decode steps replayed from CUDA graphs. At
-64 requests of 7168 tokens the K/V a dense step reads (10.5 GB) is about forty times the weights (0.27 GB), so the
-attention's reads and the methods' selection set the step's time, and the selections follow real query
-statistics (random weights make CIS's anchor sharing meaningless).
+``--requests`` needle-retrieval prompts over real text (``--text``), each with its output within ``--context``
+tokens (the prompts a few hundred tokens under their room), all arriving at once and all in flight together,
+through the scheduler's plans on one shard's executor in-process, as a replica runs them (no Ray, no gRPC), decode
+steps replayed from CUDA graphs. At 64 requests of 7168 tokens the K/V a dense step reads (about 10 GB) is some
+forty times the weights (0.27 GB), so the attention's reads and the methods' selection set the step's time, and the
+selections follow real query statistics (random weights make CIS's anchor sharing meaningless).
 
 Each method runs the workload twice; the first compiles its kernels and captures its graphs (kept for the second)
 and is not reported.
@@ -77,8 +77,8 @@ def main() -> None:
     name = src.gguf_file or src.directory.name  # a file name, not a path of this machine
     kv_gb = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * cfg.num_layers * args.requests * args.context / 1e9
     weights_gb = sum(x.numel() * x.element_size() for x in model.parameters()) / 1e9
-    print(f"{name}: {args.requests} requests of {args.context} tokens ({args.new} decoded) on {dev}; dense K/V "
-          f"{kv_gb:.2f} GB against {weights_gb:.2f} GB of weights", flush=True)
+    print(f"{name}: {args.requests} requests of up to {args.context} tokens ({args.new} decoded) on {dev}; dense K/V "
+          f"up to {kv_gb:.2f} GB against {weights_gb:.2f} GB of weights", flush=True)
     seq_tokens = -(-args.context // PAGE) * PAGE + PAGE
     runner = Runner(model, seq_tokens * args.requests, None, args.prefill_tokens, device=dev,
                     graphs_batch=0 if args.eager or dev != "cuda" else args.requests)
