@@ -46,20 +46,20 @@ from .common import (
 )
 from .formats import pack_token_selections  # noqa: F401 - re-exported
 
-_BLOCK_N = 64  # keys per inner step of the split model's residency estimate (below)
-# The kernel's tiling: 128 keys per inner step, two pipeline stages, for every entry size. Twice the bytes in flight
-# per program of 64 keys in three stages: the split-K loop is a chain of dependent gathers (list entry, page table,
-# K/V). With one page per step an H200 read dense lists at 2.5 TB/s (1 x 32K) to 3.5 TB/s (8 x 32K) against its
-# 4.3 TB/s copy; with two, at 3.2 and 4.3 TB/s (bench_roofline.py's profile of the dense step). Token and 16-token
-# entries at a tenth of 131072 keys (bench_decode_tuning.py): 128 / 2 was the fastest tiling at batch 1 and 8.
-_BLOCK_N_PAGES = 128
-_STAGES_PAGES = 2
-# Entries shorter than a page (tokens, Quest's pages) are split to about this many keys per program at least: at
-# batch 8 x 131072 the split model's few long programs (4 per row) read 13107 tokens per row in 161 us, 16-32
-# splits of 400-800 keys in 126 us; at batch 1 its choice was already near the best.
+# The kernel's tiling: 128 keys per inner step in two pipeline stages, for every entry size. The split-K loop is a
+# chain of dependent gathers (list entry, page table, K/V), so twice the bytes in flight of 64 keys a step pay: an
+# H200 read dense page lists at 3.2-4.3 TB/s with them against 2.5-3.5 TB/s with 64 (bench_roofline.py's profile),
+# and token and Quest-page lists at a tenth of 131072 keys fastest with them too (bench_decode_tuning.py).
+_BLOCK_N = 128
+_STAGES = 2
+# The split model's estimate of the programs one SM holds keeps the tiling it was fitted with (64 keys, three
+# stages): its choices at batch 1 were measured near the best.
+_MODEL_BLOCK_N = 64
+_MODEL_STAGES = 3
+# Entries shorter than a page (tokens, Quest's pages) are split to about this many keys per program at least: the
+# model alone keeps a few long programs per row at large batches, which read token lists a quarter slower.
 _KEYS_PER_SPLIT = 512
 _CNT_CHUNK = 1024  # entries counted per step (only rows whose list is padded count)
-_STAGES = 3  # software-pipeline depth of the key loop
 _MAX_SPLITS = 128
 # The split heuristic's cost model, in selected tokens' worth of time: a program's fixed latency chain
 # (q and index loads, the first K/V round trip, the partial store and the counter) and, per split, the
@@ -81,7 +81,7 @@ def _ceil_div(a: int, b: int) -> int:
 def _best_split(rows: int, max_sel: int, unit: int, slots: int) -> tuple[int, int]:
     # Keep every split's token count a multiple of the inner step. Pages keep the one-page model (its choice was
     # also the fastest for the two-page steps where it was measured: dense decode's lists).
-    step = max(1, (_BLOCK_N if unit >= 64 else _BLOCK_N_PAGES) // unit)
+    step = max(1, (_MODEL_BLOCK_N if unit >= 64 else _BLOCK_N) // unit)
     best: tuple[float, int, int] | None = None
     top = min(_MAX_SPLITS, -(-max_sel // step))
     if unit < 64:  # short entries: at least ~_KEYS_PER_SPLIT keys a program
@@ -109,7 +109,7 @@ def num_splits_for(batch: int, h_kv: int, max_sel: int, unit: int, device: torch
     MB of selected KV over the whole GPU in one wave; large batches keep long, well-pipelined loops and
     avoid a mostly empty last wave."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    per_sm = max(1, min(8, _SMEM_PER_SM // (_STAGES * 2 * _BLOCK_N * head_dim * elt_size)))
+    per_sm = max(1, min(8, _SMEM_PER_SM // (_MODEL_STAGES * 2 * _MODEL_BLOCK_N * head_dim * elt_size)))
     return _best_split(max(1, batch * h_kv), max(1, max_sel), unit, sms * per_sm)
 
 
@@ -282,7 +282,7 @@ def sparse_decode(q: torch.Tensor, kv: KVSource, indices: torch.Tensor, unit: in
     # Token gathers from a paged cache need the page size; packed sources ignore PAGE (any value works).
     page = a.page_size if a.paged else 1
     lo = a.seqlens if window_lo is None else window_lo.to(torch.int32).contiguous()  # unread without a window
-    block_n, stages = block_n or _BLOCK_N_PAGES, stages or _STAGES_PAGES
+    block_n, stages = block_n or _BLOCK_N, stages or _STAGES
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     _decode_split_kernel[(splits, a.h_kv, batch)](
