@@ -21,7 +21,9 @@ earlier one reaches further). Stored sets hold the listed others ascending, then
 as the ranked path's priority order is not.
 
 The anchors' sets are ``kernels.anchor_sets``'s: one launch on GPUs (one program per pair holds its list), where
-this took two more list selections and about twenty small PyTorch launches over [B h_kv, ~k].
+this took two more list selections and about twenty small PyTorch launches over [B h_kv, ~k]. Lists longer than
+that program holds (``row_select.SINGLE_MAX`` entries: a tenth of more than about 80K keys) still take that
+PyTorch form, about half of the selection's time at 131072 keys (BENCHMARKS.md).
 
 ``cis_batched.cis_batched_step`` runs it where ``select_list`` runs on Triton (GPUs); on a CPU its top-k
 passes cost more than the ranked path's sort and cumulative sums, so the CPU keeps those
