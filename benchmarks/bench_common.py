@@ -91,6 +91,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
+def device_us(event: Any) -> float:
+    """A torch.profiler average's own device time in us (``self_device_time_total``, named
+    ``self_cuda_time_total`` before torch 2.4)."""
+    return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
+
+
 def guarded(record: dict[str, Any], fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     """Runs one measurement and merges its results into ``record``; a failure (OOM, compile error) is
     stored there instead of raised."""

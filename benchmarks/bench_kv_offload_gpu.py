@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import environment, out_dir
+from bench_common import device_us, environment, out_dir
 
 from raysparse.decode_graphs import DecodeGraphs
 from raysparse.kv_cache import KVCache
@@ -115,7 +115,6 @@ class Runner:
         g0: dict[str, int] | None = None  # the graphs' counters when the timed steps began
         first: dict[int, float] = {}  # when each request's first and latest tokens came back
         last: dict[int, float] = {}
-        outputs: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         t_start = time.perf_counter()
         while sched.has_work():
             plan = sched.next_plan()
@@ -138,7 +137,7 @@ class Runner:
                     out = self.ex.execute(plan)
                 wall_us = 1e6 * (time.perf_counter() - t_prof)
                 avgs = prof.key_averages()
-                dev = {e.key: float(getattr(e, "self_device_time_total", 0.0) or 0.0) for e in avgs}
+                dev = {e.key: device_us(e) for e in avgs}
                 step_profile = {"wall_us": wall_us, "device_us": sum(dev.values()),
                                 "top_device": sorted(((round(v, 1), k[:80]) for k, v in dev.items() if v > 0),
                                                      reverse=True)[:15]}
@@ -163,7 +162,6 @@ class Runner:
                 seq = by_id[sid]
                 if t is not None:
                     seq.tokens.append(t)
-                    outputs[sid].append(t)
                     first.setdefault(sid, now)
                     last[sid] = now
                 if len(seq.tokens) >= new:
@@ -187,8 +185,7 @@ class Runner:
         tps = rows / sum(steps) if steps else float("nan")
         # per request, as a serving client sees it: every request arrived at t_start
         ttft = [first[s.seq_id] - t_start for s in seqs if s.seq_id in first]
-        tpot = [(last[s.seq_id] - first[s.seq_id]) / (len(outputs[s.seq_id]) - 1) for s in seqs
-                if len(outputs[s.seq_id]) > 1]
+        tpot = [(last[s.seq_id] - first[s.seq_id]) / (len(s.tokens) - 1) for s in seqs if len(s.tokens) > 1]
         return {"method": method, "batch": len(prompts), "tiered": self.offload is not None, "graphs": self.graphs,
                 "prefill_s": prefill_s, "decode_steps_timed": len(steps),
                 "decode_ms_per_step": 1e3 * sum(steps) / len(steps) if steps else float("nan"),
@@ -196,7 +193,7 @@ class Runner:
                 "decode_tokens_per_s": tps, "wall_s": time.perf_counter() - t_start,
                 "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft) if ttft else float("nan"),
                 "mean_tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
-                **({"outputs": [outputs[s.seq_id] for s in seqs]} if keep_outputs else {}),
+                **({"outputs": [list(s.tokens) for s in seqs]} if keep_outputs else {}),
                 **({"step_profile": step_profile} if step_profile is not None else {}),
                 "timed_graphs": timed_graphs, "density_decode": stats["density_decode"].get(key),
                 "kv_offload": stats.get("kv_offload"), "state_bytes_per_token": state / ((self.pages + 1) * PAGE)}

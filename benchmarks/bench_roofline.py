@@ -34,7 +34,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_common import copy_bandwidth_gbs, environment, guarded, method_spec, table, time_ms, wall_ms, write_json
+from bench_common import (
+    copy_bandwidth_gbs,
+    device_us,
+    environment,
+    guarded,
+    method_spec,
+    table,
+    time_ms,
+    wall_ms,
+    write_json,
+)
 
 METHODS = "dense,sketch_walk,quest,streaming,socket,socket_hard,cis,cpe,delta"
 SLACK_TOKENS = 256  # room past each prompt for the decode steps a run takes
@@ -214,10 +224,7 @@ def profile_case(graph: Any, reps: int, kv_bytes: float, weights: int, path: Any
         torch.cuda.synchronize()
     avgs = prof.key_averages()
 
-    def dev_us(e: Any) -> float:
-        return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
-
-    kernels = [(e.key, dev_us(e) / reps, e.count / reps) for e in avgs if dev_us(e) > 0]
+    kernels = [(e.key, device_us(e) / reps, e.count / reps) for e in avgs if device_us(e) > 0]
     kernels.sort(key=lambda r: -r[1])
     path.write_text(avgs.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
 
@@ -326,7 +333,7 @@ def run_context(model: Any, method: str, params: dict[str, Any], n: int, batches
             key = (args.entry, rec["graph_key"][0], rec["graph_key"][1], False)
             from bench_common import out_dir
 
-            tag = re.sub(r"[^A-Za-z0-9_.=-]+", "_", args.entry)
+            tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", args.entry)  # a file name of plain characters
             profiles[f"{args.entry} {want}"] = guarded({}, profile_case, graphs.graphs[key], 5, rec["kv_gb"] * 1e9,
                                                        weights, out_dir() / f"profile_{tag}_{want}.txt")
     del graphs, backend, cache

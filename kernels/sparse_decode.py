@@ -84,18 +84,14 @@ def _best_split(rows: int, max_sel: int, unit: int, slots: int) -> tuple[int, in
     step = max(1, (_MODEL_BLOCK_N if unit >= 64 else _BLOCK_N) // unit)
     best: tuple[float, int, int] | None = None
     top = min(_MAX_SPLITS, -(-max_sel // step))
-    if unit < 64:  # short entries: at least ~_KEYS_PER_SPLIT keys a program
-        least = min(top, -(-max_sel * unit // _KEYS_PER_SPLIT))
-        per = _ceil_div(_ceil_div(max_sel, least), step) * step
-        floor_splits = -(-max_sel // per)
-    else:
-        floor_splits = 1
-    for s in range(1, top + 1):
+    # short entries: at least ~_KEYS_PER_SPLIT keys a program (the splits only grow with s)
+    least = min(top, -(-max_sel * unit // _KEYS_PER_SPLIT)) if unit < 64 else 1
+    for s in range(max(least, 1), top + 1):
         per = _ceil_div(_ceil_div(max_sel, s), step) * step
         splits = -(-max_sel // per)
         waves = -(-(rows * splits) // slots)
         cost = waves * (_FIXED_TOKENS + per * unit) + (splits > 1) * splits * _COMBINE_TOKENS
-        if splits >= floor_splits and (best is None or cost < best[0]):
+        if best is None or cost < best[0]:
             best = (cost, splits, per)
     assert best is not None
     return best[1], best[2]
