@@ -7,6 +7,7 @@ import torch
 from helpers import fresh_cache, random_state, tiny_hf_config
 
 from raysparse.attention import DenseAttention
+from raysparse.config import ModelConfig
 from raysparse.generate import FinishEvent, GenerationRequest, Generator
 from raysparse.loader import model_from_state
 from raysparse.methods.registry import check_params, create_backend, get_method, method_names, method_params
@@ -103,3 +104,23 @@ def test_density_meter_reports_prefill_and_decode_apart():
     assert meter.prefill_overall() == pytest.approx(sums[False][0] / sums[False][1])
     assert meter.decode_overall() == pytest.approx(sums[True][0] / sums[True][1])
     assert meter.overall() == pytest.approx((sums[False][0] + sums[True][0]) / (sums[False][1] + sums[True][1]))
+
+
+@pytest.mark.parametrize("name, params", [("streaming", {"density": 0.1}), ("quest", {"density": 0.1}),
+                                          ("socket", {"density": 0.1}), ("delta", {"density": 0.1}),
+                                          ("psaw", {}), ("etf", {})])
+def test_replayed_decode_meters_each_layer_as_its_own_count(name, params):
+    """A replayed step's meter counts once per class of layer (``decode_layer_class``): every layer's figures
+    must equal the plain per-layer sum of ``decode_keys`` over random lengths (30 layers: PSAW's window narrows
+    over several of them)."""
+    cfg = ModelConfig.from_hf(tiny_hf_config(layers=30))
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    print(f"meter seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    b = create_backend(name, cfg, **params)
+    lens = torch.randint(1, 5000, (int(torch.randint(1, 70, (), generator=g)),), generator=g).tolist()
+    b.account_graph_decode(lens, 3)
+    for layer in range(cfg.num_layers):
+        want = sum(n if b.dense_decode_layer(layer) else b.decode_keys(layer, n) for n in lens) * 3
+        assert b.meter.attended[layer] == want, (layer, b.meter.attended[layer], want)
+        assert b.meter.causal[layer] == sum(lens) * 3

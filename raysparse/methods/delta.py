@@ -37,7 +37,7 @@ Choices the published method leaves open:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -154,6 +154,9 @@ class Delta(DeltaCorrection):
 
     def dense_decode_layer(self, layer: int) -> bool:
         return self.base.dense_decode_layer(layer)
+
+    def decode_layer_class(self, layer: int) -> Hashable:
+        return self.base.decode_layer_class(layer)
 
     def update_state(self, layer: int, cache: KVCache, batch: BatchMeta) -> None:
         self.base.update_state(layer, cache, batch)

@@ -18,6 +18,7 @@ The retrieval ratio rho is ``retrieval_ratio`` (overall) and ``retrieval_ratio_p
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -115,10 +116,14 @@ class PrHSDecode(PSAWWindow):
             self._account_cis([layer], batch.ctx_lens, cache.num_kv_heads)
         return out
 
-    def _meter_decode(self, layer: int, ctx_lens: list[int], num_kv_heads: int) -> None:
+    def decode_layer_class(self, layer: int) -> Hashable:
+        return self.dense_decode_layer(layer), self.psaw_frac(layer)  # PSAW's window narrows with depth
+
+    def _meter_decode(self, layer: int, ctx_lens: list[int], num_kv_heads: int,
+                      memo: dict[Hashable, int] | None = None) -> None:
         if self.use_cis and not self.dense_decode_layer(layer):
             return  # data-dependent (shared or retrieved sets): ``_account_cis`` reads the step's count
-        super()._meter_decode(layer, ctx_lens, num_kv_heads)
+        super()._meter_decode(layer, ctx_lens, num_kv_heads, memo)
 
     def account_graph_decode(self, ctx_lens: list[int], num_kv_heads: int) -> None:
         super().account_graph_decode(ctx_lens, num_kv_heads)
