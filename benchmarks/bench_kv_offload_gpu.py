@@ -91,18 +91,25 @@ class Runner:
         self.graphs = self.ex.use_graphs
 
     def run(self, method: str, params: dict, prompts: list[list[int]], new: int,
-            profile: bool = False, keep_outputs: bool = False, clean: bool = True) -> dict[str, Any]:
-        """The prompts through the scheduler's plans; the decode steps are timed, the first two left out (they
-        compile the kernels): generated tokens over their time, and the mean batch they decoded. ``profile``: the
-        fourth decode step also runs under the PyTorch profiler (untimed), whose busiest ops are printed.
+            profile: bool = False, keep_outputs: bool = False, clean: bool = True,
+            replay_timing: bool = False) -> dict[str, Any]:
+        """The prompts through the scheduler's plans; the decode steps after the last prefill step are timed, the
+        first two left out (they compile the kernels): generated tokens over their time, and the mean batch they
+        decoded (a decode step between two prefill steps, where the batch's rows change, is in the TPOT alone).
+        ``profile``: the fourth of those decode steps also runs under the PyTorch profiler (untimed), whose busiest
+        ops are printed.
         ``keep_outputs``: the generated tokens of each request come back as ``outputs``. ``clean=False`` keeps the
         method's backends, per-page state and captured graphs for the next run of the same method (a warm-up run:
-        the next run replays what this one captured instead of capturing inside its timed steps)."""
+        the next run replays what this one captured instead of capturing inside its timed steps).
+        ``replay_timing``: after the last step, the widest captured decode graph is replayed alone
+        (``replay_timing``) for where a step's time goes between the host's launch and the device."""
         extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
                                                      pinned_pages=self.offload.pinned_pages)
         sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
                                           max_prefill_tokens=self.prefill_tokens, decode_steps=1, **extra))
         key = method_key(method, params)
+        if key in self.ex.backends:  # a warm-up run's backend: this run's own statistics
+            self.ex.backends[key].reset_stats()
         seqs = [sched.make_sequence(RequestHandle(EngineRequest(tuple(p), SamplingParams(max_new_tokens=new,
                                                                                       ignore_eos=True),
                                                                method, params), lambda _: None), key, frozenset(), 0.0)
@@ -123,7 +130,10 @@ class Runner:
             if not plan.seq_ids:
                 self.ex.execute(plan)
                 continue
-            if not plan.prefill:
+            if plan.prefill:  # the timed steps are the decode steps after the last prompt's last chunk
+                seen, rows = 0, 0
+                steps.clear()
+            else:
                 seen += 1
                 if seen == 3:
                     g0 = self.ex.stats(reset=True)["graphs"]  # the tier's counts over the timed steps
@@ -166,6 +176,10 @@ class Runner:
                     last[sid] = now
                 if len(seq.tokens) >= new:
                     sched.release(seq)
+        replays = self.replay_timing() if replay_timing else None
+        backend = self.ex.backends.get(key)
+        cis = backend.item_sums().get("cis") if backend is not None else None  # CIS's (retrievals, head steps)
+        rho = sum(cis[0]) / sum(cis[1]) if cis and sum(cis[1]) else None
         stats = self.ex.stats(reset=True)
         g1 = stats["graphs"]
         # captures and replays during the timed steps (a capture there would count its cost in them)
@@ -195,8 +209,45 @@ class Runner:
                 "mean_tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),
                 **({"outputs": [list(s.tokens) for s in seqs]} if keep_outputs else {}),
                 **({"step_profile": step_profile} if step_profile is not None else {}),
-                "timed_graphs": timed_graphs, "density_decode": stats["density_decode"].get(key),
+                **({"replay_timing": replays} if replays is not None else {}),
+                "timed_graphs": timed_graphs, "retrieval_ratio": rho,
+                "density_decode": stats["density_decode"].get(key),
                 "kv_offload": stats.get("kv_offload"), "state_bytes_per_token": state / ((self.pages + 1) * PAGE)}
+
+    def replay_timing(self, reps: int = 20) -> dict[str, float] | None:
+        """The widest captured decode graph replayed alone, medians over ``reps`` (us): the host's time inside
+        the launch call, launch to the device's end of one replay (from an idle device), the same over two
+        replays back to back, and CUDA events around one replay. One replay's end to end against the launch
+        plus the device's own time says whether the launch is paid before the device starts; two replays say
+        whether the second launch hides behind the first's execution. The replays re-run the last step's
+        inputs over freed pages: after the run, nothing reads them."""
+        g = self.ex.graphs
+        if g is None or not g.graphs or not torch.cuda.is_available():
+            return None
+        graph = g.graphs[max(g.graphs, key=lambda k: (k[1], k[2], not k[3]))]
+        sync, now = torch.cuda.synchronize, time.perf_counter
+        launch, one, two, events = [], [], [], []
+        for _ in range(reps):
+            sync()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = now()
+            e0.record()
+            graph.replay()
+            e1.record()
+            t1 = now()
+            sync()
+            t2 = now()
+            graph.replay()
+            graph.replay()
+            sync()
+            t3 = now()
+            launch.append(t1 - t0)
+            one.append(t2 - t0)
+            two.append(t3 - t2)
+            events.append(e0.elapsed_time(e1) / 1e3)
+        med = lambda xs: 1e6 * sorted(xs)[len(xs) // 2]  # noqa: E731
+        return {"launch_us": med(launch), "one_replay_us": med(one), "two_replays_us": med(two),
+                "events_us": med(events), "graph": str(max(g.graphs, key=lambda k: (k[1], k[2], not k[3]))[1:])}
 
     def close(self) -> None:
         del self.ex, self.cache

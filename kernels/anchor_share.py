@@ -77,22 +77,24 @@ if triton is not None:
 
     @triton.jit
     def _share_kernel(Q, CQ, V, STEP, QN, CH, H_KV, thr, s_qb, s_qh, s_cb, s_cs, s_ch, s_vb, s_vs,
-                      S: tl.constexpr, SP: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+                      S: tl.constexpr, SP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GDP: tl.constexpr):
         p = tl.program_id(0)
         b = p // H_KV
         h = p % H_KV
-        e = tl.arange(0, G * D)
+        e = tl.arange(0, GDP)  # the group's g d entries, padded to a power of two (g = 3 on the default model)
+        em = e < G * D
         j = tl.arange(0, SP)
         first = tl.load(STEP + b) % S == 0
         v_at = V + b * s_vb + j * s_vs + h
         v = tl.load(v_at, mask=j < S, other=0) != 0
         v = v & ~first
         tl.store(v_at, v.to(tl.int8), mask=(j < S) & first)
-        qg = tl.load(Q + b * s_qb + (h * G + e // D) * s_qh + e % D).to(tl.float32)
+        qg = tl.load(Q + b * s_qb + (h * G + e // D) * s_qh + e % D, mask=em, other=0.0).to(tl.float32)
         qn = qg / tl.maximum(tl.sqrt(tl.sum(qg * qg, 0)), 1.1754943508222875e-38)
-        a = tl.load(CQ + b * s_cb + j[:, None] * s_cs + h * s_ch + e[None, :], mask=(j < S)[:, None], other=0.0)
+        a = tl.load(CQ + b * s_cb + j[:, None] * s_cs + h * s_ch + e[None, :], mask=(j < S)[:, None] & em[None, :],
+                    other=0.0)
         cos = tl.sum(a * qn[None, :], 1)
-        tl.store(QN + p * (G * D) + e, qn)
+        tl.store(QN + p * (G * D) + e, qn, mask=em)
         tl.store(CH + p, tl.max(tl.where(v & (cos > thr), j, -1), 0).to(tl.int64))
 
     @triton.jit
@@ -108,7 +110,8 @@ if triton is not None:
 
     @triton.jit
     def _commit_kernel(CQ, SETS, V, STEP, CNT, QN, NEW, CH, OUT, H_KV, WIDTH, OW, s_cb, s_cs, s_ch,
-                       s_sb, s_ss, s_sh, s_vb, s_vs, S: tl.constexpr, GD: tl.constexpr, BLK: tl.constexpr):
+                       s_sb, s_ss, s_sh, s_vb, s_vs, S: tl.constexpr, GD: tl.constexpr, GDP: tl.constexpr,
+                       BLK: tl.constexpr):
         p = tl.program_id(0)  # a (row, KV head) pair: no program reads what another writes
         b = p // H_KV
         h = p % H_KV
@@ -116,8 +119,8 @@ if triton is not None:
         here = tl.load(CH + p) < 0
         c = tl.arange(0, BLK)
         if here:
-            e = tl.arange(0, GD)
-            tl.store(CQ + b * s_cb + slot * s_cs + h * s_ch + e, tl.load(QN + p * GD + e))
+            e = tl.arange(0, GDP)
+            tl.store(CQ + b * s_cb + slot * s_cs + h * s_ch + e, tl.load(QN + p * GD + e, mask=e < GD), mask=e < GD)
             for c0 in range(0, WIDTH, BLK):
                 tl.store(SETS + b * s_sb + slot * s_ss + h * s_sh + c0 + c,
                          tl.load(NEW + p * WIDTH + c0 + c, mask=c0 + c < WIDTH), mask=c0 + c < WIDTH)
@@ -139,16 +142,14 @@ def share_triton(q: torch.Tensor, cq: torch.Tensor, valid: torch.Tensor, step: t
         _share_kernel[(b * h_kv,)](q, cq, valid.view(torch.int8), step, qn, chosen, h_kv, float(threshold),
                                    q.stride(0), q.stride(1), cq.stride(0), cq.stride(1), cq.stride(2),
                                    valid.stride(0), valid.stride(1), S=s, SP=next_pow2(s), G=q.shape[1] // h_kv,
-                                   D=q.shape[-1])
+                                   D=q.shape[-1], GDP=next_pow2(qdim))
     return qn, chosen
 
 
 def share(q: torch.Tensor, cq: torch.Tensor, valid: torch.Tensor, step: torch.Tensor,
           threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The module's ``share`` (see its docstring): one launch where Triton runs."""
-    qdim, d = cq.shape[-1], q.shape[-1]
-    if (triton_wanted(q, cq) and cq.stride(-1) == 1 and q.stride(-1) == 1 and not qdim & (qdim - 1)
-            and not d & (d - 1) and valid.dtype == torch.bool):
+    if triton_wanted(q, cq) and cq.stride(-1) == 1 and q.stride(-1) == 1 and valid.dtype == torch.bool:
         return share_triton(q, cq, valid, step, threshold)
     return share_torch(q, cq, valid, step, threshold)
 
@@ -184,7 +185,7 @@ def commit_triton(cq: torch.Tensor, sets: torch.Tensor, valid: torch.Tensor, ste
                                     new_set.contiguous(), chosen.contiguous(), out.contiguous(), h_kv,
                                     new_set.shape[-1], out.shape[-1], cq.stride(0), cq.stride(1), cq.stride(2),
                                     sets.stride(0), sets.stride(1), sets.stride(2), valid.stride(0), valid.stride(1),
-                                    S=s, GD=qdim, BLK=1024)
+                                    S=s, GD=qdim, GDP=next_pow2(qdim), BLK=1024)
     step.add_(1)
 
 
@@ -192,10 +193,8 @@ def commit(cq: torch.Tensor, sets: torch.Tensor, valid: torch.Tensor, step: torc
            qn: torch.Tensor, new_set: torch.Tensor | None, chosen: torch.Tensor, out: torch.Tensor) -> None:
     """The module's ``commit``: two launches where Triton runs. ``new_set`` None: no pair retrieved (only a
     CPU step knows that without a host read), so no anchor changes."""
-    qdim = cq.shape[-1]
     if (new_set is not None and triton_wanted(cq, sets) and cq.stride(-1) == 1 and sets.stride(-1) == 1
-            and not qdim & (qdim - 1) and valid.dtype == torch.bool and counts.is_contiguous()
-            and step.is_contiguous()):
+            and valid.dtype == torch.bool and counts.is_contiguous() and step.is_contiguous()):
         commit_triton(cq, sets, valid, step, counts, qn, new_set, chosen, out)
     else:
         commit_torch(cq, sets, valid, step, counts, qn, new_set, chosen, out)

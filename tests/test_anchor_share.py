@@ -5,6 +5,7 @@ buffer is compared whole after the call (the unit queries to fp32 rounding, ever
 
 from __future__ import annotations
 
+import pytest
 import torch
 from triton_env import DEV  # before raysparse.kernels: without a GPU it picks the interpreter
 
@@ -33,10 +34,11 @@ def _state(g: torch.Generator, b: int, s: int, h_kv: int, qdim: int, width: int,
     return cq, sets, valid, step
 
 
-def test_share_matches_torch():
+@pytest.mark.parametrize("grp, d", [(2, 16), (3, 8)])  # 3 x 8: a group width off the powers of two (g = 3)
+def test_share_matches_torch(grp, d):
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    b, s, h_kv, grp, d = 5, 4, 3, 2, 16
+    b, s, h_kv = 5, 4, 3
     cq, _, valid, step = _state(g, b, s, h_kv, grp * d, 8, 64)
     q = torch.randn(b, h_kv * grp, d, generator=g)
     near = cq[:, 1].reshape(b, h_kv * grp, d) * 3 + 0.05 * torch.randn(b, h_kv * grp, d, generator=g)
@@ -74,10 +76,11 @@ def test_mark_shared_matches_torch():
     assert not torch.equal(want, final), f"seed {seed}: nothing was marked"
 
 
-def test_commit_matches_torch():
+@pytest.mark.parametrize("qdim", [32, 24])
+def test_commit_matches_torch(qdim):
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    b, s, h_kv, qdim, width, ow = 4, 3, 3, 32, 20, 30
+    b, s, h_kv, width, ow = 4, 3, 3, 20, 30
     cq, sets, valid, step = _state(g, b, s, h_kv, qdim, width, 64)
     counts = torch.zeros(b, h_kv, 2, dtype=torch.long)
     qn = torch.randn(b, h_kv, qdim, generator=g)
@@ -92,7 +95,8 @@ def test_commit_matches_torch():
         assert torch.equal(x.cpu(), y), f"seed {seed}: {name}"
 
 
-def test_cis_steps_on_the_kernels_match_the_torch_forms(monkeypatch):
+@pytest.mark.parametrize("grp", [2, 3])
+def test_cis_steps_on_the_kernels_match_the_torch_forms(monkeypatch, grp):
     """CIS's listed step over several decode steps of a ragged batch with the anchor kernels (the rest of the
     step in PyTorch, so both runs score alike) against the same step on the PyTorch forms: every selected entry,
     every state buffer, on steps that mix sharing and retrieving pairs."""
@@ -105,7 +109,7 @@ def test_cis_steps_on_the_kernels_match_the_torch_forms(monkeypatch):
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
     cfg = CISConfig(density=0.3, sink=2, local=3, share_block=3, radius=1, threshold=0.5)
-    b, h_kv, grp, d, page, width = 3, 2, 2, 16, 8, 12
+    b, h_kv, d, page, width = 3, 2, 16, 8, 12
     k = torch.randn(b * width + 1, h_kv, page, d, generator=g)
     table = torch.randperm(b * width + 1, generator=g)[: b * width].view(b, width).to(torch.int32)
     steps, wt = 8, width * page
