@@ -33,6 +33,7 @@ from bench_common import environment, method_spec, table, write_json
 from bench_kv_offload_gpu import PAGE, Runner
 
 from raysparse.loader import load_hf_config, load_model, load_tokenizer, resolve_source
+from raysparse.orchestration.engine_config import EngineConfig
 from raysparse.workload import build_retrieval_task, load_haystack_text
 
 METHODS = "streaming,quest,sketch_walk,socket,cis,cpe"
@@ -54,6 +55,8 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=65536, help="prompt tokens per prefill step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--eager", action="store_true", help="decode eagerly instead of from CUDA graphs")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="decode steps per plan while no prompt waits (default: the engine's for the device)")
     p.add_argument("--profile", action="store_true",
                    help="a third run's fourth decode step runs under the profiler: its wall and device time and "
                         "busiest kernels; after it the widest captured graph is replayed alone (the launch's "
@@ -81,11 +84,15 @@ def main() -> None:
     print(f"{name}: {args.requests} requests of up to {args.context} tokens ({args.new} decoded) on {dev}; dense K/V "
           f"up to {kv_gb:.2f} GB against {weights_gb:.2f} GB of weights", flush=True)
     seq_tokens = -(-args.context // PAGE) * PAGE + PAGE
+    steps = args.decode_steps if args.decode_steps is not None else EngineConfig().decode_steps_for(dev == "cuda")
+    if steps < 1:
+        raise SystemExit("--decode-steps must be at least 1")
     runner = Runner(model, seq_tokens * args.requests, None, args.prefill_tokens, device=dev,
-                    graphs_batch=0 if args.eager or dev != "cuda" else args.requests)
+                    graphs_batch=0 if args.eager or dev != "cuda" else args.requests, decode_steps=steps)
     rows: list[dict[str, Any]] = []
     record = {"env": environment(), "model": name, "requests": args.requests, "context": args.context,
-              "new_tokens": args.new, "density": args.density, "graphs": runner.graphs, "kv_gb_dense": kv_gb,
+              "new_tokens": args.new, "density": args.density, "graphs": runner.graphs, "decode_steps": steps,
+              "kv_gb_dense": kv_gb,
               "weights_gb": weights_gb, "rows": rows}
     for entry in ["dense", *[m for m in args.methods.split(",") if m]]:
         method, params = method_spec(entry, args.density)
@@ -95,7 +102,7 @@ def main() -> None:
             r = runner.run(method, params, prompts, args.new, keep_outputs=True, clean=not args.profile)
             if args.profile:  # a third run, untimed, for the profile
                 third = runner.run(method, params, prompts, args.new, profile=True, replay_timing=True)
-                r["step_profile"], r["replay_timing"] = third["step_profile"], third.get("replay_timing")
+                r["step_profile"], r["replay_timing"] = third.get("step_profile"), third.get("replay_timing")
         except Exception as e:  # a method that fails here gets a row saying why; the others go on
             rows.append({"method": entry, "error": f"{type(e).__name__}: {e}"[:300]})
             print(f"{entry}: {rows[-1]['error']}", flush=True)

@@ -76,8 +76,10 @@ class Runner:
     """One shard's cache and executor, reused by the runs of one configuration (tier on or off)."""
 
     def __init__(self, model: Any, host_tokens: int, offload: KVOffloadConfig | None, prefill_tokens: int,
-                 device: str = "cuda", graphs_batch: int = 0) -> None:
+                 device: str = "cuda", graphs_batch: int = 0, decode_steps: int = 1) -> None:
+        # decode_steps: the scheduler's steps per decode plan while no prompt waits (the engine's --decode-steps)
         self.model, self.offload, self.prefill_tokens = model, offload, prefill_tokens
+        self.decode_steps = decode_steps
         self.pages = -(-host_tokens // PAGE)
         t0 = time.perf_counter()
         dtype = next(model.parameters()).dtype
@@ -96,8 +98,8 @@ class Runner:
         """The prompts through the scheduler's plans; the decode steps after the last prefill step are timed, the
         first two left out (they compile the kernels): generated tokens over their time, and the mean batch they
         decoded (a decode step between two prefill steps, where the batch's rows change, is in the TPOT alone).
-        ``profile``: the fourth of those decode steps also runs under the PyTorch profiler (untimed), whose busiest
-        ops are printed.
+        ``profile``: the fourth of those decode plans (its ``steps``) also runs under the PyTorch profiler
+        (untimed), whose busiest ops are printed.
         ``keep_outputs``: the generated tokens of each request come back as ``outputs``. ``clean=False`` keeps the
         method's backends, per-page state and captured graphs for the next run of the same method (a warm-up run:
         the next run replays what this one captured instead of capturing inside its timed steps).
@@ -106,7 +108,8 @@ class Runner:
         extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
                                                      pinned_pages=self.offload.pinned_pages)
         sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
-                                          max_prefill_tokens=self.prefill_tokens, decode_steps=1, **extra))
+                                          max_prefill_tokens=self.prefill_tokens, decode_steps=self.decode_steps,
+                                          **extra))
         key = method_key(method, params)
         if key in self.ex.backends:  # a warm-up run's backend: this run's own statistics
             self.ex.backends[key].reset_stats()
@@ -117,7 +120,7 @@ class Runner:
         for s in seqs:
             sched.add(s)
         by_id = {s.seq_id: s for s in seqs}
-        prefill_s, steps, rows, seen = 0.0, [], 0, 0
+        prefill_s, steps, rows, seen, n_steps = 0.0, [], 0, 0, 0
         step_profile: dict[str, Any] | None = None
         g0: dict[str, int] | None = None  # the graphs' counters when the timed steps began
         first: dict[int, float] = {}  # when each request's first and latest tokens came back
@@ -131,7 +134,7 @@ class Runner:
                 self.ex.execute(plan)
                 continue
             if plan.prefill:  # the timed steps are the decode steps after the last prompt's last chunk
-                seen, rows = 0, 0
+                seen, rows, n_steps = 0, 0, 0
                 steps.clear()
             else:
                 seen += 1
@@ -148,7 +151,7 @@ class Runner:
                 wall_us = 1e6 * (time.perf_counter() - t_prof)
                 avgs = prof.key_averages()
                 dev = {e.key: device_us(e) for e in avgs}
-                step_profile = {"wall_us": wall_us, "device_us": sum(dev.values()),
+                step_profile = {"steps": plan.steps, "wall_us": wall_us, "device_us": sum(dev.values()),
                                 "top_device": sorted(((round(v, 1), k[:80]) for k, v in dev.items() if v > 0),
                                                      reverse=True)[:15]}
                 print(f"{method}: one decode step under the profiler ({wall_us:.0f} us of wall time, "
@@ -166,12 +169,13 @@ class Runner:
                 sched.prefill_succeeded(plan)
             elif seen >= 3 and not profiled:
                 steps.append(dt)
+                n_steps += plan.steps
                 rows += len(plan.seq_ids) * plan.steps
             now = time.perf_counter()
             for sid, t in zip(plan.seq_ids, out["tokens"], strict=True):
                 seq = by_id[sid]
-                if t is not None:
-                    seq.tokens.append(t)
+                if t is not None:  # a token, or a plan of several decode steps' list of them
+                    seq.tokens.extend(t if plan.steps > 1 and not plan.prefill else [t])
                     first.setdefault(sid, now)
                     last[sid] = now
                 if len(seq.tokens) >= new:
@@ -201,9 +205,9 @@ class Runner:
         ttft = [first[s.seq_id] - t_start for s in seqs if s.seq_id in first]
         tpot = [(last[s.seq_id] - first[s.seq_id]) / (len(s.tokens) - 1) for s in seqs if len(s.tokens) > 1]
         return {"method": method, "batch": len(prompts), "tiered": self.offload is not None, "graphs": self.graphs,
-                "prefill_s": prefill_s, "decode_steps_timed": len(steps),
-                "decode_ms_per_step": 1e3 * sum(steps) / len(steps) if steps else float("nan"),
-                "mean_decode_batch": rows / len(steps) if steps else 0.0,
+                "prefill_s": prefill_s, "decode_steps_timed": n_steps, "decode_plans_timed": len(steps),
+                "decode_ms_per_step": 1e3 * sum(steps) / n_steps if steps else float("nan"),
+                "mean_decode_batch": rows / n_steps if steps else 0.0,
                 "decode_tokens_per_s": tps, "wall_s": time.perf_counter() - t_start,
                 "mean_ttft_ms": 1e3 * sum(ttft) / len(ttft) if ttft else float("nan"),
                 "mean_tpot_ms": 1e3 * sum(tpot) / len(tpot) if tpot else float("nan"),

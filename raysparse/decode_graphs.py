@@ -109,10 +109,7 @@ class DecodeGraphs:
         n = len(seq_ids)
         pad = b - n
         host = self.host[:, :b]
-        host[0, :n] = torch.tensor(ids)
-        host[1, :n] = torch.tensor(positions)
-        host[2, :n] = torch.tensor(pages)
-        host[3, :n] = torch.tensor(offsets)
+        host[:4, :n] = torch.tensor([ids, positions, pages, offsets])  # one host tensor, not four
         host[4, :n] = host[1, :n] + 1
         if pad:
             host[:, n:] = 0

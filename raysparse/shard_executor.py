@@ -269,7 +269,8 @@ class ShardExecutor(MultiStepDecode):
             return None
         rows = [i for i in range(len(plan.seq_ids)) if not plan.sample or plan.sample[i]]
         sids = [plan.seq_ids[i] for i in rows]
-        drawn = self.sampler.sample(logits[rows], sids, [self._params[s] for s in sids]) if rows else []
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]  # a decode step samples every row
+        drawn = self.sampler.sample(picked, sids, [self._params[s] for s in sids]) if rows else []
         tokens: list[int | None] = [None] * len(plan.seq_ids)
         for i, t in zip(rows, drawn, strict=True):
             tokens[i] = t
