@@ -103,8 +103,10 @@ class Runner:
         ``keep_outputs``: the generated tokens of each request come back as ``outputs``. ``clean=False`` keeps the
         method's backends, per-page state and captured graphs for the next run of the same method (a warm-up run:
         the next run replays what this one captured instead of capturing inside its timed steps).
-        ``replay_timing``: after the last step, the widest captured decode graph is replayed alone
-        (``replay_timing``) for where a step's time goes between the host's launch and the device."""
+        ``replay_timing``: right after the profiled step (else after the last step), the widest captured decode
+        graph is replayed alone (``replay_timing``) for where a step's time goes between the host's launch and the
+        device. The replays re-run that step's inputs: the same K/V rewritten, the method's state advanced (this
+        run's outputs are then not the method's)."""
         extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
                                                      pinned_pages=self.offload.pinned_pages)
         sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
@@ -122,6 +124,7 @@ class Runner:
         by_id = {s.seq_id: s for s in seqs}
         prefill_s, steps, rows, seen, n_steps = 0.0, [], 0, 0, 0
         step_profile: dict[str, Any] | None = None
+        replays: dict[str, Any] | None = None
         g0: dict[str, int] | None = None  # the graphs' counters when the timed steps began
         first: dict[int, float] = {}  # when each request's first and latest tokens came back
         last: dict[int, float] = {}
@@ -158,6 +161,8 @@ class Runner:
                       f"{step_profile['device_us']:.0f} us on the device), by self CPU time")
                 print(avgs.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40))
                 print("by device time: " + "; ".join(f"{k} {v:.0f} us" for v, k in step_profile["top_device"]))
+                if replay_timing:  # over the profiled step's own inputs: the steady batch, every sequence alive
+                    replays = self.replay_timing()
             t0 = time.perf_counter()
             if not profiled:
                 out = self.ex.execute(plan)
@@ -180,7 +185,8 @@ class Runner:
                     last[sid] = now
                 if len(seq.tokens) >= new:
                     sched.release(seq)
-        replays = self.replay_timing() if replay_timing else None
+        if replay_timing and replays is None:
+            replays = self.replay_timing()
         backend = self.ex.backends.get(key)
         cis = backend.item_sums().get("cis") if backend is not None else None  # CIS's (retrievals, head steps)
         rho = sum(cis[0]) / sum(cis[1]) if cis and sum(cis[1]) else None
@@ -223,8 +229,7 @@ class Runner:
         the launch call, launch to the device's end of one replay (from an idle device), the same over two
         replays back to back, and CUDA events around one replay. One replay's end to end against the launch
         plus the device's own time says whether the launch is paid before the device starts; two replays say
-        whether the second launch hides behind the first's execution. The replays re-run the last step's
-        inputs over freed pages: after the run, nothing reads them."""
+        whether the second launch hides behind the first's execution."""
         g = self.ex.graphs
         if g is None or not g.graphs or not torch.cuda.is_available():
             return None
