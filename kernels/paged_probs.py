@@ -171,7 +171,9 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     if width_tokens > width * page:
         raise ValueError(f"width_tokens {width_tokens} exceeds the page table's {width} pages of {page}")
     pairs = b * h_kv
+    # A bool mask is read as its bytes (0 or 1): a view, not a conversion launch each layer.
     need_i = (torch.ones(pairs, dtype=torch.int8, device=q.device) if need is None
+              else need.reshape(pairs).view(torch.int8) if need.dtype == torch.bool
               else need.reshape(pairs).to(torch.int8))
     q = q if q.stride(-1) == 1 else q.contiguous()
     # 16-bit queries and keys (the serving path's) are exact in TF32's 10-bit mantissa, so plain TF32 tensor

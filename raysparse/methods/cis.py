@@ -166,6 +166,10 @@ class CISStepConsts:
     offs: torch.Tensor  # [2 r] the dilation's offsets
     rows: torch.Tensor  # [B]
     heads: torch.Tensor  # [h_kv]
+    # [B] the retrieval's candidate range [sink, n - local) of a row that sees every key: the same at every layer,
+    # so built once a step rather than twice a layer (two launches each of 30 layers in a captured step)
+    lo_all: torch.Tensor
+    hi: torch.Tensor
     pages_w: int = 0  # the "pages" retrieval's page budget at k_w, and per row (None with "exact")
     pages_n: torch.Tensor | None = None
 
@@ -183,6 +187,7 @@ def cis_step_consts(cfg: CISConfig, n: torch.Tensor, width_tokens: int, h_kv: in
     return CISStepConsts(n, kk_w, m_w, pos, pos < nn, (pos < cfg.sink) | (pos >= nn - cfg.local), kk_n, m_n,
                          pair_k, pair_m, pair_n, torch.arange(max(kk_w, 1), device=dev), dilation_offsets(r, dev),
                          torch.arange(n.shape[0], device=dev), torch.arange(h_kv, device=dev),
+                         n.new_full(n.shape, cfg.sink), n - cfg.local,
                          page_budget(cfg, kk_w) if pages else 0, page_budget_rows(cfg, kk_n) if pages else None)
 
 

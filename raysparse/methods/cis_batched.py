@@ -205,9 +205,9 @@ def _pages_retrieve(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: Paged
                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``_retrieve``'s contract by the page retrieval (``cis_pages.paged_pages_top``): the candidates [max(sink,
     lo), n - local), the top-k of the keys in the best pages by Quest's bound."""
-    a = c.n.new_full(c.n.shape, cfg.sink) if visible_lo is None else visible_lo.long().clamp(min=cfg.sink)
+    a = c.lo_all if visible_lo is None else visible_lo.long().clamp(min=cfg.sink)
     assert c.pages_n is not None, "the step's constants were built for the exact retrieval"
-    return paged_pages_top(q, kv, bounds, wt, cfg.retrieval_page, a, c.n - cfg.local, cfg.sink, cfg.local,
+    return paged_pages_top(q, kv, bounds, wt, cfg.retrieval_page, a, c.hi, cfg.sink, cfg.local,
                            visible_lo, max(c.k_w, 1), c.kk_n, c.pages_w, c.pages_n, rows)
 
 

@@ -53,8 +53,8 @@ def listed_select(cfg: CISConfig, c: CISStepConsts, q: torch.Tensor, kv: PagedKV
     Fixed shapes, no host read."""
     b, h_kv = here.shape
     n = c.n
-    lo = n.new_full(n.shape, cfg.sink) if visible_lo is None else visible_lo.long().clamp(min=cfg.sink)
-    hi = n - cfg.local
+    lo = c.lo_all if visible_lo is None else visible_lo.long().clamp(min=cfg.sink)
+    hi = c.hi
     # The step's selection row, written by the scorer: the forced keys (sinks, and the local window where
     # visible) +inf, the retrieving pairs' candidates their probabilities (their top-k is taken), the sharing
     # pairs' candidates 0 (none taken: their count is 0) with their set's visible keys raised to +inf
