@@ -137,7 +137,11 @@ class PrHSDecode(PSAWWindow):
         if state is None or not layers:
             return
         idx = [state.index[layer] for layer in layers]
-        counts = state.rows(len(state.current or ())).counts[idx, : len(ctx_lens)].sum((1, 2)).tolist()
+        buf = state.rows(len(state.current or ())).counts
+        # A replayed step's layers are every CIS layer, in order: a slice, where a list index would copy the list
+        # to the device (a pageable copy, which waits for the step) before the one read of the counts.
+        picked = buf[idx[0]: idx[-1] + 1] if idx == list(range(idx[0], idx[-1] + 1)) else buf[idx]
+        counts = picked[:, : len(ctx_lens)].sum((1, 2)).tolist()
         causal = float(sum(ctx_lens) * num_kv_heads)
         for layer, (keys, retrieved) in zip(layers, counts, strict=True):
             self.meter.add(layer, float(keys), causal, decode=True)
