@@ -11,10 +11,17 @@ selections follow real query statistics (random weights make CIS's anchor sharin
 Each method runs the workload twice; the first compiles its kernels and captures its graphs (kept for the second)
 and is not reported.
 Per method: mean TTFT (every request arrives at the start), mean TPOT (per request: its last token's time less its
-first's over the tokens between), the decode step's time once every prompt is in (the steps after the first two of
-pure decode), and how many requests answered their needle. Ratios are against dense in the same run.
+first's over the tokens between), the decode step's time after the last prefill step (its first two left out), and
+how many requests answered their needle. Ratios are against dense in the same run.
+
+``--weights random`` runs seeded random weights in a config (default Llama-3.1-8B's, ``configs/``) on random prompts
+instead, and ``--max-batch`` keeps that many requests in flight (the others wait their turn): the 32K serving
+workload of 16 prompts, 4 in flight, in-process (its TPOT without the gRPC server's part; no needles to check; TTFT
+counts a request's wait for a slot, since every request arrives at the start).
 
     python benchmarks/bench_kv_bound.py                          # the GPU machine: 64 x 7168, 128 new tokens
+    python benchmarks/bench_kv_bound.py --weights random --requests 16 --max-batch 4 --context 32896 --new 128
+                                                                 # 32K prompts on Llama-3.1-8B's config
     python benchmarks/bench_kv_bound.py --device cpu --requests 2 --context 1024 --new 8 --methods quest
                                                                  # a CPU dry run of the code path
 
@@ -30,9 +37,9 @@ from typing import Any
 
 import torch
 from bench_common import environment, method_spec, table, write_json
-from bench_kv_offload_gpu import PAGE, Runner
+from bench_kv_offload_gpu import PAGE, ROOT, Runner
 
-from raysparse.loader import load_hf_config, load_model, load_tokenizer, resolve_source
+from raysparse.loader import build_model, load_hf_config, load_model, load_tokenizer, resolve_source
 from raysparse.orchestration.engine_config import EngineConfig
 from raysparse.workload import build_retrieval_task, load_haystack_text
 
@@ -45,7 +52,14 @@ COLUMNS = [("method", "method"), ("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="GGUF file or checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or checkpoint directory (default: the embedded model; with --weights random, "
+                        "the Llama-3.1-8B config in configs/)")
+    p.add_argument("--weights", choices=("real", "random"), default="real",
+                   help="real: the model's weights on retrieval prompts over --text; random: seeded random weights "
+                        "in --model's config on random prompts (speed alone: no answers to check)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="requests in flight at once (default: every request); the rest wait their turn")
     p.add_argument("--text", default=None, help="real text for the haystacks (default: the project's)")
     p.add_argument("--methods", default=METHODS, help="NAME or NAME:KEY=VALUE:... entries, comma-separated")
     p.add_argument("--density", type=float, default=0.1, help="for the methods that take one")
@@ -65,32 +79,47 @@ def main() -> None:
     args = p.parse_args()
     if args.requests < 1 or args.new < 4:
         raise SystemExit("--requests must be at least 1 and --new at least 4 (the first two decode steps compile)")
+    if args.max_batch is not None and not 1 <= args.max_batch <= args.requests:
+        raise SystemExit("--max-batch must be between 1 and --requests")
+    in_flight = args.max_batch or args.requests
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    src = resolve_source(args.model)
+    random_weights = args.weights == "random"
+    src = resolve_source(args.model if args.model or not random_weights else str(ROOT / "configs" / "llama-3.1-8b"))
     hf = load_hf_config(src)
-    model = load_model(src, dtype=dtype, device=dev, hf_config=hf).eval()
-    tokenizer = load_tokenizer(src)
-    text, source = load_haystack_text(args.text)
     budget = args.context - args.new
-    tasks = [build_retrieval_task(tokenizer, text, source, budget - 256, seed=i) for i in range(args.requests)]
-    if any(len(t.prompt_ids) > budget for t in tasks):
-        raise SystemExit(f"a prompt came out longer than {budget} tokens; lower --context or raise it by --new")
-    prompts = [list(t.prompt_ids) for t in tasks]
+    torch.manual_seed(0)
+    if random_weights:
+        model = build_model(hf, dtype=dtype, device=dev).eval()
+        g = torch.Generator().manual_seed(0)
+        tasks, tokenizer = None, None
+        prompts = [torch.randint(0, model.cfg.vocab_size, (budget,), generator=g).tolist()
+                   for _ in range(args.requests)]
+    else:
+        model = load_model(src, dtype=dtype, device=dev, hf_config=hf).eval()
+        tokenizer = load_tokenizer(src)
+        text, source = load_haystack_text(args.text)
+        tasks = [build_retrieval_task(tokenizer, text, source, budget - 256, seed=i) for i in range(args.requests)]
+        if any(len(t.prompt_ids) > budget for t in tasks):
+            raise SystemExit(f"a prompt came out longer than {budget} tokens; lower --context or raise it by --new")
+        prompts = [list(t.prompt_ids) for t in tasks]
     cfg = model.cfg
     name = src.gguf_file or src.directory.name  # a file name, not a path of this machine
-    kv_gb = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * cfg.num_layers * args.requests * args.context / 1e9
+    kv_gb = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * cfg.num_layers * in_flight * args.context / 1e9
     weights_gb = sum(x.numel() * x.element_size() for x in model.parameters()) / 1e9
-    print(f"{name}: {args.requests} requests of up to {args.context} tokens ({args.new} decoded) on {dev}; dense K/V "
-          f"up to {kv_gb:.2f} GB against {weights_gb:.2f} GB of weights", flush=True)
+    print(f"{name} ({args.weights} weights): {args.requests} requests of up to {args.context} tokens ({args.new} "
+          f"decoded), {in_flight} in flight, on {dev}; dense K/V up to {kv_gb:.2f} GB against {weights_gb:.2f} GB of "
+          f"weights", flush=True)
     seq_tokens = -(-args.context // PAGE) * PAGE + PAGE
     steps = args.decode_steps if args.decode_steps is not None else EngineConfig().decode_steps_for(dev == "cuda")
     if steps < 1:
         raise SystemExit("--decode-steps must be at least 1")
-    runner = Runner(model, seq_tokens * args.requests, None, args.prefill_tokens, device=dev,
-                    graphs_batch=0 if args.eager or dev != "cuda" else args.requests, decode_steps=steps)
+    runner = Runner(model, seq_tokens * in_flight, None, args.prefill_tokens, device=dev,
+                    graphs_batch=0 if args.eager or dev != "cuda" else in_flight, decode_steps=steps,
+                    max_batch=in_flight)
     rows: list[dict[str, Any]] = []
-    record = {"env": environment(), "model": name, "requests": args.requests, "context": args.context,
+    record = {"env": environment(), "model": name, "weights": args.weights, "requests": args.requests,
+              "in_flight": in_flight, "context": args.context,
               "new_tokens": args.new, "density": args.density, "graphs": runner.graphs, "decode_steps": steps,
               "kv_gb_dense": kv_gb,
               "weights_gb": weights_gb, "rows": rows}
@@ -109,12 +138,13 @@ def main() -> None:
             continue
         outs = r.pop("outputs")
         r["method"] = entry
-        r["correct"] = sum(t.is_correct(tokenizer.decode(o, skip_special_tokens=True)) for t, o in zip(tasks, outs,
-                                                                                                      strict=True))
-        r["first_output"] = tokenizer.decode(outs[0][:24], skip_special_tokens=True)
+        if tasks is not None and tokenizer is not None:  # real weights: the needles answered
+            r["correct"] = sum(t.is_correct(tokenizer.decode(o, skip_special_tokens=True))
+                               for t, o in zip(tasks, outs, strict=True))
+            r["first_output"] = tokenizer.decode(outs[0][:24], skip_special_tokens=True)
         rows.append(r)
         print(f"{entry}: TTFT {r['mean_ttft_ms']:.0f} ms, TPOT {r['mean_tpot_ms']:.2f} ms, step "
-              f"{r['decode_ms_per_step']:.2f} ms, answered {r['correct']}/{args.requests}, graphs captured / "
+              f"{r['decode_ms_per_step']:.2f} ms, answered {r.get('correct', '-')}/{args.requests}, graphs captured / "
               f"replayed in the timed steps {r['timed_graphs']} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if r.get("replay_timing"):

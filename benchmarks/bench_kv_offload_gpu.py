@@ -76,10 +76,12 @@ class Runner:
     """One shard's cache and executor, reused by the runs of one configuration (tier on or off)."""
 
     def __init__(self, model: Any, host_tokens: int, offload: KVOffloadConfig | None, prefill_tokens: int,
-                 device: str = "cuda", graphs_batch: int = 0, decode_steps: int = 1) -> None:
-        # decode_steps: the scheduler's steps per decode plan while no prompt waits (the engine's --decode-steps)
+                 device: str = "cuda", graphs_batch: int = 0, decode_steps: int = 1,
+                 max_batch: int | None = None) -> None:
+        # decode_steps: the scheduler's steps per decode plan while no prompt waits (the engine's --decode-steps);
+        # max_batch: the sequences in flight at once (None: every prompt of a run)
         self.model, self.offload, self.prefill_tokens = model, offload, prefill_tokens
-        self.decode_steps = decode_steps
+        self.decode_steps, self.max_batch = decode_steps, max_batch
         self.pages = -(-host_tokens // PAGE)
         t0 = time.perf_counter()
         dtype = next(model.parameters()).dtype
@@ -109,7 +111,7 @@ class Runner:
         run's outputs are then not the method's)."""
         extra = {} if self.offload is None else dict(device_pages=self.offload.device_pages(PAGE),
                                                      pinned_pages=self.offload.pinned_pages)
-        sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=len(prompts),
+        sched = Scheduler(SchedulerConfig(self.pages, PAGE, max_batch=self.max_batch or len(prompts),
                                           max_prefill_tokens=self.prefill_tokens, decode_steps=self.decode_steps,
                                           **extra))
         key = method_key(method, params)
