@@ -235,7 +235,8 @@ class Runner:
         g = self.ex.graphs
         if g is None or not g.graphs or not torch.cuda.is_available():
             return None
-        graph = g.graphs[max(g.graphs, key=lambda k: (k[1], k[2], not k[3]))]
+        widest = max(g.graphs, key=lambda k: (k[1], k[2], not k[3]))  # (key, batch, width, chained)
+        graph = g.graphs[widest]
         sync, now = torch.cuda.synchronize, time.perf_counter
         launch, one, two, events = [], [], [], []
         for _ in range(reps):
@@ -258,7 +259,7 @@ class Runner:
             events.append(e0.elapsed_time(e1) / 1e3)
         med = lambda xs: 1e6 * sorted(xs)[len(xs) // 2]  # noqa: E731
         return {"launch_us": med(launch), "one_replay_us": med(one), "two_replays_us": med(two),
-                "events_us": med(events), "graph": str(max(g.graphs, key=lambda k: (k[1], k[2], not k[3]))[1:])}
+                "events_us": med(events), "graph": str(widest[1:])}
 
     def close(self) -> None:
         del self.ex, self.cache

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import kth_key, next_pow2, take_at_threshold, tl, triton
+from .common import int8_flags, kth_key, next_pow2, take_at_threshold, tl, triton
 from .kernel_path import triton_wanted
 from .row_select import SINGLE_MAX, select_list
 from .selection import SENTINEL
@@ -159,9 +159,7 @@ def anchor_sets_triton(listed: torch.Tensor, final: torch.Tensor, lo: torch.Tens
     # Warps by the list's length (8 to 16 entries a thread): at 4 x 32K (~3.3K entries) 16 warps took 36 us, 8
     # warps 45 and 4 warps 79 (H200, ``bench_anchor_sets.py``); 32 were slower again (48 us).
     # The kernels read every per-row value at its offset: broadcast views (stride 0) would not be.
-    # A bool ``here`` is read as its bytes (a view, not a conversion launch each layer).
-    flags = here.contiguous().view(torch.int8) if here.dtype == torch.bool else here.to(torch.int8)
-    args = [x.contiguous() for x in (listed, final, lo, hi, flags, pair_m, pair_k, pair_n)]
+    args = [x.contiguous() for x in (listed, final, lo, hi, int8_flags(here), pair_m, pair_k, pair_n)]
     _anchor_kernel[(rows,)](*args, out, ow, final.shape[1], here.shape[1], m_w, k_w, width, NP=np_, R=radius,
                             PB=min(1024, next_pow2(width)), num_warps=num_warps or min(16, max(4, np_ // 256)))
     return out

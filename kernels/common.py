@@ -100,6 +100,12 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def int8_flags(mask: torch.Tensor) -> torch.Tensor:
+    """A flag tensor as the int8 a kernel reads: a contiguous bool one as its own bytes (0 or 1, a view, no launch),
+    anything else converted."""
+    return mask.contiguous().view(torch.int8) if mask.dtype == torch.bool else mask.to(torch.int8)
+
+
 def check_head_dim(d: int) -> None:
     # tl.arange needs a power of two; tl.dot needs K >= 16.
     if d < 16 or d & (d - 1):

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .common import interpreting, next_pow2, tl, triton
+from .common import int8_flags, interpreting, next_pow2, tl, triton
 from .formats import PagedKV
 
 
@@ -171,10 +171,7 @@ def paged_group_probs(q: torch.Tensor, kv: PagedKV, width_tokens: int, need: tor
     if width_tokens > width * page:
         raise ValueError(f"width_tokens {width_tokens} exceeds the page table's {width} pages of {page}")
     pairs = b * h_kv
-    # A bool mask is read as its bytes (0 or 1): a view, not a conversion launch each layer.
-    need_i = (torch.ones(pairs, dtype=torch.int8, device=q.device) if need is None
-              else need.reshape(pairs).view(torch.int8) if need.dtype == torch.bool
-              else need.reshape(pairs).to(torch.int8))
+    need_i = torch.ones(pairs, dtype=torch.int8, device=q.device) if need is None else int8_flags(need.reshape(pairs))
     q = q if q.stride(-1) == 1 else q.contiguous()
     # 16-bit queries and keys (the serving path's) are exact in TF32's 10-bit mantissa, so plain TF32 tensor
     # cores give the fp32 reference's logits; fp32 inputs take 3xTF32 (fp32-exact to about 1e-6, twice the

@@ -116,13 +116,12 @@ class SparseMethod(AttentionBackend):
         """Host-side density accounting of a batched decode step (the selection's size is a function of
         the length alone, so nothing is read back from the device). ``memo``: the step's counts by
         ``decode_layer_class``, shared by the layers of one step."""
-        dense = self.dense_decode_layer(layer)
-        cls = self.decode_layer_class(layer) if memo is not None else None
-        keys = memo.get(cls) if memo is not None else None
-        if keys is None:
-            keys = sum(n if dense else self.decode_keys(layer, n) for n in ctx_lens)
-            if memo is not None:
-                memo[cls] = keys
+        memo = {} if memo is None else memo
+        cls = self.decode_layer_class(layer)
+        if cls not in memo:
+            dense = self.dense_decode_layer(layer)
+            memo[cls] = sum(n if dense else self.decode_keys(layer, n) for n in ctx_lens)
+        keys = memo[cls]
         self.meter.add(layer, float(keys * num_kv_heads), float(sum(ctx_lens) * num_kv_heads), decode=True)
 
     # ---- the density budget's floor ---------------------------------------------------------------
