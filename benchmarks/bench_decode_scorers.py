@@ -6,9 +6,9 @@ flushed):
 - ``dense``: the dense backend's split-K decode over every page (the baseline each scorer must undercut), and
   the same list padded to twice its width as a graph's width bucket pads it;
 - ``collision``: SOCKET's paged soft-collision scores (``kernels/paged_collision.py``), 60 tables of 8
-  planes, by ``num_warps`` and the probabilities' dtype (fp16 halves the cache lines a warp's gather of
-  random buckets touches), and with the forced sinks and window written by the kernel (``forced``; several
-  tables' ids per load measured slower and was dropped);
+  planes, by pages per program, the tables unrolled or looped, ``num_warps`` and the probabilities' dtype (fp16
+  halves the cache lines a warp's gather of random buckets touches; ``rel err`` against fp32), and with the
+  forced sinks and window written by the kernel (``forced``);
 - ``bucket probs``: SOCKET's group-reduced bucket distributions of the step's queries, the PyTorch form
   (six launches) against ``kernels/lsh_probs.py`` (one), by tables per program and warps;
 - ``hash``: SOCKET's bucketing (``kernels/lsh_scorer.py``) of a decode step's new keys (one per row; gathered
@@ -22,9 +22,11 @@ flushed):
   retrieving and with 44% of them (the others share an anchor).
 
     python benchmarks/bench_decode_scorers.py [--batch 4] [--context 32768]
+    python benchmarks/bench_decode_scorers.py --batch 64 --context 7168 --heads 9 --kv-heads 3 --head-dim 64
+        --kernels collision,bucket    # (one line) the default model's KV-bound decode batch, SOCKET's kernels
     python benchmarks/bench_decode_scorers.py --smoke   # tiny sizes: CUDA if present, else the interpreter
 
-Writes ``$OUT/bench_decode_scorers.json`` (``OUT`` defaults to ./results).
+Writes ``$OUT/bench_decode_scorers.json`` (``--name``; ``OUT`` defaults to ./results).
 """
 
 from __future__ import annotations
@@ -57,12 +59,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kernels", default="collision,bucket,hash,quest,probs",
+                    help="which kernels to time besides dense (each row's first word), comma-separated")
+    ap.add_argument("--name", default="bench_decode_scorers.json", help="JSON file written under $OUT")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    which = {k.strip() for k in args.kernels.split(",")}
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     b, ctx = (2, 256) if args.smoke else (args.batch, args.context)
-    h, h_kv, d, page, tables, planes, qpage = 32, 8, 128, 64, 60, 8, 16
+    h, h_kv, d, page, tables, planes, qpage = args.heads, args.kv_heads, args.head_dim, 64, 60, 8, 16
     if args.smoke:
         h, h_kv, tables = 8, 2, 6
     width = -(-ctx // page)
@@ -79,6 +88,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
 
     def add(kernel: str, knobs: str, fn, **extra: Any) -> None:
+        if kernel != "dense" and kernel.split()[0] not in which:
+            return
         rows.append({"kernel": kernel, "knobs": knobs, "ms": timer(fn, graph=True), **extra})
 
     add("dense", "split-K decode", lambda: paged_decode_attention(q, kv, blocks, unit=page))
@@ -90,12 +101,18 @@ def main() -> None:
     probs = torch.softmax(torch.randn(b, h_kv, tables, 1 << planes, generator=gen), -1).to(dev)
     half = probs.half()
     sink = torch.full((b,), 128, dtype=torch.int32, device=dev)
-    for warps in (1, 2, 4):
-        for p_, dt in ((probs, "fp32"), (half, "fp16")):
-            add("collision", f"warps={warps} {dt}",
-                lambda warps=warps, p_=p_: paged_collision(p_, ids, None, table_, seqlens, num_warps=warps))
-    add("collision", "warps=2 fp16 forced",
-        lambda: paged_collision(half, ids, None, table_, seqlens, (sink, sink), num_warps=2))
+    want_c = paged_collision(probs, ids, None, table_, seqlens, unroll=False)
+    live = torch.isfinite(want_c)
+    for per in (1, 2, 4, 8):
+        for unroll in (False, True):
+            for warps in (1, 2, 4):
+                for p_, dt in ((probs, "fp32"), (half, "fp16")):
+                    kn = {"num_warps": warps, "pages_per_program": per, "unroll": unroll}
+                    got = paged_collision(p_, ids, None, table_, seqlens, **kn) if "collision" in which else None
+                    err = None if got is None else ((got - want_c)[live].abs().max() / want_c[live].abs().max()).item()
+                    add("collision", f"pages={per} {'unrolled' if unroll else 'loop'} warps={warps} {dt}",
+                        lambda kn=kn, p_=p_: paged_collision(p_, ids, None, table_, seqlens, **kn), rel_err=err)
+    add("collision", "default forced", lambda: paged_collision(probs, ids, None, table_, seqlens, (sink, sink)))
     w = torch.randn(h_kv, tables, planes, d, generator=gen).to(dev)
 
     def probs_torch() -> torch.Tensor:
@@ -163,7 +180,7 @@ def main() -> None:
         r["vs_dense"] = r["ms"] / dense_ms
     payload = {"env": environment(), "batch": b, "context": ctx, "heads": h, "kv_heads": h_kv, "head_dim": d,
                "page": page, "rows": rows}
-    path = write_json("bench_decode_scorers.json", payload)
+    path = write_json(args.name, payload)
     print(table(rows, [("kernel", "kernel"), ("knobs", "knobs"), ("ms", "ms"), ("vs_dense", "x dense"),
                        ("rel_err", "rel err")]))
     print(f"wrote {path}")

@@ -8,8 +8,8 @@ steps replayed from CUDA graphs. At 64 requests of 7168 tokens the K/V a dense s
 forty times the weights (0.27 GB), so the attention's reads and the methods' selection set the step's time, and the
 selections follow real query statistics (random weights make CIS's anchor sharing meaningless).
 
-Each method runs the workload twice; the first compiles its kernels and captures its graphs (kept for the second)
-and is not reported.
+Each method runs the workload twice; the first (only the first wave of ``--max-batch`` requests: the same shapes)
+compiles its kernels and captures its graphs (kept for the second) and is not reported.
 Per method: mean TTFT (every request arrives at the start), mean TPOT (per request: its last token's time less its
 first's over the tokens between), the decode step's time after the last prefill step (its first two left out), and
 how many requests answered their needle. Ratios are against dense in the same run.
@@ -127,7 +127,7 @@ def main() -> None:
         method, params = method_spec(entry, args.density)
         t0 = time.perf_counter()
         try:
-            runner.run(method, params, prompts, args.new, clean=False)  # compiles and captures
+            runner.run(method, params, prompts[:in_flight], args.new, clean=False)  # compiles and captures
             r = runner.run(method, params, prompts, args.new, keep_outputs=True, clean=not args.profile)
             if args.profile:  # a third run, untimed, for the profile
                 third = runner.run(method, params, prompts, args.new, profile=True, replay_timing=True)

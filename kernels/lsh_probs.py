@@ -5,9 +5,9 @@ form over ``lsh.soft_bucket_probs`` / ``lsh.hard_bucket_probs``).
 ``[B, h_kv, L, 2**P]`` fp32: per query head, soft: u = tanh(W_l q) / sqrt(d), p_l(r) =
 softmax_r(u . c_r / tau) over the hypercube's corners c_r (bit p of r set iff c_r[p] = +1); hard: the one-hot
 of q's own bucket (bit p set iff (W_l q)_p > 0). The g heads of a KV head are then reduced by their mean or
-max. One program per (table, KV head, row) computes the g projections, the 2**P logits, the softmax and
-the reduction in registers: the PyTorch form takes six launches (a batched product, tanh, the corner
-product, softmax, the reduction and a transposed copy).
+max. One program per (table, KV head, row) computes the g projections, the 2**P probabilities (the softmax over
+the corners factored into one logistic a plane) and the reduction in registers: the PyTorch form takes six
+launches (a batched product, tanh, the corner product, softmax, the reduction and a transposed copy).
 """
 
 from __future__ import annotations
@@ -28,33 +28,38 @@ if triton is not None:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
-    def _bucket_probs_kernel(Q, W, Out, g, planes, scale, stride_qb, stride_qh, stride_wh, stride_wl,
+    def _bucket_probs_kernel(Q, W, Out, g, scale, stride_qb, stride_qh, stride_wh, stride_wl,
                              stride_wp, stride_ob, stride_oh, stride_ol,
-                             G_PAD: tl.constexpr, P_PAD: tl.constexpr, R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             G_PAD: tl.constexpr, PLANES: tl.constexpr, R: tl.constexpr,
+                             HEAD_DIM: tl.constexpr,
                              TABLES: tl.constexpr, HARD: tl.constexpr, MEAN: tl.constexpr):
         kh = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
         gi = tl.arange(0, G_PAD)
-        p = tl.arange(0, P_PAD)
         d = tl.arange(0, HEAD_DIM)
         live_g = gi < g
         q = tl.load(Q + b * stride_qb + (kh * g + gi)[:, None] * stride_qh + d[None, :],
                     mask=live_g[:, None], other=0.0).to(tl.float32)  # [G, D]
         r = tl.arange(0, R)
-        corner = tl.where(((r[None, :] >> p[:, None]) & 1) == 1, 1.0, -1.0)  # [P, R]: corner r's signs
         for i in tl.static_range(TABLES):  # this program's tables share the query rows it loaded
             t = tl.program_id(0).to(tl.int64) * TABLES + i
-            w = tl.load(W + kh * stride_wh + t * stride_wl + p[:, None] * stride_wp + d[None, :],
-                        mask=(p < planes)[:, None], other=0.0)  # [P, D]
-            proj = tl.sum(q[:, None, :] * w[None, :, :], 2)  # [G, P], exact fp32 like the reference's product
+            w_row = W + kh * stride_wh + t * stride_wl + d
+            # softmax_r(u . c_r * scale) over the corners factors into one logistic a plane: p(r) =
+            # prod_p (a_p if bit p of r else 1 - a_p), a_p = sigmoid(2 scale u_p). P products of [G, R], one a
+            # plane's projection, instead of the [G, P, R] corner product, R exponentials and a normalisation.
             if HARD:
-                ids = tl.sum(tl.where((proj > 0) & (p < planes)[None, :], 1 << p[None, :], 0), 1)  # [G]
-                prob = (r[None, :] == ids[:, None]).to(tl.float32)  # [G, R]
+                ids = tl.zeros([G_PAD], dtype=tl.int32)
             else:
-                u = tl.where((p < planes)[None, :], _tanh(proj), 0.0)  # padded planes add nothing
-                logit = tl.sum(u[:, :, None] * corner[None, :, :], 1) * scale  # [G, R]
-                e = tl.exp(logit - tl.max(logit, 1)[:, None])
-                prob = e / tl.sum(e, 1)[:, None]
+                prob = tl.full([G_PAD, R], 1.0, tl.float32)
+            for bit in tl.static_range(PLANES):
+                x = tl.sum(q * tl.load(w_row + bit * stride_wp)[None, :], 1)  # [G]: exact fp32 like the reference's
+                if HARD:
+                    ids += tl.where(x > 0, 1 << bit, 0)
+                else:
+                    a_b = (1.0 / (1.0 + tl.exp(-2.0 * scale * _tanh(x))))[:, None]  # [G, 1]
+                    prob *= tl.where(((r[None, :] >> bit) & 1) == 1, a_b, 1.0 - a_b)
+            if HARD:
+                prob = (r[None, :] == ids[:, None]).to(tl.float32)  # [G, R]
             if MEAN:
                 red = tl.sum(tl.where(live_g[:, None], prob, 0.0), 0) / g
             else:
@@ -83,8 +88,8 @@ def bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool = F
     out = torch.empty(b, h_kv, tables, 1 << planes, dtype=torch.float32, device=q.device)
     if b and tables and h_kv:
         _bucket_probs_kernel[(tables // tables_per_program, h_kv, b)](
-            q, w, out, g, planes, 1.0 / (math.sqrt(d) * float(tau)), q.stride(0), q.stride(1), w.stride(0),
+            q, w, out, g, 1.0 / (math.sqrt(d) * float(tau)), q.stride(0), q.stride(1), w.stride(0),
             w.stride(1), w.stride(2), out.stride(0), out.stride(1), out.stride(2), G_PAD=next_pow2(g),
-            P_PAD=next_pow2(planes), R=1 << planes, HEAD_DIM=d, TABLES=tables_per_program, HARD=hard,
+            PLANES=planes, R=1 << planes, HEAD_DIM=d, TABLES=tables_per_program, HARD=hard,
             MEAN=reduce == "mean", num_warps=num_warps)
     return out

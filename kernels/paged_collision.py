@@ -75,51 +75,70 @@ if triton is not None:
     def _paged_collision_kernel(P, IDS, NORM, PT, SEQ, SINK, LOCAL, Out, tables, width,
                                 stride_pb, stride_ph, stride_pl, stride_ip, stride_ih, stride_il,
                                 stride_np, stride_nh, stride_tb, stride_ob, stride_oh,
-                                PAGE: tl.constexpr, HAS_NORM: tl.constexpr, FORCED: tl.constexpr):
-        j = tl.program_id(0)  # one page of the row
+                                PAGE: tl.constexpr, PAGES: tl.constexpr, TABLES: tl.constexpr,
+                                HAS_NORM: tl.constexpr, FORCED: tl.constexpr):
+        j = tl.program_id(0) * PAGES + tl.arange(0, PAGES)  # this program's pages of the row
         h = tl.program_id(1).to(tl.int64)
         b = tl.program_id(2).to(tl.int64)
         n = tl.load(SEQ + b)
-        tok = j * PAGE + tl.arange(0, PAGE)
+        off = tl.arange(0, PAGE)
+        tok = j[:, None] * PAGE + off[None, :]  # [PAGES, PAGE]
         ok = tok < n
+        in_row = j < width
         out_row = Out + b * stride_ob + h * stride_oh + tok
-        if j * PAGE < n:
-            pg = tl.load(PT + b * stride_tb + j).to(tl.int64)
-            off = tl.arange(0, PAGE)
-            id_row = IDS + pg * stride_ip + h * stride_ih + off
+        if tl.program_id(0) * PAGES * PAGE < n:
+            live = in_row & (j * PAGE < n)  # a page's ids past the length are read (one mask a page keeps the
+            live_t = live[:, None]  # loads vectorised) and dropped at the store
+            pg = tl.load(PT + b * stride_tb + j, mask=live, other=0).to(tl.int64)
+            id_row = IDS + pg[:, None] * stride_ip + h * stride_ih + off[None, :]
             prob_row = P + b * stride_pb + h * stride_ph
-            acc = tl.zeros([PAGE], dtype=tl.float32)
-            for t in range(tables):
-                ids = tl.load(id_row + t * stride_il).to(tl.int32)
-                acc += tl.load(prob_row + t * stride_pl + ids).to(tl.float32)
+            acc = tl.zeros([PAGES, PAGE], dtype=tl.float32)
+            if TABLES > 0:  # unrolled: every table's ids load at once instead of one load, then its gather, a turn
+                for t in tl.static_range(TABLES):
+                    ids = tl.load(id_row + t * stride_il, mask=live_t, other=0).to(tl.int32)
+                    acc += tl.load(prob_row + t * stride_pl + ids).to(tl.float32)
+            else:
+                for t in range(tables):
+                    ids = tl.load(id_row + t * stride_il, mask=live_t, other=0).to(tl.int32)
+                    acc += tl.load(prob_row + t * stride_pl + ids).to(tl.float32)
             if HAS_NORM:
-                acc *= tl.load(NORM + pg * stride_np + h * stride_nh + off)
+                acc *= tl.load(NORM + pg[:, None] * stride_np + h * stride_nh + off[None, :], mask=live_t, other=0.0)
             if FORCED:
                 sink = tl.load(SINK + b)
                 local = tl.load(LOCAL + b)
                 acc = tl.where((tok < sink) | (tok >= n - local), float("inf"), acc)
-            tl.store(out_row, tl.where(ok, acc, float("-inf")))
+            tl.store(out_row, tl.where(ok, acc, float("-inf")), mask=in_row[:, None])
         else:
-            tl.store(out_row, tl.full([PAGE], float("-inf"), tl.float32))
+            tl.store(out_row, tl.full([PAGES, PAGE], float("-inf"), tl.float32), mask=in_row[:, None])
+
+
+UNROLL_MAX = 64  # tables unrolled in the kernel; more take its runtime loop
 
 
 def paged_collision(probs: torch.Tensor, ids: torch.Tensor, norms: torch.Tensor | None, page_table: torch.Tensor,
                     seqlens: torch.Tensor, forced: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    num_warps: int = 2) -> torch.Tensor:
-    """The Triton form: one program per (page of the row, KV head, row), one table's ids of its page per load
-    (loading several tables' at once measured slower on an H200). ``num_warps`` is a knob for
-    ``benchmarks/bench_decode_scorers.py``."""
+                    num_warps: int = 1, pages_per_program: int = 1, unroll: bool = True) -> torch.Tensor:
+    """The Triton form: one program per ``pages_per_program`` pages of the row, KV head and row, one table's ids
+    of its pages per load, the tables unrolled (``unroll``, up to ``UNROLL_MAX``) so their loads overlap.
+    ``num_warps``, ``pages_per_program`` and ``unroll`` are knobs for ``benchmarks/bench_decode_scorers.py``; the
+    defaults (one page, unrolled, one warp) were fastest at both of its decode shapes on an H200 (record
+    ``socket_kernels_gpu_h200_2026-12-04``), where the probabilities' gathers bound the kernel (a row's table
+    gathered by ``tl.gather`` instead took 8-12x as long)."""
     b, h, tables, _ = probs.shape
     page, width = ids.shape[-1], page_table.shape[1]
+    if pages_per_program < 1 or pages_per_program & (pages_per_program - 1):
+        raise ValueError(f"pages_per_program must be a power of two, got {pages_per_program}")
     if probs.dtype not in (torch.float32, torch.float16):
         probs = probs.float()
     probs = probs.contiguous()
     out = torch.empty(b, h, width * page, dtype=torch.float32, device=probs.device)
     nrm = norms if norms is not None else out
     sink, local = forced if forced is not None else (seqlens, seqlens)
-    _paged_collision_kernel[(width, h, b)](
+    grid = (triton.cdiv(width, pages_per_program), h, b)
+    _paged_collision_kernel[grid](
         probs, ids, nrm, page_table, seqlens, sink, local, out, tables, width,
         probs.stride(0), probs.stride(1), probs.stride(2), ids.stride(0), ids.stride(1), ids.stride(2),
         nrm.stride(0), nrm.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
-        PAGE=page, HAS_NORM=norms is not None, FORCED=forced is not None, num_warps=num_warps)
+        PAGE=page, PAGES=pages_per_program, TABLES=tables if unroll and tables <= UNROLL_MAX else 0,
+        HAS_NORM=norms is not None, FORCED=forced is not None, num_warps=num_warps)
     return out

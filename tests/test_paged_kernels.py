@@ -47,20 +47,23 @@ def test_paged_collision_matches_torch():
     j = torch.arange(8 * page)
     n = seqlens.long()[:, None, None]
     forced_at = ((j < sink[:, None, None]) | (j >= n - local[:, None, None])) & (j < n)
-    for nrm in (norms, None):
-        for p_ in (probs, probs.half()):
-            want = paged_collision_torch(p_, ids, nrm, table, seqlens)
-            got = paged_collision(*(t.to(DEV) if t is not None else None for t in (p_, ids, nrm, table, seqlens)))
-            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
-            # The forced sinks and windows come back as +inf, the rest as without them.
-            forced = (sink.to(DEV), local.to(DEV))
-            got_f = paged_collision(*(t.to(DEV) if t is not None else None for t in (p_, ids, nrm, table, seqlens)),
-                                    forced=forced).cpu()
-            want_f = paged_collision_torch(p_, ids, nrm, table, seqlens, (sink, local))
-            assert torch.equal(torch.isposinf(want_f), forced_at.expand_as(want_f)), f"seed {seed}"
-            assert torch.equal(torch.isposinf(got_f), forced_at.expand_as(got_f)), f"seed {seed}"
-            torch.testing.assert_close(got_f[~forced_at.expand_as(got_f)], want[~forced_at.expand_as(want)],
-                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+    # Pages a program: 1, 2, 4 (two programs a row) and 16 (past the row's 8 pages); the tables unrolled or looped.
+    cases = [(norms, probs, 1, True), (norms, probs.half(), 4, False), (None, probs, 16, True),
+             (None, probs.half(), 2, False), (norms, probs, 2, False), (None, probs, 4, True)]
+    for nrm, p_, per, unroll in cases:
+        kn = {"pages_per_program": per, "unroll": unroll}
+        want = paged_collision_torch(p_, ids, nrm, table, seqlens)
+        args = [t.to(DEV) if t is not None else None for t in (p_, ids, nrm, table, seqlens)]
+        got = paged_collision(*args, **kn)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6, msg=lambda m, kn=kn: f"seed {seed} {kn}: {m}")
+        # The forced sinks and windows come back as +inf, the rest as without them.
+        forced = (sink.to(DEV), local.to(DEV))
+        got_f = paged_collision(*args, forced=forced, **kn).cpu()
+        want_f = paged_collision_torch(p_, ids, nrm, table, seqlens, (sink, local))
+        assert torch.equal(torch.isposinf(want_f), forced_at.expand_as(want_f)), f"seed {seed}"
+        assert torch.equal(torch.isposinf(got_f), forced_at.expand_as(got_f)), f"seed {seed}"
+        torch.testing.assert_close(got_f[~forced_at.expand_as(got_f)], want[~forced_at.expand_as(want)],
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
 
 
 def _decode_case(g: torch.Generator, rows: int, max_len: int, width: int, pages: int, page: int = 16,
