@@ -33,16 +33,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from bench_common import environment, method_spec, table, write_json
-from bench_kv_offload_gpu import PAGE, ROOT, Runner
+from serving_run import PAGE, Runner
 
 from raysparse.loader import build_model, load_hf_config, load_model, load_tokenizer, resolve_source
 from raysparse.orchestration.engine_config import EngineConfig
 from raysparse.workload import build_retrieval_task, load_haystack_text
 
+ROOT = Path(__file__).resolve().parents[1]
 METHODS = "streaming,quest,sketch_walk,socket,cis,cpe"
 COLUMNS = [("method", "method"), ("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"),
            ("decode_ms_per_step", "step ms"), ("decode_tokens_per_s", "decode tok/s"),
