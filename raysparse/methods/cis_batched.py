@@ -77,13 +77,16 @@ class CISBatchedState:
         self.current: list[int] | None = None  # the sequence of each row of the buffers in use (-1: none)
         self.parked: dict[int, tuple[torch.Tensor, ...]] = {}
 
+    def prepare(self, rows: list[int], cache: KVCache) -> CISRows:
+        """Puts each row's sequence state in place (new sequences start empty); padding rows start empty."""
+        if self.current == rows:  # every step of a steady batch: no mode switch (it showed in a step's host time)
+            return self.buffers[len(rows)]
+        return self._place(rows, cache)
+
     # The buffers are normal tensors, whichever mode the first step runs in: an inference tensor could not
     # be updated in place by the host-side calls below, which run outside the model's inference mode.
     @torch.inference_mode(False)
-    def prepare(self, rows: list[int], cache: KVCache) -> CISRows:
-        """Puts each row's sequence state in place (new sequences start empty); padding rows start empty."""
-        if self.current == rows:
-            return self.buffers[len(rows)]
+    def _place(self, rows: list[int], cache: KVCache) -> CISRows:
         self._park(cache)
         buf = self.buffers.get(len(rows))
         if buf is None:
