@@ -5,7 +5,8 @@ inside a captured CUDA graph. The per-sequence state becomes rows of static buff
 row count (batch bucket): a graph reads its buffers by address, so they are never reallocated.
 ``CISBatchedState.prepare`` (host side, before each step) moves each sequence's state into the row it occupies:
 only when the batch's composition changes (a sequence joins or leaves), so steady decoding, and chained
-multi-step replays, copy nothing. Sequences that leave the batch but live on are parked as per-sequence tensors.
+multi-step replays, copy nothing; the rows that stay move as slices (``CISRows.take``). Sequences that leave the
+batch but live on are parked as per-sequence tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def set_width(cfg: CISConfig, n: int) -> int:
     return kk if cfg.limited_sets else kk + 2 * cfg.radius * m
 
 
+TAKE_BYTES = 16 << 20  # the largest piece ``CISRows.take`` copies at once
+
+
 class CISRows:
     """Every sparse layer's CIS state for the rows of a padded decode batch of ``rows`` rows. Anchor sets
     keep their valid entries first (in no set order, SENTINEL after), so a prefix of ``width`` entries holds
@@ -45,10 +49,34 @@ class CISRows:
         # (no atomics in the captured step); the host sums over the KV heads when it reads them.
         self.counts = torch.zeros(layers, rows, h_kv, 2, dtype=torch.long, device=device)
 
-    def reset(self, row: int) -> None:
-        """A new sequence: no step yet (the first step opens a block, which clears the anchors)."""
+    def reset(self, row: int | torch.Tensor) -> None:
+        """A new sequence (or a tensor of rows): no step yet (the first step opens a block, which clears the
+        anchors)."""
         self.step[:, row] = 0
         self.valid[:, row] = False
+
+    def take(self, other: CISRows, src: list[int], dst: list[int]) -> None:
+        """Rows ``dst`` get ``other``'s rows ``src`` (``other`` may be these buffers: every source row is read
+        before any is written). Runs of consecutive rows moving together (a finished sequence shifts every row
+        after it by one) are copied as slices, not a row at a time."""
+        runs: list[tuple[int, int, int]] = []  # (first source row, first destination row, rows)
+        for a, b in zip(src, dst, strict=True):
+            if runs and a == runs[-1][0] + runs[-1][2] and b == runs[-1][1] + runs[-1][2]:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((a, b, 1))
+        for mine, theirs in ((self.q, other.q), (self.sets, other.sets), (self.valid, other.valid),
+                             (self.step, other.step)):
+            # Within one buffer the sources are copied out first, in pieces of at most TAKE_BYTES: on a CPU
+            # one copy of every row (254 MB at 64 rows of the default model's sets) costs more in fresh pages
+            # than the copying itself, where pieces of that size reuse the allocator's memory.
+            row_bytes = theirs[:, 0].numel() * theirs.element_size()
+            per = max(1, TAKE_BYTES // max(row_bytes, 1))
+            parts = [(b + i, theirs[:, a + i: a + min(n, i + per)]) for a, b, n in runs for i in range(0, n, per)]
+            if other is self:
+                parts = [(b, x.clone()) for b, x in parts]
+            for b, x in parts:
+                mine[:, b: b + x.shape[1]] = x
 
     def save(self, row: int, width: int) -> tuple[torch.Tensor, ...]:
         return (self.q[:, row].clone(), self.sets[:, row, ..., :width].clone(), self.valid[:, row].clone(),
@@ -62,7 +90,6 @@ class CISRows:
         self.sets[:, row, ..., :width] = sets[..., :width]
         self.valid[:, row] = valid
         self.step[:, row] = step
-
 
 class CISBatchedState:
     """Row buffers and parked states of the batched CIS decode, for the layers in ``layers``."""
@@ -87,30 +114,40 @@ class CISBatchedState:
     # be updated in place by the host-side calls below, which run outside the model's inference mode.
     @torch.inference_mode(False)
     def _place(self, rows: list[int], cache: KVCache) -> CISRows:
-        self._park(cache)
         buf = self.buffers.get(len(rows))
         if buf is None:
             buf = CISRows(len(self.index), len(rows), self.cfg, cache.num_kv_heads, self.qdim, self.width,
                           cache.device)
             self.buffers[len(rows)] = buf
+        old = self.current or []
+        old_buf = self.buffers[len(old)] if self.current is not None else buf
+        at = {sid: j for j, sid in enumerate(old) if sid >= 0}
+        staying = {sid for sid in rows if sid >= 0}
+        for j, sid in enumerate(old):  # rows that leave the batch but live on: parked before any row is written
+            if sid >= 0 and sid not in staying:
+                # Its sets hold at most set_width(its length) entries, all in that prefix.
+                self.parked[sid] = old_buf.save(j, max(set_width(self.cfg, cache.seq_len(sid)), 1))
+        # A batch change moves the rows that stay in one gather a buffer (a sequence finishing shifts every row
+        # after it), rather than parking and loading each row.
+        src, dst, fresh, loads = [], [], [], []
         for i, sid in enumerate(rows):
-            saved = self.parked.pop(sid, None) if sid >= 0 else None
-            if saved is None:
-                buf.reset(i)
+            j = at.get(sid) if sid >= 0 else None
+            if j is not None:
+                if old_buf is not buf or i != j:
+                    src.append(j)
+                    dst.append(i)
+            elif sid >= 0 and sid in self.parked:
+                loads.append((i, self.parked.pop(sid)))
             else:
-                buf.load(i, saved)
+                fresh.append(i)
+        if src:
+            buf.take(old_buf, src, dst)
+        for i, saved in loads:
+            buf.load(i, saved)
+        if fresh:
+            buf.reset(torch.tensor(fresh, device=buf.step.device))
         self.current = list(rows)
         return buf
-
-    def _park(self, cache: KVCache) -> None:
-        if self.current is None:
-            return
-        buf = self.buffers[len(self.current)]
-        for i, sid in enumerate(self.current):
-            if sid >= 0:
-                # Its sets hold at most set_width(its length) entries, all in that prefix.
-                self.parked[sid] = buf.save(i, max(set_width(self.cfg, cache.seq_len(sid)), 1))
-        self.current = None
 
     @torch.inference_mode(False)
     def forget(self, sid: int) -> None:
