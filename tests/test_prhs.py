@@ -473,3 +473,43 @@ def test_cis_batched_state_follows_sequences_across_batches(name, params):
     assert (att1, cau1) == pytest.approx((att0, cau0)), f"seed {seed}"
     assert rho1 == pytest.approx(rho0), f"seed {seed}"
     assert all(0 < r < 1 for r in rho1[1:]), f"seed {seed}: both sharing and retrieval"
+
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_cis_rows_take_equals_row_by_row_copies(same, monkeypatch):
+    """``CISRows.take`` (runs of rows as slices, within one buffer or from another, in pieces) against copying
+    each row from a snapshot of the source, every element of every buffer: a scattered mapping and a shift."""
+    from raysparse.methods import cis_batched
+    from raysparse.methods.cis import CISConfig
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = gen(seed)
+    cfg = CISConfig(density=0.1, share_block=2)
+    rows, names = 12, ("q", "sets", "valid", "step")
+
+    def rows_buf() -> cis_batched.CISRows:
+        b = cis_batched.CISRows(3, rows, cfg, 2, 4, 5, torch.device("cpu"))
+        b.q.copy_(torch.randn(b.q.shape, generator=g))
+        b.sets.copy_(torch.randint(-1, 50, b.sets.shape, generator=g, dtype=torch.int32))
+        b.valid.copy_(torch.rand(b.valid.shape, generator=g) < 0.5)
+        b.step.copy_(torch.randint(0, 9, b.step.shape, generator=g))
+        return b
+
+    first, second = rows_buf(), rows_buf()
+    mappings = [(torch.randperm(rows, generator=g)[:9].tolist(), torch.randperm(rows, generator=g)[:9].tolist()),
+                (list(range(4, rows)), list(range(3, rows - 1)))]  # a sequence at row 3 finished: the rest shift
+    for src, dst in mappings:
+        for piece in (1, 1 << 30):  # a row a piece, and every run whole
+            monkeypatch.setattr(cis_batched, "TAKE_BYTES", piece)
+            mine = cis_batched.CISRows(3, rows, cfg, 2, 4, 5, torch.device("cpu"))
+            for n in names:
+                getattr(mine, n).copy_(getattr(first, n))
+            other = mine if same else second
+            want = {n: getattr(mine, n).clone() for n in names}
+            for a, b in zip(src, dst, strict=True):
+                for n in names:
+                    want[n][:, b] = getattr(first if same else second, n)[:, a]
+            mine.take(other, src, dst)
+            for n in names:
+                assert torch.equal(getattr(mine, n), want[n]), f"seed {seed}: {n}, {src} -> {dst}, piece {piece}"
