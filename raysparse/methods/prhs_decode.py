@@ -183,12 +183,14 @@ class PrHSDecode(PSAWWindow):
 
     def decode_select(self, layer: int, q: torch.Tensor, view: DecodeView) -> torch.Tensor:
         if self.use_cis:
-            state, n, wt = self._cis_state(view.cache), view.seqlens.long(), view.width_tokens
+            state, wt = self._cis_state(view.cache), view.width_tokens
             consts = self.layer_plan(view.cache, view.batch)  # the step's, built before the layers
             bounds = bound_pools(view.cache, layer, self.config.retrieval_page) if self._page_retrieval else None  # type: ignore
+            lo = None
+            if self.use_psaw:  # the step's lengths from its constants: no cast a layer in the captured step
+                lo = self._window_lo(layer, consts.n if consts is not None else view.seqlens.long())
             return cis_batched_step(self.config, state.rows(q.shape[0]), state.index[layer], q,  # type: ignore
-                                    view.kv, wt, self._window_lo(layer, n) if self.use_psaw else None, consts,
-                                    bounds=bounds)
+                                    view.kv, wt, lo, consts, bounds=bounds)
         lists = window_lists(self.psaw_frac(layer), self.config.sink, view.seqlens, view.width_tokens)
         return lists[:, None, :].expand(-1, view.kv.k.shape[1], -1)
 
