@@ -46,6 +46,7 @@ from .row_select_kernels import CNT_W, STATE_W
 
 SINGLE_MAX = 8192  # largest row the one-program path holds in registers
 BITS = (8, 12, 12)  # the key's bits per radix level (level 1 by tl.histogram: its cost grows with the bins)
+MANY_ROWS = 128  # rows from which the one-program path runs 4 warps a row at any length
 TARGET_PROGRAMS = 1024  # chunk size aims at ~8 programs per SM on a 132-SM GPU
 
 
@@ -148,7 +149,9 @@ def select_list_triton(score: torch.Tensor, kk: torch.Tensor, k_max: int, out_wi
     pb = min(1024, next_pow2(out_width))
     if n <= single_max:
         np_ = next_pow2(n)
-        warps = num_warps or (4 if np_ <= 1024 else 8)  # 8 beat 16 at 8192 columns on the H100
+        # 8 warps beat 16 at 8192 columns on the H100; with a program or more per SM (192 rows of 7168, an
+        # H200) 4 beat 8 (27 against 31 us, record socket_kernels_gpu_h200_2026-12-04).
+        warps = num_warps or (4 if np_ <= 1024 or rows >= MANY_ROWS else 8)
         kern.single_kernel[(rows,)](score, kk, out, n, k_max, out_width, NP=np_, PB=pb, num_warps=warps)
         return out
     chunk = chunk or default_chunk(rows, n)
