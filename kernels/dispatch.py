@@ -417,7 +417,8 @@ def paged_collision_scores(probs: torch.Tensor, ids: torch.Tensor, norms: torch.
 
 
 
-def lsh_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool, reduce: str) -> torch.Tensor:
+def lsh_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool, reduce: str,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """SOCKET's bucket distributions of a decode batch: q [B, h, d], hyperplanes w [h_kv, L, P, d] -> fp32
     [B, h_kv, L, R], each KV head's g = h / h_kv query heads reduced by ``reduce`` ("mean" or "max"); ``hard``:
     one-hot on the query's own bucket. One launch (``lsh_probs``) where Triton runs and the planes fit it, else
@@ -426,14 +427,14 @@ def lsh_bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool
         from .lsh_probs import MAX_PLANES, bucket_probs
 
         if w.shape[2] <= MAX_PLANES:
-            return bucket_probs(w, q, tau, hard=hard, reduce=reduce)
+            return bucket_probs(w, q, tau, hard=hard, reduce=reduce, out_dtype=out_dtype)
     b, h, d = q.shape
     h_kv = w.shape[0]
     qg = q.view(b, h_kv, h // h_kv, d).permute(1, 0, 2, 3).reshape(h_kv, -1, d)  # [h_kv, B * g, d]
     p = hard_bucket_probs(w, qg) if hard else soft_bucket_probs(w, qg, tau)
     p = p.view(h_kv, b, h // h_kv, *p.shape[2:])
     p = p.mean(2) if reduce == "mean" else p.amax(2)
-    return p.transpose(0, 1)
+    return p.transpose(0, 1).to(out_dtype)
 
 
 def forced_tokens(sink: torch.Tensor, local: torch.Tensor, seqlens: torch.Tensor, width: int) -> torch.Tensor:

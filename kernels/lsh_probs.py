@@ -64,14 +64,16 @@ if triton is not None:
                 red = tl.sum(tl.where(live_g[:, None], prob, 0.0), 0) / g
             else:
                 red = tl.max(tl.where(live_g[:, None], prob, 0.0), 0)
-            tl.store(Out + b * stride_ob + kh * stride_oh + t * stride_ol + r, red)
+            tl.store(Out + b * stride_ob + kh * stride_oh + t * stride_ol + r, red.to(Out.dtype.element_ty))
 
 
 def bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool = False, reduce: str = "mean",
-                 tables_per_program: int = 1, num_warps: int = 1) -> torch.Tensor:
+                 tables_per_program: int = 1, num_warps: int = 1,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w ``[h_kv, L, P, d]``, q ``[B, h, d]`` -> group-reduced bucket distributions ``[B, h_kv, L, 2**P]``
     (see the module docstring). Fixed shapes, no host read: it runs inside a captured decode step.
-    ``tables_per_program`` (dividing L) and ``num_warps`` are knobs for ``benchmarks/bench_decode_scorers.py``."""
+    ``tables_per_program`` (dividing L) and ``num_warps`` are knobs for ``benchmarks/bench_decode_scorers.py``;
+    ``out_dtype`` float16 stores the distributions rounded (computed in fp32)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     h_kv, tables, planes, d = w.shape
@@ -85,7 +87,9 @@ def bucket_probs(w: torch.Tensor, q: torch.Tensor, tau: float, *, hard: bool = F
     if tables_per_program < 1 or tables % tables_per_program:
         raise ValueError(f"tables_per_program must divide the {tables} tables, got {tables_per_program}")
     g = h // h_kv
-    out = torch.empty(b, h_kv, tables, 1 << planes, dtype=torch.float32, device=q.device)
+    if out_dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"out_dtype must be float32 or float16, got {out_dtype}")
+    out = torch.empty(b, h_kv, tables, 1 << planes, dtype=out_dtype, device=q.device)
     if b and tables and h_kv:
         _bucket_probs_kernel[(tables // tables_per_program, h_kv, b)](
             q, w, out, g, 1.0 / (math.sqrt(d) * float(tau)), q.stride(0), q.stride(1), w.stride(0),

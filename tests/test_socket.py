@@ -276,6 +276,8 @@ def test_forced_share_is_validated():
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="forced_share"):
             SocketConfig(forced_share=bad)
+    with pytest.raises(ValueError, match="probs"):
+        SocketConfig(probs="bf16")
 
 
 # ---- through the model -------------------------------------------------------------------------
@@ -377,3 +379,17 @@ def test_batch_bucket_probs_equal_the_per_row_distributions(monkeypatch: pytest.
     for mode in ("torch", "triton"):
         monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
         torch.testing.assert_close(m.batch_bucket_probs(1, q, H_KV), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("planes", [4, 11])
+def test_fp16_stored_probs_are_the_fp32_distributions_rounded(monkeypatch: pytest.MonkeyPatch, planes: int) -> None:
+    """``probs="fp16"``: the batch's distributions (kernel and PyTorch form) are the fp32 ones rounded to fp16,
+    every element."""
+    seed = rand_int(0, 2**31)
+    m32, m16 = (method(planes=planes, tables=3, seed=seed, probs=p) for p in ("fp32", "fp16"))
+    q = torch.randn(3, H_KV * G, D, device="cuda" if torch.cuda.is_available() else "cpu")
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("RAYSPARSE_KERNELS", mode)
+        got = m16.batch_bucket_probs(1, q, H_KV)
+        assert got.dtype == torch.float16
+        assert torch.equal(got, m32.batch_bucket_probs(1, q, H_KV).half()), mode
