@@ -91,6 +91,7 @@ class CISRows:
         self.valid[:, row] = valid
         self.step[:, row] = step
 
+
 class CISBatchedState:
     """Row buffers and parked states of the batched CIS decode, for the layers in ``layers``."""
 
@@ -127,8 +128,8 @@ class CISBatchedState:
             if sid >= 0 and sid not in staying:
                 # Its sets hold at most set_width(its length) entries, all in that prefix.
                 self.parked[sid] = old_buf.save(j, max(set_width(self.cfg, cache.seq_len(sid)), 1))
-        # A batch change moves the rows that stay in one gather a buffer (a sequence finishing shifts every row
-        # after it), rather than parking and loading each row.
+        # The rows that stay move as slices (``take``: a sequence finishing shifts every row after it by one),
+        # rather than each being parked and loaded.
         src, dst, fresh, loads = [], [], [], []
         for i, sid in enumerate(rows):
             j = at.get(sid) if sid >= 0 else None
